@@ -1,0 +1,184 @@
+"""The learner's pure core: counters, drift, push and adopt (DESIGN §4, learner steps 1–3).
+
+No Ray and no clock here: the in-process driver and the LearnerUnit actor both call it between
+inner steps. The train step itself lives in ``inner.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import jax
+import numpy as np
+
+from islands.syncer import fragments as fragments_lib
+from islands.syncer.fragments import Fragment, FragmentPlan
+from islands.syncer.validate import Push
+
+
+def blend(local: Fragment, merged: Fragment, alpha: float) -> Fragment:
+    """``θ ← α·θ_local + (1 − α)·Θ``; α = 0 (the paper) adopts the merged fragment as is.
+
+    >>> blend({"w": np.array([2.0])}, {"w": np.array([4.0])}, 0.5)["w"]
+    array([3.])
+    """
+    if alpha == 0.0:
+        return {path: np.array(value, copy=True) for path, value in merged.items()}
+    return {path: alpha * np.asarray(local[path]) + (1.0 - alpha) * np.asarray(merged[path])
+            for path in merged}
+
+
+@dataclass
+class FragmentTrack:
+    """What a learner knows about one fragment since it last adopted it."""
+
+    base: Fragment                 # Θ[p](base_version), the anchor of the drift
+    base_version: int
+    ef_state: Any                  # error-feedback residual, committed when a push is merged
+    c_tokens: int = 0
+    c_steps: int = 0
+    in_flight_since_step: Optional[int] = None
+    pending_ef_state: Any = None
+    reply: Optional[tuple[Fragment, int]] = None
+
+
+@dataclass
+class PushPlan:
+    """A push ready to send, and the bytes it takes on the wire."""
+
+    push: Push
+    wire_bytes: int
+    relative_error: float
+
+
+class LearnerCore:
+    """One learner's parameters, inner optimizer state and per-fragment sync bookkeeping.
+
+    Args:
+      learner: id, "us-east:0".
+      params: initial parameters (a pytree), normally the syncer's global Θ.
+      opt_state: inner optimizer state.
+      plan: the fragment plan shared with the syncer.
+      versions: the global version of each fragment in ``params``.
+      error_feedback: optax-shaped ``init(tree)`` / ``update(drift, state) -> (codes, state)``.
+      wire_bytes: counts the encoded bytes of a codes tree.
+      decode: decodes a codes tree (for the relative-error metric).
+      overlap_steps: τ, a reply is adopted no earlier than τ steps after its push.
+      merge_alpha: α of the blend.
+      incarnation: restart count of this learner id.
+      start_step: the step this incarnation resumes at (its shard resumes at the same batch).
+    """
+
+    def __init__(self, learner: str, params: Any, opt_state: Any, plan: FragmentPlan,
+                 versions: list[int], error_feedback: Any, wire_bytes: Callable[[Any], int],
+                 decode: Callable[[Any], Fragment], overlap_steps: int = 2,
+                 merge_alpha: float = 0.0, incarnation: int = 0, start_step: int = 0):
+        self.learner = learner
+        self.params = params
+        self.opt_state = opt_state
+        self.plan = plan
+        self.error_feedback = error_feedback
+        self.wire_bytes = wire_bytes
+        self.decode = decode
+        self.overlap_steps = overlap_steps
+        self.merge_alpha = merge_alpha
+        self.incarnation = incarnation
+        self.step = start_step
+        self.tokens_done = 0       # this incarnation
+        self.compute_s = 0.0       # this incarnation's inner-step seconds
+        self.tracks = []
+        for p in range(plan.num_fragments):
+            base = to_numpy(fragments_lib.extract(params, plan, p))
+            self.tracks.append(FragmentTrack(base=base, base_version=versions[p],
+                                             ef_state=error_feedback.init(base)))
+
+    # -- step 1: after every inner step --------------------------------------------------------
+    def record_step(self, tokens: int, step_s: float) -> None:
+        self.step += 1
+        self.tokens_done += tokens
+        self.compute_s += step_s
+        for track in self.tracks:
+            track.c_tokens += tokens
+            track.c_steps += 1
+
+    # -- step 2: push a due fragment -------------------------------------------------------------
+    def due(self, num_fragments: int, sync_every_steps: int) -> list[int]:
+        """Fragments due after the current step, skipping those whose last push is unanswered."""
+        return [p for p in fragments_lib.due_fragments(self.step, num_fragments, sync_every_steps)
+                if self.tracks[p].in_flight_since_step is None]
+
+    def drift(self, p: int) -> Fragment:
+        """``δ = θ_m[p] − Θ[p](v_base)``."""
+        local = to_numpy(fragments_lib.extract(self.params, self.plan, p))
+        base = self.tracks[p].base
+        return {path: (local[path] - base[path]).astype(np.float32) for path in base}
+
+    def make_push(self, p: int, epoch: int) -> PushPlan:
+        track = self.tracks[p]
+        drift = self.drift(p)
+        codes, new_ef_state = self.error_feedback.update(drift, track.ef_state)
+        decoded = self.decode(codes)
+        err = relative_error(drift, decoded)
+        track.pending_ef_state = new_ef_state
+        track.in_flight_since_step = self.step
+        nbytes = self.wire_bytes(codes)
+        push = Push(learner=self.learner, fragment=p, codes=codes,
+                    base_version=track.base_version, epoch=epoch, c_tokens=track.c_tokens,
+                    c_steps=track.c_steps, incarnation=self.incarnation, step=self.step,
+                    tokens_done=self.tokens_done, compute_s=self.compute_s, wire_bytes=nbytes)
+        return PushPlan(push, nbytes, err)
+
+    def push_refused(self, p: int) -> None:
+        """The syncer refused the push: keep the counters and the old residual for the next one."""
+        track = self.tracks[p]
+        track.in_flight_since_step = None
+        track.pending_ef_state = None
+
+    # -- step 3: adopt a merged fragment ----------------------------------------------------------
+    def offer_reply(self, p: int, fragment: Fragment, version: int) -> None:
+        """The merged fragment that answers this learner's push has arrived; adopt when due."""
+        self.tracks[p].reply = (fragment, version)
+
+    def adopt_ready(self) -> list[int]:
+        """Adopts every arrived reply whose push is at least τ steps old; returns the fragments."""
+        adopted = []
+        for p, track in enumerate(self.tracks):
+            if track.reply is None or track.in_flight_since_step is None:
+                continue
+            if self.step < track.in_flight_since_step + self.overlap_steps:
+                continue
+            fragment, version = track.reply
+            self.adopt(p, fragment, version)
+            adopted.append(p)
+        return adopted
+
+    def adopt(self, p: int, fragment: Fragment, version: int) -> None:
+        track = self.tracks[p]
+        local = to_numpy(fragments_lib.extract(self.params, self.plan, p))
+        new_local = blend(local, fragment, self.merge_alpha)
+        self.params = fragments_lib.insert(self.params, self.plan, p, new_local)
+        track.base = {path: np.array(v, np.float32, copy=True) for path, v in fragment.items()}
+        track.base_version = version
+        if track.pending_ef_state is not None:
+            track.ef_state = track.pending_ef_state
+        track.pending_ef_state = None
+        track.c_tokens = 0
+        track.c_steps = 0
+        track.in_flight_since_step = None
+        track.reply = None
+
+    @property
+    def versions(self) -> list[int]:
+        return [track.base_version for track in self.tracks]
+
+
+def to_numpy(tree: Any) -> Any:
+    return jax.tree_util.tree_map(lambda x: np.asarray(x, dtype=np.float32), tree)
+
+
+def relative_error(exact: Fragment, approx: Fragment) -> float:
+    """``‖approx − exact‖ / ‖exact‖`` over a whole fragment (0 when exact is 0)."""
+    num = sum(float(np.sum(np.square(np.asarray(approx[k], np.float64) - exact[k]))) for k in exact)
+    den = sum(float(np.sum(np.square(np.asarray(exact[k], np.float64)))) for k in exact)
+    return 0.0 if den == 0.0 else float(np.sqrt(num / den))

@@ -1,0 +1,447 @@
+"""LearnerUnit: the learner actor. A training thread around ``LearnerCore`` that never blocks on
+the network: pushes leave through a sender thread (which emulates the region's WAN link), replies
+are picked up at step boundaries, heartbeats are fire-and-forget.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+
+log = logging.getLogger("islands.learner")
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """Model, data and optimizer settings shared by every learner of a job (from JobConfig)."""
+
+    model: dict                       # ModelConfig fields
+    batch_size: int = 8
+    corpus: str = "stdlib"
+    eval_fraction: float = 0.05
+    max_bytes: Optional[int] = 2_000_000
+    inner: dict = field(default_factory=dict)   # inner_optimizer kwargs
+    fragments: int = 4
+    sync_every_steps: int = 8
+    overlap_steps: int = 2
+    merge_alpha: float = 0.0
+    codec_kind: str = "int4"
+    codec_block_size: int = 64
+    error_feedback: bool = True
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class LearnerSpec:
+    """One learner incarnation: who it is, where, how fast, and whom it talks to."""
+
+    learner: str
+    shard_index: int
+    num_shards: int
+    training: TrainingSpec
+    incarnation: int = 0
+    start_step: int = 0
+    speed_factor: float = 1.0
+    min_step_time_s: float = 0.0
+    latency_ms: float = 0.0
+    bandwidth_gbps: float = 10.0
+    heartbeat_s: float = 1.0
+    namespace: str = "islands"
+    syncer_name: str = "islands:syncer"
+    controller_name: Optional[str] = "islands:controller"
+    peer: Optional[str] = None        # a healthy learner's actor name for the inner state
+    cpu_threads: int = 1
+
+
+def load_corpus(spec: TrainingSpec):
+    from . import data
+
+    if spec.corpus == "stdlib":
+        return data.load_stdlib_corpus(eval_fraction=spec.eval_fraction, max_bytes=spec.max_bytes)
+    return data.load_directory_corpus(spec.corpus, eval_fraction=spec.eval_fraction,
+                                      max_bytes=spec.max_bytes)
+
+
+def build_training(spec: TrainingSpec):
+    """(model config, initial params, inner optimizer, jitted train step) for a TrainingSpec."""
+    import jax
+
+    from . import inner, model
+
+    cfg = model.ModelConfig(**spec.model)
+    params = model.init_params(cfg, jax.random.PRNGKey(spec.seed))
+    optimizer = inner.inner_optimizer(**spec.inner)
+    return cfg, params, optimizer, inner.make_train_step(cfg, optimizer)
+
+
+def make_error_feedback(spec: TrainingSpec):
+    from islands.syncer import codec as codec_lib
+
+    codec = codec_lib.make_codec(spec.codec_kind, block_size=spec.codec_block_size)
+    ef = codec_lib.error_feedback(codec) if spec.error_feedback else codec_lib.no_error_feedback(codec)
+    return codec, ef
+
+
+class LearnerUnit:
+    """One learner. Create with ``ray.remote(LearnerUnit).options(name=..., max_concurrency=8)``."""
+
+    def __init__(self, spec: LearnerSpec):
+        self.spec = spec
+        self.state = "starting"
+        self.stop_event = threading.Event()
+        self.drain_event = threading.Event()
+        self.pause_event = threading.Event()
+        self.lock = threading.Lock()
+        self.slowdown_factor = 1.0
+        self.slowdown_until = 0.0
+        self.hang_until = 0.0
+        self.stats: dict[str, Any] = {"step": spec.start_step, "tokens_done": 0, "compute_s": 0.0,
+                                      "loss": None, "step_time_s": None, "wire_bytes_up": 0,
+                                      "wire_bytes_down": 0, "in_flight": 0, "epoch": None,
+                                      "compression_relative_error": None, "pushes": 0,
+                                      "refused": 0, "adopted": 0, "reregistered": 0,
+                                      "ready_at": None}
+        self.core = None
+        self.created_s = time.time()
+        self.timings: dict[str, float] = {}
+
+    # -- control methods (called concurrently with run) -----------------------------------------
+    def ping(self) -> dict:
+        return {"learner": self.spec.learner, "incarnation": self.spec.incarnation,
+                "state": self.state, "pid": os.getpid(), "node_id": _node_id()}
+
+    def status(self) -> dict:
+        with self.lock:
+            return {"learner": self.spec.learner, "incarnation": self.spec.incarnation,
+                    "state": self.state, **self.stats, "timings": dict(self.timings)}
+
+    def stop(self) -> None:
+        self.stop_event.set()
+
+    def drain(self) -> None:
+        """Finish the in-flight pushes, stop stepping and return from ``run``."""
+        self.drain_event.set()
+
+    def pause(self, paused: bool) -> None:
+        (self.pause_event.set if paused else self.pause_event.clear)()
+
+    def slowdown(self, factor: float, duration_s: float) -> None:
+        self.slowdown_factor, self.slowdown_until = factor, time.time() + duration_s
+
+    def hang(self, duration_s: float) -> None:
+        """Chaos: stop stepping and heartbeating, as a wedged process would."""
+        self.hang_until = time.time() + duration_s
+
+    def crash(self) -> None:
+        """Chaos: a hard process exit inside the actor (no cleanup, like a segfault)."""
+        os._exit(1)
+
+    def fragment_bases(self) -> dict:
+        """{p: (version, base fragment)}: what this learner last adopted of each fragment."""
+        with self.lock:
+            if self.core is None:
+                return {}
+            return {p: (t.base_version, dict(t.base)) for p, t in enumerate(self.core.tracks)}
+
+    def inner_state(self) -> Any:
+        """A numpy copy of the inner optimizer state, for a restarting peer (DESIGN §5)."""
+        import jax
+
+        with self.lock:
+            if self.core is None:
+                return None
+            return jax.tree_util.tree_map(np.asarray, self.core.opt_state)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def run(self) -> dict:
+        """Trains until stopped or drained; returns the final stats. Its future is the liveness probe."""
+        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        try:
+            self._run()
+        except Exception:
+            log.exception("%s failed", self.spec.learner)
+            raise
+        return self.status()
+
+    def _run(self) -> None:
+        import jax
+        import ray
+
+        from islands.syncer import codec as codec_lib
+        from islands.syncer import fragments as fragments_lib
+
+        from . import data, model
+        from .core import LearnerCore
+
+        spec, tspec = self.spec, self.spec.training
+        t_start = time.time()
+        corpus = load_corpus(tspec)
+        cfg, template, optimizer, train_step = build_training(tspec)
+        plan = fragments_lib.partition(template, tspec.fragments)
+        sampler = data.ShardSampler(corpus.train, tspec.batch_size, cfg.seq_len, spec.shard_index,
+                                    spec.num_shards, seed=tspec.seed)
+        tokens_per_batch = sampler.tokens_per_batch
+        codec, ef = make_error_feedback(tspec)
+
+        self.syncer = ray.get_actor(spec.syncer_name, namespace=spec.namespace)
+        self.controller = (ray.get_actor(spec.controller_name, namespace=spec.namespace)
+                           if spec.controller_name else None)
+        reg = ray.get(self.syncer.register.remote(spec.learner, spec.incarnation))
+        self.epoch = reg["epoch"]
+        flat = {}
+        for frag in reg["fragments"]:
+            flat.update(frag)
+        assemble = _assembler(template)
+        params = jax.tree_util.tree_map(lambda x: x, assemble(flat))
+        self.timings["restart_s"] = t_start - self.created_s
+        t_restore = time.time()
+        opt_state = None
+        if spec.peer:
+            try:
+                peer = ray.get_actor(spec.peer, namespace=spec.namespace)
+                opt_state = ray.get(peer.inner_state.remote(), timeout=10)
+            except Exception as exc:  # a peer that died meanwhile: start a fresh inner state
+                log.warning("%s: no inner state from %s (%s)", spec.learner, spec.peer, exc)
+        if opt_state is None:
+            opt_state = optimizer.init(params)
+        self.timings["restore_s"] = time.time() - t_restore + (t_restore - t_start)
+        self.timings["ready_at"] = time.time()
+        self.stats["ready_at"] = self.timings["ready_at"]
+        with self.lock:
+            self.core = LearnerCore(
+                spec.learner, params, opt_state, plan, reg["versions"], ef,
+                codec_lib.tree_wire_bytes, lambda codes: codec_lib.decode_tree(codec, codes),
+                overlap_steps=tspec.overlap_steps, merge_alpha=tspec.merge_alpha,
+                incarnation=spec.incarnation, start_step=spec.start_step)
+        core = self.core
+        sender = _Sender(self, spec)
+        sender.start()
+        self.state = "training"
+        bytes_per_s = spec.bandwidth_gbps * 1e9 / 8
+        last_beat = 0.0
+        step_time_ema = None
+        arrived: list = []  # (usable_at, p, fragment, version)
+        try:
+            while not self.stop_event.is_set():
+                now = time.time()
+                if now < self.hang_until:
+                    time.sleep(0.05)
+                    continue
+                if self.drain_event.is_set():
+                    if sender.idle() and not sender.pending:
+                        break
+                    self.state = "draining"
+                    self._collect_replies(sender, arrived, bytes_per_s, spec)
+                    time.sleep(0.02)
+                    continue
+                if self.pause_event.is_set():
+                    self.state = "paused"
+                    self._collect_replies(sender, arrived, bytes_per_s, spec)
+                    if time.time() - last_beat >= spec.heartbeat_s:
+                        self._beat(core, step_time_ema)
+                        last_beat = time.time()
+                    time.sleep(0.05)
+                    continue
+                self.state = "training"
+                t0 = time.time()
+                self._collect_replies(sender, arrived, bytes_per_s, spec)
+                ready = [a for a in arrived if a[0] <= t0]
+                for item in ready:
+                    arrived.remove(item)
+                    core.offer_reply(item[1], item[2], item[3])
+                with self.lock:
+                    adopted = core.adopt_ready()
+                    self.stats["adopted"] += len(adopted)
+                batch = sampler.batch_at(core.step)
+                new_params, new_opt, loss = train_step(core.params, core.opt_state, batch)
+                loss = float(loss)  # waits for the step
+                with self.lock:
+                    core.params, core.opt_state = new_params, new_opt
+                factor = self.slowdown_factor if time.time() < self.slowdown_until else 1.0
+                target = max(spec.min_step_time_s, 0.0) / spec.speed_factor * factor
+                if factor > 1.0 and spec.min_step_time_s == 0.0:
+                    target = (time.time() - t0) * factor
+                elapsed = time.time() - t0
+                if elapsed < target:
+                    time.sleep(target - elapsed)
+                for p in core.due(tspec.fragments, tspec.sync_every_steps):
+                    push_plan = core.make_push(p, self.epoch)
+                    delay = spec.latency_ms / 1e3 + push_plan.wire_bytes / bytes_per_s
+                    sender.send(time.time() + delay, push_plan.push)
+                    with self.lock:
+                        self.stats["pushes"] += 1
+                        self.stats["wire_bytes_up"] += push_plan.wire_bytes
+                        self.stats["compression_relative_error"] = push_plan.relative_error
+                dt = time.time() - t0
+                with self.lock:
+                    core.record_step(tokens_per_batch, dt)
+                    step_time_ema = dt if step_time_ema is None else 0.8 * step_time_ema + 0.2 * dt
+                    self.stats.update(step=core.step, tokens_done=core.tokens_done,
+                                      compute_s=core.compute_s, loss=loss,
+                                      step_time_s=step_time_ema, in_flight=len(sender.pending),
+                                      epoch=self.epoch)
+                if time.time() - last_beat >= spec.heartbeat_s:
+                    self._beat(core, step_time_ema)
+                    last_beat = time.time()
+        finally:
+            sender.close()
+            self.state = "stopped"
+            self._beat(core, step_time_ema)
+
+    def _collect_replies(self, sender, arrived, bytes_per_s, spec) -> None:
+        """Moves finished push futures into ``arrived`` (with the emulated downlink delay)."""
+        import ray
+
+        for push in sender.take_failed():
+            self.core.push_refused(push.fragment)
+            self._reregister()
+        for ref, push in sender.finished():
+            try:
+                reply = ray.get(ref)
+            except ray.exceptions.RayActorError:
+                # The syncer died: this push is lost. Register with its successor (new epoch).
+                self.core.push_refused(push.fragment)
+                self._reregister()
+                continue
+            if reply.status == "merged":
+                nbytes = sum(int(np.asarray(v).nbytes) for v in reply.params.values())
+                with self.lock:
+                    self.stats["wire_bytes_down"] += nbytes
+                arrived.append((time.time() + spec.latency_ms / 1e3 + nbytes / bytes_per_s,
+                                reply.fragment, reply.params, reply.version))
+            else:
+                with self.lock:
+                    self.stats["refused"] += reply.status == "rejected"
+                self.core.push_refused(push.fragment)
+                if reply.reason == "stale_epoch" or reply.reason == "unknown_learner":
+                    self._reregister()
+
+    def _reregister(self) -> None:
+        """Joins a restarted syncer: new epoch, new bases; local progress is kept as drift."""
+        import ray
+
+        from islands.syncer import fragments as fragments_lib
+
+        deadline = time.time() + 60
+        while not self.stop_event.is_set() and time.time() < deadline:
+            try:
+                self.syncer = ray.get_actor(self.spec.syncer_name, namespace=self.spec.namespace)
+                reg = ray.get(self.syncer.register.remote(self.spec.learner, self.spec.incarnation),
+                              timeout=10)
+                break
+            except Exception:
+                time.sleep(0.5)
+        else:
+            return
+        if reg["epoch"] == self.epoch:
+            return
+        self.epoch = reg["epoch"]
+        with self.lock:
+            for p, (frag, version) in enumerate(zip(reg["fragments"], reg["versions"])):
+                track = self.core.tracks[p]
+                track.base = {k: np.asarray(v, np.float32) for k, v in frag.items()}
+                track.base_version = version
+                track.in_flight_since_step = None
+                track.reply = None
+                track.pending_ef_state = None
+            self.stats["reregistered"] += 1
+
+    def _beat(self, core, step_time_ema) -> None:
+        if self.controller is None or core is None:
+            return
+        with self.lock:
+            beat = {"learner": self.spec.learner, "incarnation": self.spec.incarnation,
+                    "t": time.time(), "state": self.state, **self.stats}
+        try:
+            self.controller.heartbeat.remote(beat)
+        except Exception:  # the controller is gone: the job is ending
+            pass
+
+
+class _Sender:
+    """Delays each push by its emulated WAN time, then sends it; keeps the unanswered futures."""
+
+    def __init__(self, unit: LearnerUnit, spec: LearnerSpec):
+        self.unit = unit
+        self.queue: "queue.PriorityQueue" = queue.PriorityQueue()
+        self.pending: list = []   # (ref, push)
+        self.failed: list = []    # pushes that could not be sent
+        self.lock = threading.Lock()
+        self.closed = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True, name="islands-sender")
+        self.seq = 0
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def send(self, at_s: float, push) -> None:
+        self.seq += 1
+        self.queue.put((at_s, self.seq, push))
+
+    def idle(self) -> bool:
+        return self.queue.empty()
+
+    def take_failed(self) -> list:
+        with self.lock:
+            failed, self.failed = self.failed, []
+            return failed
+
+    def finished(self) -> list:
+        import ray
+
+        with self.lock:
+            if not self.pending:
+                return []
+            refs = [ref for ref, _ in self.pending]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            ready_set = set(ready)
+            done = [(ref, push) for ref, push in self.pending if ref in ready_set]
+            self.pending = [(ref, push) for ref, push in self.pending if ref not in ready_set]
+            return done
+
+    def _loop(self) -> None:
+        while not self.closed.is_set():
+            try:
+                at_s, _, push = self.queue.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            wait = at_s - time.time()
+            if wait > 0 and self.closed.wait(wait):
+                return
+            try:
+                ref = self.unit.syncer.push.remote(push)
+            except Exception:  # the syncer handle is dead; the training loop re-registers
+                with self.lock:
+                    self.failed.append(push)
+                continue
+            with self.lock:
+                self.pending.append((ref, push))
+
+    def close(self) -> None:
+        self.closed.set()
+
+
+def _assembler(template):
+    import jax
+
+    from islands.syncer.fragments import path_to_str
+
+    leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(template)
+    paths = [path_to_str(path) for path, _ in leaves_with_paths]
+    return lambda flat: jax.tree_util.tree_unflatten(treedef, [flat[p] for p in paths])
+
+
+def _node_id() -> Optional[str]:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:
+        return None

@@ -1,0 +1,227 @@
+"""The Syncer actor: a thin asyncio shell around ``SyncerCore``.
+
+``push`` is awaited by nobody on the learner side: the learner keeps the returned future and checks
+it at step boundaries. The future resolves when the round holding the push merges (with the new
+global fragment), when the push is refused, or when its learner is forgotten.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+from .core import SyncerCore, SyncerSettings
+from .validate import Push
+
+log = logging.getLogger("islands.syncer")
+
+SYNCER_NAME = "islands:syncer"
+
+
+@dataclass(frozen=True)
+class Reply:
+    """The answer to a push. ``status`` is "merged", "rejected" or "dropped"."""
+
+    status: str
+    fragment: int
+    epoch: int
+    params: Optional[dict] = None
+    version: int = -1
+    reason: str = ""
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class SyncerSpec:
+    """Everything needed to build (or rebuild) the syncer; picklable, so restarts reuse it."""
+
+    fragments: list
+    settings: SyncerSettings
+    outer_kind: str
+    outer_kwargs: dict
+    codec_kind: str
+    codec_block_size: int
+    embedding_prefix: str = "embed/"
+    checkpoint_dir: Optional[str] = None
+    snapshot_every_merges: int = 10
+
+
+class Syncer:
+    """Owns Θ and the outer optimizer state. Create with ``ray.remote(Syncer).options(...)``."""
+
+    def __init__(self, spec: SyncerSpec, epoch: int = 0):
+        from . import codec as codec_lib
+        from . import outer as outer_lib
+
+        self.spec = spec
+        codec = codec_lib.make_codec(spec.codec_kind, block_size=spec.codec_block_size)
+        prefix = spec.embedding_prefix
+        self.core = SyncerCore(spec.fragments, spec.settings,
+                               outer_lib.build(spec.outer_kind, **spec.outer_kwargs),
+                               lambda codes: codec_lib.decode_tree(codec, codes),
+                               is_embedding=lambda path: path.startswith(prefix), epoch=epoch)
+        self.store = None
+        self.restored_from: Optional[int] = None
+        if spec.checkpoint_dir:
+            from .state import SnapshotStore
+
+            self.store = SnapshotStore(spec.checkpoint_dir)
+            self.restored_from = self.store.restore_latest(self.core, min_epoch=epoch)
+        self.started_s = time.time()
+        self.waiters: dict[int, dict[str, asyncio.Future]] = collections.defaultdict(dict)
+        self.slowest_step_s = 1.0
+        self.sync_s = 0.0        # EMA of merge + outer step time (ξ_sync)
+        self.last_grace_s = 0.0
+        self.merges_by_fragment = collections.Counter()
+        self.last_quorum = {}
+        self.staleness_counts = collections.Counter()
+        self.wire_bytes_up = collections.Counter()    # by learner
+        self.wire_bytes_down = collections.Counter()
+        self.merge_events: collections.deque = collections.deque(maxlen=10_000)
+        self.paused = False
+        self._wake: Optional[asyncio.Event] = None
+        self._loop_task = None
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    async def ready(self) -> dict:
+        self._ensure_loop()
+        return {"epoch": self.core.epoch, "versions": list(self.core.versions),
+                "restored_from": self.restored_from}
+
+    def _ensure_loop(self) -> None:
+        if self._loop_task is None:
+            self._wake = asyncio.Event()
+            self._loop_task = asyncio.get_event_loop().create_task(self._merge_loop())
+
+    async def _merge_loop(self) -> None:
+        while True:
+            now = time.monotonic()
+            deadline = None
+            live = frozenset(self.core.learners)
+            for p, slot in enumerate(self.core.slots):
+                if not slot.round or self.paused:
+                    continue
+                quorum_s = (slot.quorum_reached_at_s or now) - (slot.round_opened_at_s or now)
+                grace = self.core.grace_s(self.slowest_step_s, quorum_s, self.sync_s)
+                decision = self.core.decide(p, now, live, grace)
+                if decision.merge:
+                    self.last_grace_s = grace
+                    self._merge(p, decision.reason.value)
+                elif decision.wait_until_s is not None:
+                    deadline = min(deadline or decision.wait_until_s, decision.wait_until_s)
+            timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                await asyncio.wait_for(self._wake.wait(), timeout)
+            except asyncio.TimeoutError:
+                pass
+            self._wake.clear()
+
+    def _merge(self, p: int, reason: str) -> None:
+        t0 = time.monotonic()
+        result = self.core.merge(p, reason)
+        self.sync_s = 0.8 * self.sync_s + 0.2 * (time.monotonic() - t0)
+        self.merges_by_fragment[p] += 1
+        self.last_quorum[p] = len(result.learners)
+        for s in result.staleness:
+            self.staleness_counts[s] += 1
+        self.merge_events.append({"t": time.time(), "fragment": p, "version": result.version,
+                                  "learners": list(result.learners), "reason": reason})
+        nbytes = sum(int(v.nbytes) for v in result.params.values())
+        waiters = self.waiters[p]
+        for name in result.learners:
+            future = waiters.pop(name, None)
+            if future is not None and not future.done():
+                self.wire_bytes_down[name] += nbytes
+                future.set_result(Reply("merged", p, self.core.epoch, result.params,
+                                        result.version))
+        if self.store and sum(self.core.versions) % self.spec.snapshot_every_merges == 0:
+            self.store.save(self.core)
+
+    # -- the data path --------------------------------------------------------------------------
+    async def register(self, learner: str, incarnation: int) -> dict:
+        self._ensure_loop()
+        epoch, frags = self.core.register(learner, incarnation)
+        self._wake.set()  # the live set changed
+        return {"epoch": epoch, "fragments": [f for f, _ in frags],
+                "versions": [v for _, v in frags]}
+
+    async def push(self, push: Push) -> Reply:
+        self._ensure_loop()
+        verdict = self.core.accept_push(push, time.monotonic())
+        self.wire_bytes_up[push.learner] += push.wire_bytes
+        if not verdict.ok:
+            log.info("refused %s fragment %d: %s (%s)", push.learner, push.fragment,
+                     verdict.reason.value, verdict.detail)
+            return Reply("rejected", push.fragment, self.core.epoch, reason=verdict.reason.value,
+                         detail=verdict.detail)
+        future = asyncio.get_event_loop().create_future()
+        self.waiters[push.fragment][push.learner] = future
+        self._wake.set()
+        return await future
+
+    # -- control --------------------------------------------------------------------------------
+    async def forget(self, learner: str) -> int:
+        """Unregisters a learner; its unmerged pushes are dropped. Returns how many."""
+        dropped = self.core.forget(learner)
+        for waiters in self.waiters.values():
+            future = waiters.pop(learner, None)
+            if future is not None and not future.done():
+                future.set_result(Reply("dropped", -1, self.core.epoch))
+        if self._wake:
+            self._wake.set()
+        return len(dropped)
+
+    async def set_fleet(self, slowest_step_s: float, paused: bool = False) -> None:
+        self.slowest_step_s = max(1e-3, float(slowest_step_s))
+        self.paused = paused
+        if self._wake:
+            self._wake.set()
+
+    async def global_params(self) -> tuple[dict, list[int]]:
+        return self.core.params_flat(), list(self.core.versions)
+
+    async def status(self) -> dict:
+        ledger = {name: {"incarnation": e.incarnation, "applied_tokens": e.applied_tokens,
+                         "applied_tokens_incarnation": e.applied_tokens_done,
+                         "applied_compute_s": e.applied_compute_total_s,
+                         "applied_compute_incarnation_s": e.applied_compute_s,
+                         "applied_step": e.applied_step}
+                  for name, e in self.core.ledger.items()}
+        return {
+            "epoch": self.core.epoch,
+            "versions": list(self.core.versions),
+            "merges": int(sum(self.core.versions)),  # survives restarts: versions are snapshotted
+            "merges_by_fragment": {p: v for p, v in enumerate(self.core.versions)},
+            "quorum_size": dict(self.last_quorum),
+            "grace_window_s": self.last_grace_s,
+            "staleness_counts": dict(self.staleness_counts),
+            "rejected": {r.value: n for r, n in self.core.rejected.items()},
+            "registered": dict(self.core.learners),
+            "ledger": ledger,
+            "wire_bytes_up": dict(self.wire_bytes_up),
+            "wire_bytes_down": dict(self.wire_bytes_down),
+            "restored_from": self.restored_from,
+        }
+
+    async def fragment_at(self, p: int, version: int) -> Optional[dict]:
+        """Fragment p at ``version`` if it is still in the history, else None."""
+        return self.core.slots[p].history.get(version)
+
+    async def recent_merges(self, since_s: float) -> list[dict]:
+        return [m for m in self.merge_events if m["t"] > since_s]
+
+    async def snapshot_now(self) -> Optional[int]:
+        return self.store.save(self.core) if self.store else None
+
+    async def ping(self) -> str:
+        return "ok"
+
+    async def wait_closed(self) -> None:
+        """Never returns while the syncer lives: the controller's liveness probe."""
+        await asyncio.Event().wait()

@@ -1,0 +1,65 @@
+"""Quorum and the adaptive grace window: when may the syncer merge a fragment (DESIGN §4.2)."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import AbstractSet, Optional
+
+
+class MergeReason(str, enum.Enum):
+    ALL_LIVE_IN = "all_live_in"        # every live learner has pushed: no reason to wait
+    GRACE_EXPIRED = "grace_expired"    # quorum reached and the grace window is over
+    BELOW_QUORUM = "below_quorum"      # fewer than K distinct learners have pushed
+    IN_GRACE = "in_grace"              # quorum reached, waiting for stragglers until the deadline
+
+
+@dataclass(frozen=True)
+class Decision:
+    """``merge`` now, or wait (until ``wait_until_s``, or for more pushes when it is None)."""
+
+    merge: bool
+    reason: MergeReason
+    wait_until_s: Optional[float] = None
+
+
+def grace_window(tau_steps: float, step_s: float, quorum_s: float, sync_s: float,
+                 gamma: float, cap_s: float) -> float:
+    """Grace = clamp(γ·slack, 0, cap) with slack = τ·ξ_step − (ξ_quorum + ξ_sync), paper Eq. 3.
+
+    Args:
+      tau_steps: τ, the overlap in inner steps a reply may take without anyone waiting.
+      step_s: ξ_step, recent step time of the slowest live learner (seconds).
+      quorum_s: ξ_quorum, how long the quorum took to assemble (seconds).
+      sync_s: ξ_sync, transfer + merge + outer step time (seconds).
+      gamma: γ in [0, 1), the share of the slack given to stragglers.
+      cap_s: upper bound (seconds).
+
+    >>> grace_window(2, 1.0, 0.2, 0.3, 0.5, 5.0)  # slack 1.5 s -> 0.75 s
+    0.75
+    """
+    slack = tau_steps * step_s - (quorum_s + sync_s)
+    return min(max(gamma * slack, 0.0), cap_s)
+
+
+def merge_decision(arrived: AbstractSet[str], live: AbstractSet[str], now_s: float,
+                   quorum_reached_at_s: Optional[float], min_learners: int,
+                   grace_s: float) -> Decision:
+    """Decides whether a fragment's open round may merge.
+
+    Args:
+      arrived: distinct learners whose push for this round is in.
+      live: learners currently alive (a learner that left is not waited for).
+      now_s: the current time (seconds, any clock).
+      quorum_reached_at_s: when the K-th distinct push arrived (None if not yet).
+      min_learners: K.
+      grace_s: the grace window to wait after the quorum.
+    """
+    if len(arrived) < min_learners or quorum_reached_at_s is None:
+        return Decision(False, MergeReason.BELOW_QUORUM)
+    if live <= arrived:
+        return Decision(True, MergeReason.ALL_LIVE_IN)
+    deadline = quorum_reached_at_s + grace_s
+    if now_s >= deadline:
+        return Decision(True, MergeReason.GRACE_EXPIRED)
+    return Decision(False, MergeReason.IN_GRACE, wait_until_s=deadline)

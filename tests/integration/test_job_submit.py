@@ -1,0 +1,67 @@
+"""`ray job submit` of a short demo job against a real local head node (`ray start --head`)."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.ray
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+JOB_YAML = """
+name: submitted
+model: {d_model: 32, n_layers: 1, n_heads: 2, d_ff: 64, seq_len: 32}
+data: {max_bytes: 200000, batch_size: 4, eval_batches: 2}
+learner: {min_step_time_s: 0.05, eval_every_s: 5.0}
+syncer: {fragments: 2, sync_every_steps: 4, overlap_steps: 1}
+regions:
+  us-east: {learners: 1}
+  eu-west: {learners: 1}
+metrics: {enabled: false}
+"""
+
+
+def ray_cli(*args, env, timeout=120, check=True):
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    exe = ray_bin if os.path.exists(ray_bin) else shutil.which("ray")
+    return subprocess.run([exe, *args], env=env, capture_output=True, text=True, timeout=timeout,
+                          check=check)
+
+
+@pytest.fixture(scope="module")
+def head(tmp_path_factory):
+    home = tmp_path_factory.mktemp("home")
+    env = {**os.environ, "HOME": str(home), "RAY_AUTH_TOKEN_PATH": str(home / "ray_token")}
+    env.pop("RAY_ADDRESS", None)
+    ray_cli("start", "--head", "--num-cpus", "3", "--node-ip-address", "127.0.0.1",
+            "--dashboard-host", "127.0.0.1", "--dashboard-port", "8299",
+            "--resources", json.dumps({"region:us-east": 1, "region:eu-west": 1}),
+            "--disable-usage-stats", env=env, timeout=180)
+    yield env
+    ray_cli("stop", "--force", env=env, check=False)
+
+
+def test_ray_job_submit_runs_the_job(head, tmp_path):
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    (job_dir / "job.yaml").write_text(JOB_YAML)
+    run_dir = tmp_path / "run"
+    t0 = time.time()
+    result = ray_cli("job", "submit", "--address", "http://127.0.0.1:8299",
+                     "--working-dir", str(job_dir), "--",
+                     sys.executable, "-m", "islands.orchestrator.cli", "run", "job.yaml",
+                     "--duration", "25", "--run-dir", str(run_dir),
+                     env=head, timeout=400, check=False)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "succeeded" in (result.stdout + result.stderr).lower()
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["merges"] > 0
+    assert summary["tokens_applied"] > 0
+    assert set(summary["regions"]) == {"us-east", "eu-west"}
+    assert time.time() - t0 < 400

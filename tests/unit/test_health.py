@@ -1,0 +1,64 @@
+"""Restart policy (budgets 0, 1, 10; backoff schedule) and failure detection, with hand-worked values."""
+
+import pytest
+
+from islands.orchestrator.controller import recovery_phases
+from islands.orchestrator.health import Cause, RestartDecision, RestartPolicy, detect
+
+
+def run_failures(policy, causes):
+    restarts = {}
+    verdicts = []
+    for cause in causes:
+        verdict = policy.decide("us-east:2", cause, restarts)
+        verdicts.append(verdict)
+        if verdict.decision == RestartDecision.RESTART:
+            restarts[cause] = restarts.get(cause, 0) + 1
+    return verdicts
+
+
+@pytest.mark.parametrize("budget,restarted", [(0, 0), (1, 1), (10, 10)])
+def test_crash_budget(budget, restarted):
+    policy = RestartPolicy(max_crash_restarts=budget)
+    verdicts = run_failures(policy, [Cause.CRASH] * 12)
+    decisions = [v.decision for v in verdicts]
+    assert decisions[:restarted] == [RestartDecision.RESTART] * restarted
+    assert decisions[restarted] == RestartDecision.RETIRE
+    assert f"budget of {budget} spent" in verdicts[restarted].message
+
+
+def test_backoff_first_and_last_step():
+    # delay = min(0.5·2ⁿ, 30) with n = restarts so far: 0.5, 1, 2, 4, 8, 16, 30, 30
+    policy = RestartPolicy(max_crash_restarts=None)
+    delays = [v.delay_s for v in run_failures(policy, [Cause.CRASH] * 8)]
+    assert delays == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0]
+
+
+def test_preemption_has_its_own_budget():
+    policy = RestartPolicy(max_crash_restarts=1, max_preemption_restarts=2)
+    verdicts = run_failures(policy, [Cause.PREEMPTION, Cause.CRASH, Cause.PREEMPTION,
+                                     Cause.PREEMPTION, Cause.HANG])
+    assert [v.decision.value for v in verdicts] == ["restart", "restart", "restart", "retire",
+                                                    "retire"]
+    assert verdicts[1].message == "restart 1 of 1 (crash) us-east:2 in 1.00s"
+    assert verdicts[2].message == "restart 2 of 2 (preemption) us-east:2 in 2.00s"
+
+
+def test_detect_hang_straggler_and_startup():
+    peers = [1.0, 1.1, 0.9]
+    assert detect(100.0, 95.0, 0.0, 1.0, peers, 10.0, 4.0) is None
+    assert detect(100.0, 89.0, 0.0, 1.0, peers, 10.0, 4.0) == Cause.HANG
+    assert detect(100.0, 99.0, 0.0, 4.5, peers, 10.0, 4.0) == Cause.STRAGGLER  # 4.5 > 4 × 1.0
+    assert detect(100.0, 99.0, 0.0, 3.9, peers, 10.0, 4.0) is None
+    assert detect(100.0, 99.0, 0.0, 50.0, [1.0], 10.0, 4.0) is None  # no median of one
+    # Before the first heartbeat a learner is starting (JAX import, compile): startup timeout.
+    assert detect(100.0, None, 50.0, None, peers, 10.0, 4.0, startup_timeout_s=60) is None
+    assert detect(100.0, None, 30.0, None, peers, 10.0, 4.0, startup_timeout_s=60) == Cause.HANG
+
+
+def test_recovery_phases():
+    rec = {"cause": "crash", "failed_s": 10.0, "detected_s": 10.5, "restarted_s": 11.0,
+           "restore_done_s": 14.0, "first_contribution_s": 15.5}
+    assert recovery_phases(rec) == {"cause": "crash", "detect_s": 0.5, "restart_s": 0.5,
+                                    "restore_s": 3.0, "first_contribution_s": 1.5,
+                                    "total_s": 5.5}
