@@ -129,11 +129,18 @@ class LearnerCore:
                     tokens_done=self.tokens_done, compute_s=self.compute_s, wire_bytes=nbytes)
         return PushPlan(push, nbytes, err)
 
-    def push_refused(self, p: int) -> None:
-        """The syncer refused the push: keep the counters and the old residual for the next one."""
+    def push_refused(self, p: int, fragment: Optional[Fragment] = None,
+                     version: Optional[int] = None) -> None:
+        """The syncer refused the push. With the current global fragment at hand, start over from
+        it (the refused drift is dropped: pushing it again would be refused again and only grow);
+        otherwise keep the counters and try again at the next due step. The residual of earlier,
+        applied pushes is kept either way."""
         track = self.tracks[p]
         track.in_flight_since_step = None
         track.pending_ef_state = None
+        track.reply = None
+        if fragment is not None and version is not None:
+            self.adopt(p, fragment, version)
 
     # -- step 3: adopt a merged fragment ----------------------------------------------------------
     def offer_reply(self, p: int, fragment: Fragment, version: int) -> None:

@@ -316,12 +316,16 @@ class LearnerUnit:
                     self.stats["wire_bytes_down"] += nbytes
                 arrived.append((time.time() + spec.latency_ms / 1e3 + nbytes / bytes_per_s,
                                 reply.fragment, reply.params, reply.version))
-            else:
+            elif reply.reason in ("stale_epoch", "unknown_learner") or reply.status == "dropped":
                 with self.lock:
                     self.stats["refused"] += reply.status == "rejected"
-                self.core.push_refused(push.fragment)
-                if reply.reason == "stale_epoch" or reply.reason == "unknown_learner":
+                    self.core.push_refused(push.fragment)
+                if reply.status == "rejected":
                     self._reregister()
+            else:
+                with self.lock:
+                    self.stats["refused"] += 1
+                    self.core.push_refused(push.fragment, reply.params, reply.version)
 
     def _reregister(self) -> None:
         """Joins a restarted syncer: new epoch, new bases; local progress is kept as drift."""

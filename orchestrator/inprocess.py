@@ -158,7 +158,9 @@ def run_inprocess(
             verdict = syncer.accept_push(push, now)
             if not verdict.ok:
                 record.rejected[verdict.reason] = record.rejected.get(verdict.reason, 0) + 1
-                learners[index_of[push.learner]].push_refused(push.fragment)
+                current, version = syncer.fragment(push.fragment) if (
+                    0 <= push.fragment < len(syncer.slots)) else (None, None)
+                learners[index_of[push.learner]].push_refused(push.fragment, current, version)
                 continue
             schedule(now, _CHECK, "check", push.fragment)
         elif kind == "check":
@@ -170,7 +172,7 @@ def run_inprocess(
             grace = syncer.grace_s(slowest_step_s, quorum_s, 2 * fleet.latency_s)
             decision = syncer.decide(p, now, live, grace)
             if decision.merge:
-                result = syncer.merge(p, decision.reason.value)
+                result = syncer.merge(p, decision.reason.value, live_count=len(live))
                 record.merges.append(result)
                 nbytes = sum(int(np.asarray(v).nbytes) for v in result.params.values())
                 for name in result.learners:

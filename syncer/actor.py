@@ -124,7 +124,7 @@ class Syncer:
 
     def _merge(self, p: int, reason: str) -> None:
         t0 = time.monotonic()
-        result = self.core.merge(p, reason)
+        result = self.core.merge(p, reason, live_count=len(self.core.learners))
         self.sync_s = 0.8 * self.sync_s + 0.2 * (time.monotonic() - t0)
         self.merges_by_fragment[p] += 1
         self.last_quorum[p] = len(result.learners)
@@ -158,8 +158,11 @@ class Syncer:
         if not verdict.ok:
             log.info("refused %s fragment %d: %s (%s)", push.learner, push.fragment,
                      verdict.reason.value, verdict.detail)
-            return Reply("rejected", push.fragment, self.core.epoch, reason=verdict.reason.value,
-                         detail=verdict.detail)
+            params, version = (self.core.fragment(push.fragment)
+                               if 0 <= push.fragment < len(self.core.slots) else (None, -1))
+            # The current fragment rides along so the learner can start over from it.
+            return Reply("rejected", push.fragment, self.core.epoch, params=params, version=version,
+                         reason=verdict.reason.value, detail=verdict.detail)
         future = asyncio.get_event_loop().create_future()
         self.waiters[push.fragment][push.learner] = future
         self._wake.set()

@@ -34,6 +34,8 @@ class SyncerSettings:
     staleness_discount: float = 0.0
     merge_rule: merge_lib.MergeRule = merge_lib.MergeRule.RDA
     norm_window: int = 32
+    # A merge of n of the M live learners applies n/M of the outer step (see merge()).
+    participation_scale: bool = True
 
 
 @dataclass
@@ -156,12 +158,15 @@ class SyncerCore:
         drift = self.decode(push.codes)
         problem = check_drift(drift, slot.params, list(slot.recent_norms),
                               self.settings.outlier_norm_factor)
+        if problem is not None and problem.reason != RejectReason.OUTLIER_NORM:
+            self.rejected[problem.reason] += 1
+            return problem
+        slot.recent_norms.append(drift_norm(drift))  # well-formed: part of what "normal" is
         if problem is not None:
             self.rejected[problem.reason] += 1
             return problem
         base = slot.history[push.base_version]
         theta = {path: base[path] + np.asarray(drift[path], np.float32) for path in base}
-        slot.recent_norms.append(drift_norm(drift))
         if not slot.round:
             slot.round_opened_at_s = now_s
         slot.round[push.learner] = Contribution(push, theta, verdict.staleness, now_s)
@@ -209,8 +214,14 @@ class SyncerCore:
         return merge_decision(frozenset(slot.round), live, now_s, slot.quorum_reached_at_s,
                               self.settings.min_learners, grace_s)
 
-    def merge(self, fragment: int, reason: str = "") -> MergeResult:
-        """Merges the open round of a fragment against the current Θ[p] and steps the outer optimizer."""
+    def merge(self, fragment: int, reason: str = "", live_count: Optional[int] = None) -> MergeResult:
+        """Merges the open round of a fragment against the current Θ[p] and steps the outer optimizer.
+
+        Args:
+          fragment: p.
+          reason: why now (a MergeReason value), for the record.
+          live_count: live learners M, for the participation scale (None: no scaling).
+        """
         slot = self.slots[fragment]
         if not slot.round:
             raise ValueError(f"fragment {fragment} has no pushes to merge")
@@ -224,6 +235,13 @@ class SyncerCore:
                        for c in contributions]
         merged = merge_lib.merge_outer_gradients(outer_grads, weights, self.settings.merge_rule,
                                                  self.is_embedding)
+        if self.settings.participation_scale and live_count:
+            # With K < M a round of M learners arrives as several merges; each full outer step
+            # (Nesterov, lr 0.7) would then count M times per round and its momentum diverges in
+            # a mixed fleet (measured: eval loss 3.0 -> 1e5). Scaling by the share n/M keeps one
+            # round's total step the size of a synchronous one; with K = M it is exactly 1.
+            share = np.float32(min(1.0, len(contributions) / live_count))
+            merged = {path: share * g for path, g in merged.items()}
         slot.params, slot.outer_state = outer_lib.outer_step(self.outer, merged, slot.outer_state,
                                                              slot.params)
         slot.version += 1

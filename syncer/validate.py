@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 import numpy as np
@@ -84,7 +84,10 @@ def check_drift(drift: Mapping[str, np.ndarray], reference: Mapping[str, np.ndar
                 min_history: int = 3) -> Optional[Rejected]:
     """Checks a decoded drift against the fragment it belongs to; None when it is fine.
 
-    The outlier test needs ``min_history`` accepted norms first: the first pushes define normal.
+    The outlier test compares with the median of the recent pushes' norms (``min_history`` of them
+    at least). The caller records every well-formed push's norm there, refused or not, so the
+    median follows a legitimate rise (warmup, a growing learning rate) instead of locking out
+    everyone whose drift outgrew the first few pushes.
     """
     if set(drift) != set(reference):
         missing = sorted(set(reference) - set(drift))

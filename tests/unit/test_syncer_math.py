@@ -200,3 +200,14 @@ def test_merge_against_current_not_base():
     drift = {"w": np.array([5.0], np.float32)}      # b trained from Θ(0) = 0 to 5
     assert core.accept_push(Push("b", 0, drift, 0, 0, 10, 1), 0.0).staleness == 1
     np.testing.assert_allclose(core.merge(0).params["w"], [5.0])
+
+
+def test_participation_scale():
+    # 1 of 4 live learners merges alone with g = Θ − θ = 4: it applies a quarter of the step,
+    # Θ = 0 − 1.0·(¼·4) = −1; with all 4 in (K = M) the share is 1 and nothing changes.
+    core = one_fragment_syncer([0.0], optax.sgd(1.0))
+    push_theta(core, "a", [-4.0])
+    np.testing.assert_allclose(core.merge(0, live_count=4).params["w"], [-1.0])
+    for name in ("a", "b", "c"):
+        push_theta(core, name, [-3.0])
+    np.testing.assert_allclose(core.merge(0, live_count=3).params["w"], [-3.0])
