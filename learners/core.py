@@ -118,6 +118,7 @@ class LearnerCore:
         track = self.tracks[p]
         drift = self.drift(p)
         codes, new_ef_state = self.error_feedback.update(drift, track.ef_state)
+        codes = jax.device_get(codes)  # host arrays on the wire, wherever the encode ran
         decoded = self.decode(codes)
         err = relative_error(drift, decoded)
         track.pending_ef_state = new_ef_state

@@ -57,7 +57,7 @@ class LearnerSpec:
     syncer_name: str = "islands:syncer"
     controller_name: Optional[str] = "islands:controller"
     peer: Optional[str] = None        # a healthy learner's actor name for the inner state
-    cpu_threads: int = 1
+    corpus_ref: Any = None            # the train bytes in Ray's object store (read once, shared)
 
 
 def load_corpus(spec: TrainingSpec):
@@ -69,16 +69,32 @@ def load_corpus(spec: TrainingSpec):
                                       max_bytes=spec.max_bytes)
 
 
-def build_training(spec: TrainingSpec):
-    """(model config, initial params, inner optimizer, jitted train step) for a TrainingSpec."""
+def build_training(spec: TrainingSpec, abstract: bool = False):
+    """(model config, initial params, inner optimizer, jitted train step) for a TrainingSpec.
+
+    With ``abstract`` the params are shapes only (``jax.eval_shape``): a learner takes its values
+    from the syncer, and computing an init it throws away costs seconds of eager dispatch.
+    """
     import jax
 
     from . import inner, model
 
     cfg = model.ModelConfig(**spec.model)
-    params = model.init_params(cfg, jax.random.PRNGKey(spec.seed))
+    init = lambda: model.init_params(cfg, jax.random.PRNGKey(spec.seed))  # noqa: E731
+    params = jax.eval_shape(init) if abstract else jax.jit(init)()
     optimizer = inner.inner_optimizer(**spec.inner)
     return cfg, params, optimizer, inner.make_train_step(cfg, optimizer)
+
+
+def warm_compile_cache(spec: TrainingSpec, params) -> None:
+    """Compiles the train step once so learners load it from JAX's persistent cache."""
+    import numpy as np
+
+    _, _, optimizer, train_step = build_training(spec, abstract=True)
+    seq_len = spec.model.get("seq_len", 64)
+    batch = np.zeros((spec.batch_size, seq_len + 1), np.int32)
+    _, _, loss = train_step(params, optimizer.init(params), batch)
+    float(loss)
 
 
 def make_error_feedback(spec: TrainingSpec):
@@ -110,6 +126,7 @@ class LearnerUnit:
                                       "ready_at": None}
         self.core = None
         self.created_s = time.time()
+        self.node_id = _node_id()
         self.timings: dict[str, float] = {}
 
     # -- control methods (called concurrently with run) -----------------------------------------
@@ -182,10 +199,14 @@ class LearnerUnit:
 
         spec, tspec = self.spec, self.spec.training
         t_start = time.time()
-        corpus = load_corpus(tspec)
-        cfg, template, optimizer, train_step = build_training(tspec)
+        # Zero-copy from the object store when the controller shared the corpus.
+        train_bytes = (ray.get(spec.corpus_ref) if spec.corpus_ref is not None
+                       else load_corpus(tspec).train)
+        self.timings["corpus_s"] = time.time() - t_start
+        cfg, template, optimizer, train_step = build_training(tspec, abstract=True)
+        self.timings["model_s"] = time.time() - t_start
         plan = fragments_lib.partition(template, tspec.fragments)
-        sampler = data.ShardSampler(corpus.train, tspec.batch_size, cfg.seq_len, spec.shard_index,
+        sampler = data.ShardSampler(train_bytes, tspec.batch_size, cfg.seq_len, spec.shard_index,
                                     spec.num_shards, seed=tspec.seed)
         tokens_per_batch = sampler.tokens_per_batch
         codec, ef = make_error_feedback(tspec)
@@ -280,9 +301,15 @@ class LearnerUnit:
                         self.stats["wire_bytes_up"] += push_plan.wire_bytes
                         self.stats["compression_relative_error"] = push_plan.relative_error
                 dt = time.time() - t0
+                first_step = "first_step_s" not in self.timings
+                if first_step:
+                    self.timings["first_step_s"] = dt
+                    self.stats["timings"] = dict(self.timings)
                 with self.lock:
                     core.record_step(tokens_per_batch, dt)
-                    step_time_ema = dt if step_time_ema is None else 0.8 * step_time_ema + 0.2 * dt
+                    if not first_step:  # the first step loads or compiles the program: not a pace
+                        step_time_ema = (dt if step_time_ema is None
+                                         else 0.8 * step_time_ema + 0.2 * dt)
                     self.stats.update(step=core.step, tokens_done=core.tokens_done,
                                       compute_s=core.compute_s, loss=loss,
                                       step_time_s=step_time_ema, in_flight=len(sender.pending),
@@ -362,7 +389,7 @@ class LearnerUnit:
             return
         with self.lock:
             beat = {"learner": self.spec.learner, "incarnation": self.spec.incarnation,
-                    "t": time.time(), "state": self.state, **self.stats}
+                    "t": time.time(), "state": self.state, "node_id": self.node_id, **self.stats}
         try:
             self.controller.heartbeat.remote(beat)
         except Exception:  # the controller is gone: the job is ending

@@ -26,6 +26,14 @@ SYNCER_NAME = "islands:syncer"
 EVENT_LOG_LIMIT = 100_000
 
 
+def controller_options(run_dir: str) -> dict:
+    """Ray options for the controller. It shares the learners' XLA flags and compilation cache, so
+    the train step it compiles before launching them is a cache hit in every learner."""
+    return dict(name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=0.1, max_concurrency=16,
+                max_restarts=0,
+                runtime_env={"env_vars": _single_thread_env(os.path.join(run_dir, "jax_cache"))})
+
+
 def learner_actor_name(learner_id: str) -> str:
     """"us-east:0" -> "islands:us-east:0" (DESIGN §2)."""
     return f"islands:{learner_id}"
@@ -57,6 +65,39 @@ class Slot:
     applied_tokens_closed: int = 0
     drain_requested: bool = False
     killed_at_s: Optional[float] = None  # when chaos killed it: the failure time, to the ms
+    node_id: Optional[str] = None         # where the current incarnation runs (preemption test)
+    death_detail: str = ""
+    start_step: int = 0                   # the step the current incarnation resumed at
+    # Counters of finished incarnations, so the exported totals never go backwards.
+    steps_closed: int = 0
+    wire_up_closed: int = 0
+    wire_down_closed: int = 0
+    counters_closed: bool = False         # the current incarnation's counters are folded in
+
+    def beat_value(self, key: str, default=0):
+        return (self.last_beat or {}).get(key, default) or default
+
+    def steps_total(self) -> int:
+        """Inner steps over every incarnation (a restart resumes at ``start_step``)."""
+        if self.counters_closed:
+            return self.steps_closed
+        return self.steps_closed + max(0, int(self.beat_value("step", self.start_step))
+                                       - self.start_step)
+
+    def wire_bytes(self, direction: str) -> int:
+        closed = self.wire_up_closed if direction == "up" else self.wire_down_closed
+        if self.counters_closed:
+            return closed
+        return closed + int(self.beat_value(f"wire_bytes_{direction}"))
+
+    def close_counters(self) -> None:
+        """Folds the ended incarnation's counters into the closed totals (once)."""
+        if self.counters_closed:
+            return
+        self.steps_closed = self.steps_total()
+        self.wire_up_closed = self.wire_bytes("up")
+        self.wire_down_closed = self.wire_bytes("down")
+        self.counters_closed = True
 
     def allocated_s(self, now_s: float) -> float:
         open_s = now_s - self.allocated_since_s if self.allocated_since_s is not None else 0.0
@@ -94,6 +135,13 @@ class Controller:
         self.next_index = dict(self.targets)
         self.next_shard = 0
         self.threads: list[threading.Thread] = []
+        # Syncer counters of earlier epochs (a restarted syncer counts from zero again).
+        self.rejected_closed: collections.Counter = collections.Counter()
+        self.staleness_closed: collections.Counter = collections.Counter()
+        # (t, useful_s, allocated_s) samples for the sliding goodput window.
+        self.goodput_history: collections.deque = collections.deque(maxlen=100_000)
+        self.metrics_server = None
+        self.ray_metrics = None
 
     # -- events ---------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
@@ -113,12 +161,19 @@ class Controller:
         """Creates the syncer and the configured learners, then starts the monitor threads."""
         import ray
 
-        from islands.learners.unit import build_training
+        from islands.learners.unit import build_training, warm_compile_cache
 
         from . import build
 
+        from islands.learners.unit import load_corpus
+
         self.training = build.training_spec(self.config)
         _, self.template, _, _ = build_training(self.training)
+        self.corpus = load_corpus(self.training)
+        self.corpus_ref = ray.put(self.corpus.train)  # every learner maps the same bytes
+        self.jax_cache_dir = os.path.join(self.run_dir, "jax_cache")
+        _enable_compile_cache(self.jax_cache_dir)
+        warm_compile_cache(self.training, self.template)  # restarts load it instead of compiling
         self.syncer_spec = build.syncer_spec(self.config, self.template, self.run_dir)
         self._start_syncer(epoch=0)
         for region, n in self.targets.items():
@@ -140,8 +195,10 @@ class Controller:
         from islands.syncer.actor import Syncer
 
         options = dict(name=SYNCER_NAME, namespace=NAMESPACE, num_cpus=self.config_cpus("syncer"),
-                       max_restarts=0, max_concurrency=1000)
-        self.syncer = ray.remote(Syncer).options(**options).remote(self.syncer_spec, epoch)
+                       max_restarts=0, max_concurrency=1000,
+                       runtime_env={"env_vars": _single_thread_env(self.jax_cache_dir)})
+        self.syncer = ray.remote(Syncer).options(**options).remote(self.syncer_spec, epoch,
+                                                                   restore=epoch > 0)
         ready = ray.get(self.syncer.ready.remote(), timeout=self.config.health.placement_timeout_s)
         self.syncer_ref = self.syncer.wait_closed.remote()
         self.emit("syncer_started", epoch=ready["epoch"], versions=ready["versions"],
@@ -176,13 +233,15 @@ class Controller:
             start_step=start_step, speed_factor=slot.speed_factor,
             min_step_time_s=self.config.learner.min_step_time_s, latency_ms=region.latency_ms,
             bandwidth_gbps=region.bandwidth_gbps, heartbeat_s=self.config.health.heartbeat_s,
-            peer=learner_actor_name(peer) if peer else None)
+            peer=learner_actor_name(peer) if peer else None, corpus_ref=self.corpus_ref)
         options = dict(name=learner_actor_name(slot.learner), namespace=NAMESPACE,
                        num_cpus=self.config_cpus("learner"), max_restarts=0, max_concurrency=8,
                        resources={f"region:{slot.region}": 1},
-                       runtime_env={"env_vars": _single_thread_env()})
+                       runtime_env={"env_vars": _single_thread_env(self.jax_cache_dir)})
         slot.handle = ray.remote(LearnerUnit).options(**options).remote(spec)
         slot.run_ref = slot.handle.run.remote()
+        slot.start_step = start_step
+        slot.counters_closed = False
         slot.started_s = time.time()
         if slot.allocated_since_s is None:
             slot.allocated_since_s = slot.started_s
@@ -196,6 +255,7 @@ class Controller:
             if slot is None or beat["incarnation"] != slot.incarnation:
                 return  # a beat from an incarnation we already buried
             slot.last_beat, slot.last_beat_s = beat, time.time()
+            slot.node_id = beat.get("node_id") or slot.node_id
             if slot.state == "starting" and beat["state"] == "training":
                 slot.state = "training"
                 if slot.recovery is not None and beat.get("ready_at"):
@@ -218,10 +278,20 @@ class Controller:
                 self._apply_quorum_floor()
                 if time.time() - last_fleet > 1.0:
                     self._refresh_syncer_status()
+                    gp = self.goodput()
+                    self.goodput_history.append((time.time(), gp["useful_s"], gp["allocated_s"]))
+                    if self.ray_metrics is not None:
+                        self.ray_metrics.update(self.snapshot())
                     last_fleet = time.time()
                 self._fire_chaos()
-            except Exception:
+            except Exception as exc:  # keep monitoring; say what broke, once per distinct error
                 log.exception("monitor iteration failed")
+                if repr(exc) != getattr(self, "_last_monitor_error", None):
+                    self._last_monitor_error = repr(exc)
+                    import traceback
+
+                    self.emit("monitor_error", error=repr(exc)[:300],
+                              where=traceback.format_exc(limit=3)[-600:])
             refs = [s.run_ref for s in self.slots.values() if s.run_ref is not None]
             if self.syncer_ref is not None:
                 refs.append(self.syncer_ref)
@@ -247,7 +317,8 @@ class Controller:
                 ended_cleanly = True
             except ray.exceptions.RayActorError as exc:
                 ended_cleanly = False
-                cause = self._death_cause(exc)
+                cause = self._death_cause(slot, exc)
+                slot.death_detail = str(exc)[:300]
             except Exception as exc:  # the training loop raised: a crash of the learner
                 ended_cleanly = False
                 cause = Cause.CRASH
@@ -260,11 +331,15 @@ class Controller:
             else:
                 self._on_failure(slot, cause, time.time())
 
-    def _death_cause(self, exc: Exception) -> Cause:
-        text = str(exc).lower()
-        if "node" in text and ("died" in text or "dead" in text or "removed" in text):
-            return Cause.PREEMPTION
-        return Cause.CRASH
+    def _death_cause(self, slot: Slot, exc: Exception) -> Cause:
+        """PREEMPTION when the node the learner ran on is gone, CRASH otherwise."""
+        import ray
+
+        node_id = getattr(slot, "node_id", None)
+        if node_id is None:
+            return Cause.CRASH
+        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+        return Cause.CRASH if node_id in alive else Cause.PREEMPTION
 
     def _check_health(self) -> None:
         import ray
@@ -272,13 +347,16 @@ class Controller:
         now = time.time()
         with self.lock:
             training = [s for s in self.slots.values() if s.state in ("training", "starting")]
-            by_region = collections.defaultdict(list)
-            for s in training:
-                if s.last_beat and s.last_beat.get("step_time_s"):
-                    by_region[s.region].append(s.last_beat["step_time_s"])
+            step_times = {s.learner: s.last_beat["step_time_s"] for s in training
+                          if s.last_beat and s.last_beat.get("step_time_s")}
         for slot in training:
-            step_s = slot.last_beat.get("step_time_s") if slot.last_beat else None
-            peers = list(by_region[slot.region])
+            step_s = step_times.get(slot.learner)
+            # Its region's other learners; the whole fleet's when the region has fewer than two
+            # others (a region of two cannot say which of its pair is the slow one).
+            peers = [t for name, t in step_times.items()
+                     if name != slot.learner and self.slots[name].region == slot.region]
+            if len(peers) < 2:
+                peers = [t for name, t in step_times.items() if name != slot.learner]
             cause = detect(now, slot.last_beat_s, slot.started_s, step_s, peers,
                            self.config.health.timeout_s, self.config.health.straggler_factor)
             if cause is None:
@@ -300,6 +378,10 @@ class Controller:
 
         died_s = slot.killed_at_s or slot.last_beat_s or slot.started_s
         slot.killed_at_s = None
+        try:  # make sure Ray buries it too, so its name is free for the next incarnation
+            ray.kill(slot.handle, no_restart=True)
+        except Exception:
+            pass
         dropped_pushes = 0
         try:
             dropped_pushes = ray.get(self.syncer.forget.remote(slot.learner), timeout=10)
@@ -307,7 +389,9 @@ class Controller:
             pass
         self._settle_tokens(slot)
         self.emit("learner_failed", learner=slot.learner, cause=cause.value,
-                  incarnation=slot.incarnation, dropped_pushes=dropped_pushes)
+                  incarnation=slot.incarnation, dropped_pushes=dropped_pushes,
+                  detail=getattr(slot, "death_detail", ""))
+        slot.death_detail = ""
         verdict = self.policy.decide(slot.learner, cause, slot.restarts)
         slot.cause = cause
         if verdict.decision == RestartDecision.RETIRE:
@@ -331,6 +415,7 @@ class Controller:
         if entry and entry["incarnation"] == slot.incarnation:
             applied = self._fresh_applied(slot)
         applied = min(applied, processed) if processed else applied
+        slot.close_counters()
         slot.processed_tokens_closed += max(processed, applied)
         slot.applied_tokens_closed += applied
         slot.dropped_tokens += max(processed - applied, 0)
@@ -362,7 +447,10 @@ class Controller:
                 self._launch(slot, peer=peer, start_step=start_step)
             except ValueError as exc:  # the dead actor's name is not released yet: next tick
                 slot.incarnation -= 1
-                log.info("restart of %s postponed: %s", slot.learner, exc)
+                if slot.recovery is not None and not slot.recovery.get("postponed"):
+                    slot.recovery["postponed"] = True
+                    self.emit("learner_restart_postponed", learner=slot.learner,
+                              reason=str(exc)[:300])
                 continue
             slot.restart_at_s = None
             if slot.recovery is not None:
@@ -413,6 +501,10 @@ class Controller:
         if not ready or self.stop_event.is_set():
             return
         old_epoch = self.syncer_status.get("epoch", 0)
+        # Its counters die with it: keep what it last reported so the totals never go backwards.
+        self.rejected_closed.update(self.syncer_status.get("rejected") or {})
+        self.staleness_closed.update(self.syncer_status.get("staleness_counts") or {})
+        self.syncer_status = {**self.syncer_status, "rejected": {}, "staleness_counts": {}}
         self.emit("syncer_failed", epoch=old_epoch)
         self.syncer_restarts += 1
         self._start_syncer(epoch=old_epoch + 1)
@@ -436,6 +528,10 @@ class Controller:
     def _apply_quorum_floor(self) -> None:
         k = self.config.quorum.min_learners
         live = [s for s in self.slots.values() if s.state in ("training", "paused")]
+        if len(live) >= k:
+            self.quorum_seen = True
+        if not getattr(self, "quorum_seen", False):
+            return  # still starting up: nothing to pause yet
         if len(live) < k and self.paused_reason is None:
             self.paused_reason = (f"{len(live)} live learner(s) below quorum {k}: training "
                                   "paused until learners return")
@@ -525,6 +621,15 @@ class Controller:
 
     def _drain(self, slot: Slot) -> None:
         slot.drain_requested = True
+        if slot.run_ref is None:
+            # Waiting for a restart (no live incarnation): nothing is in flight, so it leaves now
+            # rather than sit in "draining" with no run to finish.
+            slot.restart_at_s = None
+            slot.recovery = None
+            self._close_allocation(slot)
+            slot.state = "retired"
+            self.emit("learner_retired", learner=slot.learner, reason="drained while restarting")
+            return
         slot.state = "draining"
         self.emit("learner_draining", learner=slot.learner)
         if slot.handle is not None:
@@ -589,11 +694,10 @@ class Controller:
         import ray
 
         from islands.learners import data, inner, model
-        from islands.learners.unit import _assembler, load_corpus
+        from islands.learners.unit import _assembler
 
         cfg = model.ModelConfig(**self.training.model)
-        corpus = load_corpus(self.training)
-        batches = data.eval_batches(corpus.eval, self.training.batch_size, cfg.seq_len,
+        batches = data.eval_batches(self.corpus.eval, self.training.batch_size, cfg.seq_len,
                                     self.config.data.eval_batches)
         evaluate = inner.make_eval_fn(cfg)
         assemble = _assembler(self.template)
@@ -615,11 +719,10 @@ class Controller:
         import ray
 
         from islands.learners import data, inner, model
-        from islands.learners.unit import _assembler, load_corpus
+        from islands.learners.unit import _assembler
 
         cfg = model.ModelConfig(**self.training.model)
-        corpus = load_corpus(self.training)
-        batches = data.eval_batches(corpus.eval, self.training.batch_size, cfg.seq_len,
+        batches = data.eval_batches(self.corpus.eval, self.training.batch_size, cfg.seq_len,
                                     self.config.data.eval_batches)
         flat, _ = ray.get(self.syncer.global_params.remote(), timeout=30)
         loss = float(inner.make_eval_fn(cfg)(_assembler(self.template)(flat), batches))
@@ -648,13 +751,20 @@ class Controller:
                 "in_flight": processed - applied - dropped}
 
     def goodput(self) -> dict:
-        """Σ applied inner-step seconds ÷ Σ allocated learner seconds (DESIGN §6)."""
+        """Σ applied inner-step seconds ÷ Σ allocated learner seconds (DESIGN §6), over the run
+        and over the sliding window of ``metrics.goodput_window_s``."""
+        from .metrics import window_label, windowed_ratio
+
         now = time.time()
         ledger = self.syncer_status.get("ledger", {})
         useful = sum(float(e["applied_compute_s"]) for e in ledger.values())
         allocated = sum(s.allocated_s(now) for s in self.slots.values())
+        window_s = self.config.metrics.goodput_window_s
+        history = list(self.goodput_history) + [(now, useful, allocated)]
         return {"useful_s": useful, "allocated_s": allocated,
-                "goodput": min(1.0, useful / allocated) if allocated > 0 else 0.0}
+                "goodput": min(1.0, useful / allocated) if allocated > 0 else 0.0,
+                "window": {"label": window_label(window_s), "seconds": window_s,
+                           "ratio": windowed_ratio(history, now, window_s)}}
 
     def snapshot(self) -> dict:
         """One row of metrics.jsonl and the source of every exported metric."""
@@ -672,8 +782,20 @@ class Controller:
                                     "wire_bytes_up": (s.last_beat or {}).get("wire_bytes_up", 0),
                                     "wire_bytes_down": (s.last_beat or {}).get("wire_bytes_down", 0),
                                     "compression_relative_error": (s.last_beat or {}).get(
-                                        "compression_relative_error")}
+                                        "compression_relative_error"),
+                                    "timings": (s.last_beat or {}).get("timings"),
+                                    "steps_total": s.steps_total(),
+                                    "wire_bytes_up_total": s.wire_bytes("up"),
+                                    "wire_bytes_down_total": s.wire_bytes("down")}
                         for s in self.slots.values()}
+            wire_bytes = {region: {"up": 0, "down": 0} for region in self.config.regions}
+            for s in self.slots.values():
+                wire_bytes[s.region]["up"] += s.wire_bytes("up")
+                wire_bytes[s.region]["down"] += s.wire_bytes("down")
+            rejected_total = collections.Counter(self.rejected_closed)
+            rejected_total.update(self.syncer_status.get("rejected") or {})
+            staleness_total = collections.Counter(self.staleness_closed)
+            staleness_total.update(self.syncer_status.get("staleness_counts") or {})
             losses = [l["loss"] for l in learners.values()
                       if l["loss"] is not None and l["state"] == "training"]
             restarts = collections.Counter()
@@ -694,19 +816,16 @@ class Controller:
                     "wire_bytes_down")},
                 "syncer_restarts": self.syncer_restarts,
                 "learner_restarts": dict(restarts), "recoveries": list(self.recoveries),
-                "paused_reason": self.paused_reason,
+                "paused_reason": self.paused_reason, "wire_bytes": wire_bytes,
+                "rejected_total": dict(rejected_total), "staleness_counts": dict(staleness_total),
             }
 
     def summary(self) -> dict:
         snap = self.snapshot()
-        regions = {}
-        for name in self.config.regions:
-            up = sum(l["wire_bytes_up"] or 0 for l in snap["learners"].values()
-                     if l["region"] == name)
-            down = sum(l["wire_bytes_down"] or 0 for l in snap["learners"].values()
-                       if l["region"] == name)
-            regions[name] = {"learners": self.targets[name], "wire_bytes_up": up,
-                             "wire_bytes_down": down}
+        regions = {name: {"learners": self.targets[name],
+                          "wire_bytes_up": snap["wire_bytes"][name]["up"],
+                          "wire_bytes_down": snap["wire_bytes"][name]["down"]}
+                   for name in self.config.regions}
         return {
             "goodput": snap["goodput"]["goodput"],
             "tokens_applied": snap["tokens"]["applied"],
@@ -725,7 +844,8 @@ class Controller:
             "learners": snap["learners"],
             "regions": regions,
             "recoveries": snap["recoveries"],
-            "rejected_pushes": snap["syncer"]["rejected"],
+            "rejected_pushes": snap["rejected_total"],
+            "goodput_window": snap["goodput"]["window"],
             "chaos_fired": list(self.chaos_fired),
         }
 
@@ -767,10 +887,27 @@ class Controller:
         for s in live:
             self._close_allocation(s)
         self.emit("job_stopped", goodput=summary["goodput"])
+        if self.metrics_server is not None:
+            self.metrics_server.shutdown()
+            self.metrics_server = None
         return summary
 
     def ping(self) -> str:
         return "ok"
+
+    # -- metrics ----------------------------------------------------------------------------------
+    def serve_metrics(self, port: int) -> int:
+        """Serves Prometheus ``/metrics`` from this actor (DESIGN §7) and mirrors the same values
+        into ``ray.util.metrics`` for the Ray dashboard. Returns the bound port (0 picks one)."""
+        from . import metrics
+
+        if self.metrics_server is None:
+            self.metrics_server, self.metrics_port = metrics.serve(self.snapshot, port)
+            try:
+                self.ray_metrics = metrics.RayMetricsMirror()
+            except Exception as exc:  # the Ray mirror is a convenience; Prometheus is the contract
+                log.warning("ray.util.metrics mirror not started: %s", exc)
+        return self.metrics_port
 
 
 def recovery_phases(rec: dict) -> dict:
@@ -791,8 +928,21 @@ def _leaves(tree):
     return jax.tree_util.tree_leaves(tree)
 
 
-def _single_thread_env() -> dict:
-    """Small CPU thread pools: several learners share a few cores (DESIGN §10)."""
+def _single_thread_env(jax_cache_dir: str) -> dict:
+    """Small CPU thread pools (several learners share a few cores, DESIGN §10) and the shared
+    persistent compilation cache (a restarted learner loads its step instead of compiling it)."""
     return {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
             "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "OMP_NUM_THREADS": "1",
-            "JAX_PLATFORMS": os.environ.get("ISLANDS_JAX_PLATFORMS", "cpu")}
+            "JAX_PLATFORMS": os.environ.get("ISLANDS_JAX_PLATFORMS", "cpu"),
+            "JAX_COMPILATION_CACHE_DIR": jax_cache_dir,
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+
+
+def _enable_compile_cache(path: str) -> None:
+    import jax
+
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)

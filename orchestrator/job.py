@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Optional
 
-from .controller import CONTROLLER_NAME, NAMESPACE, Controller
+from .controller import CONTROLLER_NAME, NAMESPACE, Controller, controller_options
 
 log = logging.getLogger("islands.job")
 
@@ -120,8 +120,7 @@ def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] =
     try:
         check_capacity(config)
         controller = ray.remote(Controller).options(
-            name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=0.1, max_concurrency=16,
-            max_restarts=0).remote(config, os.path.abspath(run_dir))
+            **controller_options(os.path.abspath(run_dir))).remote(config, os.path.abspath(run_dir))
         ray.get(controller.start.remote())
         metrics_port = _serve_metrics(controller, config)
         if not quiet:

@@ -55,7 +55,9 @@ class SyncerSpec:
 class Syncer:
     """Owns Θ and the outer optimizer state. Create with ``ray.remote(Syncer).options(...)``."""
 
-    def __init__(self, spec: SyncerSpec, epoch: int = 0):
+    def __init__(self, spec: SyncerSpec, epoch: int = 0, restore: bool = False):
+        """``restore``: start from the newest snapshot in ``spec.checkpoint_dir`` (a restart within
+        a job). A new job starts fresh even if the directory holds an older job's snapshots."""
         from . import codec as codec_lib
         from . import outer as outer_lib
 
@@ -71,8 +73,9 @@ class Syncer:
         if spec.checkpoint_dir:
             from .state import SnapshotStore
 
-            self.store = SnapshotStore(spec.checkpoint_dir)
-            self.restored_from = self.store.restore_latest(self.core, min_epoch=epoch)
+            self.store = SnapshotStore(spec.checkpoint_dir, fresh=not restore)
+            if restore:
+                self.restored_from = self.store.restore_latest(self.core, min_epoch=epoch)
         self.started_s = time.time()
         self.waiters: dict[int, dict[str, asyncio.Future]] = collections.defaultdict(dict)
         self.slowest_step_s = 1.0

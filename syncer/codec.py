@@ -1,155 +1,320 @@
-"""Codecs for the drift a learner sends: none (fp32), bf16, int8 and int4 (blockwise absmax),
-with optional error feedback as an optax-shaped ``init`` / ``update`` pair.
+"""Drift codecs (none/fp32, bf16, int8/int4 blockwise absmax) and error feedback, optax-shaped.
 
-Wire bytes are honest: int4 packs two values per byte, and every block's float32 scale is counted.
+The math is jax.numpy, so ``Codec.encode``/``decode``, ``encode_tree``/``decode_tree`` and the
+error-feedback ``init``/``update`` can run inside a jitted train step on the accelerator
+(DESIGN §10); ``to_numpy`` brings the codes to the host for sending, and decoding accepts numpy
+codes as well.
+
+Wire bytes are honest (``wire_bytes``): int4 packs two values per byte, and every block's float32
+scale is counted; Python and pickling overhead is not.
+
+Quantization (int8: L = 127, int4: L = 7), per block b of ``block_size`` consecutive elements of the
+flattened tensor (the tail block padded with zeros):
+``A_b = max|x_b|``, ``q = round_half_even(x / A_b · L) ∈ [−L, L]``, ``decode = q · A_b / L``.
+``scales`` stores ``A_b`` itself (the step is ``A_b / L``), so the largest element of every block,
+and hence a constant tensor, decodes exactly; a block of zeros has ``A_b = 0`` and decodes to zeros.
+
+>>> code, rel = make_codec("int4", block_size=4).encode(np.array([0.7, -1.4, 0.1, 0.0], np.float32))
+>>> to_numpy(code).payload, wire_bytes(code), round(float(rel), 3)
+(array([ 28, 136], dtype=uint8), 6, 0.09)
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Mapping, NamedTuple
+import dataclasses
+import functools
+import math
+from typing import Any, Callable, NamedTuple
 
-import ml_dtypes
+import jax
+import jax.numpy as jnp
 import numpy as np
 
-KINDS = ("none", "bf16", "int8", "int4")
-_LEVELS = {"int8": 127, "int4": 7}  # symmetric: q ∈ [−L, L]
+KINDS: tuple[str, ...] = ("none", "bf16", "int8", "int4")
+LEVELS: dict[str, int] = {"int8": 127, "int4": 7}  # symmetric: q ∈ [−L, L]
+DEFAULT_BLOCK_SIZE = 64
+_INT4_ZERO = 8  # int4 nibbles are offset binary: q + 8 ∈ [1, 15], 8 means 0
 
 
-@dataclass(frozen=True)
+def _unknown_kind(kind: Any) -> ValueError:
+    return ValueError(f"unknown codec {kind!r}; choose one of {', '.join(KINDS)}")
+
+
+@dataclasses.dataclass(frozen=True)
 class Code:
-    """One encoded tensor: ``payload`` (and ``scales`` for int kinds) plus what decoding needs."""
+    """One encoded tensor: the arrays that cross the wire plus what decoding needs.
+
+    A pytree: ``payload`` and ``scales`` are its leaves (jax arrays when encoded, numpy after
+    ``to_numpy``), the rest is static, so a jitted function can return codes.
+
+    Attributes:
+      kind: one of ``KINDS``.
+      payload: float32 (none), bfloat16 (bf16), int8 (int8, one per element) or uint8 (int4, two per
+        byte, the first element in the low nibble); exactly the tensor's elements, no padding.
+      scales: float32 absmax of each block for int8/int4 (quantization step = scales / L); empty
+        for none and bf16.
+      shape: the original tensor's shape.
+      dtype: the original tensor's dtype name; decoding gives it back.
+      block_size: elements per block (int kinds).
+    """
 
     kind: str
-    payload: np.ndarray
-    scales: np.ndarray
+    payload: Any
+    scales: Any
     shape: tuple[int, ...]
-
-    @property
-    def wire_bytes(self) -> int:
-        return int(self.payload.nbytes + self.scales.nbytes)
+    dtype: str
+    block_size: int
 
 
-_NO_SCALES = np.zeros(0, np.float32)
+jax.tree_util.register_dataclass(Code, data_fields=["payload", "scales"],
+                                 meta_fields=["kind", "shape", "dtype", "block_size"])
 
 
-@dataclass(frozen=True)
+def _is_code(node: Any) -> bool:
+    return isinstance(node, Code)
+
+
+def wire_bytes(code: Code) -> int:
+    """Bytes that cross the wire for one tensor: payload bytes + scale bytes."""
+    return int(code.payload.nbytes) + int(code.scales.nbytes)
+
+
+def tree_wire_bytes(codes: Any) -> int:
+    """``wire_bytes`` summed over a tree of codes (a fragment)."""
+    return sum(wire_bytes(code) for code in jax.tree_util.tree_leaves(codes, is_leaf=_is_code))
+
+
+def to_numpy(tree: Any) -> Any:
+    """Copies a tree of codes (or arrays) to the host as numpy arrays, ready to send."""
+    return jax.device_get(tree)
+
+
+# -- the pure core (jax.numpy; jittable) -----------------------------------------------------------
+def _blocks(flat: jax.Array, block_size: int) -> jax.Array:
+    """``flat`` zero-padded to whole blocks, shape (n_blocks, block_size)."""
+    n_blocks = -(-flat.size // block_size)
+    return jnp.pad(flat, (0, n_blocks * block_size - flat.size)).reshape(n_blocks, block_size)
+
+
+def _dequantize(q: jax.Array, absmax: jax.Array, levels: int) -> jax.Array:
+    """Blocks of codes q (n_blocks, block_size) back to values; encode and decode share it."""
+    absmax = absmax.astype(jnp.float32)[:, None]
+    # ±L gives back A itself, exactly: a constant block decodes to its constant (q·(A/L) may not).
+    return jnp.where(jnp.abs(q) == levels, jnp.sign(q) * absmax, q * (absmax / levels))
+
+
+def _quantize(x: jax.Array, kind: str, block_size: int) -> tuple[Code, jax.Array]:
+    """``(code, decoded)``: decoded (float32, x's shape) is ``decode(code)`` before the cast to x's
+    dtype, computed from the codes before packing."""
+    shape, dtype = tuple(x.shape), jnp.dtype(x.dtype).name
+    flat = x.astype(jnp.float32).reshape(-1)
+    no_scales = jnp.zeros((0,), jnp.float32)
+    if kind == "none":
+        same = flat.reshape(shape)
+        return Code(kind, same, no_scales, shape, dtype, block_size), same
+    if kind == "bf16":  # round to nearest even
+        payload = flat.astype(jnp.bfloat16).reshape(shape)
+        return Code(kind, payload, no_scales, shape, dtype, block_size), payload.astype(jnp.float32)
+    levels = LEVELS[kind]
+    blocks = _blocks(flat, block_size)
+    absmax = jnp.max(jnp.abs(blocks), axis=1)
+    safe = jnp.where(absmax > 0, absmax, 1.0)[:, None]  # an all-zero block: 0/1 → q = 0
+    # x/A is exactly ±1 at the absmax, so |q| ≤ L; the clip only tames non-finite input (whose
+    # non-finite scale still makes the decoded drift non-finite, for the syncer to refuse).
+    q_blocks = jnp.clip(jnp.round(blocks / safe * levels), -levels, levels)  # round half to even
+    decoded = _dequantize(q_blocks, absmax, levels).reshape(-1)[:flat.size].reshape(shape)
+    q = q_blocks.reshape(-1)[:flat.size]
+    if kind == "int8":
+        return Code(kind, q.astype(jnp.int8), absmax, shape, dtype, block_size), decoded
+    nibbles = (q + _INT4_ZERO).astype(jnp.uint8)
+    nibbles = jnp.pad(nibbles, (0, flat.size % 2), constant_values=_INT4_ZERO)
+    packed = nibbles[0::2] | (nibbles[1::2] << 4)
+    return Code(kind, packed, absmax, shape, dtype, block_size), decoded
+
+
+def _expected_payload(code: Code) -> tuple[tuple[int, ...], str]:
+    size = math.prod(code.shape)
+    if code.kind == "none":
+        return code.shape, "float32"
+    if code.kind == "bf16":
+        return code.shape, "bfloat16"
+    if code.kind == "int8":
+        return (size,), "int8"
+    if code.kind == "int4":
+        return ((size + 1) // 2,), "uint8"
+    raise _unknown_kind(code.kind)
+
+
+def _decode(code: Code) -> jax.Array:
+    want_shape, want_dtype = _expected_payload(code)
+    payload, scales = jnp.asarray(code.payload), jnp.asarray(code.scales)
+    if tuple(payload.shape) != want_shape or jnp.dtype(payload.dtype).name != want_dtype:
+        got = f"{jnp.dtype(payload.dtype).name}{list(payload.shape)}"
+        raise ValueError(f"{code.kind} payload is {got}, shape {list(code.shape)} needs "
+                         f"{want_dtype}{list(want_shape)}")
+    if code.kind in ("none", "bf16"):
+        return payload.astype(code.dtype)
+    size = math.prod(code.shape)
+    n_blocks = -(-size // code.block_size)
+    if tuple(scales.shape) != (n_blocks,):
+        raise ValueError(f"{code.kind} has {scales.size} scales, shape {list(code.shape)} with "
+                         f"block_size {code.block_size} needs {n_blocks}")
+    levels = LEVELS[code.kind]
+    if code.kind == "int8":
+        q = payload.astype(jnp.float32)
+    else:
+        nibbles = jnp.stack([payload & 0x0F, payload >> 4], axis=-1).reshape(-1)[:size]
+        q = nibbles.astype(jnp.float32) - _INT4_ZERO
+    values = _dequantize(_blocks(q, code.block_size), scales, levels)
+    return values.reshape(-1)[:size].reshape(code.shape).astype(code.dtype)
+
+
+@jax.jit
+def decode(code: Code) -> jax.Array:
+    """Decodes one code (numpy or jax arrays) by its own kind and block size.
+
+    Returns:
+      the tensor, with the code's shape and dtype (a jax array).
+
+    Raises:
+      ValueError: unknown kind, or payload/scales that do not fit the shape and block size.
+    """
+    return _decode(code)
+
+
+def _relative_error(x: jax.Array, decoded: jax.Array) -> jax.Array:
+    """``‖decoded − x‖ / ‖x‖`` as a float32 scalar, 0 when ‖x‖ = 0."""
+    x = x.astype(jnp.float32)
+    err_sq = jnp.sum(jnp.square(decoded.astype(jnp.float32) - x))
+    norm_sq = jnp.sum(jnp.square(x))
+    return jnp.where(norm_sq > 0, jnp.sqrt(err_sq / jnp.where(norm_sq > 0, norm_sq, 1.0)), 0.0)
+
+
+# Jitted per (shape, dtype, kind, block size): one compile, then one fused call per tensor; inside
+# a caller's jit (the train step) they simply inline.
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _encode(x: jax.Array, kind: str, block_size: int) -> tuple[Code, jax.Array]:
+    code, decoded = _quantize(x, kind, block_size)
+    return code, _relative_error(x, decoded.astype(x.dtype))  # as decode() gives it back
+
+
+@functools.partial(jax.jit, static_argnums=(2, 3))
+def _encode_with_feedback(delta: jax.Array, residual: jax.Array, kind: str,
+                          block_size: int) -> tuple[Code, jax.Array]:
+    target = delta.astype(jnp.float32) + residual
+    code, decoded = _quantize(target, kind, block_size)
+    return code, target - decoded
+
+
+@dataclasses.dataclass(frozen=True)
 class Codec:
-    """``encode(x) -> Code`` and ``decode(code) -> float32 array`` for one kind."""
+    """One compression setting; hashable, so it can be a static argument of a jitted function.
+
+    Attributes:
+      kind: one of ``KINDS``: ``none`` (fp32), ``bf16``, ``int8``, ``int4``.
+      block_size: elements per float32 scale for int8/int4 (ignored by none and bf16).
+    """
 
     kind: str = "int4"
-    block_size: int = 64
+    block_size: int = DEFAULT_BLOCK_SIZE
 
-    def encode(self, x: Any) -> Code:
-        x = np.asarray(x, dtype=np.float32)
-        if self.kind == "none":
-            return Code("none", x.copy(), _NO_SCALES, x.shape)
-        if self.kind == "bf16":
-            return Code("bf16", x.astype(ml_dtypes.bfloat16), _NO_SCALES, x.shape)
-        levels = _LEVELS[self.kind]
-        flat = x.reshape(-1)
-        n_blocks = max(1, -(-flat.size // self.block_size))
-        padded = np.zeros(n_blocks * self.block_size, np.float32)
-        padded[:flat.size] = flat
-        blocks = padded.reshape(n_blocks, self.block_size)
-        scales = (np.max(np.abs(blocks), axis=1) / levels).astype(np.float32)
-        safe = np.where(scales > 0, scales, 1.0)[:, None]
-        # Round half to even (numpy's rule); |q| ≤ L because |x| ≤ absmax = L·scale.
-        q = np.clip(np.round(blocks / safe), -levels, levels).astype(np.int8)
-        if self.kind == "int8":
-            return Code("int8", q.reshape(-1), scales, x.shape)
-        nibbles = (q.reshape(-1) + 8).astype(np.uint8)  # [−7, 7] → [1, 15]
-        if nibbles.size % 2:
-            nibbles = np.append(nibbles, np.uint8(8))
-        packed = (nibbles[0::2] | (nibbles[1::2] << 4)).astype(np.uint8)
-        return Code("int4", packed, scales, x.shape)
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise _unknown_kind(self.kind)
+        if not isinstance(self.block_size, int) or self.block_size <= 0:
+            raise ValueError(f"block_size must be > 0, got {self.block_size!r}")
 
-    def decode(self, code: Code) -> np.ndarray:
-        size = int(np.prod(code.shape)) if code.shape else 1
-        if code.kind == "none":
-            return np.asarray(code.payload, np.float32).reshape(code.shape)
-        if code.kind == "bf16":
-            return np.asarray(code.payload).astype(np.float32).reshape(code.shape)
-        if code.kind == "int8":
-            q = np.asarray(code.payload, np.int8).astype(np.float32)
-        elif code.kind == "int4":
-            packed = np.asarray(code.payload, np.uint8)
-            q = np.empty(packed.size * 2, np.float32)
-            q[0::2] = (packed & 0x0F).astype(np.float32) - 8
-            q[1::2] = (packed >> 4).astype(np.float32) - 8
-        else:
-            raise ValueError(f"unknown codec {code.kind!r}; choose one of {', '.join(KINDS)}")
-        n_blocks = code.scales.size
-        block = q[:n_blocks * self.block_size].reshape(n_blocks, self.block_size)
-        values = (block * code.scales[:, None]).reshape(-1)[:size]
-        return values.astype(np.float32).reshape(code.shape)
+    def encode(self, x: Any) -> tuple[Code, jax.Array]:
+        """Encodes one tensor (numpy or jax).
+
+        Returns:
+          ``(code, rel_error)``: rel_error = ‖decode(code) − x‖ / ‖x‖, a float32 scalar (0 when
+          x = 0), which the learner exports as islands_compression_relative_error.
+        """
+        return _encode(jnp.asarray(x), self.kind, self.block_size)
+
+    def decode(self, code: Code) -> jax.Array:
+        """Decodes one code; it names its own kind and block size, which win over this codec's."""
+        return decode(code)
 
 
-def make_codec(kind: str, block_size: int = 64) -> Codec:
-    """Raises ValueError naming the allowed kinds, or a non-positive block size."""
-    if kind not in KINDS:
-        raise ValueError(f"unknown codec {kind!r}; choose one of {', '.join(KINDS)}")
-    if block_size <= 0:
-        raise ValueError(f"block_size must be > 0, got {block_size}")
+def make_codec(kind: str, block_size: int = DEFAULT_BLOCK_SIZE) -> Codec:
+    """Builds a codec.
+
+    Raises:
+      ValueError: an unknown kind (naming the allowed ones) or a block size that is not positive.
+    """
     return Codec(kind, block_size)
 
 
-def relative_error(x: Any, code: Code, codec: Codec) -> float:
-    """``‖decode(encode(x)) − x‖ / ‖x‖`` (0 when ‖x‖ = 0)."""
-    x = np.asarray(x, np.float64)
-    norm = float(np.linalg.norm(x))
-    if norm == 0.0:
-        return 0.0
-    return float(np.linalg.norm(codec.decode(code).astype(np.float64) - x) / norm)
+def encode_tree(codec: Codec, tree: Any) -> Any:
+    """Encodes every tensor of a pytree (a fragment: ``{path: array}``); the same tree of codes."""
+    return jax.tree_util.tree_map(lambda x: codec.encode(x)[0], tree)
 
 
-def encode_tree(codec: Codec, tree: Mapping[str, Any]) -> dict[str, Code]:
-    return {path: codec.encode(value) for path, value in tree.items()}
+def decode_tree(codec: Codec, codes: Any) -> Any:
+    """Decodes a tree of codes, each by its own kind (see ``Codec.decode``); jax arrays."""
+    del codec  # kept for the symmetric signature; codes are self-describing
+    return jax.tree_util.tree_map(decode, codes, is_leaf=_is_code)
 
 
-def decode_tree(codec: Codec, codes: Mapping[str, Code]) -> dict[str, np.ndarray]:
-    """Decodes every tensor; a code of another kind than ``codec`` decodes by its own kind."""
-    return {path: codec.decode(code) if isinstance(code, Code) else np.asarray(code)
-            for path, code in codes.items()}
+def relative_error(x: Any, code: Code) -> float:
+    """``‖decode(code) − x‖ / ‖x‖`` on the host (float64), 0 when ‖x‖ = 0."""
+    return tree_relative_error({"x": x}, {"x": code})
 
 
-def tree_wire_bytes(codes: Mapping[str, Code]) -> int:
-    return sum(code.wire_bytes for code in codes.values())
+def tree_relative_error(tree: Any, codes: Any) -> float:
+    """``‖decode(codes) − tree‖ / ‖tree‖`` over a whole fragment (float64), 0 when it is 0."""
+    exact = jax.tree_util.tree_leaves(tree)
+    decoded = jax.tree_util.tree_leaves(decode_tree(None, codes))
+    err_sq = sum(float(np.sum(np.square(np.asarray(d, np.float64) - np.asarray(x, np.float64))))
+                 for x, d in zip(exact, decoded, strict=True))
+    norm_sq = sum(float(np.sum(np.square(np.asarray(x, np.float64)))) for x in exact)
+    return 0.0 if norm_sq == 0.0 else math.sqrt(err_sq / norm_sq)
+
+
+# -- error feedback ------------------------------------------------------------------------------
+class ErrorFeedback(NamedTuple):
+    """Optax-shaped: ``init(fragment) -> state``, ``update(drift, state) -> (codes, state)``."""
+
+    init: Callable[[Any], "ErrorFeedbackState"]
+    update: Callable[[Any, "ErrorFeedbackState"], tuple[Any, "ErrorFeedbackState"]]
 
 
 class ErrorFeedbackState(NamedTuple):
-    residual: dict  # path -> float32 array: what earlier encodings left out
+    residual: Any  # tree like the fragment, float32: what earlier encodings left out
 
 
-class _ErrorFeedback:
-    def __init__(self, codec: Codec, enabled: bool):
-        self.codec = codec
-        self.enabled = enabled
+def error_feedback(codec: Codec) -> ErrorFeedback:
+    """Error feedback: encode ``t = δ + r``, keep ``r' = t − decode(code)``.
 
-    def init(self, fragment: Mapping[str, Any]) -> ErrorFeedbackState:
-        return ErrorFeedbackState({path: np.zeros(np.shape(v), np.float32)
-                                   for path, v in fragment.items()})
+    Telescoping over n pushes from r₀ = 0: ``Σ decode = Σ δ − r_n``, so the receiver's sum of
+    decoded drifts is off by one step's quantization error, however many pushes there were.
+    """
 
-    def update(self, drift: Mapping[str, Any],
-               state: ErrorFeedbackState) -> tuple[dict[str, Code], ErrorFeedbackState]:
-        """Encodes ``drift + residual`` and keeps ``residual' = (drift + residual) − decode(code)``."""
-        codes, residual = {}, {}
-        for path, value in drift.items():
-            target = np.asarray(value, np.float32)
-            if self.enabled:
-                target = target + state.residual[path]
-            code = self.codec.encode(target)
-            codes[path] = code
-            residual[path] = ((target - self.codec.decode(code)) if self.enabled
-                              else state.residual[path])
-        return codes, ErrorFeedbackState(residual)
+    def init(fragment: Any) -> ErrorFeedbackState:
+        return ErrorFeedbackState(jax.tree_util.tree_map(
+            lambda x: jnp.zeros(jnp.shape(x), jnp.float32), fragment))
 
+    def update(drift: Any, state: ErrorFeedbackState) -> tuple[Any, ErrorFeedbackState]:
+        leaves, treedef = jax.tree_util.tree_flatten(drift)
+        residuals = treedef.flatten_up_to(state.residual)
+        codes, new_residuals = [], []
+        for delta, residual in zip(leaves, residuals, strict=True):
+            code, new_residual = _encode_with_feedback(jnp.asarray(delta), residual, codec.kind,
+                                                       codec.block_size)
+            codes.append(code)
+            new_residuals.append(new_residual)
+        return treedef.unflatten(codes), ErrorFeedbackState(treedef.unflatten(new_residuals))
 
-def error_feedback(codec: Codec) -> _ErrorFeedback:
-    """Error feedback: the sum of decoded pushes tracks the sum of true drifts within one residual."""
-    return _ErrorFeedback(codec, enabled=True)
+    return ErrorFeedback(init, update)
 
 
-def no_error_feedback(codec: Codec) -> _ErrorFeedback:
-    """Same interface, residual stays zero, so callers never branch."""
-    return _ErrorFeedback(codec, enabled=False)
+def no_error_feedback(codec: Codec) -> ErrorFeedback:
+    """The same interface without feedback: encodes ``δ`` alone and the residual stays zero."""
+    with_feedback = error_feedback(codec)
+
+    def update(drift: Any, state: ErrorFeedbackState) -> tuple[Any, ErrorFeedbackState]:
+        return encode_tree(codec, drift), state
+
+    return ErrorFeedback(with_feedback.init, update)

@@ -155,7 +155,11 @@ class SyncerCore:
             self.rejected[verdict.reason] += 1
             return verdict
         slot = self.slots[push.fragment]
-        drift = self.decode(push.codes)
+        try:
+            drift = {k: np.asarray(v) for k, v in self.decode(push.codes).items()}
+        except (ValueError, TypeError, KeyError) as exc:  # a malformed code is a bad shape
+            self.rejected[RejectReason.BAD_SHAPE] += 1
+            return Rejected(RejectReason.BAD_SHAPE, f"cannot decode: {exc}")
         problem = check_drift(drift, slot.params, list(slot.recent_norms),
                               self.settings.outlier_norm_factor)
         if problem is not None and problem.reason != RejectReason.OUTLIER_NORM:

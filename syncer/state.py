@@ -56,10 +56,16 @@ def restore_into(core: SyncerCore, arrays: dict, meta: dict, min_epoch: int = 0)
 class SnapshotStore:
     """An orbax CheckpointManager keyed by the total merge count; keeps the newest few."""
 
-    def __init__(self, directory: str, max_to_keep: int = 3):
+    def __init__(self, directory: str, max_to_keep: int = 3, fresh: bool = False):
+        """``fresh`` empties the directory first: a new job must never restore an older job's
+        snapshots (their merge counts could outrank its own)."""
+        import shutil
+
         import orbax.checkpoint as ocp
 
         self._ocp = ocp
+        if fresh and os.path.isdir(directory):
+            shutil.rmtree(directory)
         os.makedirs(directory, exist_ok=True)
         self.manager = ocp.CheckpointManager(
             os.path.abspath(directory),

@@ -37,8 +37,10 @@ def ray_cli(*args, env, timeout=120, check=True):
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
-    env = {**os.environ, "HOME": str(home), "RAY_AUTH_TOKEN_PATH": str(home / "ray_token")}
+    # A private HOME: ray start writes its auth token to ~/.ray/auth_token, job submit reads it.
+    env = {**os.environ, "HOME": str(home)}
     env.pop("RAY_ADDRESS", None)
+    env.pop("RAY_AUTH_TOKEN_PATH", None)
     ray_cli("start", "--head", "--num-cpus", "3", "--node-ip-address", "127.0.0.1",
             "--dashboard-host", "127.0.0.1", "--dashboard-port", "8299",
             "--resources", json.dumps({"region:us-east": 1, "region:eu-west": 1}),

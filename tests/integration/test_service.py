@@ -12,8 +12,8 @@ ray = pytest.importorskip("ray")
 
 from islands.orchestrator.cli import format_status  # noqa: E402
 from islands.orchestrator.config import JobConfig  # noqa: E402
-from islands.orchestrator.controller import (CONTROLLER_NAME, NAMESPACE, Controller,  # noqa: E402
-                                             learner_actor_name)
+from islands.orchestrator.controller import (NAMESPACE, Controller,  # noqa: E402
+                                             controller_options, learner_actor_name)
 
 pytestmark = pytest.mark.ray
 
@@ -30,19 +30,21 @@ TINY = {
                 "eu-west": {"learners": 2, "max_learners": 3}},
     "health": {"heartbeat_s": 0.5, "timeout_s": 8.0,
                "restart": {"backoff_initial_s": 0.2, "max_crash_restarts": 5}},
-    "metrics": {"enabled": False},
+    "metrics": {"enabled": False, "goodput_window_s": 10},
 }
 
 
-def wait_for(predicate, timeout_s, what, every_s=0.2):
-    """Polls real state until ``predicate()`` is truthy; fails naming ``what`` on timeout."""
+def wait_for(predicate, timeout_s, what, every_s=0.2, describe=None):
+    """Polls real state until ``predicate()`` is truthy; fails naming ``what`` on timeout (and
+    showing ``describe()``, the state that did not come about)."""
     deadline = time.time() + timeout_s
     while time.time() < deadline:
         value = predicate()
         if value:
             return value
         time.sleep(every_s)
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+    state = f"; state: {describe()}" if describe is not None else ""
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}{state}")
 
 
 @pytest.fixture(scope="module")
@@ -58,8 +60,7 @@ def cluster():
 def job(cluster, tmp_path_factory):
     config = JobConfig.model_validate(TINY)
     run_dir = tmp_path_factory.mktemp("run")
-    controller = ray.remote(Controller).options(name=CONTROLLER_NAME, namespace=NAMESPACE,
-                                                num_cpus=0.1, max_concurrency=16).remote(
+    controller = ray.remote(Controller).options(**controller_options(str(run_dir))).remote(
         config, str(run_dir))
     ray.get(controller.start.remote())
     snap = lambda: ray.get(controller.snapshot.remote())  # noqa: E731
@@ -133,6 +134,62 @@ def test_killed_learner_restarts_and_reintegrates(job, mode):
     assert tokens["applied"] + tokens["dropped"] + tokens["in_flight"] == tokens["processed"]
 
 
+def scrape(port):
+    """Every sample of one scrape of /metrics, parsed by prometheus_client's own parser."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    return {family.name: family for family in text_string_to_metric_families(text)}
+
+
+def counter_values(families):
+    return {(f.name, s.name, tuple(sorted(s.labels.items()))): s.value
+            for f in families.values() if f.type == "counter" for s in f.samples
+            if s.name.endswith("_total")}
+
+
+def test_metrics_scrape_during_a_run(job):
+    from islands.orchestrator.metrics import METRICS
+
+    controller, snap = job
+    port = ray.get(controller.serve_metrics.remote(0))
+    first = scrape(port)
+    for spec in METRICS:  # every DESIGN §7 metric, with its type
+        assert spec.name in first, f"{spec.name} missing from /metrics"
+        assert first[spec.name].type == spec.kind, (spec.name, first[spec.name].type)
+    goodput = {s.labels["window"]: s.value for s in first["islands_goodput_ratio"].samples}
+    assert set(goodput) == {"run", "10s"}
+    assert all(0.0 <= v <= 1.0 for v in goodput.values()), goodput
+    before = wait_for(lambda: (lambda g: g if g > 0.3 else None)(
+        {s.labels["window"]: s.value for s in scrape(port)["islands_goodput_ratio"].samples}
+        .get("10s", 0.0)), 30, "a healthy windowed goodput")
+    # A killed learner's outage is allocated time without useful work: the window dips.
+    ray.get(controller.chaos_kill.remote("eu-west:0", "ray_kill"))
+    lowest = before
+    deadline = time.time() + 12
+    while time.time() < deadline:
+        window = {s.labels["window"]: s.value
+                  for s in scrape(port)["islands_goodput_ratio"].samples}.get("10s")
+        lowest = min(lowest, window if window is not None else lowest)
+        time.sleep(0.5)
+    assert lowest < before, (lowest, before)
+    second = scrape(port)
+    a, b = counter_values(first), counter_values(second)
+    assert a and set(a) <= set(b)
+    assert all(b[key] >= value for key, value in a.items()), [
+        (key, value, b[key]) for key, value in a.items() if b[key] < value]
+    steps = {s.labels["learner"]: s.value for s in second["islands_learner_steps"].samples
+             if s.name.endswith("_total")}
+    assert set(steps) == set(snap()["learners"]) and min(steps.values()) > 0
+    restarts = {s.labels["reason"]: s.value for s in second["islands_learner_restarts"].samples
+                if s.name.endswith("_total")}
+    assert restarts["crash"] >= 1 and set(restarts) == {"crash", "preemption", "hang", "straggler"}
+    wait_for(lambda: snap()["learners"]["eu-west:0"]["state"] == "training", 60,
+             "eu-west:0 back in training")
+
+
 def test_scale_up_down_drain_and_status(job):
     controller, snap = job
     print(ray.get(controller.scale.remote("us-east", 3)))
@@ -140,7 +197,8 @@ def test_scale_up_down_drain_and_status(job):
              "us-east:2 to start training")
     ray.get(controller.scale.remote("us-east", 1))
     wait_for(lambda: all(snap()["learners"][n]["state"] == "retired"
-                         for n in ("us-east:1", "us-east:2")), 60, "us-east:1,2 to drain")
+                         for n in ("us-east:1", "us-east:2")), 60, "us-east:1,2 to drain",
+             describe=lambda: {n: (l["state"], l["step"]) for n, l in snap()["learners"].items()})
     assert snap()["learners"]["us-east:0"]["state"] == "training"
     ray.get(controller.drain.remote("eu-west:1"))
     wait_for(lambda: snap()["learners"]["eu-west:1"]["state"] == "retired", 60,

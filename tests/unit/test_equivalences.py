@@ -31,8 +31,8 @@ def init_params():
 
 def loss_fn(params, batch):
     x, y = batch
-    h = jnp.tanh(x @ params["w1"]) * params["scale"]
-    return jnp.mean((h @ params["w2"] + params["bias"] - y) ** 2)
+    h = jnp.tanh(x @ params["w1"]) * params["scale"][None, :]
+    return jnp.mean((h @ params["w2"] + params["bias"][None, :] - y) ** 2)
 
 
 INNER = optax.adam(3e-2)

@@ -1,0 +1,339 @@
+"""JobConfig: one YAML, validated once by pydantic before any actor starts.
+
+Errors name the field path, the rule and the values: ``quorum.min_learners: quorum (5) exceeds
+learners (4)``. Sections are plain data; ``orchestrator/build.py`` turns them into core objects.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Literal, Optional, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+REGION_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
+CODECS = ("none", "bf16", "int8", "int4")
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message lists every problem as ``field.path: message``."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class ModelSection(_Section):
+    vocab_size: int = Field(256, ge=1)
+    d_model: int = Field(64, ge=1)
+    n_layers: int = Field(2, ge=1)
+    n_heads: int = Field(4, ge=1)
+    d_ff: int = Field(256, ge=1)
+    seq_len: int = Field(64, ge=2)
+
+    @model_validator(mode="after")
+    def _heads_divide(self):
+        if self.d_model % self.n_heads:
+            raise ValueError(f"d_model: d_model ({self.d_model}) must be divisible by n_heads "
+                             f"({self.n_heads})")
+        return self
+
+
+class DataSection(_Section):
+    corpus: str = "stdlib"   # "stdlib" or a directory of .py files
+    eval_fraction: float = Field(0.05, gt=0, lt=1)
+    max_bytes: Optional[int] = Field(2_000_000, gt=0)
+    batch_size: int = Field(8, gt=0)
+    eval_batches: int = Field(8, gt=0)
+
+
+class InnerOptimizer(_Section):
+    lr: float = Field(3e-3, gt=0)
+    warmup_steps: int = Field(20, ge=0)
+    total_steps: int = Field(5000, gt=0)
+    weight_decay: float = Field(0.1, ge=0)
+    b1: float = Field(0.9, ge=0, lt=1)
+    b2: float = Field(0.95, ge=0, lt=1)
+    clip_norm: float = Field(1.0, gt=0)
+
+
+class LearnerSection(_Section):
+    inner_optimizer: InnerOptimizer = InnerOptimizer()
+    merge_alpha: float = Field(0.0, ge=0, le=1)
+    # Pads each step to at least this wall time (÷ speed factor): emulates slower hardware.
+    min_step_time_s: float = Field(0.0, ge=0)
+    eval_every_s: float = Field(10.0, gt=0)
+
+
+class NesterovOuter(_Section):
+    type: Literal["nesterov"] = "nesterov"
+    lr: float = Field(0.7, gt=0)
+    momentum: float = Field(0.9, ge=0, lt=1)
+
+
+class SgdOuter(_Section):
+    type: Literal["sgd"]
+    lr: float = Field(1.0, gt=0)
+    momentum: float = Field(0.0, ge=0, lt=1)
+
+
+class AdamOuter(_Section):
+    type: Literal["adam"]
+    lr: float = Field(1e-3, gt=0)
+    b1: float = Field(0.9, ge=0, lt=1)
+    b2: float = Field(0.99, ge=0, lt=1)
+
+
+OuterOptimizer = Annotated[Union[NesterovOuter, SgdOuter, AdamOuter], Field(discriminator="type")]
+
+
+class SyncerSection(_Section):
+    fragments: int = Field(4, ge=1, description="P")
+    sync_every_steps: int = Field(8, ge=1, description="H")
+    overlap_steps: int = Field(2, ge=0, description="τ: a reply is adopted τ steps after its push")
+    outer_optimizer: OuterOptimizer = NesterovOuter()
+    history_versions: int = Field(8, ge=1)
+    max_staleness: Optional[int] = Field(None, ge=0)
+    outlier_norm_factor: Optional[float] = Field(10.0, gt=1)
+    staleness_discount: float = Field(0.0, ge=0)
+    merge_rule: Literal["rda", "mean"] = "rda"
+    participation_scale: bool = True
+    snapshot_every_merges: int = Field(10, ge=1)
+    checkpoint_dir: Optional[str] = None
+
+    @model_validator(mode="after")
+    def _overlap_below_period(self):
+        if self.overlap_steps >= self.sync_every_steps:
+            raise ValueError(f"overlap_steps: overlap_steps ({self.overlap_steps}) must be below "
+                             f"sync_every_steps ({self.sync_every_steps})")
+        return self
+
+
+class QuorumSection(_Section):
+    min_learners: int = Field(1, ge=1, description="K")
+    grace_gamma: float = Field(0.5, ge=0, lt=1)
+    grace_cap_s: float = Field(5.0, ge=0)
+
+
+class _Codec(_Section):
+    error_feedback: bool = True
+
+
+class NoneCodec(_Codec):
+    type: Literal["none"]
+
+
+class Bf16Codec(_Codec):
+    type: Literal["bf16"]
+
+
+class Int8Codec(_Codec):
+    type: Literal["int8"]
+    block_size: int = Field(64, gt=0)
+
+
+class Int4Codec(_Codec):
+    type: Literal["int4"] = "int4"
+    block_size: int = Field(64, gt=0)
+
+
+Compression = Annotated[Union[NoneCodec, Bf16Codec, Int8Codec, Int4Codec],
+                        Field(discriminator="type")]
+
+
+class RegionSection(_Section):
+    learners: int = Field(ge=0)
+    max_learners: Optional[int] = Field(None, ge=0)
+    speed_factors: Union[float, list[float]] = 1.0
+    bandwidth_gbps: float = Field(10.0, gt=0)
+    latency_ms: float = Field(0.0, ge=0)
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        if self.max_learners is not None and self.max_learners < self.learners:
+            raise ValueError(f"max_learners: max_learners ({self.max_learners}) is below learners "
+                             f"({self.learners})")
+        factors = self.speed_factors if isinstance(self.speed_factors, list) else [
+            self.speed_factors]
+        if isinstance(self.speed_factors, list) and len(factors) != self.learners:
+            raise ValueError(f"speed_factors: {len(factors)} entries for {self.learners} "
+                             "learners")
+        if any(f <= 0 for f in factors):
+            raise ValueError(f"speed_factors: each must be > 0, got {factors}")
+        return self
+
+
+class RestartSection(_Section):
+    backoff_initial_s: float = Field(0.5, ge=0)
+    backoff_multiplier: float = Field(2.0, ge=1)
+    backoff_max_s: float = Field(30.0, ge=0)
+    max_crash_restarts: Optional[int] = Field(5, ge=0)
+    max_preemption_restarts: Optional[int] = Field(None, ge=0)
+
+
+class HealthSection(_Section):
+    heartbeat_s: float = Field(1.0, gt=0)
+    timeout_s: float = Field(10.0, gt=0)
+    straggler_factor: float = Field(4.0, gt=1)
+    restart: RestartSection = RestartSection()
+    placement_timeout_s: float = Field(60.0, gt=0)
+
+    @model_validator(mode="after")
+    def _timeout_above_heartbeat(self):
+        if self.timeout_s <= self.heartbeat_s:
+            raise ValueError(f"timeout_s: timeout_s ({self.timeout_s}) must exceed heartbeat_s "
+                             f"({self.heartbeat_s})")
+        return self
+
+
+class MetricsSection(_Section):
+    enabled: bool = True
+    port: int = Field(9400, ge=0, le=65535)   # 0 picks a free port
+    snapshot_every_s: float = Field(2.0, gt=0)
+    goodput_window_s: float = Field(300.0, gt=0)   # islands_goodput_ratio{window="5m"}
+
+
+class KillEvent(_Section):
+    type: Literal["kill"]
+    target: str
+    at_s: float = Field(ge=0)
+    mode: Literal["ray_kill", "exit"] = "ray_kill"
+
+
+class SlowdownEvent(_Section):
+    type: Literal["slowdown"]
+    target: str
+    at_s: float = Field(ge=0)
+    duration_s: float = Field(gt=0)
+    factor: float = Field(gt=1)
+
+
+ChaosEvent = Annotated[Union[KillEvent, SlowdownEvent], Field(discriminator="type")]
+
+
+class ChaosSection(_Section):
+    seed: int = 0
+    events: list[ChaosEvent] = []
+
+
+class RunSection(_Section):
+    duration_s: float = Field(120.0, gt=0)
+    run_dir: str = "runs/{name}"
+    progress_every_s: float = Field(1.0, gt=0)
+
+
+class JobConfig(_Section):
+    name: str = "islands"
+    seed: int = 0
+    model: ModelSection = ModelSection()
+    data: DataSection = DataSection()
+    learner: LearnerSection = LearnerSection()
+    syncer: SyncerSection = SyncerSection()
+    quorum: QuorumSection = QuorumSection()
+    compression: Compression = Int4Codec()
+    regions: dict[str, RegionSection] = {"local": RegionSection(learners=2)}
+    health: HealthSection = HealthSection()
+    metrics: MetricsSection = MetricsSection()
+    chaos: Optional[ChaosSection] = None
+    run: RunSection = RunSection()
+
+    @field_validator("regions")
+    @classmethod
+    def _region_names(cls, regions):
+        if not regions:
+            raise ValueError("at least one region is required")
+        for name in regions:
+            if not REGION_NAME.match(name):
+                raise ValueError(f"region name {name!r} must match {REGION_NAME.pattern} "
+                                 "(it becomes the Ray resource region:<name>)")
+        return regions
+
+    @model_validator(mode="after")
+    def _cross_checks(self):
+        total = self.total_learners
+        if self.quorum.min_learners > total:
+            raise _FieldError("quorum.min_learners",
+                              f"quorum ({self.quorum.min_learners}) exceeds learners ({total})")
+        if self.chaos is not None:
+            known = set(self.learner_ids()) | {"syncer"}
+            for i, event in enumerate(self.chaos.events):
+                if event.target not in known:
+                    raise _FieldError(f"chaos.events.{i}.target",
+                                      f"no learner {event.target!r}; targets are "
+                                      f"{sorted(known)}")
+                if event.type == "slowdown" and event.target == "syncer":
+                    raise _FieldError(f"chaos.events.{i}.target", "the syncer cannot be slowed")
+        return self
+
+    # -- helpers --------------------------------------------------------------------------------
+    @property
+    def total_learners(self) -> int:
+        return sum(region.learners for region in self.regions.values())
+
+    def learner_ids(self) -> list[str]:
+        return [f"{name}:{i}" for name, region in self.regions.items()
+                for i in range(region.learners)]
+
+    def region_resources(self) -> dict[str, float]:
+        return {f"region:{name}": float(max(region.learners, region.max_learners or 0))
+                for name, region in self.regions.items()}
+
+    def speed_factor(self, learner_id: str) -> float:
+        region_name, index = learner_id.rsplit(":", 1)
+        factors = self.regions[region_name].speed_factors
+        return factors[int(index)] if isinstance(factors, list) else float(factors)
+
+    @classmethod
+    def from_yaml_text(cls, text: str) -> "JobConfig":
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"not valid YAML: {exc}") from exc
+        if not isinstance(raw, dict):
+            raise ConfigError(f"the config must be a mapping, got {type(raw).__name__}")
+        return parse(raw)
+
+
+class _FieldError(ValueError):
+    """A cross-field problem that knows the field it belongs to."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(f"{field}: {message}")
+
+
+def _describe(error: dict) -> str:
+    path = ".".join(str(p) for p in error["loc"])
+    message = error["msg"]
+    if error["type"] == "extra_forbidden":
+        return f"{path}: unknown key"
+    if error["type"] == "union_tag_invalid":
+        tag = error.get("ctx", {}).get("tag")
+        expected = error.get("ctx", {}).get("expected_tags", "")
+        path = f"{path}.type" if path else "type"
+        if "none" in expected and "int4" in expected:
+            return f"{path}: unknown codec {tag!r}; choose one of {', '.join(CODECS)}"
+        return f"{path}: unknown type {tag!r}; choose one of {expected}"
+    message = message.removeprefix("Value error, ")
+    if message.startswith(tuple(f"{f}:" for f in ("quorum.", "chaos."))):
+        return message  # a cross-field error that already names its field
+    named = re.match(r"^([a-z_]+): (.*)$", message, re.S)
+    if named and path:  # a section validator naming its own field
+        return f"{path}.{named.group(1)}: {named.group(2)}"
+    if error["type"] in ("greater_than_equal", "greater_than", "less_than", "less_than_equal"):
+        return f"{path}: {message}, got {error.get('input')!r}"
+    return f"{path}: {message}" if path else message
+
+
+def parse(raw: dict) -> JobConfig:
+    """Validates a mapping; raises ConfigError listing every problem with its field path."""
+    try:
+        return JobConfig.model_validate(raw)
+    except ValidationError as exc:
+        problems = [_describe(e) for e in exc.errors()]
+        raise ConfigError("\n".join(problems)) from None
+
+
+def load_config(path: str) -> JobConfig:
+    with open(path) as f:
+        return JobConfig.from_yaml_text(f.read())

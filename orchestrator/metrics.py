@@ -1,0 +1,325 @@
+"""Prometheus metrics (DESIGN §7): every exported series, computed from the controller's snapshot.
+
+The controller keeps the books; this module only turns one ``snapshot()`` dict into metric
+families. It is a custom prometheus-client collector rather than a set of live ``Counter`` objects:
+the controller already holds exact cumulative totals (the syncer ledger, per-incarnation counters
+that it carries over restarts), so a scrape reads them as they are and nothing is counted twice.
+``families(snapshot)`` is pure and testable without Ray or a server.
+
+Names are the contract (DESIGN §7): base units, ``_total`` on counters (prometheus-client adds
+the suffix to a counter family), ``_ratio`` for 0–1. Labels are bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping, Optional
+
+log = logging.getLogger("islands.metrics")
+
+DEFAULT_METRICS_PORT = 9400
+# Recovery phases run from a fraction of a second (detect) to minutes (a slow restart).
+RECOVERY_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+# Staleness in fragment versions: 0 is the common case, a few with K < M, more after an outage.
+STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+RECOVERY_PHASES = ("detect", "restart", "restore", "first_contribution", "total")
+LEARNER_STATES = ("starting", "training", "paused", "restarting", "draining", "retired")
+RESTART_REASONS = ("crash", "preemption", "hang", "straggler")
+TOKEN_FATES = ("applied", "dropped")
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One exported metric. ``name`` is the family name; a counter's samples end in ``_total``."""
+
+    name: str
+    kind: str                  # counter | gauge | histogram
+    labels: tuple[str, ...]
+    help: str
+
+
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("islands_goodput_ratio", "gauge", ("window",),
+               "Applied inner-step seconds / allocated learner seconds (DESIGN §6), over the run "
+               "and over a sliding window"),
+    MetricSpec("islands_learner_steps", "counter", ("region", "learner"),
+               "Inner steps taken, summed over the learner's incarnations"),
+    MetricSpec("islands_tokens", "counter", ("fate",),
+               "Tokens whose update was applied in a merge, or dropped (learner died, push refused)"),
+    MetricSpec("islands_merges", "counter", ("fragment",), "Merges of each fragment"),
+    MetricSpec("islands_quorum_size", "gauge", ("fragment",),
+               "Distinct learners in the fragment's last merge"),
+    MetricSpec("islands_grace_window_seconds", "gauge", (),
+               "Grace window of the last merge (paper Eq. 3)"),
+    MetricSpec("islands_staleness", "histogram", (),
+               "Staleness of merged contributions, in fragment versions"),
+    MetricSpec("islands_wire_bytes", "counter", ("direction", "region"),
+               "Encoded bytes on the emulated WAN, learner->syncer (up) and syncer->learner (down)"),
+    MetricSpec("islands_recovery_seconds", "histogram", ("phase",),
+               "Seconds per recovery phase of a failed learner (detect, restart, restore, "
+               "first_contribution, total)"),
+    MetricSpec("islands_learner_restarts", "counter", ("reason",), "Learner restarts by cause"),
+    MetricSpec("islands_rejected_pushes", "counter", ("reason",), "Refused pushes by reason"),
+    MetricSpec("islands_compression_relative_error", "gauge", (),
+               "Mean over live learners of the last push's ||decode(code) - drift|| / ||drift||"),
+    MetricSpec("islands_syncer_epoch", "gauge", (), "Syncer incarnation (bumped on restart)"),
+    MetricSpec("islands_learners", "gauge", ("state", "region"), "Learners by state and region"),
+    MetricSpec("islands_train_loss", "gauge", (), "Mean training loss of the training learners"),
+    MetricSpec("islands_eval_loss", "gauge", (), "Held-out loss of the global parameters"),
+)
+
+METRIC_NAMES: frozenset[str] = frozenset(spec.name for spec in METRICS)
+
+
+def sample_names() -> frozenset[str]:
+    """Every sample name a scrape can show (``_total`` for counters, ``_bucket``/``_sum``/``_count``
+    for histograms); a dashboard query may name only these."""
+    names = set()
+    for spec in METRICS:
+        if spec.kind == "counter":
+            names.add(spec.name + "_total")
+        elif spec.kind == "histogram":
+            names.update(spec.name + suffix for suffix in ("_bucket", "_sum", "_count"))
+        else:
+            names.add(spec.name)
+    return frozenset(names)
+
+
+def window_label(window_s: float) -> str:
+    """The ``window`` label of a sliding goodput window: 300 -> "5m", 30 -> "30s", 5400 -> "90m".
+
+    >>> window_label(300), window_label(30), window_label(7200)
+    ('5m', '30s', '2h')
+    """
+    window_s = float(window_s)
+    for unit, size in (("h", 3600), ("m", 60)):
+        if window_s >= size and window_s % size == 0:
+            return f"{int(window_s // size)}{unit}"
+    return f"{window_s:g}s"
+
+
+def windowed_ratio(history: list[tuple[float, float, float]], now_s: float,
+                   window_s: float) -> Optional[float]:
+    """Goodput over the last ``window_s``: Δuseful ÷ Δallocated between the newest sample and the
+    oldest one inside the window (or just before it, so a short run still has two points).
+
+    Args:
+      history: ``(t_s, useful_s, allocated_s)`` samples, oldest first, both totals non-decreasing.
+
+    Returns:
+      The ratio clamped to [0, 1], or None with fewer than two samples or no allocated time.
+
+    >>> windowed_ratio([(0, 0, 0), (10, 5, 10), (20, 5, 20)], 20, 10)
+    0.0
+    """
+    if len(history) < 2:
+        return None
+    start = history[0]
+    for sample in history:
+        if sample[0] <= now_s - window_s:
+            start = sample
+        else:
+            break
+    end = history[-1]
+    allocated = end[2] - start[2]
+    if allocated <= 0:
+        return None
+    return min(1.0, max(0.0, (end[1] - start[1]) / allocated))
+
+
+def _histogram(values: Iterable[float], bounds: Iterable[float]) -> tuple[list, float]:
+    """Cumulative buckets ``[(le, count), …, ("+Inf", n)]`` and the sum, for HistogramMetricFamily."""
+    values = list(values)
+    buckets = [(str(float(b)), sum(1 for v in values if v <= b)) for b in bounds]
+    buckets.append(("+Inf", len(values)))
+    return buckets, float(sum(values))
+
+
+def _counted_histogram(counts: Mapping[Any, int], bounds: Iterable[float]) -> tuple[list, float]:
+    """Like ``_histogram`` for ``{value: how many}`` (the syncer's staleness counts)."""
+    items = [(float(v), int(n)) for v, n in counts.items()]
+    buckets = [(str(float(b)), sum(n for v, n in items if v <= b)) for b in bounds]
+    buckets.append(("+Inf", sum(n for _, n in items)))
+    return buckets, float(sum(v * n for v, n in items))
+
+
+def families(snap: Mapping[str, Any]) -> list:
+    """All metric families of DESIGN §7 for one controller snapshot (pure).
+
+    Every known label value is present from the start (reads 0), so a dashboard never shows gaps.
+    """
+    from prometheus_client.core import (CounterMetricFamily, GaugeMetricFamily,
+                                        HistogramMetricFamily)
+
+    spec = {s.name: s for s in METRICS}
+
+    def gauge(name):
+        return GaugeMetricFamily(name, spec[name].help, labels=list(spec[name].labels))
+
+    def counter(name):
+        return CounterMetricFamily(name, spec[name].help, labels=list(spec[name].labels))
+
+    out = []
+    goodput = gauge("islands_goodput_ratio")
+    goodput.add_metric(["run"], float(snap["goodput"]["goodput"]))
+    window = snap["goodput"].get("window")
+    if window is not None and window.get("ratio") is not None:
+        goodput.add_metric([window["label"]], float(window["ratio"]))
+    out.append(goodput)
+
+    steps = counter("islands_learner_steps")
+    for name, learner in sorted(snap["learners"].items()):
+        steps.add_metric([learner["region"], name], float(learner.get("steps_total") or 0))
+    out.append(steps)
+
+    tokens = counter("islands_tokens")
+    for fate in TOKEN_FATES:
+        tokens.add_metric([fate], float(snap["tokens"][fate]))
+    out.append(tokens)
+
+    syncer = snap["syncer"]
+    merges = counter("islands_merges")
+    quorum = gauge("islands_quorum_size")
+    for p, n in sorted((int(k), v) for k, v in (syncer.get("merges_by_fragment") or {}).items()):
+        merges.add_metric([str(p)], float(n))
+    for p, n in sorted((int(k), v) for k, v in (syncer.get("quorum_size") or {}).items()):
+        quorum.add_metric([str(p)], float(n))
+    out += [merges, quorum]
+
+    grace = gauge("islands_grace_window_seconds")
+    grace.add_metric([], float(syncer.get("grace_window_s") or 0.0))
+    out.append(grace)
+
+    buckets, total = _counted_histogram(snap.get("staleness_counts") or {}, STALENESS_BUCKETS)
+    staleness = HistogramMetricFamily("islands_staleness", spec["islands_staleness"].help)
+    staleness.add_metric([], buckets, total)
+    out.append(staleness)
+
+    wire = counter("islands_wire_bytes")
+    for region, by_direction in sorted(snap["wire_bytes"].items()):
+        for direction in ("up", "down"):
+            wire.add_metric([direction, region], float(by_direction[direction]))
+    out.append(wire)
+
+    recovery = HistogramMetricFamily("islands_recovery_seconds",
+                                     spec["islands_recovery_seconds"].help, labels=["phase"])
+    for phase in RECOVERY_PHASES:
+        buckets, total = _histogram((r[f"{phase}_s"] for r in snap.get("recoveries") or []),
+                                    RECOVERY_BUCKETS_S)
+        recovery.add_metric([phase], buckets, total)
+    out.append(recovery)
+
+    restarts = counter("islands_learner_restarts")
+    by_reason = snap.get("learner_restarts") or {}
+    for reason in RESTART_REASONS:
+        restarts.add_metric([reason], float(by_reason.get(reason, 0)))
+    out.append(restarts)
+
+    from islands.syncer.validate import REJECT_REASONS
+
+    rejected = counter("islands_rejected_pushes")
+    by_reason = snap.get("rejected_total") or {}
+    for reason in REJECT_REASONS:
+        rejected.add_metric([reason], float(by_reason.get(reason, 0)))
+    out.append(rejected)
+
+    errors = [l["compression_relative_error"] for l in snap["learners"].values()
+              if l.get("compression_relative_error") is not None and l["state"] == "training"]
+    compression = gauge("islands_compression_relative_error")
+    compression.add_metric([], float(sum(errors) / len(errors)) if errors else 0.0)
+    out.append(compression)
+
+    epoch = gauge("islands_syncer_epoch")
+    epoch.add_metric([], float(syncer.get("epoch") or 0))
+    out.append(epoch)
+
+    learners = gauge("islands_learners")
+    regions = sorted(snap["wire_bytes"]) or sorted({l["region"] for l in snap["learners"].values()})
+    for region in regions:
+        for state in LEARNER_STATES:
+            n = sum(1 for l in snap["learners"].values()
+                    if l["region"] == region and l["state"] == state)
+            learners.add_metric([state, region], float(n))
+    out.append(learners)
+
+    for name, key in (("islands_train_loss", "train_loss"), ("islands_eval_loss", "eval_loss")):
+        family = gauge(name)
+        value = snap.get(key)
+        family.add_metric([], float(value) if value is not None else math.nan)
+        out.append(family)
+    return out
+
+
+class SnapshotCollector:
+    """A prometheus-client collector that reads a fresh snapshot on every scrape."""
+
+    def __init__(self, snapshot_fn):
+        self.snapshot_fn = snapshot_fn
+
+    def collect(self):
+        try:
+            snap = self.snapshot_fn()
+        except Exception as exc:  # a scrape must never take the controller down
+            log.warning("metrics snapshot failed: %s", exc)
+            return []
+        return families(snap)
+
+
+def serve(snapshot_fn, port: int = DEFAULT_METRICS_PORT, addr: str = "0.0.0.0") -> tuple[Any, int]:
+    """Starts ``/metrics`` on ``port`` (0 picks a free one) in a daemon thread.
+
+    Returns:
+      ``(server, port)``; ``server.shutdown()`` stops it.
+    """
+    from prometheus_client import CollectorRegistry, start_http_server
+
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(SnapshotCollector(snapshot_fn))
+    server, _thread = start_http_server(port, addr=addr, registry=registry)
+    return server, server.server_address[1]
+
+
+class RayMetricsMirror:
+    """The same values through ``ray.util.metrics`` so the Ray dashboard shows them beside Ray's own.
+
+    Ray's Counter takes increments, so counters are mirrored as the difference from the last
+    snapshot (our totals never decrease). Histograms are left to Prometheus: their exact buckets
+    are already exported there, and Ray would re-bucket each observation.
+    """
+
+    def __init__(self):
+        from ray.util import metrics as ray_metrics
+
+        self._ray = ray_metrics
+        self._gauges: dict[str, Any] = {}
+        self._counters: dict[str, Any] = {}
+        self._last: dict[tuple, float] = {}
+
+    def update(self, snap: Mapping[str, Any]) -> None:
+        for family in families(snap):
+            spec = next(s for s in METRICS if s.name == family.name)
+            if spec.kind == "histogram":
+                continue
+            for sample in family.samples:
+                tags = dict(sample.labels)
+                if spec.kind == "gauge":
+                    if math.isnan(sample.value):
+                        continue
+                    metric = self._gauges.get(spec.name)
+                    if metric is None:
+                        metric = self._gauges[spec.name] = self._ray.Gauge(
+                            spec.name, spec.help, tag_keys=spec.labels)
+                    metric.set(sample.value, tags=tags)
+                else:
+                    key = (spec.name, tuple(sorted(tags.items())))
+                    delta = sample.value - self._last.get(key, 0.0)
+                    self._last[key] = sample.value
+                    if delta <= 0:
+                        continue
+                    metric = self._counters.get(spec.name)
+                    if metric is None:
+                        metric = self._counters[spec.name] = self._ray.Counter(
+                            spec.name, spec.help, tag_keys=spec.labels)
+                    metric.inc(delta, tags=tags)

@@ -1,0 +1,22 @@
+"""Shared test setup: CPU JAX with strict rank promotion, and a leaf-by-leaf tree comparison."""
+
+import jax
+import numpy as np
+
+# Tests run on CPU even where an accelerator is visible; set before any backend starts.
+jax.config.update("jax_platforms", "cpu")
+# An accidental [B, L, D] + [L, D] broadcast is an error, not a silent shape bug (STYLE, Tests).
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+
+def assert_trees_close(a, b, atol: float = 1e-6, rtol: float = 1e-6) -> None:
+    """Asserts two pytrees have the same structure and element-wise close leaves.
+
+    The failure message names the leaf's key path.
+    """
+    leaves_a, treedef_a = jax.tree_util.tree_flatten_with_path(a)
+    leaves_b, treedef_b = jax.tree_util.tree_flatten_with_path(b)
+    assert treedef_a == treedef_b, f"tree structures differ:\n{treedef_a}\n{treedef_b}"
+    for (path, leaf_a), (_, leaf_b) in zip(leaves_a, leaves_b):
+        np.testing.assert_allclose(np.asarray(leaf_a), np.asarray(leaf_b), atol=atol, rtol=rtol,
+                                   err_msg=f"leaf {jax.tree_util.keystr(path)}")
