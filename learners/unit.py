@@ -128,6 +128,11 @@ class LearnerUnit:
         self.created_s = time.time()
         self.node_id = _node_id()
         self.timings: dict[str, float] = {}
+        from islands.orchestrator.chaos import FaultWindows, Link
+
+        self.region = spec.learner.rsplit(":", 1)[0]
+        self.link_faults = FaultWindows()   # chaos on this region's link, in wall-clock times
+        self.base_link = Link(spec.latency_ms / 1e3, spec.bandwidth_gbps * 1e9 / 8)
 
     # -- control methods (called concurrently with run) -----------------------------------------
     def ping(self) -> dict:
@@ -155,6 +160,15 @@ class LearnerUnit:
     def hang(self, duration_s: float) -> None:
         """Chaos: stop stepping and heartbeating, as a wedged process would."""
         self.hang_until = time.time() + duration_s
+
+    def link_fault(self, fault) -> None:
+        """Chaos: a network fault or partition of this learner's region (absolute wall times)."""
+        self.link_faults.add(fault)
+
+    def arrival_s(self, sent_s: float, nbytes: int) -> float:
+        """WAN emulation: when ``nbytes`` handed to the link at ``sent_s`` arrive (latency +
+        bytes / bandwidth, after any partition, with any degradation in force)."""
+        return self.link_faults.arrival_s(self.region, sent_s, nbytes, self.base_link)
 
     def crash(self) -> None:
         """Chaos: a hard process exit inside the actor (no cleanup, like a segfault)."""
@@ -245,7 +259,6 @@ class LearnerUnit:
         sender = _Sender(self, spec)
         sender.start()
         self.state = "training"
-        bytes_per_s = spec.bandwidth_gbps * 1e9 / 8
         last_beat = 0.0
         step_time_ema = None
         arrived: list = []  # (usable_at, p, fragment, version)
@@ -259,12 +272,12 @@ class LearnerUnit:
                     if sender.idle() and not sender.pending:
                         break
                     self.state = "draining"
-                    self._collect_replies(sender, arrived, bytes_per_s, spec)
+                    self._collect_replies(sender, arrived)
                     time.sleep(0.02)
                     continue
                 if self.pause_event.is_set():
                     self.state = "paused"
-                    self._collect_replies(sender, arrived, bytes_per_s, spec)
+                    self._collect_replies(sender, arrived)
                     if time.time() - last_beat >= spec.heartbeat_s:
                         self._beat(core, step_time_ema)
                         last_beat = time.time()
@@ -272,7 +285,7 @@ class LearnerUnit:
                     continue
                 self.state = "training"
                 t0 = time.time()
-                self._collect_replies(sender, arrived, bytes_per_s, spec)
+                self._collect_replies(sender, arrived)
                 ready = [a for a in arrived if a[0] <= t0]
                 for item in ready:
                     arrived.remove(item)
@@ -294,8 +307,7 @@ class LearnerUnit:
                     time.sleep(target - elapsed)
                 for p in core.due(tspec.fragments, tspec.sync_every_steps):
                     push_plan = core.make_push(p, self.epoch)
-                    delay = spec.latency_ms / 1e3 + push_plan.wire_bytes / bytes_per_s
-                    sender.send(time.time() + delay, push_plan.push)
+                    sender.send(self.arrival_s(time.time(), push_plan.wire_bytes), push_plan.push)
                     with self.lock:
                         self.stats["pushes"] += 1
                         self.stats["wire_bytes_up"] += push_plan.wire_bytes
@@ -322,7 +334,7 @@ class LearnerUnit:
             self.state = "stopped"
             self._beat(core, step_time_ema)
 
-    def _collect_replies(self, sender, arrived, bytes_per_s, spec) -> None:
+    def _collect_replies(self, sender, arrived) -> None:
         """Moves finished push futures into ``arrived`` (with the emulated downlink delay)."""
         import ray
 
@@ -341,8 +353,8 @@ class LearnerUnit:
                 nbytes = sum(int(np.asarray(v).nbytes) for v in reply.params.values())
                 with self.lock:
                     self.stats["wire_bytes_down"] += nbytes
-                arrived.append((time.time() + spec.latency_ms / 1e3 + nbytes / bytes_per_s,
-                                reply.fragment, reply.params, reply.version))
+                arrived.append((self.arrival_s(time.time(), nbytes), reply.fragment,
+                                reply.params, reply.version))
             elif reply.reason in ("stale_epoch", "unknown_learner") or reply.status == "dropped":
                 with self.lock:
                     self.stats["refused"] += reply.status == "rejected"

@@ -80,11 +80,33 @@ def main(argv=None) -> int:
     hang.add_argument("target")
     hang.add_argument("--duration", type=float, default=60.0)
     hang.add_argument("--address", default=None)
+    lose = chaos_sub.add_parser("region-loss", help="kill every learner of a region at once")
+    lose.add_argument("target", metavar="REGION")
+    lose.add_argument("--repair", type=float, default=0.0, help="seconds before they may restart")
+    lose.add_argument("--address", default=None)
+    net = chaos_sub.add_parser("network", help="degrade a region's link for a while")
+    net.add_argument("target", metavar="REGION")
+    net.add_argument("--latency-ms", type=float, default=200.0, help="extra one-way latency")
+    net.add_argument("--bandwidth-gbps", type=float, default=None, help="bandwidth cap")
+    net.add_argument("--duration", type=float, default=30.0)
+    net.add_argument("--address", default=None)
+    part = chaos_sub.add_parser("partition", help="cut a region off the syncer for a while")
+    part.add_argument("target", metavar="REGION")
+    part.add_argument("--duration", type=float, default=30.0)
+    part.add_argument("--address", default=None)
+
+    simulate = sub.add_parser("simulate", add_help=False,
+                              help="chaos simulation of goodput at 150k-2.4M chips (DESIGN §9)")
+    simulate.add_argument("args", nargs=argparse.REMAINDER)
 
     report = sub.add_parser("report", help="plots and report.md from a run dir")
     report.add_argument("run_dir")
 
     args = parser.parse_args(argv)
+    if args.command == "simulate":
+        from .simulate import main as simulate_main
+
+        return simulate_main(args.args)
 
     if args.command == "run":
         from .config import ConfigError, load_config
@@ -123,6 +145,14 @@ def main(argv=None) -> int:
             elif args.action == "slowdown":
                 print(ray.get(controller.chaos_slowdown.remote(args.target, args.factor,
                                                                args.duration)))
+            elif args.action == "region-loss":
+                print(ray.get(controller.chaos_region_loss.remote(args.target, args.repair)))
+            elif args.action == "network":
+                print(ray.get(controller.chaos_network.remote(
+                    args.target, args.duration, args.latency_ms, args.bandwidth_gbps)))
+            elif args.action == "partition":
+                print(ray.get(controller.chaos_network.remote(args.target, args.duration,
+                                                              partition=True)))
             else:
                 print(ray.get(controller.chaos_hang.remote(args.target, args.duration)))
     except ray.exceptions.RayTaskError as exc:

@@ -6,6 +6,7 @@ learners (4)``. Sections are plain data; ``orchestrator/build.py`` turns them in
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Literal, Optional, Union
 
@@ -195,26 +196,100 @@ class MetricsSection(_Section):
 
 
 class KillEvent(_Section):
+    """A learner dies (``ray.kill``, or a hard process exit) or, with target ``syncer``, the syncer."""
+
     type: Literal["kill"]
     target: str
     at_s: float = Field(ge=0)
     mode: Literal["ray_kill", "exit"] = "ray_kill"
+    repair_s: float = Field(0.0, ge=0)   # the learner may restart no earlier than this after
+
+
+class RegionLossEvent(_Section):
+    """Every learner of a region dies at once (a lost slice or node)."""
+
+    type: Literal["region_loss"]
+    target: str                          # a region name
+    at_s: float = Field(ge=0)
+    repair_s: float = Field(0.0, ge=0)
 
 
 class SlowdownEvent(_Section):
     type: Literal["slowdown"]
-    target: str
+    target: str                          # a learner or a region
     at_s: float = Field(ge=0)
     duration_s: float = Field(gt=0)
     factor: float = Field(gt=1)
 
 
-ChaosEvent = Annotated[Union[KillEvent, SlowdownEvent], Field(discriminator="type")]
+class NetworkEvent(_Section):
+    """A region's link degrades (extra latency, bandwidth cap) or, as ``partition``, goes silent."""
+
+    type: Literal["network", "partition"]
+    target: str                          # a region name
+    at_s: float = Field(ge=0)
+    duration_s: float = Field(gt=0)
+    extra_latency_ms: float = Field(0.0, ge=0)
+    bandwidth_gbps: Optional[float] = Field(None, gt=0)
+
+
+ChaosEvent = Annotated[Union[KillEvent, RegionLossEvent, SlowdownEvent, NetworkEvent],
+                       Field(discriminator="type")]
 
 
 class ChaosSection(_Section):
-    seed: int = 0
+    """Scripted ``events`` plus, when ``mtbf_s`` is set, seeded Poisson failures (orchestrator/chaos.py).
+
+    The same seed gives the same schedule, so two systems can run under identical faults.
+    """
+
+    seed: int = Field(0, ge=0)
     events: list[ChaosEvent] = []
+    mtbf_s: Optional[float] = Field(None, gt=0)          # per learner
+    repair_s: float = Field(0.0, ge=0)
+    kill_mode: Literal["ray_kill", "exit"] = "ray_kill"
+    region_mtbf_s: Optional[float] = Field(None, gt=0)
+    slowdown_mtbf_s: Optional[float] = Field(None, gt=0)
+    slowdown_factor: float = Field(4.0, gt=1)
+    slowdown_s: float = Field(10.0, gt=0)
+    network_mtbf_s: Optional[float] = Field(None, gt=0)
+    network_s: float = Field(10.0, gt=0)
+    syncer_mtbf_s: Optional[float] = Field(None, gt=0)
+    horizon_s: Optional[float] = Field(None, gt=0)       # default: the run's duration
+
+    def plan(self, learners_by_region: dict, default_horizon_s: float):
+        """The fault plan: the scripted events plus the Poisson draws (times from job start)."""
+        from . import chaos
+
+        plan = chaos.FaultPlan()
+        if self.mtbf_s is not None or any(v is not None for v in (
+                self.region_mtbf_s, self.slowdown_mtbf_s, self.network_mtbf_s,
+                self.syncer_mtbf_s)):
+            plan = chaos.poisson_plan(
+                learners_by_region, self.horizon_s or default_horizon_s, seed=self.seed,
+                mtbf_s=self.mtbf_s or math.inf, repair_s=self.repair_s,
+                kill_mode="kill" if self.kill_mode == "ray_kill" else "exit",
+                region_mtbf_s=self.region_mtbf_s, slowdown_mtbf_s=self.slowdown_mtbf_s,
+                slowdown_factor=self.slowdown_factor, slowdown_s=self.slowdown_s,
+                network_mtbf_s=self.network_mtbf_s, network_s=self.network_s,
+                syncer_mtbf_s=self.syncer_mtbf_s)
+        for event in self.events:
+            if event.type == "kill" and event.target == "syncer":
+                plan.kill_syncer(event.at_s)
+            elif event.type == "kill":
+                plan.crash(event.target, event.at_s, event.repair_s,
+                           mode="kill" if event.mode == "ray_kill" else "exit")
+            elif event.type == "region_loss":
+                plan.lose_region(event.target, event.at_s, event.repair_s)
+            elif event.type == "slowdown":
+                plan.slow(event.target, event.at_s, event.duration_s, event.factor)
+            elif event.type == "network":
+                plan.degrade(event.target, event.at_s, event.duration_s,
+                             extra_latency_ms=event.extra_latency_ms,
+                             bandwidth_gbps=event.bandwidth_gbps)
+            else:
+                plan.partition(event.target, event.at_s, event.duration_s)
+        return plan.sorted()
 
 
 class RunSection(_Section):
@@ -256,14 +331,14 @@ class JobConfig(_Section):
             raise _FieldError("quorum.min_learners",
                               f"quorum ({self.quorum.min_learners}) exceeds learners ({total})")
         if self.chaos is not None:
-            known = set(self.learner_ids()) | {"syncer"}
+            learners, regions = set(self.learner_ids()), set(self.regions)
+            allowed = {"kill": learners | {"syncer"}, "slowdown": learners | regions,
+                       "region_loss": regions, "network": regions, "partition": regions}
             for i, event in enumerate(self.chaos.events):
-                if event.target not in known:
+                if event.target not in allowed[event.type]:
                     raise _FieldError(f"chaos.events.{i}.target",
-                                      f"no learner {event.target!r}; targets are "
-                                      f"{sorted(known)}")
-                if event.type == "slowdown" and event.target == "syncer":
-                    raise _FieldError(f"chaos.events.{i}.target", "the syncer cannot be slowed")
+                                      f"{event.type} cannot target {event.target!r}; targets are "
+                                      f"{sorted(allowed[event.type])}")
         return self
 
     # -- helpers --------------------------------------------------------------------------------

@@ -73,6 +73,7 @@ class Slot:
     wire_up_closed: int = 0
     wire_down_closed: int = 0
     counters_closed: bool = False         # the current incarnation's counters are folded in
+    repair_until_s: float = 0.0           # a chaos repair delay: no restart before this
 
     def beat_value(self, key: str, default=0):
         return (self.last_beat or {}).get(key, default) or default
@@ -142,6 +143,11 @@ class Controller:
         self.goodput_history: collections.deque = collections.deque(maxlen=100_000)
         self.metrics_server = None
         self.ray_metrics = None
+        self.link_faults: list = []       # network faults in force, for learners started later
+        self.chaos_plan = (config.chaos.plan(
+            {name: [f"{name}:{i}" for i in range(region.learners)]
+             for name, region in config.regions.items()}, config.run.duration_s)
+            if config.chaos is not None else None)
 
     # -- events ---------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
@@ -239,6 +245,9 @@ class Controller:
                        resources={f"region:{slot.region}": 1},
                        runtime_env={"env_vars": _single_thread_env(self.jax_cache_dir)})
         slot.handle = ray.remote(LearnerUnit).options(**options).remote(spec)
+        for fault in self.link_faults:
+            if fault.target == slot.region and fault.end_s > time.time():
+                slot.handle.link_fault.remote(fault)
         slot.run_ref = slot.handle.run.remote()
         slot.start_step = start_step
         slot.counters_closed = False
@@ -401,7 +410,8 @@ class Controller:
             return
         slot.restarts[cause] += 1
         slot.state = "restarting"
-        slot.restart_at_s = detected_s + verdict.delay_s
+        # Not before its repair is done (a chaos fault with a repair delay).
+        slot.restart_at_s = max(detected_s + verdict.delay_s, slot.repair_until_s)
         slot.recovery = {"learner": slot.learner, "cause": cause.value, "failed_s": died_s,
                          "detected_s": detected_s}
         self.emit("learner_restart_scheduled", learner=slot.learner, cause=cause.value,
@@ -646,15 +656,22 @@ class Controller:
         slot = self.slots.get(target)
         if slot is None or slot.handle is None or slot.state in ("retired", "restarting"):
             raise ValueError(f"no running learner {target!r}")
+        if mode not in ("ray_kill", "exit"):
+            raise ValueError(f"unknown kill mode {mode!r}; choose ray_kill or exit")
         self.emit("chaos", action="kill", target=target, mode=mode)
+        return self._kill_learner(slot, mode)
+
+    def _kill_learner(self, slot: Slot, mode: str, repair_s: float = 0.0) -> str:
+        """Kills the running incarnation; it may restart no earlier than ``repair_s`` from now."""
+        import ray
+
         slot.killed_at_s = time.time()
+        slot.repair_until_s = slot.killed_at_s + repair_s
         if mode == "exit":
             slot.handle.crash.remote()
-        elif mode == "ray_kill":
-            ray.kill(slot.handle, no_restart=True)
         else:
-            raise ValueError(f"unknown kill mode {mode!r}; choose ray_kill or exit")
-        return f"killed {target} ({mode})"
+            ray.kill(slot.handle, no_restart=True)
+        return f"killed {slot.learner} ({mode})"
 
     def chaos_slowdown(self, target: str, factor: float, duration_s: float) -> str:
         slot = self.slots.get(target)
@@ -672,22 +689,72 @@ class Controller:
         slot.handle.hang.remote(duration_s)
         return f"hung {target} for {duration_s}s"
 
+    def chaos_region_loss(self, region: str, repair_s: float = 0.0) -> str:
+        """Kills every running learner of ``region`` at once (a lost slice or node)."""
+        if region not in self.config.regions:
+            raise ValueError(f"unknown region {region!r}; regions are {sorted(self.config.regions)}")
+        victims = [s.learner for s in self.slots.values() if s.region == region
+                   and s.handle is not None and s.state not in ("retired", "restarting")]
+        self.emit("chaos", action="region_loss", target=region, repair_s=repair_s,
+                  learners=victims)
+        for learner in victims:
+            self._kill_learner(self.slots[learner], "ray_kill", repair_s)
+        return f"lost region {region}: killed {victims}"
+
+    def chaos_network(self, region: str, duration_s: float, extra_latency_ms: float = 0.0,
+                      bandwidth_gbps: Optional[float] = None, partition: bool = False) -> str:
+        """Degrades (or, with ``partition``, silences) a region's link for ``duration_s``."""
+        from .chaos import Fault, FaultKind
+
+        if region not in self.config.regions:
+            raise ValueError(f"unknown region {region!r}; regions are {sorted(self.config.regions)}")
+        # Absolute times: each learner checks the window against its own clock.
+        fault = Fault(time.time(), FaultKind.PARTITION if partition else FaultKind.NETWORK,
+                      region, duration_s=duration_s, extra_latency_ms=extra_latency_ms,
+                      bandwidth_gbps=bandwidth_gbps)
+        self.emit("chaos", action=fault.kind.value, target=region, duration_s=duration_s,
+                  extra_latency_ms=extra_latency_ms, bandwidth_gbps=bandwidth_gbps)
+        self.link_faults.append(fault)
+        for slot in self.slots.values():
+            if slot.region == region and slot.handle is not None and slot.state != "retired":
+                slot.handle.link_fault.remote(fault)
+        return f"{fault.kind.value} on {region} for {duration_s}s"
+
     def _fire_chaos(self) -> None:
-        chaos = self.config.chaos
-        if chaos is None:
+        """Applies the faults of the job's chaos plan that are due (times from the job start)."""
+        from .chaos import FaultKind
+
+        if self.chaos_plan is None:
             return
-        elapsed = time.time() - self.started_s
-        for i, event in enumerate(chaos.events):
-            if i in {f["index"] for f in self.chaos_fired} or elapsed < event.at_s:
-                continue
+        for fault in self.chaos_plan.due(time.time() - self.started_s):
             try:
-                if event.type == "kill":
-                    message = self.chaos_kill(event.target, event.mode)
+                if fault.kind in (FaultKind.KILL, FaultKind.EXIT):
+                    slot = self.slots.get(fault.target)
+                    if slot is None or slot.handle is None or slot.state in ("retired",
+                                                                             "restarting"):
+                        raise ValueError(f"{fault.target} is not running")
+                    mode = "ray_kill" if fault.kind == FaultKind.KILL else "exit"
+                    self.emit("chaos", action="kill", target=fault.target, mode=mode,
+                              repair_s=fault.duration_s)
+                    message = self._kill_learner(slot, mode, fault.duration_s)
+                elif fault.kind == FaultKind.REGION_LOSS:
+                    message = self.chaos_region_loss(fault.target, fault.duration_s)
+                elif fault.kind == FaultKind.SLOWDOWN:
+                    targets = ([fault.target] if fault.target in self.slots else
+                               [s.learner for s in self.slots.values()
+                                if s.region == fault.target and s.state == "training"])
+                    message = "; ".join(self.chaos_slowdown(t, fault.factor, fault.duration_s)
+                                        for t in targets)
+                elif fault.kind in (FaultKind.NETWORK, FaultKind.PARTITION):
+                    message = self.chaos_network(fault.target, fault.duration_s,
+                                                 fault.extra_latency_ms, fault.bandwidth_gbps,
+                                                 partition=fault.kind == FaultKind.PARTITION)
                 else:
-                    message = self.chaos_slowdown(event.target, event.factor, event.duration_s)
-            except ValueError as exc:
+                    message = self.chaos_kill("syncer")
+            except ValueError as exc:  # e.g. the target is down already: that fault is moot
                 message = f"not fired: {exc}"
-            self.chaos_fired.append({"index": i, "at_s": elapsed, "message": message})
+            self.chaos_fired.append({"at_s": fault.at_s, "kind": fault.kind.value,
+                                     "target": fault.target, "message": message})
 
     # -- evaluation -----------------------------------------------------------------------------
     def _eval_loop(self) -> None:

@@ -44,7 +44,8 @@ def test_defaults_and_helpers():
     ({"regions": {"a": {"learners": 2, "speed_factors": [1.0]}}},
      "regions.a.speed_factors: 1 entries for 2 learners"),
     ({"regions": {"a": {"learners": 1}}, "chaos": {"events": [
-        {"type": "kill", "target": "eu:7", "at_s": 1}]}}, "chaos.events.0.target: no learner 'eu:7'"),
+        {"type": "kill", "target": "eu:7", "at_s": 1}]}},
+     "chaos.events.0.target: kill cannot target 'eu:7'"),
     ({"health": {"heartbeat_s": 5, "timeout_s": 2}},
      "health.timeout_s: timeout_s (2.0) must exceed heartbeat_s (5.0)"),
 ])
