@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from .health import Cause, RestartDecision, RestartPolicy, detect
+from .health import Cause, RestartDecision, RestartPolicy, death_cause, detect, grown_target
 
 log = logging.getLogger("islands.controller")
 
@@ -344,11 +344,8 @@ class Controller:
         """PREEMPTION when the node the learner ran on is gone, CRASH otherwise."""
         import ray
 
-        node_id = getattr(slot, "node_id", None)
-        if node_id is None:
-            return Cause.CRASH
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        return Cause.CRASH if node_id in alive else Cause.PREEMPTION
+        return death_cause(slot.node_id, alive, str(exc))
 
     def _check_health(self) -> None:
         import ray
@@ -572,11 +569,9 @@ class Controller:
             capacity = total.get(f"region:{region}", 0.0)
             previous = self.region_capacity.get(region)
             self.region_capacity[region] = capacity
-            if previous is None or capacity <= previous:
-                continue
             ceiling = cfg.max_learners if cfg.max_learners is not None else cfg.learners
-            target = min(int(capacity), ceiling)
-            if target > self.targets[region]:
+            target = grown_target(capacity, previous, self.targets[region], ceiling)
+            if target is not None:
                 self.emit("region_grew", region=region, capacity=capacity, target=target)
                 self._scale_to(region, target)
 

@@ -90,3 +90,36 @@ def detect(now_s: float, last_beat_s: Optional[float], started_s: float, step_ti
         if median > 0 and step_time_s > straggler_factor * median:
             return Cause.STRAGGLER
     return None
+
+
+def death_cause(node_id: Optional[str], alive_node_ids: "set[str] | frozenset[str]",
+                error_text: str = "") -> Cause:
+    """PREEMPTION when the learner's node is gone, CRASH when the process died on a live node.
+
+    Ray may report the actor's death before the node's: the error text ("its node has died",
+    "node ... was removed", "preempted") counts as evidence too.
+
+    >>> death_cause("n1", {"n1"}), death_cause("n1", {"n2"}), death_cause(None, set())
+    (<Cause.CRASH: 'crash'>, <Cause.PREEMPTION: 'preemption'>, <Cause.CRASH: 'crash'>)
+    """
+    text = error_text.lower()
+    if "preempt" in text or ("node" in text and any(w in text for w in ("died", "dead",
+                                                                          "removed"))):
+        return Cause.PREEMPTION
+    if node_id is not None and node_id not in alive_node_ids:
+        return Cause.PREEMPTION
+    return Cause.CRASH
+
+
+def grown_target(capacity: float, previous_capacity: Optional[float], current_target: int,
+                 max_learners: int) -> Optional[int]:
+    """The learner count a region should grow to when its ``region:<name>`` capacity rose (a node
+    joined, by hand or the autoscaler), up to ``max_learners``; None when nothing is to be done.
+
+    >>> grown_target(3, 2, 2, 4), grown_target(6, 2, 2, 4), grown_target(2, 2, 2, 4)
+    (3, 4, None)
+    """
+    if previous_capacity is None or capacity <= previous_capacity:
+        return None
+    target = min(int(capacity), max_learners)
+    return target if target > current_target else None

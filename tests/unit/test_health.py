@@ -62,3 +62,25 @@ def test_recovery_phases():
     assert recovery_phases(rec) == {"cause": "crash", "detect_s": 0.5, "restart_s": 0.5,
                                     "restore_s": 3.0, "first_contribution_s": 1.5,
                                     "total_s": 5.5}
+
+
+def test_death_cause_node_gone_or_said_so():
+    from islands.orchestrator.health import death_cause
+
+    assert death_cause("n1", {"n1", "n2"}) == Cause.CRASH
+    assert death_cause("n1", {"n2"}) == Cause.PREEMPTION       # its node left the cluster
+    assert death_cause(None, {"n2"}) == Cause.CRASH            # never heartbeat: no evidence
+    # Ray reported the actor's death before the node's.
+    assert death_cause("n1", {"n1"}, "The actor died because its node has died.") == \
+        Cause.PREEMPTION
+    assert death_cause("n1", {"n1"}, "Worker exited unexpectedly (SIGKILL)") == Cause.CRASH
+
+
+def test_grown_target_first_and_last_step():
+    from islands.orchestrator.health import grown_target
+
+    assert grown_target(2, None, 2, 4) is None   # the first look only records the capacity
+    assert grown_target(3, 2, 2, 4) == 3         # one node with region:<name> 1 joined
+    assert grown_target(9, 3, 3, 4) == 4         # capped at max_learners
+    assert grown_target(5, 4, 4, 4) is None      # at the cap already
+    assert grown_target(1, 2, 2, 4) is None      # shrinking is handled as preemption, not here

@@ -1,0 +1,17 @@
+"""The worked examples in the core modules' docstrings are tests too."""
+
+import doctest
+import importlib
+
+import pytest
+
+MODULES = ["islands.syncer.fragments", "islands.syncer.merge", "islands.syncer.quorum",
+           "islands.learners.core", "islands.orchestrator.health", "islands.orchestrator.metrics",
+           "islands.orchestrator.chaos"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples(name):
+    result = doctest.testmod(importlib.import_module(name), optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0, f"{name} has no examples"
+    assert result.failed == 0
