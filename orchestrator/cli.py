@@ -95,18 +95,19 @@ def main(argv=None) -> int:
     part.add_argument("--duration", type=float, default=30.0)
     part.add_argument("--address", default=None)
 
-    simulate = sub.add_parser("simulate", add_help=False,
-                              help="chaos simulation of goodput at 150k-2.4M chips (DESIGN §9)")
-    simulate.add_argument("args", nargs=argparse.REMAINDER)
+    sub.add_parser("simulate", add_help=False,
+                   help="chaos simulation of goodput at 150k-2.4M chips (DESIGN §9); "
+                        "islands simulate --help")
 
     report = sub.add_parser("report", help="plots and report.md from a run dir")
     report.add_argument("run_dir")
 
-    args = parser.parse_args(argv)
-    if args.command == "simulate":
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["simulate"]:  # its own options (--quick, --chips, ...) pass through as they are
         from .simulate import main as simulate_main
 
-        return simulate_main(args.args)
+        return simulate_main(argv[1:])
+    args = parser.parse_args(argv)
 
     if args.command == "run":
         from .config import ConfigError, load_config

@@ -1,0 +1,85 @@
+"""Scale: goodput of data-parallel and Decoupled DiLoCo at 150k–2.4M chips (DESIGN §9 simulator).
+
+Calibrates the unpublished times (restart, checkpoint interval, elastic reconfiguration, repair) on
+the paper's two data-parallel rows only, then predicts Decoupled DiLoCo for M = 2, 4, 8, 16 with
+the same times on the same seeded failure traces. The model is described in
+``islands.orchestrator.simulate``.
+
+    python benchmarks/scale.py --quick          # 6 000 slice failures per run, one seed
+    python benchmarks/scale.py                  # 20 000 failures per run, two seeds
+
+Prints the table, then one JSON object as the last line; writes scale.png and scale.json to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+from islands.orchestrator import simulate as sim  # noqa: E402
+
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+LABELS = {"dp": "data-parallel", "dp_elastic": "data-parallel, elastic"}
+
+
+def plot(study: sim.Study, path: str) -> None:
+    """Goodput vs chips: a line per system, the paper's data-parallel targets as markers."""
+    chips = list(study.table)
+    fig, ax = plt.subplots(figsize=(7.5, 4.8))
+    for i, system in enumerate(next(iter(study.table.values()))):
+        label = LABELS.get(system, system.replace("diloco_", "Decoupled DiLoCo, M = "))
+        line, = ax.plot(chips, [100 * study.table[c][system] for c in chips], marker=".",
+                        label=label, linestyle="-" if system in LABELS else "--")
+        if system in sim.PAPER_TARGETS:
+            ax.scatter(chips, [100 * t for t in sim.PAPER_TARGETS[system]], marker="x", s=60,
+                       color=line.get_color(), zorder=3,
+                       label=f"paper Table 1 ({LABELS[system]})")
+    tm = study.calibration.timings
+    ax.set_xscale("log")
+    ax.set_xticks(chips, [f"{c / 1e6:g}M" if c >= 1e6 else f"{c // 1000}k" for c in chips])
+    ax.minorticks_off()
+    ax.set_xlabel("chips (MTBI 1 year per chip, "
+                  f"{study.config.slice_chips}-chip slices)")
+    ax.set_ylabel("goodput (%)")
+    ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
+    ax.set_title(f"calibrated: restart {tm.restart_s:.0f} s, reconfig {tm.reconfig_s:.1f} s, "
+                 f"repair {tm.repair_mean_s / 3600:.2f} h; fit rmse "
+                 f"{study.calibration.rmse_pp:.1f} pp", fontsize=9)
+    ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sim.add_arguments(parser)
+    parser.add_argument("--out", default=DEFAULT_OUT, help="folder for scale.png and scale.json")
+    args = parser.parse_args(argv)
+    try:
+        config = sim.config_from_args(args)
+    except ValueError as e:
+        parser.error(str(e))
+    study = sim.run_study(config)
+    os.makedirs(args.out, exist_ok=True)
+    png, record_path = os.path.join(args.out, "scale.png"), os.path.join(args.out, "scale.json")
+    plot(study, png)
+    record = {**sim.study_json(study), "quick": bool(args.quick), "png": png}
+    with open(record_path, "w") as f:
+        json.dump(record, f, indent=2)
+    print(sim.format_table(study))
+    print(json.dumps(record))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
