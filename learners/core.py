@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from islands.syncer import fragments as fragments_lib
@@ -20,20 +21,22 @@ from islands.syncer.validate import Push
 def blend(local: Fragment, merged: Fragment, alpha: float) -> Fragment:
     """``θ ← α·θ_local + (1 − α)·Θ``; α = 0 (the paper) adopts the merged fragment as is.
 
-    >>> blend({"w": np.array([2.0])}, {"w": np.array([4.0])}, 0.5)["w"]
-    array([3.])
+    The result lives on the default device (the learner's accelerator), like the parameters.
+
+    >>> np.asarray(blend({"w": np.array([2.0])}, {"w": np.array([4.0])}, 0.5)["w"])
+    array([3.], dtype=float32)
     """
     if alpha == 0.0:
-        return {path: np.array(value, copy=True) for path, value in merged.items()}
-    return {path: alpha * np.asarray(local[path]) + (1.0 - alpha) * np.asarray(merged[path])
-            for path in merged}
+        return {path: jnp.asarray(value, jnp.float32) for path, value in merged.items()}
+    return {path: alpha * jnp.asarray(local[path], jnp.float32)
+            + (1.0 - alpha) * jnp.asarray(merged[path], jnp.float32) for path in merged}
 
 
 @dataclass
 class FragmentTrack:
     """What a learner knows about one fragment since it last adopted it."""
 
-    base: Fragment                 # Θ[p](base_version), the anchor of the drift
+    base: Fragment                 # Θ[p](base_version), the anchor of the drift (on the device)
     base_version: int
     ef_state: Any                  # error-feedback residual, committed when a push is merged
     c_tokens: int = 0
@@ -89,9 +92,26 @@ class LearnerCore:
         self.compute_s = 0.0       # this incarnation's inner-step seconds
         self.tracks = []
         for p in range(plan.num_fragments):
-            base = to_numpy(fragments_lib.extract(params, plan, p))
+            base = on_device(fragments_lib.extract(params, plan, p))
             self.tracks.append(FragmentTrack(base=base, base_version=versions[p],
                                              ef_state=error_feedback.init(base)))
+        # Drift, encode (with error feedback) and the encoding's relative error in one compiled
+        # call on the device that holds the parameters; only the codes go to the host. Taking
+        # the fp32 fragment to the host and encoding it in numpy cost half a step on a GPU
+        # (DESIGN §10).
+        self._encode_drift = jax.jit(self._encode_drift_math)
+
+    def compile_pushes(self) -> None:
+        """Compiles every fragment's encode now (before training), so the first pushes do not
+        stall steps (which a straggler check would see)."""
+        for p, track in enumerate(self.tracks):
+            local = fragments_lib.extract(self.params, self.plan, p)
+            jax.block_until_ready(self._encode_drift(local, track.base, track.ef_state))
+
+    def _encode_drift_math(self, local: Fragment, base: Fragment, ef_state: Any):
+        drift = {path: (jnp.asarray(local[path], jnp.float32) - base[path]) for path in base}
+        codes, new_ef_state = self.error_feedback.update(drift, ef_state)
+        return codes, new_ef_state, relative_error(drift, self.decode(codes))
 
     # -- step 1: after every inner step --------------------------------------------------------
     def record_step(self, tokens: int, step_s: float) -> None:
@@ -109,18 +129,18 @@ class LearnerCore:
                 if self.tracks[p].in_flight_since_step is None]
 
     def drift(self, p: int) -> Fragment:
-        """``δ = θ_m[p] − Θ[p](v_base)``."""
-        local = to_numpy(fragments_lib.extract(self.params, self.plan, p))
+        """``δ = θ_m[p] − Θ[p](v_base)``, as host arrays."""
+        local = fragments_lib.extract(self.params, self.plan, p)
         base = self.tracks[p].base
-        return {path: (local[path] - base[path]).astype(np.float32) for path in base}
+        return {path: np.asarray(jnp.asarray(local[path], jnp.float32) - base[path])
+                for path in base}
 
     def make_push(self, p: int, epoch: int) -> PushPlan:
         track = self.tracks[p]
-        drift = self.drift(p)
-        codes, new_ef_state = self.error_feedback.update(drift, track.ef_state)
+        local = fragments_lib.extract(self.params, self.plan, p)
+        codes, new_ef_state, err = self._encode_drift(local, track.base, track.ef_state)
         codes = jax.device_get(codes)  # host arrays on the wire, wherever the encode ran
-        decoded = self.decode(codes)
-        err = relative_error(drift, decoded)
+        err = float(err)
         track.pending_ef_state = new_ef_state
         track.in_flight_since_step = self.step
         nbytes = self.wire_bytes(codes)
@@ -163,10 +183,14 @@ class LearnerCore:
 
     def adopt(self, p: int, fragment: Fragment, version: int) -> None:
         track = self.tracks[p]
-        local = to_numpy(fragments_lib.extract(self.params, self.plan, p))
-        new_local = blend(local, fragment, self.merge_alpha)
+        base = on_device(fragment)  # one host-to-device copy, shared by base and parameters
+        if self.merge_alpha == 0.0:
+            new_local = base
+        else:
+            new_local = blend(fragments_lib.extract(self.params, self.plan, p), base,
+                              self.merge_alpha)
         self.params = fragments_lib.insert(self.params, self.plan, p, new_local)
-        track.base = {path: np.array(v, np.float32, copy=True) for path, v in fragment.items()}
+        track.base = base
         track.base_version = version
         if track.pending_ef_state is not None:
             track.ef_state = track.pending_ef_state
@@ -185,8 +209,18 @@ def to_numpy(tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda x: np.asarray(x, dtype=np.float32), tree)
 
 
-def relative_error(exact: Fragment, approx: Fragment) -> float:
-    """``‖approx − exact‖ / ‖exact‖`` over a whole fragment (0 when exact is 0)."""
-    num = sum(float(np.sum(np.square(np.asarray(approx[k], np.float64) - exact[k]))) for k in exact)
-    den = sum(float(np.sum(np.square(np.asarray(exact[k], np.float64)))) for k in exact)
-    return 0.0 if den == 0.0 else float(np.sqrt(num / den))
+def on_device(tree: Any) -> Any:
+    """float32 jax arrays on the default device (copies host arrays there once)."""
+    return jax.tree_util.tree_map(lambda x: jnp.asarray(x, dtype=jnp.float32), tree)
+
+
+def relative_error(exact: Fragment, approx: Fragment) -> jax.Array:
+    """``‖approx − exact‖ / ‖exact‖`` over a whole fragment (0 when exact is 0); jittable.
+
+    >>> round(float(relative_error({"w": np.array([3.0, 4.0])}, {"w": np.array([3.0, 4.5])})), 6)
+    0.1
+    """
+    num = sum(jnp.sum(jnp.square(jnp.asarray(approx[k], jnp.float32)
+                                 - jnp.asarray(exact[k], jnp.float32))) for k in exact)
+    den = sum(jnp.sum(jnp.square(jnp.asarray(exact[k], jnp.float32))) for k in exact)
+    return jnp.where(den > 0, jnp.sqrt(num / jnp.where(den > 0, den, 1.0)), 0.0)

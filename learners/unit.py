@@ -58,6 +58,10 @@ class LearnerSpec:
     controller_name: Optional[str] = "islands:controller"
     peer: Optional[str] = None        # a healthy learner's actor name for the inner state
     corpus_ref: Any = None            # the train bytes in Ray's object store (read once, shared)
+    # XLA/JAX settings, applied in the actor before JAX loads. Set here rather than as a Ray
+    # runtime_env, which would make Ray start a dedicated worker process for every restart
+    # instead of taking a pre-started one (about a second of each recovery).
+    env: dict = field(default_factory=dict)
 
 
 def load_corpus(spec: TrainingSpec):
@@ -109,6 +113,7 @@ class LearnerUnit:
     """One learner. Create with ``ray.remote(LearnerUnit).options(name=..., max_concurrency=8)``."""
 
     def __init__(self, spec: LearnerSpec):
+        os.environ.update(spec.env)  # before anything imports JAX in this process
         self.spec = spec
         self.state = "starting"
         self.stop_event = threading.Event()
@@ -179,7 +184,8 @@ class LearnerUnit:
         with self.lock:
             if self.core is None:
                 return {}
-            return {p: (t.base_version, dict(t.base)) for p, t in enumerate(self.core.tracks)}
+            return {p: (t.base_version, {k: np.asarray(v) for k, v in t.base.items()})
+                    for p, t in enumerate(self.core.tracks)}
 
     def inner_state(self) -> Any:
         """A numpy copy of the inner optimizer state, for a restarting peer (DESIGN §5)."""
@@ -236,7 +242,6 @@ class LearnerUnit:
         assemble = _assembler(template)
         params = jax.tree_util.tree_map(lambda x: x, assemble(flat))
         self.timings["restart_s"] = t_start - self.created_s
-        t_restore = time.time()
         opt_state = None
         if spec.peer:
             try:
@@ -246,9 +251,6 @@ class LearnerUnit:
                 log.warning("%s: no inner state from %s (%s)", spec.learner, spec.peer, exc)
         if opt_state is None:
             opt_state = optimizer.init(params)
-        self.timings["restore_s"] = time.time() - t_restore + (t_restore - t_start)
-        self.timings["ready_at"] = time.time()
-        self.stats["ready_at"] = self.timings["ready_at"]
         with self.lock:
             self.core = LearnerCore(
                 spec.learner, params, opt_state, plan, reg["versions"], ef,
@@ -256,6 +258,12 @@ class LearnerUnit:
                 overlap_steps=tspec.overlap_steps, merge_alpha=tspec.merge_alpha,
                 incarnation=spec.incarnation, start_step=spec.start_step)
         core = self.core
+        t_compile = time.time()
+        core.compile_pushes()
+        self.timings["compile_pushes_s"] = time.time() - t_compile
+        self.timings["restore_s"] = time.time() - t_start
+        self.timings["ready_at"] = time.time()
+        self.stats["ready_at"] = self.timings["ready_at"]
         sender = _Sender(self, spec)
         sender.start()
         self.state = "training"
@@ -298,13 +306,12 @@ class LearnerUnit:
                 loss = float(loss)  # waits for the step
                 with self.lock:
                     core.params, core.opt_state = new_params, new_opt
+                # Emulated slower hardware (speed factor, chaos slowdown): the whole iteration,
+                # pushes and bookkeeping included, is padded to the target at its end.
                 factor = self.slowdown_factor if time.time() < self.slowdown_until else 1.0
                 target = max(spec.min_step_time_s, 0.0) / spec.speed_factor * factor
                 if factor > 1.0 and spec.min_step_time_s == 0.0:
                     target = (time.time() - t0) * factor
-                elapsed = time.time() - t0
-                if elapsed < target:
-                    time.sleep(target - elapsed)
                 for p in core.due(tspec.fragments, tspec.sync_every_steps):
                     push_plan = core.make_push(p, self.epoch)
                     sender.send(self.arrival_s(time.time(), push_plan.wire_bytes), push_plan.push)
@@ -312,7 +319,7 @@ class LearnerUnit:
                         self.stats["pushes"] += 1
                         self.stats["wire_bytes_up"] += push_plan.wire_bytes
                         self.stats["compression_relative_error"] = push_plan.relative_error
-                dt = time.time() - t0
+                dt = max(time.time() - t0, target)
                 first_step = "first_step_s" not in self.timings
                 if first_step:
                     self.timings["first_step_s"] = dt
@@ -329,6 +336,9 @@ class LearnerUnit:
                 if time.time() - last_beat >= spec.heartbeat_s:
                     self._beat(core, step_time_ema)
                     last_beat = time.time()
+                pad = t0 + dt - time.time()
+                if pad > 0:
+                    self.stop_event.wait(pad)
         finally:
             sender.close()
             self.state = "stopped"
@@ -370,7 +380,7 @@ class LearnerUnit:
         """Joins a restarted syncer: new epoch, new bases; local progress is kept as drift."""
         import ray
 
-        from islands.syncer import fragments as fragments_lib
+        from .core import on_device
 
         deadline = time.time() + 60
         while not self.stop_event.is_set() and time.time() < deadline:
@@ -389,7 +399,7 @@ class LearnerUnit:
         with self.lock:
             for p, (frag, version) in enumerate(zip(reg["fragments"], reg["versions"])):
                 track = self.core.tracks[p]
-                track.base = {k: np.asarray(v, np.float32) for k, v in frag.items()}
+                track.base = on_device(frag)
                 track.base_version = version
                 track.in_flight_since_step = None
                 track.reply = None

@@ -296,6 +296,7 @@ class RunSection(_Section):
     duration_s: float = Field(120.0, gt=0)
     run_dir: str = "runs/{name}"
     progress_every_s: float = Field(1.0, gt=0)
+    dashboard: bool = True   # the embedded cluster's Ray dashboard (127.0.0.1 only)
 
 
 class JobConfig(_Section):

@@ -239,11 +239,11 @@ class Controller:
             start_step=start_step, speed_factor=slot.speed_factor,
             min_step_time_s=self.config.learner.min_step_time_s, latency_ms=region.latency_ms,
             bandwidth_gbps=region.bandwidth_gbps, heartbeat_s=self.config.health.heartbeat_s,
-            peer=learner_actor_name(peer) if peer else None, corpus_ref=self.corpus_ref)
+            peer=learner_actor_name(peer) if peer else None, corpus_ref=self.corpus_ref,
+            env=_single_thread_env(self.jax_cache_dir))
         options = dict(name=learner_actor_name(slot.learner), namespace=NAMESPACE,
                        num_cpus=self.config_cpus("learner"), max_restarts=0, max_concurrency=8,
-                       resources={f"region:{slot.region}": 1},
-                       runtime_env={"env_vars": _single_thread_env(self.jax_cache_dir)})
+                       resources={f"region:{slot.region}": 1})
         slot.handle = ray.remote(LearnerUnit).options(**options).remote(spec)
         for fault in self.link_faults:
             if fault.target == slot.region and fault.end_s > time.time():
@@ -285,7 +285,11 @@ class Controller:
                 self._start_due_restarts()
                 self._check_nodes()
                 self._apply_quorum_floor()
-                if time.time() - last_fleet > 1.0:
+                # Faster while a restarted learner's first merged contribution is awaited: the
+                # refresh is what sees it (the recovery's last phase).
+                awaiting = any(s.recovery is not None and "restarted_s" in s.recovery
+                               for s in self.slots.values())
+                if time.time() - last_fleet > (0.2 if awaiting else 1.0):
                     self._refresh_syncer_status()
                     gp = self.goodput()
                     self.goodput_history.append((time.time(), gp["useful_s"], gp["allocated_s"]))
@@ -345,7 +349,7 @@ class Controller:
         import ray
 
         alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        return death_cause(slot.node_id, alive, str(exc))
+        return death_cause(slot.node_id, alive, bool(getattr(exc, "preempted", False)), str(exc))
 
     def _check_health(self) -> None:
         import ray

@@ -93,18 +93,16 @@ def detect(now_s: float, last_beat_s: Optional[float], started_s: float, step_ti
 
 
 def death_cause(node_id: Optional[str], alive_node_ids: "set[str] | frozenset[str]",
-                error_text: str = "") -> Cause:
+                preempted: bool = False, error_text: str = "") -> Cause:
     """PREEMPTION when the learner's node is gone, CRASH when the process died on a live node.
 
-    Ray may report the actor's death before the node's: the error text ("its node has died",
-    "node ... was removed", "preempted") counts as evidence too.
+    Ray may report the actor's death before the node's; then its own word counts: the error's
+    ``preempted`` flag (an autoscaler drain) or its message "its node has died".
 
     >>> death_cause("n1", {"n1"}), death_cause("n1", {"n2"}), death_cause(None, set())
     (<Cause.CRASH: 'crash'>, <Cause.PREEMPTION: 'preemption'>, <Cause.CRASH: 'crash'>)
     """
-    text = error_text.lower()
-    if "preempt" in text or ("node" in text and any(w in text for w in ("died", "dead",
-                                                                          "removed"))):
+    if preempted or "its node has died" in error_text.lower():
         return Cause.PREEMPTION
     if node_id is not None and node_id not in alive_node_ids:
         return Cause.PREEMPTION

@@ -31,9 +31,14 @@ def start_ray(config, address: Optional[str]) -> bool:
         return False
     learners_cpu = 0.25 * sum(max(r.learners, r.max_learners or 0)
                               for r in config.regions.values())
-    ray.init(num_cpus=max(os.cpu_count() or 1, int(learners_cpu + 1.5)),
-             resources=config.region_resources(), namespace=NAMESPACE,
-             include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    context = ray.init(address="local",
+                       num_cpus=max(os.cpu_count() or 1, int(learners_cpu + 1.5)),
+                       resources=config.region_resources(), namespace=NAMESPACE,
+                       include_dashboard=config.run.dashboard, dashboard_host="127.0.0.1",
+                       log_to_driver=False, _node_ip_address="127.0.0.1")
+    if config.run.dashboard and getattr(context, "dashboard_url", None):
+        print(f"islands: Ray dashboard at http://{context.dashboard_url} (actors islands:*, "
+              "metrics islands_*)", flush=True)
     return True
 
 

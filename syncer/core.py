@@ -17,7 +17,8 @@ from . import merge as merge_lib
 from . import outer as outer_lib
 from .fragments import Fragment
 from .quorum import Decision, grace_window, merge_decision
-from .validate import Accepted, Push, RejectReason, Rejected, check_drift, drift_norm
+from .validate import (Accepted, Push, RejectReason, Rejected, check_drift, check_outlier,
+                       drift_norm)
 
 
 @dataclass(frozen=True)
@@ -160,12 +161,13 @@ class SyncerCore:
         except (ValueError, TypeError, KeyError) as exc:  # a malformed code is a bad shape
             self.rejected[RejectReason.BAD_SHAPE] += 1
             return Rejected(RejectReason.BAD_SHAPE, f"cannot decode: {exc}")
-        problem = check_drift(drift, slot.params, list(slot.recent_norms),
-                              self.settings.outlier_norm_factor)
-        if problem is not None and problem.reason != RejectReason.OUTLIER_NORM:
+        problem = check_drift(drift, slot.params, (), None)  # shapes, dtypes, finite values
+        if problem is not None:
             self.rejected[problem.reason] += 1
             return problem
-        slot.recent_norms.append(drift_norm(drift))  # well-formed: part of what "normal" is
+        norm = drift_norm(drift)
+        problem = check_outlier(norm, list(slot.recent_norms), self.settings.outlier_norm_factor)
+        slot.recent_norms.append(norm)  # well-formed: part of what "normal" is
         if problem is not None:
             self.rejected[problem.reason] += 1
             return problem

@@ -7,6 +7,7 @@ network at a time.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -53,6 +54,11 @@ class FragmentPlan:
     def num_fragments(self) -> int:
         return len(self.fragments)
 
+    @functools.cached_property
+    def leaf_index(self) -> dict[str, int]:
+        """Path -> position in the tree's flatten order (so a fragment is found without paths)."""
+        return {path: i for i, path in enumerate(self.paths)}
+
     def fragment_of(self, path: str) -> int:
         for p, members in enumerate(self.fragments):
             if path in members:
@@ -97,9 +103,12 @@ def flatten(params: Any) -> dict[str, Any]:
 
 
 def extract(params: Any, plan: FragmentPlan, fragment: int) -> Fragment:
-    """The tensors of one fragment, as a ``{path: array}`` dict."""
-    flat = flatten(params)
-    return {path: flat[path] for path in plan.fragments[fragment]}
+    """The tensors of one fragment, as a ``{path: array}`` dict (``params`` shaped like the plan's
+    tree: leaves are found by position, which is cheap on a hot path)."""
+    leaves = jax.tree_util.tree_leaves(params)
+    if len(leaves) != len(plan.paths):
+        raise ValueError(f"params have {len(leaves)} tensors, the plan {len(plan.paths)}")
+    return {path: leaves[plan.leaf_index[path]] for path in plan.fragments[fragment]}
 
 
 def insert(params: Any, plan: FragmentPlan, fragment: int, values: Mapping[str, Any]) -> Any:
@@ -107,12 +116,12 @@ def insert(params: Any, plan: FragmentPlan, fragment: int, values: Mapping[str, 
     expected = set(plan.fragments[fragment])
     if set(values) != expected:
         raise ValueError(f"fragment {fragment} holds {sorted(expected)}, got {sorted(values)}")
-    leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(params)
-    new_leaves = []
-    for path, leaf in leaves_with_paths:
-        key = path_to_str(path)
-        new_leaves.append(values[key] if key in values else leaf)
-    return jax.tree_util.tree_unflatten(treedef, new_leaves)
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    if len(leaves) != len(plan.paths):
+        raise ValueError(f"params have {len(leaves)} tensors, the plan {len(plan.paths)}")
+    for path, value in values.items():
+        leaves[plan.leaf_index[path]] = value
+    return jax.tree_util.tree_unflatten(treedef, leaves)
 
 
 def fragment_offsets(num_fragments: int, sync_every_steps: int) -> tuple[int, ...]:

@@ -28,6 +28,17 @@ def build(kind: str = "nesterov", lr: float = DEFAULT_OUTER_LR,
     raise ValueError(f"unknown outer optimizer {kind!r}; choose one of nesterov, sgd, adam")
 
 
+def _update_and_apply(optimizer: optax.GradientTransformation, merged_grad: dict, state: Any,
+                      fragment: dict) -> tuple[dict, Any]:
+    updates, new_state = optimizer.update(merged_grad, state, fragment)
+    return optax.apply_updates(fragment, updates), new_state
+
+
+# One compiled program per (optimizer, fragment structure): run eagerly on numpy, optax dispatches
+# an op per leaf and step (165 ms against 28 ms compiled for 8.4M parameters).
+_compiled_update_and_apply = jax.jit(_update_and_apply, static_argnums=0)
+
+
 def outer_step(optimizer: optax.GradientTransformation, merged_grad: dict, state: Any,
                fragment: dict) -> tuple[dict, Any]:
     """``updates, s = outer.update(Δ̄, s, Θ); Θ = apply_updates(Θ, updates)`` for one fragment.
@@ -35,6 +46,5 @@ def outer_step(optimizer: optax.GradientTransformation, merged_grad: dict, state
     Returns:
       The new fragment as float32 numpy arrays, and the new optimizer state.
     """
-    updates, new_state = optimizer.update(merged_grad, state, fragment)
-    new_fragment = optax.apply_updates(fragment, updates)
+    new_fragment, new_state = _compiled_update_and_apply(optimizer, merged_grad, state, fragment)
     return jax.tree_util.tree_map(lambda x: np.asarray(x, dtype=np.float32), new_fragment), new_state

@@ -103,14 +103,26 @@ def check_drift(drift: Mapping[str, np.ndarray], reference: Mapping[str, np.ndar
         if not np.all(np.isfinite(value)):
             return Rejected(RejectReason.NON_FINITE, f"{path}: NaN or inf")
     if outlier_norm_factor is not None and len(recent_norms) >= min_history:
-        norm = drift_norm(drift)
-        limit = outlier_norm_factor * float(np.median(recent_norms))
-        if limit > 0 and norm > limit:
-            return Rejected(RejectReason.OUTLIER_NORM, f"drift norm {norm:.4g} > {limit:.4g}")
+        return check_outlier(drift_norm(drift), recent_norms, outlier_norm_factor, min_history)
+    return None
+
+
+def check_outlier(norm: float, recent_norms: Sequence[float],
+                  outlier_norm_factor: Optional[float], min_history: int = 3) -> Optional[Rejected]:
+    """OUTLIER_NORM when ``norm`` exceeds ``factor`` × the median of the recent norms (needs
+    ``min_history`` of them); None otherwise or when the test is off (factor None)."""
+    if outlier_norm_factor is None or len(recent_norms) < min_history:
+        return None
+    limit = outlier_norm_factor * float(np.median(recent_norms))
+    if limit > 0 and norm > limit:
+        return Rejected(RejectReason.OUTLIER_NORM, f"drift norm {norm:.4g} > {limit:.4g}")
     return None
 
 
 def drift_norm(drift: Mapping[str, np.ndarray]) -> float:
-    """Global L2 norm over every tensor of a fragment."""
-    return float(np.sqrt(sum(float(np.sum(np.square(np.asarray(v, np.float64))))
-                             for v in drift.values())))
+    """Global L2 norm over every tensor of a fragment (float32 dot products, float64 sum)."""
+    total = 0.0
+    for v in drift.values():
+        flat = np.asarray(v, np.float32).reshape(-1)
+        total += float(np.dot(flat, flat))
+    return float(np.sqrt(total))

@@ -27,6 +27,7 @@ CONFIG = {
     "health": {"heartbeat_s": 0.5, "timeout_s": 8.0,
                "restart": {"backoff_initial_s": 0.2}},
     "metrics": {"enabled": False},
+    "run": {"dashboard": False},
     "chaos": {"seed": 7, "events": [
         {"type": "network", "target": "a", "at_s": 4, "duration_s": 4,
          "extra_latency_ms": 300, "bandwidth_gbps": 0.01},

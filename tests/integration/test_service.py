@@ -49,7 +49,7 @@ def wait_for(predicate, timeout_s, what, every_s=0.2, describe=None):
 
 @pytest.fixture(scope="module")
 def cluster():
-    ray.init(num_cpus=4, resources={"region:us-east": 3, "region:eu-west": 3},
+    ray.init(address="local", num_cpus=4, resources={"region:us-east": 3, "region:eu-west": 3},
              namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
              _node_ip_address="127.0.0.1")
     yield
@@ -194,7 +194,9 @@ def test_scale_up_down_drain_and_status(job):
     controller, snap = job
     print(ray.get(controller.scale.remote("us-east", 3)))
     wait_for(lambda: snap()["learners"].get("us-east:2", {}).get("state") == "training", 120,
-             "us-east:2 to start training")
+             "us-east:2 to start training", describe=lambda: (
+                 {n: (l["state"], l["step"]) for n, l in snap()["learners"].items()},
+                 events(controller, "learner_failed")[-3:], events(controller, "scaled")))
     ray.get(controller.scale.remote("us-east", 1))
     wait_for(lambda: all(snap()["learners"][n]["state"] == "retired"
                          for n in ("us-east:1", "us-east:2")), 60, "us-east:1,2 to drain",

@@ -71,9 +71,13 @@ def test_death_cause_node_gone_or_said_so():
     assert death_cause("n1", {"n2"}) == Cause.PREEMPTION       # its node left the cluster
     assert death_cause(None, {"n2"}) == Cause.CRASH            # never heartbeat: no evidence
     # Ray reported the actor's death before the node's.
-    assert death_cause("n1", {"n1"}, "The actor died because its node has died.") == \
-        Cause.PREEMPTION
-    assert death_cause("n1", {"n1"}, "Worker exited unexpectedly (SIGKILL)") == Cause.CRASH
+    assert death_cause("n1", {"n1"}, error_text="The actor died because its node has died.") \
+        == Cause.PREEMPTION
+    assert death_cause("n1", {"n1"}, preempted=True) == Cause.PREEMPTION  # autoscaler drain
+    # A worker process that exited on a live node is a crash, whatever the text mentions.
+    assert death_cause("n1", {"n1"}, error_text="The actor died unexpectedly before finishing "
+                       "this task. ip: 127.0.0.1 Worker unexpectedly exits; the node is "
+                       "alive") == Cause.CRASH
 
 
 def test_grown_target_first_and_last_step():
