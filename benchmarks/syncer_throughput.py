@@ -1,0 +1,422 @@
+"""Syncer throughput: merges/s and bytes merged/s against a numpy copy of the same bytes, and the
+most learners one syncer sustains on this machine.
+
+The pure ``SyncerCore`` (no Ray) with the codec (int4 by default, as the learners send it): one
+round is M learners' ``accept_push`` (decode the int4 drift, validate, reconstruct
+``θ_m = Θ(base) + δ``) and one ``merge`` (RDA per tensor + the outer Nesterov step). Fragments of
+1M, 10M and 100M float32 parameters (``--quick``: 1M, 10M, 30M), made of ≤ 4M-element tensors.
+The ceiling is ``np.copyto`` of the same M·4·n bytes (payload bytes; memory traffic is twice that).
+JAX runs with the syncer actor's environment (single-thread XLA, ``_single_thread_env``).
+
+Most learners sustained: one syncer is one event loop, so it keeps up while the work arriving per
+second fits in a second. A learner pushes r = P / (H·ξ_step) fragments of N/P parameters per
+second; with the measured per-push cost c_push, merge cost c_merge(L) = a + b·L (fit from rounds
+of 1 and M learners) and c_reply (one fragment copy per reply, estimated by the memcpy rate):
+
+  worst case, every push merged alone (K = 1, learners out of phase):
+      L_max = ⌊ 1 / (r · (c_push + a + b + c_reply)) ⌋
+  best case, one merge per fragment round with all L in (learners in phase):
+      L_max = ⌊ (1/r − a) / (c_push + b + c_reply) ⌋
+
+    python benchmarks/syncer_throughput.py --quick          # ~1 min, 2.7 GB peak
+    python benchmarks/syncer_throughput.py                  # 1M, 10M, 100M: ~2 min, 9 GB peak
+
+Prints tables, then one JSON object as the last line; writes ``syncer_throughput.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+MAX_TENSOR_ELEMS = 4 * 1024 * 1024  # ≈ a 2048 × 2048 matrix; larger fragments hold several
+
+
+def use_syncer_env() -> dict:
+    """The syncer actor's thread settings (before jax is imported): single-thread XLA and OpenMP."""
+    env = {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
+           "OMP_NUM_THREADS": "1"}
+    for key, value in env.items():
+        os.environ.setdefault(key, value)
+    return {key: os.environ[key] for key in env}
+
+
+# -- small pure helpers ------------------------------------------------------------------------
+def ensure_islands_importable() -> None:
+    """Maps ``islands.*`` to this checkout when the package is not installed (DESIGN §3)."""
+    try:
+        import islands.syncer  # noqa: F401
+    except ImportError:
+        import types
+
+        pkg = types.ModuleType("islands")
+        pkg.__path__ = [os.path.dirname(BENCH_DIR)]
+        sys.modules["islands"] = pkg
+
+
+def dist_version(name: str) -> Optional[str]:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def machine_info() -> dict:
+    import jax
+    import numpy as np
+
+    return {"platform": platform.platform(), "python": platform.python_version(),
+            "cpu_count": os.cpu_count(), "jax": jax.__version__,
+            "jax_backend": jax.default_backend(), "numpy": np.__version__,
+            "ray": dist_version("ray")}
+
+
+def command_line() -> str:
+    return shlex.join(["python"] + sys.argv)
+
+
+def tensor_shapes(num_params: int, max_elems: int = MAX_TENSOR_ELEMS, cols: int = 1024
+                  ) -> list[tuple[int, ...]]:
+    """Shapes of the tensors of a fragment of ``num_params``: full ``(rows, cols)`` matrices of at
+    most ``max_elems``, then the remainder (a matrix and a vector).
+
+    >>> tensor_shapes(10_000, max_elems=4096, cols=1024)
+    [(4, 1024), (4, 1024), (1, 1024), (784,)]
+    """
+    rows_per = max(1, max_elems // cols)
+    shapes, left = [], num_params
+    while left >= rows_per * cols:
+        shapes.append((rows_per, cols))
+        left -= rows_per * cols
+    if left >= cols:
+        shapes.append((left // cols, cols))
+        left -= (left // cols) * cols
+    if left:
+        shapes.append((left,))
+    return shapes
+
+
+def merge_cost_fit(merge_1_s: float, merge_m_s: float, m: int) -> tuple[float, float]:
+    """``c_merge(L) = a + b·L`` through rounds of 1 and m learners; returns (a, b).
+
+    >>> merge_cost_fit(0.3, 0.9, 4)
+    (0.1, 0.2)
+    """
+    b = max((merge_m_s - merge_1_s) / (m - 1), 0.0) if m > 1 else 0.0
+    return round(merge_1_s - b, 12), round(b, 12)
+
+
+def pushes_per_s(fragments: int, sync_every_steps: int, step_s: float) -> float:
+    """r = P / (H·ξ_step): fragments one learner pushes per second.
+
+    >>> round(pushes_per_s(24, 24, 0.072), 3)
+    13.889
+    """
+    return fragments / (sync_every_steps * step_s)
+
+
+def max_learners(r: float, c_push: float, a: float, b: float, c_reply: float) -> dict:
+    """Most learners one syncer keeps up with (utilisation ≤ 1), worst and best case.
+
+    >>> max_learners(10.0, 0.001, 0.002, 0.001, 0.0)
+    {'worst': 25, 'best': 49}
+    """
+    worst = math.floor(1.0 / (r * (c_push + a + b + c_reply)))
+    best = math.floor((1.0 / r - a) / (c_push + b + c_reply))
+    return {"worst": max(worst, 0), "best": max(best, 0)}
+
+
+def format_table(rows: list[dict], columns: list[str]) -> str:
+    cells = [list(columns)] + [[_fmt(r.get(c)) for c in columns] for r in rows]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
+    return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells)
+
+
+def _fmt(value: Any) -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, float):
+        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.3e}"
+    return str(value)
+
+
+# -- measuring ---------------------------------------------------------------------------------
+@dataclass
+class Bench:
+    """A syncer holding one fragment, and M learners' encoded pushes for it."""
+
+    core: Any
+    pushes: list
+    nbytes: int       # float32 bytes of the fragment
+    wire_bytes: int   # encoded bytes of one push
+
+
+def build_bench(num_params: int, learners: int, codec_kind: str, seed: int = 0) -> Bench:
+    import jax
+    import numpy as np
+
+    from islands.syncer import codec as codec_lib
+    from islands.syncer import outer as outer_lib
+    from islands.syncer.core import SyncerCore, SyncerSettings
+    from islands.syncer.validate import Push
+
+    rng = np.random.default_rng(seed)
+    fragment = {f"blocks/{i}/w": (0.02 * rng.standard_normal(shape, np.float32))
+                for i, shape in enumerate(tensor_shapes(num_params))}
+    codec = codec_lib.make_codec(codec_kind)
+    ef = codec_lib.error_feedback(codec)
+    # history 2: each version the syncer keeps is a full copy; 8 of 100M would be 3.2 GB.
+    settings = SyncerSettings(min_learners=1, history_versions=2)
+    core = SyncerCore([fragment], settings, outer_lib.build("nesterov"),
+                      lambda codes: codec_lib.decode_tree(codec, codes))
+    pushes = []
+    for m in range(learners):
+        core.register(f"bench:{m}", 0)
+        drift = {k: (1e-3 * rng.standard_normal(v.shape, np.float32)) for k, v in fragment.items()}
+        codes, _ = ef.update(drift, ef.init(drift))
+        codes = jax.device_get(codes)
+        wire = codec_lib.tree_wire_bytes(codes)
+        pushes.append(Push(learner=f"bench:{m}", fragment=0, codes=codes, base_version=0, epoch=0,
+                           c_tokens=4096 * (m + 1), c_steps=m + 1, step=m + 1, wire_bytes=wire))
+        del drift
+    return Bench(core, pushes, num_params * 4, pushes[0].wire_bytes)
+
+
+def one_round(bench: Bench, learners: int) -> tuple[float, float]:
+    """``learners`` pushes, then the merge; returns (seconds for the pushes, seconds to merge)."""
+    core = bench.core
+    version = core.slots[0].version
+    t0 = time.perf_counter()
+    for push in bench.pushes[:learners]:
+        verdict = core.accept_push(dataclasses.replace(push, base_version=version),
+                                   time.monotonic())
+        if not verdict.ok:
+            raise RuntimeError(f"push refused: {verdict}")
+    t1 = time.perf_counter()
+    core.merge(0, "all_live_in", live_count=learners)
+    return t1 - t0, time.perf_counter() - t1
+
+
+def copy_seconds(nbytes: int, repeats: int) -> float:
+    """Fastest seconds of ``np.copyto`` of ``nbytes`` (float32) into a warm destination."""
+    import numpy as np
+
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def measure_size(num_params: int, learners: int, rounds: int, codec_kind: str) -> dict:
+    """One fragment size: M-learner rounds, 1-learner rounds, and the copy ceiling."""
+    bench = build_bench(num_params, learners, codec_kind)
+    one_round(bench, learners)  # warm: compiles the decode for these shapes
+    one_round(bench, 1)
+    # Rounds of M and of 1 learner alternate, so load from others on a shared machine hits both;
+    # every figure comes from the fastest round (the least disturbed); the median is kept too.
+    full, single = [], []
+    for _ in range(rounds):
+        full.append(one_round(bench, learners))
+        single.append(one_round(bench, 1))
+    push_s = min(p for p, _ in full) / learners
+    merge_m_s = min(m for _, m in full)
+    merge_1_s = min(m for _, m in single)
+    round_s = min(p + m for p, m in full)
+    round_median_s = statistics.median(p + m for p, m in full)
+    a, b = merge_cost_fit(merge_1_s, merge_m_s, learners)
+    nbytes = bench.nbytes
+    wire = bench.wire_bytes
+    del bench
+    gc.collect()
+    copy_s = copy_seconds(nbytes, repeats=max(3, rounds))
+    merged_bytes = learners * nbytes
+    return {"params": num_params, "learners": learners, "rounds": rounds,
+            "fragment_mb": nbytes / 1e6, "wire_mb_per_push": wire / 1e6,
+            "push_ms": 1e3 * push_s, "merge_ms": 1e3 * merge_m_s, "merge_1_ms": 1e3 * merge_1_s,
+            "merge_a_ms": 1e3 * a, "merge_b_ms": 1e3 * b, "round_ms": 1e3 * round_s,
+            "round_median_ms": 1e3 * round_median_s,
+            "merges_per_s": 1.0 / round_s, "pushes_per_s": learners / round_s,
+            "merged_gb_per_s": merged_bytes / round_s / 1e9,
+            "copy_ms": 1e3 * copy_s * learners, "copy_gb_per_s": nbytes / copy_s / 1e9,
+            "ratio_to_copy": (merged_bytes / round_s) / (nbytes / copy_s),
+            "wire_gb_per_s": learners * wire / round_s / 1e9}
+
+
+def tiny_step_s(steps: int = 60) -> tuple[float, int]:
+    """Measured step time of JobConfig's default model here (single-thread XLA), and its size."""
+    import jax
+    import numpy as np
+
+    from islands.learners import data
+    from islands.learners.unit import TrainingSpec, build_training
+
+    spec = TrainingSpec(model=dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, d_ff=256,
+                                   seq_len=64), batch_size=8)
+    cfg, params, optimizer, train_step = build_training(spec)
+    sampler = data.ShardSampler(data.synthetic_corpus(200_000).train, 8, cfg.seq_len, 0, 1)
+    opt_state = optimizer.init(params)
+    for i in range(5):
+        params, opt_state, loss = train_step(params, opt_state, sampler.batch_at(i))
+        float(loss)
+    t0 = time.perf_counter()
+    for i in range(steps):
+        params, opt_state, loss = train_step(params, opt_state, sampler.batch_at(i))
+        float(loss)
+    n = sum(int(np.size(x)) for x in jax.tree_util.tree_leaves(params))
+    return (time.perf_counter() - t0) / steps, n
+
+
+def sustained(name: str, model_params: int, fragments: int, step_s: float, learners: int,
+              rounds: int, codec_kind: str, measured: Optional[dict] = None) -> dict:
+    """Most learners for one scenario (P = H = ``fragments``), measured at its own fragment size."""
+    frag = max(1, model_params // fragments)
+    m = measured or measure_size(frag, learners, rounds, codec_kind)
+    r = pushes_per_s(fragments, fragments, step_s)
+    c_push, a, b = m["push_ms"] / 1e3, m["merge_a_ms"] / 1e3, m["merge_b_ms"] / 1e3
+    c_reply = frag * 4 / (m["copy_gb_per_s"] * 1e9)
+    limits = max_learners(r, c_push, a, b, c_reply)
+    return {"scenario": name, "model_params": model_params, "P=H": fragments,
+            "step_ms": 1e3 * step_s, "fragment_params": frag, "pushes_per_s_per_learner": r,
+            "push_ms": m["push_ms"], "merge_a_ms": m["merge_a_ms"], "merge_b_ms": m["merge_b_ms"],
+            "reply_ms": 1e3 * c_reply,
+            "utilisation_1_learner": r * (c_push + a + b + c_reply),
+            "max_learners_worst": limits["worst"],
+            "max_learners_best": limits["best"]}
+
+
+# -- plot -----------------------------------------------------------------------------------------
+def plot(rows: list[dict], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    sizes = [r["params"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    ax = axes[0]
+    ax.plot(sizes, [r["copy_gb_per_s"] for r in rows], "s--", color="black",
+            label="np.copyto of the same bytes (ceiling)")
+    ax.plot(sizes, [r["merged_gb_per_s"] for r in rows], "o-", color="#4c72b0",
+            label=f"syncer: fp32 bytes merged / s ({rows[0]['learners']} learners per round)")
+    ax.plot(sizes, [r["wire_gb_per_s"] for r in rows], "^-", color="#dd8452",
+            label="syncer: encoded (wire) bytes accepted / s")
+    for r in rows:
+        ax.annotate(f"{r['ratio_to_copy']:.1%} of copy\n{r['merges_per_s']:.3g} merges/s",
+                    (r["params"], r["merged_gb_per_s"]), textcoords="offset points",
+                    xytext=(0, -26), ha="center", fontsize=8)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("fragment size (parameters)")
+    ax.set_ylabel("GB / s")
+    lo = min(min(r["wire_gb_per_s"] for r in rows), min(r["merged_gb_per_s"] for r in rows))
+    ax.set_ylim(lo / 4, max(r["copy_gb_per_s"] for r in rows) * 3)
+    ax.set_xlim(min(sizes) / 2, max(sizes) * 2)
+    ax.set_title("syncer merge throughput vs the memory-copy ceiling")
+    ax.legend(fontsize=8, loc="upper right")
+    ax = axes[1]
+    def per(key: str) -> list[float]:  # ms per fragment → ns per parameter
+        return [1e6 * r[key] / r["params"] for r in rows]
+
+    ax.plot(sizes, per("push_ms"), "o-",
+            label="accept_push (decode, check, θ = base + δ), per push")
+    ax.plot(sizes, per("merge_ms"), "o-",
+            label=f"merge + outer step, round of {rows[0]['learners']} learners")
+    ax.plot(sizes, per("merge_1_ms"), "o-", label="merge + outer step, round of 1 learner")
+    ax.plot(sizes, [1e6 * r["copy_ms"] / r["learners"] / r["params"] for r in rows], "s--",
+            color="black", label="np.copyto of one fragment")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("fragment size (parameters)")
+    ax.set_ylabel("ns per parameter")
+    ax.set_title("cost per parameter, by part (fastest round)")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def parse_args(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1M, 10M, 30M")
+    parser.add_argument("--sizes", default=None, help="comma list of fragment sizes (parameters)")
+    parser.add_argument("--learners", type=int, default=4, help="M: pushes per merge round")
+    parser.add_argument("--rounds", type=int, default=None, help="timed rounds per size")
+    parser.add_argument("--codec", default="int4", choices=["none", "bf16", "int8", "int4"])
+    parser.add_argument("--step-time-s", type=float, default=None,
+                        help="tiny scenario's step time (default: measured here)")
+    parser.add_argument("--fragments", type=int, default=4, help="P = H of the tiny scenario")
+    parser.add_argument("--out", default=os.path.join(BENCH_DIR, "out"))
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    t_start = time.time()
+    env = use_syncer_env()
+    ensure_islands_importable()
+    sizes = ([int(float(s)) for s in args.sizes.split(",")] if args.sizes
+             else [1_000_000, 10_000_000, 30_000_000] if args.quick
+             else [1_000_000, 10_000_000, 100_000_000])
+    rows = []
+    for size in sizes:
+        rounds = args.rounds or max(3, min(10, int(2e7 // size)))
+        rows.append(measure_size(size, args.learners, rounds, args.codec))
+        print(f"  measured {size:,d} parameters", file=sys.stderr, flush=True)
+    step_s, tiny_params = ((args.step_time_s, 119_104) if args.step_time_s
+                           else tiny_step_s())
+    scenarios = [
+        sustained("tiny CPU model, step measured here", tiny_params, args.fragments, step_s,
+                  args.learners, 10, args.codec),
+        sustained("124M model, 72 ms H100 step (DESIGN §10)", 124_000_000, 24, 0.072,
+                  args.learners, 3, args.codec),
+    ]
+    os.makedirs(args.out, exist_ok=True)
+    png = os.path.join(args.out, "syncer_throughput.png")
+    plot(rows, png)
+    print(f"syncer throughput · codec {args.codec} · {args.learners} learners per round · "
+          f"thread env {env}")
+    print(format_table(rows, ["params", "fragment_mb", "push_ms", "merge_ms", "round_ms",
+                              "merges_per_s", "merged_gb_per_s", "copy_gb_per_s", "ratio_to_copy",
+                              "wire_gb_per_s"]))
+    print("\nmost learners one syncer sustains (utilisation ≤ 1 on one event loop):")
+    print("  r = P/(H·ξ_step);  c_merge(L) = a + b·L;  c_reply = 4·N/P bytes ÷ copy rate")
+    print("  worst (each push merged alone): L_max = ⌊1 / (r·(c_push + a + b + c_reply))⌋")
+    print("  best (one merge per round of L): L_max = ⌊(1/r − a) / (c_push + b + c_reply)⌋")
+    print("  utilisation_1_learner = r·(c_push + a + b + c_reply): above 1, the syncer falls "
+          "behind even one learner when each push is merged alone")
+    print(format_table(scenarios, ["scenario", "P=H", "step_ms", "fragment_params",
+                                   "pushes_per_s_per_learner", "push_ms", "merge_a_ms",
+                                   "merge_b_ms", "reply_ms", "utilisation_1_learner",
+                                   "max_learners_worst",
+                                   "max_learners_best"]))
+    result = {"benchmark": "syncer_throughput", "codec": args.codec, "learners": args.learners,
+              "sizes": rows, "sustained": scenarios, "thread_env": env, "png": png,
+              "ray_confirmation": "not run (pure core only)", "command": command_line(),
+              "machine": machine_info(), "elapsed_s": round(time.time() - t_start, 1)}
+    with open(os.path.join(args.out, "syncer_throughput.json"), "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    print(json.dumps(result, default=str))
+    return result
+
+
+if __name__ == "__main__":
+    main()
