@@ -130,6 +130,8 @@ class FaultPlan:
     def __post_init__(self):
         self.faults = list(self.faults)
         self._fired_ids: set[int] = set()
+        self._sorted_ids: Optional[list[int]] = None   # fault indices in time order
+        self._cursor = 0   # every fault before it in _sorted_ids has been due
         self.fired: list[Fault] = []
 
     # -- builders -------------------------------------------------------------------------------
@@ -170,10 +172,23 @@ class FaultPlan:
         return FaultPlan(sorted(self.faults, key=Fault._order))
 
     def due(self, now_s: float) -> list[Fault]:
-        """Faults with ``at_s <= now_s`` not handed out before, in time order; marks them fired."""
-        ready = sorted((i for i, f in enumerate(self.faults)
-                        if i not in self._fired_ids and f.at_s <= now_s),
-                       key=lambda i: self.faults[i]._order())
+        """Faults with ``at_s <= now_s`` not handed out before, in time order; marks them fired.
+
+        Cheap to call on every tick: a cursor walks the time-ordered faults (a fault added later
+        re-sorts them once).
+        """
+        if self._sorted_ids is None or len(self._sorted_ids) != len(self.faults):
+            self._sorted_ids = sorted(range(len(self.faults)),
+                                      key=lambda i: self.faults[i]._order())
+            self._cursor = 0
+        ready = []
+        k = self._cursor
+        while k < len(self._sorted_ids) and self.faults[self._sorted_ids[k]].at_s <= now_s:
+            i = self._sorted_ids[k]
+            if i not in self._fired_ids:
+                ready.append(i)
+            k += 1
+        self._cursor = k
         self._fired_ids.update(ready)
         out = [self.faults[i] for i in ready]
         self.fired.extend(out)
@@ -183,6 +198,7 @@ class FaultPlan:
         """Forgets what fired, so the plan replays from the start."""
         self._fired_ids.clear()
         self.fired = []
+        self._sorted_ids = None
         return self
 
     def count(self, kind: Optional[FaultKind | str] = None) -> int:

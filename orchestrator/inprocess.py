@@ -2,8 +2,17 @@
 
 Deterministic discrete-event simulation of the Decoupled DiLoCo data path, built from exactly the
 core objects the Ray actors wrap (``LearnerCore``, ``SyncerCore``). It is the engine for the fast
-tests, the quality benchmark and the in-process demo. A learner never waits here either: it keeps
+tests, the benchmarks and the in-process demo. A learner never waits here either: it keeps
 stepping while its pushes travel, and adopts a reply at a step boundary.
+
+Faults come from a ``chaos.FaultPlan`` (DESIGN §5): a killed learner stops at the fault time and
+its unmerged pushes are dropped (``SyncerCore.forget``); after detect + repair + restart
+(``chaos.RestartCosts``) a new incarnation registers, takes every fragment from the syncer and the
+inner optimizer state of a live peer (a fresh one when none is alive), and resumes its shard at
+``syncer.ledger[learner].applied_step``. Slowdowns multiply step time; network faults change the
+region's transfer time; a syncer kill drops the open rounds and fences the old epoch. Goodput
+(DESIGN §6) is exact on the virtual clock: applied inner-step seconds (the ledger's
+``applied_compute``) over the seconds each learner's slot existed, down time included.
 """
 
 from __future__ import annotations
@@ -17,26 +26,34 @@ from typing import Any, Callable, Optional, Sequence
 import numpy as np
 
 from islands.learners.core import LearnerCore
+from islands.orchestrator.chaos import (LEARNER_LOSS_KINDS, Fault, FaultKind, FaultPlan,
+                                        FaultWindows, Link, RestartCosts)
 from islands.syncer import fragments as fragments_lib
 from islands.syncer.core import MergeResult, SyncerCore
 from islands.syncer.fragments import FragmentPlan
+from islands.syncer.validate import RejectReason
 
 # Event priorities at equal times: pushes leave before the syncer decides, the syncer answers
 # before learners start their next step (so zero latency means "answered at this boundary").
-_STEP_DONE, _ARRIVE, _CHECK, _REPLY, _STEP_START = range(5)
+# A fault at the time a step ends hits after that step's pushes left (they are then refused), and
+# before the learner starts another step; a restarted learner starts after everything else.
+_STEP_DONE, _FAULT, _ARRIVE, _CHECK, _REPLY, _STEP_START, _RESTART = range(7)
+SYNCER_DOWN = "syncer_down"  # rejection reason of a push that reached a dead syncer
 
 
 @dataclass(frozen=True)
 class Fleet:
-    """Speeds and links of the simulated learners.
+    """Speeds, regions and links of the simulated learners.
 
     Attributes:
       speed_factors: one per learner; step time = step_time_s / speed.
       step_time_s: nominal seconds per inner step.
-      step_noise: relative step-time noise, uniform in [−noise, +noise], seeded.
+      step_noise: relative step-time noise, uniform in [−noise, +noise], seeded per learner.
       latency_s: one-way latency of every message.
       bandwidth_bytes_per_s: link bandwidth (inf = instantaneous transfer).
       seed: seed of the noise.
+      regions: the region of each learner (network faults and region losses act per region);
+        None: the learner id up to its last ":" ("us-east:0" is in "us-east").
     """
 
     speed_factors: Sequence[float]
@@ -45,9 +62,37 @@ class Fleet:
     latency_s: float = 0.0
     bandwidth_bytes_per_s: float = math.inf
     seed: int = 0
+    regions: Optional[Sequence[str]] = None
 
     def transfer_s(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+    @property
+    def link(self) -> Link:
+        return Link(self.latency_s, self.bandwidth_bytes_per_s)
+
+    def region_of(self, index: int, learner_id: str) -> str:
+        if self.regions is not None:
+            return self.regions[index]
+        return learner_id.rsplit(":", 1)[0] if ":" in learner_id else learner_id
+
+    def noise_rng(self, index: int) -> np.random.Generator:
+        """Learner ``index``'s own noise stream: a fault elsewhere never changes its step times."""
+        return np.random.default_rng((self.seed, index))
+
+    def nominal_step_s(self, index: int) -> float:
+        return self.step_time_s / self.speed_factors[index]
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One inner step: learner index, incarnation, the step count after it, start and duration."""
+
+    learner: int
+    incarnation: int
+    step: int
+    start_s: float
+    step_s: float
 
 
 @dataclass
@@ -65,6 +110,432 @@ class RunRecord:
     tokens_processed: int = 0
     end_time_s: float = 0.0
     steps: list[int] = field(default_factory=list)
+    # -- failures and goodput (DESIGN §5, §6) ----------------------------------------------------
+    learner_ids: list[str] = field(default_factory=list)
+    regions: list[str] = field(default_factory=list)
+    step_log: list[StepRecord] = field(default_factory=list)
+    restarts: list[dict] = field(default_factory=list)   # one per new incarnation
+    faults_fired: list[Fault] = field(default_factory=list)
+    faults_skipped: list[tuple[Fault, str]] = field(default_factory=list)  # (fault, why)
+    down_intervals: list[list[tuple[float, float]]] = field(default_factory=list)
+    allocated_s: list[float] = field(default_factory=list)     # per learner slot
+    useful_s: list[float] = field(default_factory=list)        # applied inner-step seconds
+    ledger: dict[str, dict] = field(default_factory=dict)      # tokens by fate, per learner
+    dropped_pushes: int = 0
+    wire_bytes_restore: int = 0    # fragments fetched by restarted learners (fp32)
+    watermarks: dict[tuple[int, int], int] = field(default_factory=dict)  # (i, inc) -> step
+    learners: list[LearnerCore] = field(default_factory=list)  # final cores (restarts included)
+
+    @property
+    def goodput(self) -> float:
+        """Σ applied inner-step seconds ÷ Σ allocated seconds (DESIGN §6); 0 for an empty run."""
+        allocated = sum(self.allocated_s)
+        return sum(self.useful_s) / allocated if allocated > 0 else 0.0
+
+    def applied(self, s: StepRecord) -> bool:
+        """Whether a step's update reached a merge (its incarnation's watermark covers it)."""
+        return s.step <= self.watermarks.get((s.learner, s.incarnation), -1)
+
+    def goodput_series(self, bin_s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Goodput over virtual time: ``(bin_end_s, windowed, cumulative)``.
+
+        A step counts as useful in hindsight (its update was applied by the end of the run),
+        spread over the bins it overlaps; allocated time is each slot's ``[0, allocated_s]``.
+        """
+        return series_from_intervals(
+            [(s.start_s, s.start_s + s.step_s) for s in self.step_log if self.applied(s)],
+            self.allocated_s, bin_s)
+
+
+def series_from_intervals(useful: Sequence[tuple[float, float]], allocated_s: Sequence[float],
+                          bin_s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Windowed and cumulative goodput from useful intervals and per-slot allocation ends.
+
+    Args:
+      useful: ``(start_s, end_s)`` of each useful piece of work (any slot).
+      allocated_s: per slot, the slot exists on ``[0, allocated_s]``.
+      bin_s: window width (seconds).
+
+    Returns:
+      ``(bin_end_s, windowed, cumulative)``; windowed = useful ÷ allocated within the bin.
+    """
+    if bin_s <= 0:
+        raise ValueError(f"bin_s must be > 0, got {bin_s}")
+    horizon = max(list(allocated_s) + [end for _, end in useful] + [0.0])
+    edges = np.arange(0.0, horizon + bin_s, bin_s)
+    if len(edges) < 2:
+        edges = np.array([0.0, bin_s])
+    useful_bins = np.zeros(len(edges) - 1)
+    for start, end in useful:
+        first = int(start // bin_s)
+        last = min(int(math.ceil(end / bin_s)), len(useful_bins))
+        for b in range(first, last):
+            useful_bins[b] += max(0.0, min(end, edges[b + 1]) - max(start, edges[b]))
+    alloc_bins = np.zeros_like(useful_bins)
+    for end in allocated_s:
+        alloc_bins += np.clip(end - edges[:-1], 0.0, bin_s)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        windowed = np.where(alloc_bins > 0, useful_bins / alloc_bins, np.nan)
+        cumulative = np.where(np.cumsum(alloc_bins) > 0,
+                              np.cumsum(useful_bins) / np.cumsum(alloc_bins), np.nan)
+    return edges[1:], windowed, cumulative
+
+
+class _Driver:
+    """The event loop of ``run_inprocess`` and its per-learner state."""
+
+    def __init__(self, *, learners, syncer, train_step, batch_for, tokens_per_batch, fleet,
+                 num_fragments, sync_every_steps, steps, evaluate, eval_every_steps, assemble,
+                 faults, restart, opt_init, until_s):
+        self.cores: list[LearnerCore] = list(learners)
+        self.syncer = syncer
+        self.train_step, self.batch_for = train_step, batch_for
+        self.tokens_per_batch, self.fleet = tokens_per_batch, fleet
+        self.num_fragments, self.sync_every_steps = num_fragments, sync_every_steps
+        self.steps, self.until_s = steps, until_s
+        self.evaluate, self.eval_every_steps, self.assemble = evaluate, eval_every_steps, assemble
+        self.faults = faults if faults is not None else FaultPlan()
+        self.restart, self.opt_init = restart, opt_init
+        n = len(self.cores)
+        self.ids = [core.learner for core in self.cores]
+        self.index_of = {name: i for i, name in enumerate(self.ids)}
+        if len(self.index_of) != n:
+            raise ValueError(f"learner ids must be unique, got {self.ids}")
+        if len(fleet.speed_factors) != n:
+            raise ValueError(f"fleet.speed_factors has {len(fleet.speed_factors)} entries for "
+                             f"{n} learners")
+        if fleet.regions is not None and len(fleet.regions) != n:
+            raise ValueError(f"fleet.regions has {len(fleet.regions)} entries for {n} learners")
+        self.regions = [fleet.region_of(i, name) for i, name in enumerate(self.ids)]
+        self._check_plan()
+        self.rngs = [fleet.noise_rng(i) for i in range(n)]
+        self.up = [True] * n
+        self.finished_at: list[Optional[float]] = [None] * n
+        self.epoch_of = [syncer.epoch] * n
+        self.down_since: list[Optional[float]] = [None] * n
+        self.start_step = [core.step for core in self.cores]
+        self.windows = FaultWindows()
+        self.syncer_down_until = -math.inf
+        self.processed = [0] * n                 # tokens, every incarnation
+        self.closed_applied = [0] * n            # applied tokens of finished incarnations
+        self.closed_processed = [0] * n
+        self.events: list = []
+        self.seq = itertools.count()
+        self.last_eval_step = -1
+        self.record = RunRecord(global_params=None, learner_params=[],
+                                train_losses=[[] for _ in range(n)], learner_ids=list(self.ids),
+                                regions=list(self.regions),
+                                down_intervals=[[] for _ in range(n)])
+        self.slowest_step_s = max(fleet.nominal_step_s(i) for i in range(n))
+
+    # -- setup ----------------------------------------------------------------------------------
+    def _check_plan(self) -> None:
+        regions = set(self.regions)
+        for fault in self.faults.faults:
+            if fault.kind in (FaultKind.KILL, FaultKind.EXIT):
+                ok = fault.target in self.index_of
+            elif fault.kind == FaultKind.SLOWDOWN:
+                ok = fault.target in self.index_of or fault.target in regions
+            elif fault.kind == FaultKind.SYNCER_KILL:
+                ok = True
+            else:
+                ok = fault.target in regions
+            if not ok:
+                raise ValueError(f"faults: {fault.kind.value} target {fault.target!r} is not a "
+                                 f"learner ({', '.join(self.ids)}) or region "
+                                 f"({', '.join(sorted(regions))}) of this fleet")
+        if self.opt_init is None and any(f.kind in LEARNER_LOSS_KINDS for f in self.faults.faults):
+            raise ValueError("opt_init is required with learner faults: a restarted learner "
+                             "starts a fresh inner state when no peer is alive")
+
+    def schedule(self, time_s: float, priority: int, kind: str, payload: Any) -> None:
+        heapq.heappush(self.events, (time_s, priority, next(self.seq), kind, payload))
+
+    # -- helpers --------------------------------------------------------------------------------
+    def live(self) -> frozenset:
+        return frozenset(name for i, name in enumerate(self.ids) if self.up[i])
+
+    def current(self, i: int, incarnation: int) -> bool:
+        return self.up[i] and self.cores[i].incarnation == incarnation
+
+    def step_time(self, i: int, now: float) -> float:
+        noise = (self.rngs[i].uniform(-self.fleet.step_noise, self.fleet.step_noise)
+                 if self.fleet.step_noise else 0.0)
+        factor = self.windows.slowdown(self.ids[i], self.regions[i], now)
+        return self.fleet.nominal_step_s(i) * (1.0 + noise) * factor
+
+    def arrival(self, i: int, now: float, nbytes: int) -> float:
+        return self.windows.arrival_s(self.regions[i], now, nbytes, self.fleet.link)
+
+    def global_tree(self) -> Any:
+        flat = self.syncer.params_flat()
+        return self.assemble(flat) if self.assemble else flat
+
+    def tokens_applied(self) -> int:
+        return sum(entry.applied_tokens for entry in self.syncer.ledger.values())
+
+    def maybe_eval(self, now_s: float) -> None:
+        if self.evaluate is not None:
+            self.record.evals.append((now_s, self.tokens_applied(),
+                                      float(self.evaluate(self.global_tree()))))
+
+    def watermark(self, i: int) -> int:
+        """The current incarnation's applied step (its start step before its first merge)."""
+        core = self.cores[i]
+        entry = self.syncer.ledger.get(self.ids[i])
+        if entry is None or entry.incarnation != core.incarnation:
+            return self.start_step[i]
+        return entry.applied_step
+
+    def applied_tokens_current(self, i: int) -> int:
+        entry = self.syncer.ledger.get(self.ids[i])
+        if entry is None or entry.incarnation != self.cores[i].incarnation:
+            return 0
+        return entry.applied_tokens_done
+
+    def recheck_open_rounds(self, now: float) -> None:
+        for p, slot in enumerate(self.syncer.slots):
+            if slot.round:
+                self.schedule(now, _CHECK, "check", p)
+
+    # -- the loop -------------------------------------------------------------------------------
+    def run(self) -> RunRecord:
+        self.faults.reset()
+        for t in self.faults.times():
+            self.schedule(t, _FAULT, "fault", None)
+        self.maybe_eval(0.0)
+        for i, core in enumerate(self.cores):
+            self.schedule(0.0, _STEP_START, "start", (i, core.incarnation))
+        now = 0.0
+        while self.events:
+            now, _, _, kind, payload = heapq.heappop(self.events)
+            getattr(self, "on_" + kind)(now, payload)
+            self.record.end_time_s = now
+        return self.finish()
+
+    def on_start(self, now: float, payload) -> None:
+        i, incarnation = payload
+        if not self.current(i, incarnation):
+            return
+        core = self.cores[i]
+        core.adopt_ready()
+        if core.step >= self.steps or (self.until_s is not None and now >= self.until_s):
+            self.finished_at[i] = now
+            return
+        batch = self.batch_for(i, core.step)
+        core.params, core.opt_state, loss = self.train_step(core.params, core.opt_state, batch)
+        self.record.train_losses[i].append(float(loss))
+        dt = self.step_time(i, now)
+        core.record_step(self.tokens_per_batch, dt)
+        self.processed[i] += self.tokens_per_batch
+        self.record.tokens_processed += self.tokens_per_batch
+        self.record.step_log.append(StepRecord(i, incarnation, core.step, now, dt))
+        self.schedule(now + dt, _STEP_DONE, "done", payload)
+
+    def on_done(self, now: float, payload) -> None:
+        i, incarnation = payload
+        if not self.current(i, incarnation):
+            return
+        core = self.cores[i]
+        for p in core.due(self.num_fragments, self.sync_every_steps):
+            plan = core.make_push(p, self.epoch_of[i])
+            self.record.wire_bytes_up += plan.wire_bytes
+            self.schedule(self.arrival(i, now, plan.wire_bytes), _ARRIVE, "arrive", plan.push)
+        if (i == 0 and self.eval_every_steps and core.step % self.eval_every_steps == 0
+                and core.step > self.last_eval_step):
+            self.last_eval_step = core.step
+            self.maybe_eval(now)
+        self.schedule(now, _STEP_START, "start", payload)
+
+    def on_arrive(self, now: float, push) -> None:
+        i = self.index_of[push.learner]
+        mine = self.current(i, push.incarnation)
+        if now < self.syncer_down_until:
+            self.count_rejected(SYNCER_DOWN)
+            if mine:
+                self.cores[i].push_refused(push.fragment)
+            return
+        verdict = self.syncer.accept_push(push, now)
+        if not verdict.ok:
+            self.count_rejected(verdict.reason)
+            if not mine:
+                return  # a dead incarnation's push: its work is dropped with it
+            if verdict.reason == RejectReason.STALE_EPOCH:
+                # sent to the syncer's previous incarnation: keep the progress, resend when due
+                self.cores[i].push_refused(push.fragment)
+                return
+            current, version = self.syncer.fragment(push.fragment) if (
+                0 <= push.fragment < len(self.syncer.slots)) else (None, None)
+            self.cores[i].push_refused(push.fragment, current, version)
+            return
+        self.schedule(now, _CHECK, "check", push.fragment)
+
+    def count_rejected(self, reason) -> None:
+        self.record.rejected[reason] = self.record.rejected.get(reason, 0) + 1
+
+    def on_check(self, now: float, p: int) -> None:
+        if now < self.syncer_down_until:
+            return
+        slot = self.syncer.slots[p]
+        if not slot.round:
+            return
+        quorum_s = (slot.quorum_reached_at_s or now) - (slot.round_opened_at_s or now)
+        grace = self.syncer.grace_s(self.slowest_step_s, quorum_s, 2 * self.fleet.latency_s)
+        live = self.live()
+        decision = self.syncer.decide(p, now, live, grace)
+        if decision.merge:
+            result = self.syncer.merge(p, decision.reason.value, live_count=len(live))
+            self.record.merges.append(result)
+            nbytes = sum(int(np.asarray(v).nbytes) for v in result.params.values())
+            for name in result.learners:
+                i = self.index_of[name]
+                self.record.wire_bytes_down += nbytes
+                self.schedule(self.arrival(i, now, nbytes), _REPLY, "reply",
+                              (i, self.cores[i].incarnation, p, result.params, result.version))
+        elif decision.wait_until_s is not None:
+            self.schedule(decision.wait_until_s, _CHECK, "check", p)
+
+    def on_reply(self, now: float, payload) -> None:
+        i, incarnation, p, fragment, version = payload
+        if self.current(i, incarnation):
+            self.cores[i].offer_reply(p, fragment, version)
+
+    # -- faults ---------------------------------------------------------------------------------
+    def on_fault(self, now: float, _payload) -> None:
+        for fault in self.faults.due(now):
+            if fault.kind in (FaultKind.KILL, FaultKind.EXIT):
+                self.kill(self.index_of[fault.target], fault, now)
+            elif fault.kind == FaultKind.REGION_LOSS:
+                for i, region in enumerate(self.regions):
+                    if region == fault.target:
+                        self.kill(i, fault, now)
+            elif fault.kind == FaultKind.SYNCER_KILL:
+                self.kill_syncer(fault, now)
+            else:
+                self.windows.add(fault)
+
+    def kill(self, i: int, fault: Fault, now: float) -> None:
+        if not self.up[i]:
+            self.record.faults_skipped.append((fault, f"{self.ids[i]} is already down"))
+            return
+        if self.finished_at[i] is not None:
+            self.record.faults_skipped.append((fault, f"{self.ids[i]} has finished"))
+            return
+        core = self.cores[i]
+        # The watermark is final: forget() drops its open pushes and later ones are refused.
+        self.record.watermarks[(i, core.incarnation)] = self.watermark(i)
+        applied = self.applied_tokens_current(i)
+        self.closed_applied[i] += applied
+        self.closed_processed[i] += core.tokens_done
+        self.record.dropped_pushes += len(self.syncer.forget(self.ids[i]))
+        self.up[i] = False
+        self.down_since[i] = now
+        back_s = now + self.restart.down_s(fault)
+        self.schedule(back_s, _RESTART, "restart", (i, fault, now))
+        self.recheck_open_rounds(now)
+
+    def on_restart(self, now: float, payload) -> None:
+        i, fault, failed_s = payload
+        if self.until_s is not None and now >= self.until_s:
+            return  # the run is over before it is back; its slot stays allocated to the end
+        old = self.cores[i]
+        name = self.ids[i]
+        incarnation = old.incarnation + 1
+        epoch, frags = self.syncer.register(name, incarnation)
+        flat = {}
+        for fragment, _ in frags:
+            flat.update(fragment)
+        assemble = self.assemble or assemble_like(old.params)
+        params = assemble({k: np.array(v, np.float32, copy=True) for k, v in flat.items()})
+        self.record.wire_bytes_restore += sum(int(np.asarray(v).nbytes) for v in flat.values())
+        peer = self.pick_peer(i)
+        opt_state = self.cores[peer].opt_state if peer is not None else self.opt_init(params)
+        start_step = self.syncer.ledger[name].applied_step
+        core = LearnerCore(name, params, opt_state, old.plan, [v for _, v in frags],
+                           old.error_feedback, old.wire_bytes, old.decode,
+                           overlap_steps=old.overlap_steps, merge_alpha=old.merge_alpha,
+                           incarnation=incarnation, start_step=start_step)
+        self.cores[i] = core
+        self.start_step[i] = start_step
+        self.up[i] = True
+        self.epoch_of[i] = epoch
+        self.record.down_intervals[i].append((self.down_since[i], now))
+        self.down_since[i] = None
+        self.record.restarts.append({
+            "learner": name, "incarnation": incarnation, "cause": fault.kind.value,
+            "failed_s": failed_s, "back_s": now, "down_s": now - failed_s,
+            "resume_step": start_step, "peer": self.ids[peer] if peer is not None else None})
+        self.schedule(now, _STEP_START, "start", (i, incarnation))
+
+    def pick_peer(self, i: int) -> Optional[int]:
+        """A live learner to copy the inner state from: same region first, then any."""
+        live = [j for j in range(len(self.cores)) if j != i and self.up[j]]
+        same = [j for j in live if self.regions[j] == self.regions[i]]
+        return (same or live or [None])[0]
+
+    def kill_syncer(self, fault: Fault, now: float) -> None:
+        """The syncer restarts from its snapshot at the last merge boundary: Θ, versions, outer
+        state and ledger survive; the open rounds are lost and the epoch moves on (fencing)."""
+        if now < self.syncer_down_until:
+            self.record.faults_skipped.append((fault, "syncer is already down"))
+            return
+        for slot in self.syncer.slots:
+            for name, contribution in slot.round.items():
+                i = self.index_of[name]
+                self.record.dropped_pushes += 1
+                if self.current(i, contribution.push.incarnation):
+                    self.cores[i].push_refused(contribution.push.fragment)
+            slot.round = {}
+            slot.quorum_reached_at_s = None
+            slot.round_opened_at_s = None
+        self.syncer.epoch += 1
+        self.syncer_down_until = now + self.restart.syncer_restart_s
+        self.schedule(self.syncer_down_until, _FAULT, "syncer_back", None)
+
+    def on_syncer_back(self, now: float, _payload) -> None:
+        """Every live learner re-registers with the new epoch; local progress stays as drift."""
+        for i, core in enumerate(self.cores):
+            if not self.up[i]:
+                continue
+            epoch, frags = self.syncer.register(self.ids[i], core.incarnation)
+            self.epoch_of[i] = epoch
+            for track, (fragment, version) in zip(core.tracks, frags):
+                track.base = {k: np.array(v, np.float32, copy=True) for k, v in fragment.items()}
+                track.base_version = version
+                track.in_flight_since_step = None
+                track.reply = None
+                track.pending_ef_state = None
+
+    # -- the end --------------------------------------------------------------------------------
+    def finish(self) -> RunRecord:
+        record = self.record
+        self.maybe_eval(record.end_time_s)
+        record.global_params = self.global_tree()
+        record.learner_params = [core.params for core in self.cores]
+        record.steps = [core.step for core in self.cores]
+        record.learners = list(self.cores)
+        record.faults_fired = list(self.faults.fired)
+        horizon = self.until_s if self.until_s is not None else record.end_time_s
+        for i, core in enumerate(self.cores):
+            name = self.ids[i]
+            if self.up[i]:
+                record.watermarks[(i, core.incarnation)] = self.watermark(i)
+                end = self.finished_at[i] if self.finished_at[i] is not None else horizon
+                applied_now, processed_now = self.applied_tokens_current(i), core.tokens_done
+            else:  # down at the end: allocated (and down) until the horizon
+                end = max(horizon, self.down_since[i])
+                record.down_intervals[i].append((self.down_since[i], end))
+                applied_now = processed_now = 0
+            record.allocated_s.append(end)
+            entry = self.syncer.ledger.get(name)
+            record.useful_s.append(entry.applied_compute_total_s if entry else 0.0)
+            applied = self.closed_applied[i] + applied_now
+            record.ledger[name] = {
+                "processed": self.processed[i], "applied": applied,
+                "dropped": self.closed_processed[i] - self.closed_applied[i],
+                "in_flight": processed_now - applied_now,
+                "restarts": sum(r["learner"] == name for r in record.restarts)}
+        return record
 
 
 def run_inprocess(
@@ -81,116 +552,46 @@ def run_inprocess(
     evaluate: Optional[Callable[[Any], float]] = None,
     eval_every_steps: int = 0,
     assemble: Optional[Callable[[dict], Any]] = None,
+    faults: Optional[FaultPlan] = None,
+    restart: RestartCosts = RestartCosts(),
+    opt_init: Optional[Callable[[Any], Any]] = None,
+    until_s: Optional[float] = None,
 ) -> RunRecord:
-    """Runs every learner for ``steps`` inner steps and returns the final state.
+    """Runs every learner for ``steps`` inner steps (or until ``until_s``) and returns the record.
 
     Args:
-      learners: one LearnerCore per learner, already registered with ``syncer``.
+      learners: one LearnerCore per learner, already registered with ``syncer``. The list is not
+        modified; restarted learners replace their cores in ``record.learners``.
       syncer: the syncer core.
       train_step: ``(params, opt_state, batch) -> (params, opt_state, loss)``.
-      batch_for: ``(learner_index, batch_index) -> batch``; batch index = learner step.
+      batch_for: ``(learner_index, batch_index) -> batch``; batch index = learner step, so a
+        restarted learner that resumes at its applied step trains the dropped batches again.
       tokens_per_batch: tokens in one batch (counters and weights).
-      fleet: speeds and links.
+      fleet: speeds, regions and links.
       num_fragments, sync_every_steps: P and H.
-      steps: inner steps per learner.
+      steps: inner steps per learner (the step count a learner stops at, restarts included).
       evaluate: loss of a full parameter tree (the global model is evaluated).
       eval_every_steps: evaluate after every this many steps of learner 0 (0 = only start and end).
-      assemble: flat ``{path: array}`` -> parameter tree, for ``evaluate``.
+      assemble: flat ``{path: array}`` -> parameter tree, for ``evaluate`` and restarts (default
+        for restarts: shaped like the learner's own params).
+      faults: the fault plan, replayed from its start (``reset()``); None: no faults.
+      restart: detection, restart and syncer-restart times (virtual seconds).
+      opt_init: a fresh inner optimizer state for a restarted learner when no peer is alive;
+        required when ``faults`` kills learners.
+      until_s: no step starts at or after this virtual time; slots are allocated until then.
+
+    A learner that has done its ``steps`` stays live for the syncer (it is not waited for by K = 1,
+    but a K = M round waits for it forever): with K = M and unequal speeds, stop on ``until_s``.
+    A fault for a learner that is down or finished is skipped (``record.faults_skipped``).
+
+    Raises:
+      ValueError: a fault names an unknown learner or region, or ``opt_init`` is missing.
     """
-    rng = np.random.default_rng(fleet.seed)
-    events: list = []
-    seq = itertools.count()
-    record = RunRecord(global_params=None, learner_params=[],
-                       train_losses=[[] for _ in learners])
-    live = frozenset(learner.learner for learner in learners)
-    index_of = {learner.learner: i for i, learner in enumerate(learners)}
-
-    def schedule(time_s: float, priority: int, kind: str, payload: Any) -> None:
-        heapq.heappush(events, (time_s, priority, next(seq), kind, payload))
-
-    def step_time(i: int) -> float:
-        noise = rng.uniform(-fleet.step_noise, fleet.step_noise) if fleet.step_noise else 0.0
-        return fleet.step_time_s / fleet.speed_factors[i] * (1.0 + noise)
-
-    def global_tree() -> Any:
-        return assemble(syncer.params_flat()) if assemble else syncer.params_flat()
-
-    def tokens_applied() -> int:
-        return sum(entry.applied_tokens for entry in syncer.ledger.values())
-
-    def maybe_eval(now_s: float) -> None:
-        if evaluate is not None:
-            record.evals.append((now_s, tokens_applied(), float(evaluate(global_tree()))))
-
-    slowest_step_s = max(fleet.step_time_s / s for s in fleet.speed_factors)
-    maybe_eval(0.0)
-    for i in range(len(learners)):
-        schedule(0.0, _STEP_START, "start", i)
-
-    while events:
-        now, _, _, kind, payload = heapq.heappop(events)
-        if kind == "start":
-            i = payload
-            learner = learners[i]
-            learner.adopt_ready()
-            if learner.step >= steps:
-                continue
-            batch = batch_for(i, learner.step)
-            learner.params, learner.opt_state, loss = train_step(
-                learner.params, learner.opt_state, batch)
-            record.train_losses[i].append(float(loss))
-            dt = step_time(i)
-            learner.record_step(tokens_per_batch, dt)
-            record.tokens_processed += tokens_per_batch
-            schedule(now + dt, _STEP_DONE, "done", i)
-        elif kind == "done":
-            i = payload
-            learner = learners[i]
-            for p in learner.due(num_fragments, sync_every_steps):
-                plan = learner.make_push(p, syncer.epoch)
-                record.wire_bytes_up += plan.wire_bytes
-                schedule(now + fleet.transfer_s(plan.wire_bytes), _ARRIVE, "arrive", plan.push)
-            if i == 0 and eval_every_steps and learner.step % eval_every_steps == 0:
-                maybe_eval(now)
-            schedule(now, _STEP_START, "start", i)
-        elif kind == "arrive":
-            push = payload
-            verdict = syncer.accept_push(push, now)
-            if not verdict.ok:
-                record.rejected[verdict.reason] = record.rejected.get(verdict.reason, 0) + 1
-                current, version = syncer.fragment(push.fragment) if (
-                    0 <= push.fragment < len(syncer.slots)) else (None, None)
-                learners[index_of[push.learner]].push_refused(push.fragment, current, version)
-                continue
-            schedule(now, _CHECK, "check", push.fragment)
-        elif kind == "check":
-            p = payload
-            slot = syncer.slots[p]
-            if not slot.round:
-                continue
-            quorum_s = (slot.quorum_reached_at_s or now) - (slot.round_opened_at_s or now)
-            grace = syncer.grace_s(slowest_step_s, quorum_s, 2 * fleet.latency_s)
-            decision = syncer.decide(p, now, live, grace)
-            if decision.merge:
-                result = syncer.merge(p, decision.reason.value, live_count=len(live))
-                record.merges.append(result)
-                nbytes = sum(int(np.asarray(v).nbytes) for v in result.params.values())
-                for name in result.learners:
-                    record.wire_bytes_down += nbytes
-                    schedule(now + fleet.transfer_s(nbytes), _REPLY, "reply",
-                             (index_of[name], p, result.params, result.version))
-            elif decision.wait_until_s is not None:
-                schedule(decision.wait_until_s, _CHECK, "check", p)
-        elif kind == "reply":
-            i, p, fragment, version = payload
-            learners[i].offer_reply(p, fragment, version)
-        record.end_time_s = now
-
-    maybe_eval(record.end_time_s)
-    record.global_params = global_tree()
-    record.learner_params = [learner.params for learner in learners]
-    record.steps = [learner.step for learner in learners]
-    return record
+    return _Driver(learners=learners, syncer=syncer, train_step=train_step, batch_for=batch_for,
+                   tokens_per_batch=tokens_per_batch, fleet=fleet, num_fragments=num_fragments,
+                   sync_every_steps=sync_every_steps, steps=steps, evaluate=evaluate,
+                   eval_every_steps=eval_every_steps, assemble=assemble, faults=faults,
+                   restart=restart, opt_init=opt_init, until_s=until_s).run()
 
 
 def assemble_like(template: Any) -> Callable[[dict], Any]:

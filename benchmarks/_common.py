@@ -1,0 +1,194 @@
+"""Shared pieces of the goodput, bandwidth and quality benchmarks: argparse, the machine record,
+the model/data setup, one Decoupled DiLoCo run and one data-parallel run in the in-process
+(virtual clock, real JAX training on CPU) harness, the table and the final JSON line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+from islands.learners import data, inner, model  # noqa: E402
+from islands.orchestrator import baseline, inprocess  # noqa: E402
+from islands.orchestrator.chaos import FaultPlan, RestartCosts  # noqa: E402
+from islands.syncer import codec as codec_lib  # noqa: E402
+from islands.syncer import fragments, outer  # noqa: E402
+from islands.syncer.core import SyncerSettings  # noqa: E402
+
+BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_OUT = os.path.join(BENCH_DIR, "out")
+
+
+def parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="small run, < 5 min on 2 CPU cores")
+    p.add_argument("--out", default=DEFAULT_OUT, help="folder for the PNG and JSON")
+    p.add_argument("--seed", type=int, default=0)
+    return p
+
+
+def machine() -> dict:
+    return {"command": " ".join(shlex.quote(a) for a in [sys.executable] + sys.argv),
+            "platform": platform.platform(), "python": platform.python_version(),
+            "cpu_count": os.cpu_count(), "jax": jax.__version__,
+            "jax_backend": jax.default_backend(), "numpy": np.__version__}
+
+
+def table(rows: Sequence[dict], columns: Sequence[str]) -> str:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return f"{v:.4g}" if abs(v) < 1e5 else f"{v:.3e}"
+        return str(v)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max([len(c)] + [len(row[j]) for row in cells]) for j, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths)),
+             "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def _clean(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {str(k): _clean(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_clean(v) for v in obj]
+    if isinstance(obj, (np.floating, float)):
+        return None if not math.isfinite(float(obj)) else float(obj)
+    if isinstance(obj, np.integer):
+        return int(obj)
+    return obj
+
+
+def finish(name: str, result: dict, out_dir: str) -> None:
+    """Writes ``<out>/<name>.json`` and prints the JSON object as the last line of stdout."""
+    os.makedirs(out_dir, exist_ok=True)
+    line = json.dumps(_clean(result), sort_keys=False)
+    with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
+        f.write(line + "\n")
+    sys.stdout.flush()
+    print(line, flush=True)
+
+
+def pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+# -- model, data and the two systems ---------------------------------------------------------------
+@dataclass
+class Setup:
+    """One model on the stdlib byte corpus, sharded over ``num_learners``."""
+
+    cfg: model.ModelConfig
+    params: Any
+    optimizer: Any
+    train_step: Callable
+    loss_fn: Callable
+    samplers: list
+    tokens_per_batch: int
+    evaluate: Callable[[Any], float]
+    num_params: int
+
+    def batch_for(self, i: int, k: int):
+        return self.samplers[i].batch_at(k)
+
+
+_CORPUS: dict = {}
+
+
+def make_setup(*, model_kwargs: dict, num_learners: int, batch_size: int, total_steps: int,
+               lr: float = 3e-3, warmup_steps: int = 20, max_bytes: int = 2_000_000,
+               eval_batches: int = 8, seed: int = 0) -> Setup:
+    cfg = model.ModelConfig(**model_kwargs)
+    params = jax.jit(model.init_params, static_argnums=0)(cfg, jax.random.PRNGKey(seed))
+    if max_bytes not in _CORPUS:
+        _CORPUS[max_bytes] = data.load_stdlib_corpus(max_bytes=max_bytes)
+    corpus = _CORPUS[max_bytes]
+    optimizer = inner.inner_optimizer(lr=lr, warmup_steps=warmup_steps, total_steps=total_steps)
+    samplers = [data.ShardSampler(corpus.train, batch_size, cfg.seq_len, i, num_learners,
+                                  seed=seed) for i in range(num_learners)]
+    eval_fn = inner.make_eval_fn(cfg)
+    eval_set = data.eval_batches(corpus.eval, 16, cfg.seq_len, eval_batches)
+    return Setup(cfg=cfg, params=params, optimizer=optimizer,
+                 train_step=inner.make_train_step(cfg, optimizer),
+                 loss_fn=lambda p, b: model.loss_fn(p, b, cfg), samplers=samplers,
+                 tokens_per_batch=samplers[0].tokens_per_batch,
+                 evaluate=lambda p: eval_fn(p, eval_set), num_params=model.num_params(params))
+
+
+def run_ours(setup: Setup, *, learner_ids: Sequence[str], fleet: inprocess.Fleet,
+             num_fragments: int, sync_every_steps: int, overlap_steps: int = 2,
+             min_learners: int = 1, grace_gamma: float = 0.5, grace_cap_s: float = 5.0,
+             codec: str = "int4", outer_kind: str = "nesterov", steps: int = 10 ** 9,
+             until_s: Optional[float] = None,
+             faults: Optional[FaultPlan] = None, restart: RestartCosts = RestartCosts(),
+             eval_every_steps: int = 0) -> inprocess.RunRecord:
+    """Decoupled DiLoCo in the in-process driver (DESIGN §4 defaults: RDA merge, outer Nesterov
+    0.7/0.9, α = 0, error feedback; ``outer_kind="sgd"`` is sgd(1.0), plain averaging)."""
+    c = codec_lib.make_codec(codec)
+    settings = SyncerSettings(min_learners=min_learners, overlap_steps=overlap_steps,
+                              grace_gamma=grace_gamma, grace_cap_s=grace_cap_s)
+    syncer, learners = inprocess.build_syncer_and_learners(
+        params=setup.params, opt_init=setup.optimizer.init,
+        plan=fragments.partition(setup.params, num_fragments), settings=settings,
+        outer_optimizer=(outer.build() if outer_kind == "nesterov"
+                         else outer.build(outer_kind, lr=1.0, momentum=0.0)),
+        error_feedback_factory=lambda: codec_lib.error_feedback(c),
+        decode=lambda codes: codec_lib.decode_tree(c, codes),
+        wire_bytes=codec_lib.tree_wire_bytes, learner_ids=list(learner_ids), merge_alpha=0.0,
+        is_embedding=model.is_embedding_path)
+    record = inprocess.run_inprocess(
+        learners=learners, syncer=syncer, train_step=setup.train_step,
+        batch_for=setup.batch_for, tokens_per_batch=setup.tokens_per_batch, fleet=fleet,
+        num_fragments=num_fragments, sync_every_steps=sync_every_steps, steps=steps,
+        until_s=until_s, evaluate=setup.evaluate, eval_every_steps=eval_every_steps,
+        assemble=inprocess.assemble_like(setup.params), faults=faults, restart=restart,
+        opt_init=setup.optimizer.init)
+    record.syncer = syncer
+    return record
+
+
+_SYNC_STEPS: dict = {}
+
+
+def run_dp(setup: Setup, *, learner_ids: Sequence[str], fleet: inprocess.Fleet,
+           checkpoint_every_steps: int = 100, steps: Optional[int] = None,
+           until_s: Optional[float] = None, faults: Optional[FaultPlan] = None,
+           restart: RestartCosts = RestartCosts(),
+           eval_every_steps: int = 0) -> baseline.BaselineRecord:
+    """Synchronous data-parallel on the same model, shards and inner optimizer."""
+    key = id(setup)
+    if key not in _SYNC_STEPS:
+        _SYNC_STEPS[key] = baseline.make_sync_step(setup.loss_fn, setup.optimizer)
+    return baseline.run_baseline(
+        params=setup.params, optimizer=setup.optimizer, loss_fn=setup.loss_fn,
+        batch_for=setup.batch_for, tokens_per_batch=setup.tokens_per_batch, fleet=fleet,
+        learner_ids=learner_ids, checkpoint_every_steps=checkpoint_every_steps, steps=steps,
+        until_s=until_s, faults=faults, restart=restart, evaluate=setup.evaluate,
+        eval_every_steps=eval_every_steps, sync_step=_SYNC_STEPS[key])
+
+
+class Stopwatch:
+    def __init__(self):
+        self.t0 = time.time()
+
+    def __call__(self) -> float:
+        return round(time.time() - self.t0, 1)

@@ -1,0 +1,220 @@
+"""Bandwidth: wire bytes per token of Decoupled DiLoCo (both directions) against the gradient
+all-reduce of synchronous data-parallel at the same tokens, per codec and H, with the eval-loss gap.
+
+4 learners (2 regions × 2) train the default tiny LM on the stdlib byte corpus in the in-process
+harness (virtual clock, real JAX training on CPU), every run for the same steps per learner (equal
+tokens). Bytes are exact counts:
+* ours: every push's codec wire bytes (payload + block scales) plus every merged fragment sent back
+  (the syncer replies in fp32), over all learners, ÷ tokens processed;
+* the baseline: what a ring all-reduce of fp32 gradients sends per learner per step,
+  2(M−1)/M × 4 bytes × parameters, ÷ tokens per learner step (it receives as much again; that is not
+  counted, while both of our directions are).
+The bandwidth each needs so that no step waits, at this machine's measured step time Δ: ours, one
+fragment's push and reply within τ steps, ``(up_p + down_p) / (τΔ)`` for the largest fragment, and
+no less than the sustained rate of each direction (every fragment once per H steps); the baseline,
+the all-reduce within one step, ``ring bytes / Δ``.
+
+    python benchmarks/bandwidth.py --quick     # 300 steps; 4 codecs at H = 24, int4 at H = 8, 96
+    python benchmarks/bandwidth.py             # 1 500 steps; 4 codecs × H ∈ {8, 24, 96}
+
+Prints a table, then one JSON object as the last line; writes bandwidth.png and bandwidth.json.
+"""
+
+from __future__ import annotations
+
+import time
+
+import _common as C
+import jax
+import numpy as np
+
+from islands.orchestrator import baseline, inprocess
+from islands.syncer import codec as codec_lib
+from islands.syncer import fragments
+
+GOAL_RATIO, GOAL_GAP = 1000.0, 0.01
+REGIONS = ("us-east", "eu-west")
+TAU = 2
+
+
+def fragments_for(h: int, max_tensors: int) -> int:
+    """P = H as in the paper where the model has enough tensors, else the most it allows."""
+    return min(h, max_tensors)
+
+
+def step_time_s(setup, reps: int = 30) -> float:
+    """Median wall time of one bare train step on this machine (after compiling)."""
+    params, state = setup.params, setup.optimizer.init(setup.params)
+    batch = setup.batch_for(0, 0)
+    params, state, loss = setup.train_step(params, state, batch)
+    float(loss)
+    times = []
+    for k in range(reps):
+        t0 = time.perf_counter()
+        params, state, loss = setup.train_step(params, state, setup.batch_for(0, k + 1))
+        float(loss)
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def fragment_bytes(setup, plan, kind: str) -> tuple[list[int], list[int]]:
+    """Exact wire bytes of each fragment's push (codec) and reply (fp32); sizes fix them."""
+    codec = codec_lib.make_codec(kind)
+    up, down = [], []
+    for p in range(plan.num_fragments):
+        frag = {k: np.zeros(np.shape(v), np.float32)
+                for k, v in fragments.extract(setup.params, plan, p).items()}
+        up.append(codec_lib.tree_wire_bytes(codec_lib.to_numpy(codec_lib.encode_tree(codec, frag))))
+        down.append(sum(v.nbytes for v in frag.values()))
+    return up, down
+
+
+def main() -> None:
+    p = C.parser(__doc__)
+    p.add_argument("--steps", type=int, default=None)
+    args = p.parse_args()
+    watch = C.Stopwatch()
+    steps = args.steps or (300 if args.quick else 1500)
+    if args.quick:
+        grid = [(k, 24) for k in codec_lib.KINDS] + [("int4", 8), ("int4", 96)]
+    else:
+        grid = [(k, h) for h in (8, 24, 96) for k in codec_lib.KINDS]
+    ids = [f"{r}:{i}" for r in REGIONS for i in range(2)]
+    m = len(ids)
+    setup = C.make_setup(model_kwargs={}, num_learners=m, batch_size=8, total_steps=steps,
+                         seed=args.seed)
+    n_tensors = len(jax.tree_util.tree_leaves(setup.params))
+    fleet = inprocess.Fleet([1.0] * m, step_time_s=1.0, latency_s=0.05,
+                            bandwidth_bytes_per_s=1e9 / 8, seed=args.seed)
+    delta_s = step_time_s(setup)
+    dp = C.run_dp(setup, learner_ids=ids, fleet=fleet, steps=steps,
+                  checkpoint_every_steps=10 ** 9, eval_every_steps=max(steps // 10, 1))
+    dp_loss = dp.evals[-1][2]
+    ring = baseline.ring_allreduce_bytes(setup.num_params, m)
+    dp_bpt = ring / setup.tokens_per_batch
+    dp_need = ring / delta_s
+    print(f"step time Δ = {delta_s * 1e3:.2f} ms; baseline {dp_bpt:.2f} B/token, "
+          f"eval {dp_loss:.4f} ({watch()} s)", flush=True)
+
+    rows = []
+    for kind, h in grid:
+        n_frag = fragments_for(h, n_tensors)
+        rec = C.run_ours(setup, learner_ids=ids, fleet=fleet, num_fragments=n_frag,
+                         sync_every_steps=h, overlap_steps=TAU, codec=kind, steps=steps,
+                         eval_every_steps=max(steps // 10, 1))
+        loss = rec.evals[-1][2]
+        total = rec.wire_bytes_up + rec.wire_bytes_down
+        bpt = total / rec.tokens_processed
+        up, down = fragment_bytes(setup, fragments.partition(setup.params, n_frag), kind)
+        burst = max(u + d for u, d in zip(up, down)) / (TAU * delta_s)
+        sustained = max(sum(up), sum(down)) / (h * delta_s)
+        need = max(burst, sustained)
+        # Not measured: the ratio if the syncer's replies were encoded like the pushes (they are
+        # fp32 today), from the exact per-fragment sizes: 2(M−1)/M·4·params·H vs 2·Σ up_p.
+        projected = ring * h / (2 * sum(up))
+        rows.append({"codec": kind, "H": h, "P": n_frag, "bytes_per_token": bpt,
+                     "bytes_per_token_ratio": dp_bpt / bpt,
+                     "up_share": rec.wire_bytes_up / total, "eval_loss": loss,
+                     "projected_ratio_if_replies_used_this_codec": projected,
+                     "eval_loss_gap": (loss - dp_loss) / dp_loss,
+                     "need_gbps": need * 8 / 1e9, "need_ratio": dp_need / need,
+                     "merges": len(rec.merges), "rejected": sum(rec.rejected.values()),
+                     "wire_bytes_up": rec.wire_bytes_up, "wire_bytes_down": rec.wire_bytes_down,
+                     "tokens": rec.tokens_processed,
+                     "loss_curve": [(t, l) for _, t, l in rec.evals]})
+        print(f"{kind} H={h} done ({watch()} s)", flush=True)
+    cols = ["codec", "H", "P", "bytes_per_token", "bytes_per_token_ratio", "up_share",
+            "eval_loss", "eval_loss_gap", "need_gbps", "need_ratio"]
+    print(C.table([{"codec": "data-parallel", "H": 1, "P": "-", "bytes_per_token": dp_bpt,
+                    "bytes_per_token_ratio": 1.0, "up_share": 0.5, "eval_loss": dp_loss,
+                    "eval_loss_gap": 0.0, "need_gbps": dp_need * 8 / 1e9, "need_ratio": 1.0}]
+                  + rows, cols))
+    best = max(rows, key=lambda r: r["bytes_per_token_ratio"] if r["eval_loss_gap"] <= GOAL_GAP
+               else -1)
+    png = plot(args.out, rows, dp_bpt, dp_loss, dp_need, steps, delta_s * 1e3)
+    result = {
+        "benchmark": "bandwidth", "quick": args.quick, "steps_per_learner": steps, "learners": m,
+        "rows": [{k: v for k, v in r.items() if k != "loss_curve"} for r in rows],
+        "baseline": {"bytes_per_token": dp_bpt, "ring_bytes_per_learner_step": ring,
+                     "eval_loss": dp_loss, "need_gbps": dp_need * 8 / 1e9,
+                     "tokens": dp.tokens},
+        "best_ratio_within_gap": (best["bytes_per_token_ratio"]
+                                  if best["eval_loss_gap"] <= GOAL_GAP else None),
+        "max_ratio": max(r["bytes_per_token_ratio"] for r in rows),
+        "goals": {"ratio_ge_1000_at_gap_le_1pct": any(
+            r["bytes_per_token_ratio"] >= GOAL_RATIO and r["eval_loss_gap"] <= GOAL_GAP
+            for r in rows)},
+        "step_time_ms": delta_s * 1e3, "overlap_steps": TAU,
+        "model": {"params": setup.num_params, "tensors": n_tensors, "batch_size": 8,
+                  "seq_len": setup.cfg.seq_len, "tokens_per_batch": setup.tokens_per_batch},
+        "runtime_s": watch(), "png": png, "machine": C.machine(),
+    }
+    C.finish("bandwidth", result, args.out)
+
+
+def plot(out_dir, rows, dp_bpt, dp_loss, dp_need, steps, delta_ms) -> str:
+    import os
+
+    plt = C.pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2),
+                                   gridspec_kw={"width_ratios": [1.4, 1]})
+    colors = {"none": "tab:red", "bf16": "tab:orange", "int8": "tab:green", "int4": "tab:blue"}
+    markers = {8: "s", 24: "o", 96: "^"}
+    for r in rows:
+        ax1.scatter(r["bytes_per_token"], r["eval_loss"], s=60, color=colors[r["codec"]],
+                    marker=markers.get(r["H"], "D"), zorder=3)
+    # labels to the right, spread vertically so that close points stay readable
+    ys = [r["eval_loss"] for r in rows] + [dp_loss]
+    gap = 0.045 * (max(ys) - min(ys) + 1e-3)
+    placed = []
+    for r in sorted(rows, key=lambda r: r["eval_loss"]):
+        y = max([r["eval_loss"]] + [q + gap for q in placed])
+        placed.append(y)
+        ax1.annotate(f"{r['codec']} H={r['H']}: {r['bytes_per_token_ratio']:.0f}× fewer, "
+                     f"gap {100 * r['eval_loss_gap']:+.1f} %",
+                     (r["bytes_per_token"], r["eval_loss"]), xytext=(r["bytes_per_token"] * 2.2, y),
+                     fontsize=7, va="center",
+                     arrowprops=dict(arrowstyle="-", color="grey", lw=0.5))
+    ax1.scatter([dp_bpt], [dp_loss], s=140, marker="*", color="black", zorder=3)
+    ax1.annotate("data-parallel\n(fp32 ring all-reduce)", (dp_bpt, dp_loss),
+                 textcoords="offset points", xytext=(-40, 10), fontsize=8, ha="right")
+    ax1.axhspan(dp_loss * (1 - GOAL_GAP), dp_loss * (1 + GOAL_GAP), color="grey", alpha=0.2,
+                label="±1 % of data-parallel")
+    ax1.axvline(dp_bpt / GOAL_RATIO, color="grey", ls="--", lw=1, label="1000× fewer bytes")
+    ax1.set_xscale("log")
+    ax1.set_xlabel("wire bytes per token (log)")
+    ax1.set_ylabel("held-out loss at equal tokens")
+    ax1.set_title("Bytes vs eval loss per codec (color) and H (marker)")
+    from matplotlib.lines import Line2D
+    handles = [Line2D([], [], ls="", marker="o", color=c, label=k) for k, c in colors.items()]
+    handles += [Line2D([], [], ls="", marker=mk, color="grey", label=f"H = {h}")
+                for h, mk in markers.items() if any(r["H"] == h for r in rows)]
+    handles += ax1.get_legend_handles_labels()[0]
+    ax1.legend(handles=handles, fontsize=7, loc="lower left", ncol=2)
+    xlo = min([dp_bpt / GOAL_RATIO] + [r["bytes_per_token"] for r in rows]) / 2
+    ax1.set_xlim(xlo, dp_bpt * 12)
+    labels = ["data-parallel"] + [f"{r['codec']} H={r['H']}" for r in rows]
+    needs = [dp_need * 8 / 1e9] + [r["need_gbps"] for r in rows]
+    ax2.barh(range(len(labels)), needs, color=["black"] + [colors[r["codec"]] for r in rows])
+    ax2.set_yticks(range(len(labels)))
+    ax2.set_yticklabels(labels, fontsize=8)
+    ax2.invert_yaxis()
+    ax2.set_xscale("log")
+    from matplotlib.ticker import NullFormatter
+    ax2.xaxis.set_minor_formatter(NullFormatter())
+    for y, v in enumerate(needs):
+        ax2.text(v * 1.05, y, f"{v * 1e3:.0f} Mbit/s", va="center", fontsize=7)
+    ax2.set_xlim(min(needs) / 1.5, max(needs) * 3)
+    ax2.set_xlabel("Gbit/s per learner so that no step waits (log)")
+    ax2.set_title(f"Bandwidth needed at this CPU's step time ({delta_ms:.1f} ms)")
+    fig.suptitle(f"Bandwidth at equal tokens: 4 learners × {steps} steps, τ = {TAU}", fontsize=11)
+    fig.tight_layout()
+    path = os.path.join(out_dir, "bandwidth.png")
+    os.makedirs(out_dir, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+if __name__ == "__main__":
+    main()
