@@ -26,6 +26,7 @@ from islands.orchestrator.chaos import FaultPlan, RestartCosts  # noqa: E402
 from islands.syncer import codec as codec_lib  # noqa: E402
 from islands.syncer import fragments, outer  # noqa: E402
 from islands.syncer.core import SyncerSettings  # noqa: E402
+from islands.syncer.merge import MergeRule  # noqa: E402
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_OUT = os.path.join(BENCH_DIR, "out")
@@ -137,19 +138,24 @@ def make_setup(*, model_kwargs: dict, num_learners: int, batch_size: int, total_
 def run_ours(setup: Setup, *, learner_ids: Sequence[str], fleet: inprocess.Fleet,
              num_fragments: int, sync_every_steps: int, overlap_steps: int = 2,
              min_learners: int = 1, grace_gamma: float = 0.5, grace_cap_s: float = 5.0,
-             codec: str = "int4", outer_kind: str = "nesterov", steps: int = 10 ** 9,
+             codec: str = "int4", outer_kind: str = "nesterov",
+             outer_kwargs: Optional[dict] = None, merge_rule: str = "rda",
+             steps: int = 10 ** 9,
              until_s: Optional[float] = None,
              faults: Optional[FaultPlan] = None, restart: RestartCosts = RestartCosts(),
              eval_every_steps: int = 0) -> inprocess.RunRecord:
     """Decoupled DiLoCo in the in-process driver (DESIGN §4 defaults: RDA merge, outer Nesterov
-    0.7/0.9, α = 0, error feedback; ``outer_kind="sgd"`` is sgd(1.0), plain averaging)."""
+    0.7/0.9, α = 0, error feedback; ``outer_kind="sgd"`` is sgd(1.0), plain averaging;
+    ``outer_kwargs`` sets the outer optimizer's lr and momentum)."""
     c = codec_lib.make_codec(codec)
     settings = SyncerSettings(min_learners=min_learners, overlap_steps=overlap_steps,
-                              grace_gamma=grace_gamma, grace_cap_s=grace_cap_s)
+                              grace_gamma=grace_gamma, grace_cap_s=grace_cap_s,
+                              merge_rule=MergeRule(merge_rule))
     syncer, learners = inprocess.build_syncer_and_learners(
         params=setup.params, opt_init=setup.optimizer.init,
         plan=fragments.partition(setup.params, num_fragments), settings=settings,
-        outer_optimizer=(outer.build() if outer_kind == "nesterov"
+        outer_optimizer=(outer.build(outer_kind, **outer_kwargs) if outer_kwargs is not None
+                         else outer.build() if outer_kind == "nesterov"
                          else outer.build(outer_kind, lr=1.0, momentum=0.0)),
         error_feedback_factory=lambda: codec_lib.error_feedback(c),
         decode=lambda codes: codec_lib.decode_tree(c, codes),

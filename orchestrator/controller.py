@@ -121,6 +121,7 @@ class Controller:
         self.lock = threading.RLock()
         self.events: list[dict] = []
         self.started_s = time.time()
+        self.job_started_s: Optional[float] = None
         self.stop_event = threading.Event()
         self.syncer = None
         self.syncer_ref = None
@@ -191,6 +192,7 @@ class Controller:
             thread = threading.Thread(target=target, daemon=True, name=target.__name__)
             thread.start()
             self.threads.append(thread)
+        self.job_started_s = time.time()  # the chaos plan's clock: faults hit a running job
         self.emit("job_started", learners=list(self.slots), regions=list(self.targets),
                   num_params=sum(int(v.size) for v in _leaves(self.template)))
         return {"learners": list(self.slots)}
@@ -293,8 +295,7 @@ class Controller:
                     self._refresh_syncer_status()
                     gp = self.goodput()
                     self.goodput_history.append((time.time(), gp["useful_s"], gp["allocated_s"]))
-                    if self.ray_metrics is not None:
-                        self.ray_metrics.update(self.snapshot())
+                    self._mirror_ray_metrics()
                     last_fleet = time.time()
                 self._fire_chaos()
             except Exception as exc:  # keep monitoring; say what broke, once per distinct error
@@ -312,6 +313,16 @@ class Controller:
                 ray.wait(refs, num_returns=1, timeout=0.2)
             else:
                 time.sleep(0.2)
+
+    def _mirror_ray_metrics(self) -> None:
+        """The Ray dashboard's copy of the metrics: a failure here must never stop monitoring."""
+        if self.ray_metrics is None:
+            return
+        try:
+            self.ray_metrics.update(self.snapshot())
+        except Exception as exc:
+            self.ray_metrics = None
+            self.emit("metrics_mirror_stopped", error=repr(exc)[:300])
 
     def _check_runs(self) -> None:
         import ray
@@ -725,7 +736,9 @@ class Controller:
 
         if self.chaos_plan is None:
             return
-        for fault in self.chaos_plan.due(time.time() - self.started_s):
+        if self.job_started_s is None:
+            return
+        for fault in self.chaos_plan.due(time.time() - self.job_started_s):
             try:
                 if fault.kind in (FaultKind.KILL, FaultKind.EXIT):
                     slot = self.slots.get(fault.target)

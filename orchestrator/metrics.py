@@ -310,7 +310,7 @@ class RayMetricsMirror:
                     metric = self._gauges.get(spec.name)
                     if metric is None:
                         metric = self._gauges[spec.name] = self._ray.Gauge(
-                            spec.name, spec.help, tag_keys=spec.labels)
+                            spec.name, _ascii(spec.help), tag_keys=spec.labels)
                     metric.set(sample.value, tags=tags)
                 else:
                     key = (spec.name, tuple(sorted(tags.items())))
@@ -321,5 +321,10 @@ class RayMetricsMirror:
                     metric = self._counters.get(spec.name)
                     if metric is None:
                         metric = self._counters[spec.name] = self._ray.Counter(
-                            spec.name, spec.help, tag_keys=spec.labels)
+                            spec.name, _ascii(spec.help), tag_keys=spec.labels)
                     metric.inc(delta, tags=tags)
+
+
+def _ascii(text: str) -> str:
+    """Ray's metric descriptions must be ASCII ("DESIGN §6" -> "DESIGN S6")."""
+    return text.replace("§", "S").encode("ascii", "replace").decode()

@@ -186,6 +186,9 @@ def test_metrics_scrape_during_a_run(job):
     restarts = {s.labels["reason"]: s.value for s in second["islands_learner_restarts"].samples
                 if s.name.endswith("_total")}
     assert restarts["crash"] >= 1 and set(restarts) == {"crash", "preemption", "hang", "straggler"}
+    # The ray.util.metrics mirror ran alongside without disturbing the monitor.
+    assert not events(controller, "metrics_mirror_stopped")
+    assert not events(controller, "monitor_error")
     wait_for(lambda: snap()["learners"]["eu-west:0"]["state"] == "training", 60,
              "eu-west:0 back in training")
 
