@@ -34,8 +34,6 @@ import argparse
 import contextlib
 import json
 import os
-import platform
-import shlex
 import shutil
 import statistics
 import subprocess
@@ -44,10 +42,11 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 GOAL_RATIO = 0.97
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+from _machine import ensure_islands_importable, machine_info, command_line, format_table  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -78,45 +77,6 @@ PRESETS = {
 
 
 # -- small pure helpers ------------------------------------------------------------------------
-def ensure_islands_importable() -> None:
-    """Maps ``islands.*`` to this checkout when the package is not installed (the GPU machine):
-    ``islands.learners`` is the top-level ``learners/`` folder (DESIGN §3)."""
-    try:
-        import islands.learners  # noqa: F401
-    except ImportError:
-        import types
-
-        pkg = types.ModuleType("islands")
-        pkg.__path__ = [os.path.dirname(BENCH_DIR)]
-        sys.modules["islands"] = pkg
-
-
-def dist_version(name: str) -> Optional[str]:
-    """An installed distribution's version without importing it (``ray`` stays unimported)."""
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def machine_info() -> dict:
-    import jax
-    import numpy as np
-
-    return {"platform": platform.platform(), "python": platform.python_version(),
-            "cpu_count": os.cpu_count(), "jax": jax.__version__,
-            "jax_backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
-            "numpy": np.__version__, "ray": dist_version("ray")}
-
-
-def command_line() -> str:
-    env = " ".join(f"{k}={shlex.quote(os.environ[k])}" for k in ("JAX_PLATFORMS",)
-                   if k in os.environ)
-    return (env + " " if env else "") + shlex.join(["python"] + sys.argv)
-
-
 def ratio(service_steps_per_s: float, bare_steps_per_s: float) -> float:
     """Service throughput ÷ bare throughput (1.0 = no overhead).
 
@@ -161,20 +121,6 @@ def rate_from_samples(samples: list[tuple[float, int]]) -> Optional[float]:
     if len(samples) < 2 or samples[-1][0] <= samples[0][0]:
         return None
     return (samples[-1][1] - samples[0][1]) / (samples[-1][0] - samples[0][0])
-
-
-def format_table(rows: list[dict], columns: list[str]) -> str:
-    cells = [[str(c) for c in columns]] + [[_fmt(r.get(c)) for c in columns] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
-    return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells)
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}" if abs(value) < 1e4 else f"{value:,.0f}"
-    return str(value)
 
 
 # -- the training pieces shared by both loops ----------------------------------------------------

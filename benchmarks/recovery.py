@@ -35,11 +35,8 @@ import bisect
 import contextlib
 import json
 import os
-import platform
-import shlex
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -49,6 +46,7 @@ GOAL_TOTAL_S = 5.0
 GOAL_SURVIVOR_RATIO = 0.98
 PHASES = ("detect_s", "restart_s", "restore_s", "first_contribution_s")
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+from _machine import machine_info, command_line, format_table  # noqa: E402
 
 
 def job_dict(min_step_time_s: float, heartbeat_s: float, backoff_s: float) -> dict:
@@ -71,28 +69,6 @@ def job_dict(min_step_time_s: float, heartbeat_s: float, backoff_s: float) -> di
 
 
 # -- small pure helpers ------------------------------------------------------------------------
-def dist_version(name: str) -> Optional[str]:
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def machine_info() -> dict:
-    import jax
-    import numpy as np
-
-    return {"platform": platform.platform(), "python": platform.python_version(),
-            "cpu_count": os.cpu_count(), "jax": jax.__version__, "numpy": np.__version__,
-            "ray": dist_version("ray")}
-
-
-def command_line() -> str:
-    return shlex.join(["python"] + sys.argv)
-
-
 def interpolate(series: list[tuple[float, int]], t: float) -> Optional[float]:
     """The step counter at time ``t``, linear between the samples around it (None outside them).
 
@@ -161,20 +137,6 @@ def stats(values: list[float]) -> dict:
     if not values:
         return {"median": None, "max": None, "min": None}
     return {"median": statistics.median(values), "max": max(values), "min": min(values)}
-
-
-def format_table(rows: list[dict], columns: list[str]) -> str:
-    cells = [list(columns)] + [[_fmt(r.get(c)) for c in columns] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
-    return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells)
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3f}"
-    return str(value)
 
 
 # -- watching the job ----------------------------------------------------------------------------

@@ -32,8 +32,6 @@ import gc
 import json
 import math
 import os
-import platform
-import shlex
 import statistics
 import sys
 import time
@@ -41,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
+from _machine import ensure_islands_importable, machine_info, command_line, format_table  # noqa: E402
 MAX_TENSOR_ELEMS = 4 * 1024 * 1024  # ≈ a 2048 × 2048 matrix; larger fragments hold several
 
 
@@ -54,41 +53,6 @@ def use_syncer_env() -> dict:
 
 
 # -- small pure helpers ------------------------------------------------------------------------
-def ensure_islands_importable() -> None:
-    """Maps ``islands.*`` to this checkout when the package is not installed (DESIGN §3)."""
-    try:
-        import islands.syncer  # noqa: F401
-    except ImportError:
-        import types
-
-        pkg = types.ModuleType("islands")
-        pkg.__path__ = [os.path.dirname(BENCH_DIR)]
-        sys.modules["islands"] = pkg
-
-
-def dist_version(name: str) -> Optional[str]:
-    from importlib import metadata
-
-    try:
-        return metadata.version(name)
-    except metadata.PackageNotFoundError:
-        return None
-
-
-def machine_info() -> dict:
-    import jax
-    import numpy as np
-
-    return {"platform": platform.platform(), "python": platform.python_version(),
-            "cpu_count": os.cpu_count(), "jax": jax.__version__,
-            "jax_backend": jax.default_backend(), "numpy": np.__version__,
-            "ray": dist_version("ray")}
-
-
-def command_line() -> str:
-    return shlex.join(["python"] + sys.argv)
-
-
 def tensor_shapes(num_params: int, max_elems: int = MAX_TENSOR_ELEMS, cols: int = 1024
                   ) -> list[tuple[int, ...]]:
     """Shapes of the tensors of a fragment of ``num_params``: full ``(rows, cols)`` matrices of at
@@ -138,20 +102,6 @@ def max_learners(r: float, c_push: float, a: float, b: float, c_reply: float) ->
     worst = math.floor(1.0 / (r * (c_push + a + b + c_reply)))
     best = math.floor((1.0 / r - a) / (c_push + b + c_reply))
     return {"worst": max(worst, 0), "best": max(best, 0)}
-
-
-def format_table(rows: list[dict], columns: list[str]) -> str:
-    cells = [list(columns)] + [[_fmt(r.get(c)) for c in columns] for r in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(columns))]
-    return "\n".join("  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells)
-
-
-def _fmt(value: Any) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.4g}" if abs(value) < 1e5 else f"{value:.3e}"
-    return str(value)
 
 
 # -- measuring ---------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ inner steps. The train step itself lives in ``inner.py``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import jax

@@ -214,7 +214,7 @@ class LearnerUnit:
         from islands.syncer import codec as codec_lib
         from islands.syncer import fragments as fragments_lib
 
-        from . import data, model
+        from . import data
         from .core import LearnerCore
 
         spec, tspec = self.spec, self.spec.training

@@ -12,9 +12,7 @@ import collections
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
-
-import numpy as np
+from typing import Optional
 
 from .core import SyncerCore, SyncerSettings
 from .validate import Push

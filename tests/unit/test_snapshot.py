@@ -1,7 +1,6 @@
 """Syncer snapshots round-trip through orbax: Θ, outer momentum, versions, ledger; epoch fences."""
 
 import numpy as np
-import optax
 
 from islands.syncer import outer
 from islands.syncer.core import SyncerCore, SyncerSettings
