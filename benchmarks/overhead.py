@@ -44,6 +44,9 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
+# A local cluster for a benchmark binds loopback (read by Ray at import).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 GOAL_RATIO = 0.97
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 from _machine import ensure_islands_importable, machine_info, command_line, format_table  # noqa: E402

@@ -42,6 +42,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+# A local cluster for a benchmark binds loopback (read by Ray at import).
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
 GOAL_TOTAL_S = 5.0
 GOAL_SURVIVOR_RATIO = 0.98
 PHASES = ("detect_s", "restart_s", "restore_s", "first_contribution_s")

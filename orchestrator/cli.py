@@ -103,6 +103,10 @@ def main(argv=None) -> int:
     report.add_argument("run_dir")
 
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["run"] and "--address" not in argv and not os.environ.get("RAY_ADDRESS"):
+        # The embedded cluster is this machine's alone: bind loopback, not the network address
+        # (read by Ray when it is imported, so before that).
+        os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     if argv[:1] == ["simulate"]:  # its own options (--quick, --chips, ...) pass through as they are
         from .simulate import main as simulate_main
 

@@ -1,7 +1,14 @@
-"""Shared test setup: CPU JAX with strict rank promotion, and a leaf-by-leaf tree comparison."""
+"""Shared test setup: loopback-only Ray, CPU JAX with strict rank promotion, and a leaf-by-leaf
+tree comparison."""
 
-import jax
-import numpy as np
+import os
+
+# Before anything imports Ray: local clusters (ray.init, `ray start` in a subprocess) bind
+# 127.0.0.1 instead of the machine's network address, so tests talk to loopback only.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 # Tests run on CPU even where an accelerator is visible; set before any backend starts.
 jax.config.update("jax_platforms", "cpu")

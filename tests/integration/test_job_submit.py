@@ -41,10 +41,11 @@ def head(tmp_path_factory):
     env = {**os.environ, "HOME": str(home)}
     env.pop("RAY_ADDRESS", None)
     env.pop("RAY_AUTH_TOKEN_PATH", None)
-    ray_cli("start", "--head", "--num-cpus", "3", "--node-ip-address", "127.0.0.1",
-            "--dashboard-host", "127.0.0.1", "--dashboard-port", "8299",
-            "--resources", json.dumps({"region:us-east": 1, "region:eu-west": 1}),
-            "--disable-usage-stats", env=env, timeout=180)
+    started = ray_cli("start", "--head", "--num-cpus", "3", "--node-ip-address", "127.0.0.1",
+                      "--port", "0", "--dashboard-host", "127.0.0.1", "--dashboard-port", "8299",
+                      "--resources", json.dumps({"region:us-east": 1, "region:eu-west": 1}),
+                      "--disable-usage-stats", env=env, timeout=180, check=False)
+    assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
     yield env
     ray_cli("stop", "--force", env=env, check=False)
 
