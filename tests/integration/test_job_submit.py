@@ -39,8 +39,10 @@ def head(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
     # A private HOME: ray start writes its auth token to ~/.ray/auth_token, job submit reads it.
     env = {**os.environ, "HOME": str(home)}
-    env.pop("RAY_ADDRESS", None)
-    env.pop("RAY_AUTH_TOKEN_PATH", None)
+    # A fresh head makes its own token; a ray.init earlier in this process left
+    # RAY_AUTH_MODE=token behind, which would make `ray start` demand an existing one.
+    for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
+        env.pop(name, None)
     started = ray_cli("start", "--head", "--num-cpus", "3", "--node-ip-address", "127.0.0.1",
                       "--port", "0", "--dashboard-host", "127.0.0.1", "--dashboard-port", "8299",
                       "--resources", json.dumps({"region:us-east": 1, "region:eu-west": 1}),
