@@ -91,14 +91,35 @@ def build_training(spec: TrainingSpec, abstract: bool = False):
 
 
 def warm_compile_cache(spec: TrainingSpec, params) -> None:
-    """Compiles the train step once so learners load it from JAX's persistent cache."""
+    """Compiles the train step and every fragment's push encoder once, so learners load them
+    from JAX's persistent cache instead of each compiling them at start (seconds on 2 cores,
+    all learners at once)."""
     import numpy as np
 
     _, _, optimizer, train_step = build_training(spec, abstract=True)
     seq_len = spec.model.get("seq_len", 64)
     batch = np.zeros((spec.batch_size, seq_len + 1), np.int32)
-    _, _, loss = train_step(params, optimizer.init(params), batch)
+    opt_state = optimizer.init(params)
+    _, _, loss = train_step(params, opt_state, batch)
     float(loss)
+    _learner_core(spec, "warmup", params, opt_state, [0] * spec.fragments).compile_pushes()
+
+
+def _learner_core(spec: TrainingSpec, learner: str, params, opt_state, versions,
+                  incarnation: int = 0, start_step: int = 0):
+    """The LearnerCore a learner of ``spec`` runs (also built by the cache warm-up, which must
+    trace exactly the same push encoder)."""
+    from islands.syncer import codec as codec_lib
+    from islands.syncer import fragments as fragments_lib
+
+    from .core import LearnerCore
+
+    codec, ef = make_error_feedback(spec)
+    return LearnerCore(learner, params, opt_state, fragments_lib.partition(params, spec.fragments),
+                       versions, ef, codec_lib.tree_wire_bytes,
+                       lambda codes: codec_lib.decode_tree(codec, codes),
+                       overlap_steps=spec.overlap_steps, merge_alpha=spec.merge_alpha,
+                       incarnation=incarnation, start_step=start_step)
 
 
 def make_error_feedback(spec: TrainingSpec):
@@ -211,11 +232,7 @@ class LearnerUnit:
         import jax
         import ray
 
-        from islands.syncer import codec as codec_lib
-        from islands.syncer import fragments as fragments_lib
-
         from . import data
-        from .core import LearnerCore
 
         spec, tspec = self.spec, self.spec.training
         t_start = time.time()
@@ -225,11 +242,9 @@ class LearnerUnit:
         self.timings["corpus_s"] = time.time() - t_start
         cfg, template, optimizer, train_step = build_training(tspec, abstract=True)
         self.timings["model_s"] = time.time() - t_start
-        plan = fragments_lib.partition(template, tspec.fragments)
         sampler = data.ShardSampler(train_bytes, tspec.batch_size, cfg.seq_len, spec.shard_index,
                                     spec.num_shards, seed=tspec.seed)
         tokens_per_batch = sampler.tokens_per_batch
-        codec, ef = make_error_feedback(tspec)
 
         self.syncer = ray.get_actor(spec.syncer_name, namespace=spec.namespace)
         self.controller = (ray.get_actor(spec.controller_name, namespace=spec.namespace)
@@ -252,11 +267,8 @@ class LearnerUnit:
         if opt_state is None:
             opt_state = optimizer.init(params)
         with self.lock:
-            self.core = LearnerCore(
-                spec.learner, params, opt_state, plan, reg["versions"], ef,
-                codec_lib.tree_wire_bytes, lambda codes: codec_lib.decode_tree(codec, codes),
-                overlap_steps=tspec.overlap_steps, merge_alpha=tspec.merge_alpha,
-                incarnation=spec.incarnation, start_step=spec.start_step)
+            self.core = _learner_core(tspec, spec.learner, params, opt_state, reg["versions"],
+                                      spec.incarnation, spec.start_step)
         core = self.core
         t_compile = time.time()
         core.compile_pushes()

@@ -13,9 +13,15 @@ def _connect(address):
 
     from .controller import CONTROLLER_NAME, NAMESPACE
 
+    from .job import embedded_address
+
     if not ray.is_initialized():
-        ray.init(address=address or os.environ.get("RAY_ADDRESS") or "auto", namespace=NAMESPACE,
-                 log_to_driver=False)
+        target = address or os.environ.get("RAY_ADDRESS") or embedded_address() or "auto"
+        try:
+            ray.init(address=target, namespace=NAMESPACE, log_to_driver=False)
+        except ConnectionError as exc:
+            sys.exit(f"islands: no Ray cluster to talk to at {target!r} ({exc}); start a job "
+                     "with `islands run`, or pass --address")
     try:
         return ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
     except ValueError:
@@ -103,10 +109,13 @@ def main(argv=None) -> int:
     report.add_argument("run_dir")
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["run"] and "--address" not in argv and not os.environ.get("RAY_ADDRESS"):
-        # The embedded cluster is this machine's alone: bind loopback, not the network address
-        # (read by Ray when it is imported, so before that).
+    if "--address" not in argv and not os.environ.get("RAY_ADDRESS"):
+        # The embedded cluster is this machine's alone: it binds loopback, and a client of it
+        # must not "resolve" 127.0.0.1 to the network address (Ray reads this when imported).
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+        # Local clusters use token auth (Ray >= 2.59); a client sends the token only in that mode.
+        if os.path.exists(os.path.join(os.path.expanduser("~"), ".ray", "auth_token")):
+            os.environ.setdefault("RAY_AUTH_MODE", "token")
     if argv[:1] == ["simulate"]:  # its own options (--quick, --chips, ...) pass through as they are
         from .simulate import main as simulate_main
 

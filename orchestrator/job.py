@@ -39,7 +39,38 @@ def start_ray(config, address: Optional[str]) -> bool:
     if config.run.dashboard and getattr(context, "dashboard_url", None):
         print(f"islands: Ray dashboard at http://{context.dashboard_url} (actors islands:*, "
               "metrics islands_*)", flush=True)
+    _write_embedded_address(context.address_info["gcs_address"])
     return True
+
+
+def embedded_address_file() -> str:
+    """Where a running embedded cluster's address is kept, so `islands status` and friends in
+    another shell find it (Ray's own "auto" only knows clusters started by `ray start`)."""
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), "islands", "embedded_cluster_address")
+
+
+def embedded_address() -> Optional[str]:
+    try:
+        with open(embedded_address_file()) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _write_embedded_address(address: str) -> None:
+    path = embedded_address_file()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w") as f:
+        f.write(address)
+
+
+def _forget_embedded_address() -> None:
+    try:
+        os.remove(embedded_address_file())
+    except OSError:
+        pass
 
 
 def check_capacity(config) -> None:
@@ -163,6 +194,7 @@ def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] =
             _kill_job_actors(controller)
         out.close()
         if started_cluster:
+            _forget_embedded_address()
             ray.shutdown()
     return summary
 
