@@ -51,7 +51,9 @@ class Slot:
     incarnation: int = 0
     handle: Any = None
     run_ref: Any = None
-    started_s: float = 0.0           # when the current incarnation was requested
+    # When the current incarnation was requested; "now" from creation, so a slot the monitor sees
+    # between its creation and its launch is not taken for a learner that never started.
+    started_s: float = field(default_factory=time.time)
     allocated_since_s: Optional[float] = None
     allocated_total_s: float = 0.0   # closed allocation intervals
     restarts: collections.Counter = field(default_factory=collections.Counter)
@@ -367,7 +369,9 @@ class Controller:
 
         now = time.time()
         with self.lock:
-            training = [s for s in self.slots.values() if s.state in ("training", "starting")]
+            # Only launched incarnations: a slot being created by a scale command has no run yet.
+            training = [s for s in self.slots.values()
+                        if s.state in ("training", "starting") and s.run_ref is not None]
             step_times = {s.learner: s.last_beat["step_time_s"] for s in training
                           if s.last_beat and s.last_beat.get("step_time_s")}
         for slot in training:
