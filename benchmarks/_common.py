@@ -84,6 +84,17 @@ def finish(name: str, result: dict, out_dir: str) -> None:
     print(line, flush=True)
 
 
+def save_figure(fig, out_dir: str, name: str) -> str:
+    """Writes ``fig`` as ``out_dir/name`` (110 dpi), closes it, returns the path."""
+    plt = pyplot()
+
+    path = os.path.join(out_dir, name)
+    os.makedirs(out_dir, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def pyplot():
     import matplotlib
 

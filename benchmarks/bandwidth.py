@@ -153,8 +153,6 @@ def main() -> None:
 
 
 def plot(out_dir, rows, dp_bpt, dp_loss, dp_need, steps, delta_ms) -> str:
-    import os
-
     plt = C.pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(13, 5.2),
                                    gridspec_kw={"width_ratios": [1.4, 1]})
@@ -209,11 +207,7 @@ def plot(out_dir, rows, dp_bpt, dp_loss, dp_need, steps, delta_ms) -> str:
     ax2.set_title(f"Bandwidth needed at this CPU's step time ({delta_ms:.1f} ms)")
     fig.suptitle(f"Bandwidth at equal tokens: 4 learners × {steps} steps, τ = {TAU}", fontsize=11)
     fig.tight_layout()
-    path = os.path.join(out_dir, "bandwidth.png")
-    os.makedirs(out_dir, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return C.save_figure(fig, out_dir, "bandwidth.png")
 
 
 if __name__ == "__main__":

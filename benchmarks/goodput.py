@@ -167,8 +167,6 @@ def main() -> None:
 
 
 def plot(out_dir, ours, tl, losses, horizon, mtbf, ours_g, dp_g, ids) -> str:
-    import os
-
     plt = C.pyplot()
     bin_s = max(horizon / 40, 1.0)
     t_o, w_o, c_o = ours.goodput_series(bin_s)
@@ -223,11 +221,7 @@ def plot(out_dir, ours, tl, losses, horizon, mtbf, ours_g, dp_g, ids) -> str:
     ax3.set_xlabel("virtual time (s); 1 inner step = 1 s")
     ax3.set_xlim(0, horizon)
     fig.tight_layout()
-    path = os.path.join(out_dir, "goodput.png")
-    os.makedirs(out_dir, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return C.save_figure(fig, out_dir, "goodput.png")
 
 
 if __name__ == "__main__":

@@ -125,8 +125,6 @@ def main() -> None:
 
 
 def plot(out_dir, dp, runs, steps) -> str:
-    import os
-
     plt = C.pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.8))
     tok = [t / 1e6 for _, t, _ in dp.evals]
@@ -156,11 +154,7 @@ def plot(out_dir, dp, runs, steps) -> str:
     fig.suptitle(f"Quality at equal tokens (4 learners, budget 4 × {steps} batches), no failures; "
                  "mixed = speeds 1, 0.5, 1, 0.5 with ±10 % noise", fontsize=11)
     fig.tight_layout()
-    path = os.path.join(out_dir, "quality.png")
-    os.makedirs(out_dir, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return C.save_figure(fig, out_dir, "quality.png")
 
 
 if __name__ == "__main__":
