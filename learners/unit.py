@@ -154,7 +154,7 @@ class LearnerUnit:
         self.created_s = time.time()
         self.node_id = _node_id()
         self.timings: dict[str, float] = {}
-        from islands.orchestrator.chaos import FaultWindows, Link
+        from islands.faults import FaultWindows, Link
 
         self.region = spec.learner.rsplit(":", 1)[0]
         self.link_faults = FaultWindows()   # chaos on this region's link, in wall-clock times
@@ -254,7 +254,9 @@ class LearnerUnit:
         flat = {}
         for frag in reg["fragments"]:
             flat.update(frag)
-        assemble = _assembler(template)
+        from islands.syncer.fragments import assembler
+
+        assemble = assembler(template)
         params = jax.tree_util.tree_map(lambda x: x, assemble(flat))
         self.timings["restart_s"] = t_start - self.created_s
         opt_state = None
@@ -270,6 +272,10 @@ class LearnerUnit:
             self.core = _learner_core(tspec, spec.learner, params, opt_state, reg["versions"],
                                       spec.incarnation, spec.start_step)
         core = self.core
+        from .loop import LearnerLoop
+
+        loop = LearnerLoop(core, train_step, sampler.batch_at, tokens_per_batch, tspec.fragments,
+                           tspec.sync_every_steps)
         t_compile = time.time()
         core.compile_pushes()
         self.timings["compile_pushes_s"] = time.time() - t_compile
@@ -311,33 +317,29 @@ class LearnerUnit:
                     arrived.remove(item)
                     core.offer_reply(item[1], item[2], item[3])
                 with self.lock:
-                    adopted = core.adopt_ready()
+                    adopted = loop.adopt()
                     self.stats["adopted"] += len(adopted)
-                batch = sampler.batch_at(core.step)
-                new_params, new_opt, loss = train_step(core.params, core.opt_state, batch)
-                loss = float(loss)  # waits for the step
-                with self.lock:
-                    core.params, core.opt_state = new_params, new_opt
+                loss = float(loop.train(loop.batch()))  # float() waits for the step
                 # Emulated slower hardware (speed factor, chaos slowdown): the whole iteration,
                 # pushes and bookkeeping included, is padded to the target at its end.
                 factor = self.slowdown_factor if time.time() < self.slowdown_until else 1.0
                 target = max(spec.min_step_time_s, 0.0) / spec.speed_factor * factor
                 if factor > 1.0 and spec.min_step_time_s == 0.0:
                     target = (time.time() - t0) * factor
-                for p in core.due(tspec.fragments, tspec.sync_every_steps):
-                    push_plan = core.make_push(p, self.epoch)
-                    sender.send(self.arrival_s(time.time(), push_plan.wire_bytes), push_plan.push)
-                    with self.lock:
-                        self.stats["pushes"] += 1
-                        self.stats["wire_bytes_up"] += push_plan.wire_bytes
-                        self.stats["compression_relative_error"] = push_plan.relative_error
                 dt = max(time.time() - t0, target)
                 first_step = "first_step_s" not in self.timings
                 if first_step:
                     self.timings["first_step_s"] = dt
                     self.stats["timings"] = dict(self.timings)
                 with self.lock:
-                    core.record_step(tokens_per_batch, dt)
+                    loop.record(dt)
+                for push_plan in loop.pushes(self.epoch):
+                    sender.send(self.arrival_s(time.time(), push_plan.wire_bytes), push_plan.push)
+                    with self.lock:
+                        self.stats["pushes"] += 1
+                        self.stats["wire_bytes_up"] += push_plan.wire_bytes
+                        self.stats["compression_relative_error"] = push_plan.relative_error
+                with self.lock:
                     if not first_step:  # the first step loads or compiles the program: not a pace
                         step_time_ema = (dt if step_time_ema is None
                                          else 0.8 * step_time_ema + 0.2 * dt)
@@ -491,16 +493,6 @@ class _Sender:
 
     def close(self) -> None:
         self.closed.set()
-
-
-def _assembler(template):
-    import jax
-
-    from islands.syncer.fragments import path_to_str
-
-    leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(template)
-    paths = [path_to_str(path) for path, _ in leaves_with_paths]
-    return lambda flat: jax.tree_util.tree_unflatten(treedef, [flat[p] for p in paths])
 
 
 def _node_id() -> Optional[str]:

@@ -1,8 +1,11 @@
-"""Turns a validated JobConfig into the plain specs the actors are built from (no Ray here)."""
+"""The one translator from a validated JobConfig to the plain settings every part is built from.
+
+Both bodies (the Ray controller and the in-process driver) and the benchmarks call these; no
+other module reads JobConfig sections to build core objects. ``tests/unit/test_config_reach.py``
+walks every JobConfig field and shows it reaches the object that uses it.
+"""
 
 from __future__ import annotations
-
-import os
 
 from islands.learners.unit import TrainingSpec
 from islands.syncer import fragments as fragments_lib
@@ -10,25 +13,35 @@ from islands.syncer.actor import SyncerSpec
 from islands.syncer.core import SyncerSettings
 from islands.syncer.merge import MergeRule
 
+from .fleet import FleetSettings, RegionPlan
+from .health import RestartPolicy
+
+# Settings read by the job runner and the CLI rather than by a core object.
+CLI_ONLY = ("name", "run.duration_s", "run.run_dir", "run.progress_every_s", "run.dashboard",
+            "metrics.enabled", "metrics.port", "metrics.host", "metrics.snapshot_every_s")
+
+
+def codec_block_size(config) -> int:
+    """The codec's block size (codecs without blocks ignore it)."""
+    return getattr(config.compression, "block_size", 64)
+
 
 def training_spec(config) -> TrainingSpec:
-    inner = config.learner.inner_optimizer
     syncer = config.syncer
-    compression = config.compression
     return TrainingSpec(
         model=config.model.model_dump(),
         batch_size=config.data.batch_size,
         corpus=config.data.corpus,
         eval_fraction=config.data.eval_fraction,
         max_bytes=config.data.max_bytes,
-        inner=inner.model_dump(),
+        inner=config.learner.inner_optimizer.model_dump(),
         fragments=syncer.fragments,
         sync_every_steps=syncer.sync_every_steps,
         overlap_steps=syncer.overlap_steps,
         merge_alpha=config.learner.merge_alpha,
-        codec_kind=compression.type,
-        codec_block_size=getattr(compression, "block_size", 64),
-        error_feedback=compression.error_feedback,
+        codec_kind=config.compression.type,
+        codec_block_size=codec_block_size(config),
+        error_feedback=config.compression.error_feedback,
         seed=config.seed,
     )
 
@@ -39,21 +52,43 @@ def syncer_settings(config) -> SyncerSettings:
         min_learners=q.min_learners, grace_gamma=q.grace_gamma, grace_cap_s=q.grace_cap_s,
         overlap_steps=s.overlap_steps, history_versions=s.history_versions,
         max_staleness=s.max_staleness, outlier_norm_factor=s.outlier_norm_factor,
-        staleness_discount=s.staleness_discount, merge_rule=MergeRule(s.merge_rule))
+        staleness_discount=s.staleness_discount, merge_rule=MergeRule(s.merge_rule),
+        participation_scale=s.participation_scale)
+
+
+def restart_policy(config) -> RestartPolicy:
+    return RestartPolicy(**config.health.restart.model_dump())
+
+
+def fleet_settings(config) -> FleetSettings:
+    regions = {}
+    for name, region in config.regions.items():
+        factors = region.speed_factors
+        factors = (tuple(float(f) for f in factors) if isinstance(factors, list)
+                   else (float(factors),) * region.learners)
+        ceiling = region.max_learners if region.max_learners is not None else region.learners
+        regions[name] = RegionPlan(region.learners, ceiling, factors)
+    return FleetSettings(regions=regions, min_learners=config.quorum.min_learners,
+                         policy=restart_policy(config),
+                         heartbeat_timeout_s=config.health.timeout_s,
+                         straggler_factor=config.health.straggler_factor)
 
 
 def syncer_spec(config, template, run_dir: str) -> SyncerSpec:
-    """The syncer's spec; snapshots go to ``syncer.checkpoint_dir`` or ``<run_dir>/syncer``."""
+    """The syncer's spec; snapshots go under the run dir, or into a per-job subdirectory of
+    ``syncer.checkpoint_dir`` (a user's directory is only ever written into)."""
+    from islands.syncer.state import snapshot_directory
+
     plan = fragments_lib.partition(template, config.syncer.fragments)
     frags = [{k: _np(v) for k, v in fragments_lib.extract(template, plan, p).items()}
              for p in range(plan.num_fragments)]
     outer = config.syncer.outer_optimizer.model_dump()
     kind = outer.pop("type")
-    checkpoint_dir = config.syncer.checkpoint_dir or os.path.join(run_dir, "syncer")
     return SyncerSpec(fragments=frags, settings=syncer_settings(config), outer_kind=kind,
                       outer_kwargs=outer, codec_kind=config.compression.type,
-                      codec_block_size=getattr(config.compression, "block_size", 64),
-                      checkpoint_dir=os.path.abspath(checkpoint_dir),
+                      codec_block_size=codec_block_size(config),
+                      checkpoint_dir=snapshot_directory(config.syncer.checkpoint_dir, run_dir,
+                                                        config.name),
                       snapshot_every_merges=config.syncer.snapshot_every_merges)
 
 

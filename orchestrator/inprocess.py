@@ -596,15 +596,7 @@ def run_inprocess(
 
 def assemble_like(template: Any) -> Callable[[dict], Any]:
     """Returns ``flat {path: array} -> tree`` shaped like ``template``."""
-    import jax
-
-    leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(template)
-    paths = [fragments_lib.path_to_str(path) for path, _ in leaves_with_paths]
-
-    def assemble(flat: dict) -> Any:
-        return jax.tree_util.tree_unflatten(treedef, [flat[p] for p in paths])
-
-    return assemble
+    return fragments_lib.assembler(template)
 
 
 def build_syncer_and_learners(*, params: Any, opt_init: Callable[[Any], Any], plan: FragmentPlan,

@@ -102,6 +102,19 @@ def flatten(params: Any) -> dict[str, Any]:
     return {path_to_str(path): leaf for path, leaf in leaves_with_paths}
 
 
+def assembler(template: Any):
+    """Returns ``flat {path: array} -> tree`` shaped like ``template`` (the inverse of
+    ``flatten``); a learner builds its parameters from the syncer's fragments with it.
+
+    >>> assemble = assembler({"b": 0, "a": {"w": 0}})
+    >>> assemble({"a/w": 1, "b": 2})
+    {'a': {'w': 1}, 'b': 2}
+    """
+    leaves_with_paths, treedef = jax.tree_util.tree_flatten_with_path(template)
+    paths = [path_to_str(path) for path, _ in leaves_with_paths]
+    return lambda flat: jax.tree_util.tree_unflatten(treedef, [flat[p] for p in paths])
+
+
 def extract(params: Any, plan: FragmentPlan, fragment: int) -> Fragment:
     """The tensors of one fragment, as a ``{path: array}`` dict (``params`` shaped like the plan's
     tree: leaves are found by position, which is cheap on a hot path)."""

@@ -1,0 +1,168 @@
+"""Faults and the link emulation, below every layer: learners, the syncer and the orchestrator
+use them without importing each other.
+
+A ``Fault`` is one planned fault (a kill, a lost region, a slowdown, a network fault or partition,
+a syncer kill); ``FaultWindows`` answers, for a time, which slowdowns and link faults are in force
+and when a message sent over a region's emulated WAN ``Link`` arrives. Plans of faults are built in
+``islands.orchestrator.chaos``.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+
+SYNCER_TARGET = "syncer"
+
+
+class FaultKind(str, enum.Enum):
+    """What a fault does; the values are the ``kind`` field of chaos events and logs."""
+
+    KILL = "kill"                  # ray.kill of one learner actor
+    EXIT = "exit"                  # hard process exit inside one learner (os._exit)
+    REGION_LOSS = "region_loss"    # target = region: every learner of it dies (lost slice / node)
+    SLOWDOWN = "slowdown"          # target = learner (or region): step time × factor for a while
+    NETWORK = "network"            # target = region: extra latency and/or bandwidth cap for a while
+    PARTITION = "partition"        # target = region: no traffic in or out for a while
+    SYNCER_KILL = "syncer_kill"    # target = "syncer"
+
+
+# Faults after which a learner is gone until it is restarted.
+LEARNER_LOSS_KINDS = frozenset({FaultKind.KILL, FaultKind.EXIT, FaultKind.REGION_LOSS})
+
+
+def _check_time(name: str, value: float, *, positive: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    if math.isnan(value) or math.isinf(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    if positive and value <= 0:
+        raise ValueError(f"{name} must be > 0, got {value}")
+    if value < 0:
+        raise ValueError(f"{name} must be >= 0, got {value}")
+    return float(value)
+
+
+@dataclass(frozen=True)
+class Fault:
+    """One planned fault.
+
+    Attributes:
+      at_s: when it happens, seconds from the start of the run.
+      kind: what happens.
+      target: a learner id ("us-east:0"), a region name, or "syncer".
+      duration_s: kills: the repair delay before the learner may restart (0 = immediately);
+        slowdown, network, partition: how long it lasts.
+      factor: slowdown: step time multiplier (≥ 1).
+      extra_latency_ms: network: added one-way latency.
+      bandwidth_gbps: network: bandwidth cap (None: no cap).
+
+    Raises:
+      ValueError: naming the field, for a negative or non-finite time, an empty target, a
+        slowdown factor below 1 or a non-positive bandwidth cap.
+    """
+
+    at_s: float
+    kind: FaultKind
+    target: str
+    duration_s: float = 0.0
+    factor: float = 1.0
+    extra_latency_ms: float = 0.0
+    bandwidth_gbps: Optional[float] = None
+
+    def __post_init__(self):
+        try:
+            object.__setattr__(self, "kind", FaultKind(self.kind))
+        except ValueError:
+            raise ValueError(f"kind must be one of {', '.join(k.value for k in FaultKind)}, "
+                             f"got {self.kind!r}") from None
+        object.__setattr__(self, "at_s", _check_time("at_s", self.at_s))
+        object.__setattr__(self, "duration_s", _check_time("duration_s", self.duration_s))
+        object.__setattr__(self, "extra_latency_ms",
+                           _check_time("extra_latency_ms", self.extra_latency_ms))
+        if not isinstance(self.target, str) or not self.target:
+            raise ValueError(f"target must be a non-empty string, got {self.target!r}")
+        if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)) \
+                or not math.isfinite(self.factor) or self.factor < 1.0:
+            raise ValueError(f"factor must be a finite number >= 1, got {self.factor!r}")
+        if self.bandwidth_gbps is not None:
+            _check_time("bandwidth_gbps", self.bandwidth_gbps, positive=True)
+        if self.kind in (FaultKind.SLOWDOWN, FaultKind.NETWORK, FaultKind.PARTITION) \
+                and self.duration_s <= 0:
+            raise ValueError(f"duration_s must be > 0 for a {self.kind.value} fault, "
+                             f"got {self.duration_s}")
+        if self.kind == FaultKind.SYNCER_KILL and self.target != SYNCER_TARGET:
+            raise ValueError(f"target of a syncer_kill must be {SYNCER_TARGET!r}, "
+                             f"got {self.target!r}")
+
+    @property
+    def end_s(self) -> float:
+        """When the fault's period ends (for kills: when the repair is done)."""
+        return self.at_s + self.duration_s
+
+    def _order(self) -> tuple:
+        return (self.at_s, list(FaultKind).index(self.kind), self.target)
+
+
+@dataclass(frozen=True)
+class Link:
+    """A region's link at one moment."""
+
+    latency_s: float
+    bandwidth_bytes_per_s: float
+
+
+class FaultWindows:
+    """The slowdown and network faults that have fired, as time windows to look up.
+
+    A driver ``add``s each fault that ``FaultPlan.due`` hands it; queries at a time see the windows
+    covering it. Overlapping slowdowns take the largest factor; overlapping degradations add their
+    latencies and take the smallest bandwidth cap.
+    """
+
+    def __init__(self):
+        self.slowdowns: dict[str, list[Fault]] = {}
+        self.networks: dict[str, list[Fault]] = {}
+        self.partitions: dict[str, list[Fault]] = {}
+
+    def add(self, fault: Fault) -> None:
+        table = {FaultKind.SLOWDOWN: self.slowdowns, FaultKind.NETWORK: self.networks,
+                 FaultKind.PARTITION: self.partitions}.get(fault.kind)
+        if table is None:
+            raise ValueError(f"a {fault.kind.value} fault is not a time window")
+        table.setdefault(fault.target, []).append(fault)
+
+    @staticmethod
+    def _active(faults: Sequence[Fault], t: float) -> list[Fault]:
+        return [f for f in faults if f.at_s <= t < f.end_s]
+
+    def slowdown(self, learner: str, region: str, t: float) -> float:
+        """Step-time factor of ``learner`` (in ``region``) for a step starting at ``t``."""
+        active = (self._active(self.slowdowns.get(learner, ()), t)
+                  + self._active(self.slowdowns.get(region, ()), t))
+        return max([1.0] + [f.factor for f in active])
+
+    def departure_s(self, region: str, t: float) -> float:
+        """When a message handed to ``region``'s link at ``t`` can leave: after any partition."""
+        windows = self.partitions.get(region, ())
+        while True:
+            active = self._active(windows, t)
+            if not active:
+                return t
+            t = max(f.end_s for f in active)
+
+    def link(self, region: str, t: float, base: Link) -> Link:
+        active = self._active(self.networks.get(region, ()), t)
+        latency = base.latency_s + sum(f.extra_latency_ms for f in active) / 1e3
+        caps = [f.bandwidth_gbps * 1e9 / 8 for f in active if f.bandwidth_gbps is not None]
+        return Link(latency, min([base.bandwidth_bytes_per_s] + caps))
+
+    def arrival_s(self, region: str, t: float, nbytes: float, base: Link) -> float:
+        """Arrival time of ``nbytes`` sent over ``region``'s link at ``t``: wait out a partition,
+        then latency + bytes / bandwidth of the link as it is at departure."""
+        depart = self.departure_s(region, t)
+        link = self.link(region, depart, base)
+        return depart + link.latency_s + nbytes / link.bandwidth_bytes_per_s

@@ -1,0 +1,714 @@
+"""The fleet as a pure state machine: every lifecycle decision of the job's learner slots.
+
+One function, ``step(fleet, observations, now_s) -> Step(fleet, actions, transitions)``, holds
+what the controller decides: failure classification (death, hang, straggler; crash vs preemption
+budgets through ``health.RestartPolicy``), restart with backoff, the peer a restarted learner
+copies its inner state from, scale up/down/drain, following cluster membership, the quorum-floor
+pause and chaos faults. No Ray, no clock, no threads: the caller passes what it saw
+(``observations``) and the time, and executes the ``actions`` it gets back. The Ray controller
+(``controller.py``, wall clock) and the in-process driver (``inprocess.py``, virtual clock) are
+two bodies around this one brain; tests step it with hand-made observations and backdated clocks.
+
+A slot is one learner id (``us-east:0``) over its incarnations::
+
+    PENDING ─launch─▶ STARTING ─ready─▶ TRAINING ⇄ PAUSED        (quorum floor)
+                         │                 │
+                         └──── failed ─────┴─▶ RESTARTING ─relaunch─▶ STARTING
+                                               │ budget spent ─▶ FAILED
+    TRAINING/STARTING/PAUSED ─drain─▶ DRAINING ─drained─▶ RETIRED
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+from typing import Mapping, Optional, Sequence, Union
+
+from .chaos import Fault, FaultKind
+from .health import Cause, RestartDecision, RestartPolicy, death_cause, detect, grown_target
+
+
+class SlotState(str, enum.Enum):
+    PENDING = "pending"          # created (config or scale command), not launched yet
+    STARTING = "starting"        # an incarnation was launched; no training heartbeat yet
+    TRAINING = "training"
+    PAUSED = "paused"            # alive, held by the quorum floor
+    DRAINING = "draining"        # finishing its in-flight pushes, then leaves
+    RESTARTING = "restarting"    # its incarnation died; a new one is due at ``restart_at_s``
+    FAILED = "failed"            # restart budget spent: gone for good
+    RETIRED = "retired"          # left on purpose (drained, scaled down, job stopped)
+
+
+LIVE = frozenset({SlotState.STARTING, SlotState.TRAINING, SlotState.PAUSED, SlotState.DRAINING})
+GONE = frozenset({SlotState.FAILED, SlotState.RETIRED})
+
+
+# -- settings and state ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RegionPlan:
+    learners: int                       # initial count
+    max_learners: int                   # ceiling for scale commands and node joins
+    speed_factors: tuple[float, ...] = ()  # of the initial learners (emulated hardware speed)
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    """What the fleet decides with; built from JobConfig by ``build.fleet_settings``."""
+
+    regions: Mapping[str, RegionPlan]
+    min_learners: int = 1
+    policy: RestartPolicy = RestartPolicy()
+    heartbeat_timeout_s: float = 10.0
+    startup_timeout_s: float = 120.0
+    straggler_factor: float = 4.0
+    restart_retry_s: float = 0.2        # a launch that failed (name not released yet) retries
+
+
+@dataclass(frozen=True)
+class Slot:
+    learner: str
+    region: str
+    index: int
+    shard: int
+    speed_factor: float = 1.0
+    state: SlotState = SlotState.PENDING
+    incarnation: int = 0
+    launched_s: Optional[float] = None   # when the current incarnation was requested
+    last_beat_s: Optional[float] = None
+    step_time_s: Optional[float] = None
+    node_id: Optional[str] = None
+    restarts: tuple[tuple[Cause, int], ...] = ()
+    restart_at_s: Optional[float] = None
+    repair_until_s: float = 0.0
+    killed_at_s: Optional[float] = None  # a chaos kill: the failure time, to the ms
+    start_step: int = 0
+    recovery: Optional[tuple[tuple[str, float], ...]] = None  # phase timestamps in progress
+    restart_postponed: bool = False
+
+    @property
+    def restart_counts(self) -> dict[Cause, int]:
+        return dict(self.restarts)
+
+    def with_restart(self, cause: Cause) -> "Slot":
+        counts = self.restart_counts
+        counts[cause] = counts.get(cause, 0) + 1
+        return dataclasses.replace(self, restarts=tuple(sorted(counts.items())))
+
+
+@dataclass(frozen=True)
+class FleetState:
+    settings: FleetSettings
+    slots: Mapping[str, Slot] = field(default_factory=dict)   # insertion order = creation order
+    targets: Mapping[str, int] = field(default_factory=dict)
+    next_index: Mapping[str, int] = field(default_factory=dict)
+    next_shard: int = 0
+    capacity: Mapping[str, float] = field(default_factory=dict)
+    alive_nodes: Optional[frozenset] = None
+    paused_reason: Optional[str] = None
+    quorum_seen: bool = False
+    stopping: bool = False
+    link_faults: tuple[Fault, ...] = ()    # network faults, for learners launched during them
+    applied_steps: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # (inc, step)
+
+    def live(self) -> list[Slot]:
+        return [s for s in self.slots.values() if s.state in LIVE]
+
+    def in_region(self, region: str) -> list[Slot]:
+        return [s for s in self.slots.values() if s.region == region]
+
+
+def initial(settings: FleetSettings) -> FleetState:
+    """The configured slots, all PENDING (the first ``step`` launches them)."""
+    fleet = FleetState(settings, targets={r: p.learners for r, p in settings.regions.items()},
+                       next_index={r: 0 for r in settings.regions})
+    slots = dict(fleet.slots)
+    for region, plan in settings.regions.items():
+        for i in range(plan.learners):
+            fleet, slot = _new_slot(fleet, region, plan.speed_factors[i] if i < len(
+                plan.speed_factors) else 1.0)
+            slots[slot.learner] = slot
+            fleet = dataclasses.replace(fleet, slots=dict(slots))
+    return fleet
+
+
+def _new_slot(fleet: FleetState, region: str, speed: float = 1.0) -> tuple[FleetState, Slot]:
+    index = fleet.next_index[region]
+    slot = Slot(learner=f"{region}:{index}", region=region, index=index, shard=fleet.next_shard,
+                speed_factor=speed)
+    return dataclasses.replace(fleet, next_index={**fleet.next_index, region: index + 1},
+                               next_shard=fleet.next_shard + 1), slot
+
+
+# -- observations: what a body saw ----------------------------------------------------------------
+@dataclass(frozen=True)
+class Beat:
+    """A learner's heartbeat (from the current incarnation only; older ones are ignored)."""
+
+    learner: str
+    incarnation: int
+    training: bool                      # its loop is stepping (not starting, not stopped)
+    step_time_s: Optional[float] = None
+    node_id: Optional[str] = None
+    ready_at_s: Optional[float] = None  # when its restore finished
+
+
+@dataclass(frozen=True)
+class RunEnded:
+    """An incarnation's run returned (``error`` None) or died (``error`` says how)."""
+
+    learner: str
+    incarnation: int
+    error: Optional[str] = None
+    preempted: bool = False             # the platform said so (an autoscaler drain)
+    crashed: bool = False               # the training loop raised (not a dead process)
+
+
+@dataclass(frozen=True)
+class LaunchFailed:
+    """A launch could not be carried out (e.g. the dead actor's name is not released yet)."""
+
+    learner: str
+    incarnation: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """Cluster membership: region capacities (``region:<name>`` resources) and live nodes."""
+
+    capacity: Mapping[str, float]
+    alive_nodes: Optional[frozenset] = None
+
+
+@dataclass(frozen=True)
+class Applied:
+    """The syncer's ledger: per learner (incarnation, applied step, applied tokens of it)."""
+
+    entries: Mapping[str, tuple[int, int, int]]
+
+
+@dataclass(frozen=True)
+class Scale:
+    region: str
+    n: int
+    reason: str = "operator"
+
+
+@dataclass(frozen=True)
+class Drain:
+    learner: str
+
+
+@dataclass(frozen=True)
+class Chaos:
+    """A fault to apply now (from the job's plan or an operator's chaos command)."""
+
+    fault: Fault
+    mode: str = "ray_kill"     # KILL faults: ray_kill or exit
+
+
+@dataclass(frozen=True)
+class HangCommand:
+    """Chaos: wedge a learner (no steps, no heartbeats) for ``duration_s``."""
+
+    learner: str
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class Stop:
+    """The job is ending: clean ends retire, nothing restarts."""
+
+
+Observation = Union[Beat, RunEnded, LaunchFailed, Cluster, Applied, Scale, Drain, Chaos,
+                    HangCommand, Stop]
+
+
+# -- actions: what a body must do -----------------------------------------------------------------
+@dataclass(frozen=True)
+class Launch:
+    learner: str
+    region: str
+    incarnation: int
+    shard: int
+    num_shards: int
+    speed_factor: float
+    peer: Optional[str]        # a live learner to copy the inner optimizer state from
+    start_step: int            # where its data shard resumes
+    link_faults: tuple[Fault, ...] = ()
+
+
+@dataclass(frozen=True)
+class Kill:
+    """End an incarnation: ``ray_kill`` or ``exit`` (chaos), ``bury`` (make sure it is gone)."""
+
+    learner: str
+    incarnation: int
+    mode: str = "bury"
+
+
+@dataclass(frozen=True)
+class Forget:
+    """Unregister the learner at the syncer: its unmerged pushes are dropped."""
+
+    learner: str
+    incarnation: int
+
+
+@dataclass(frozen=True)
+class DrainLearner:
+    learner: str
+
+
+@dataclass(frozen=True)
+class PauseLearner:
+    learner: str
+    paused: bool
+
+
+@dataclass(frozen=True)
+class Slowdown:
+    learner: str
+    factor: float
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class Hang:
+    learner: str
+    duration_s: float
+
+
+@dataclass(frozen=True)
+class LinkFault:
+    learners: tuple[str, ...]
+    fault: Fault
+
+
+@dataclass(frozen=True)
+class KillSyncer:
+    pass
+
+
+Action = Union[Launch, Kill, Forget, DrainLearner, PauseLearner, Slowdown, Hang, LinkFault,
+               KillSyncer]
+
+
+@dataclass(frozen=True)
+class Transition:
+    """A named change, also the job's event (``name`` is the event kind in events.jsonl)."""
+
+    name: str
+    learner: Optional[str] = None
+    fields: Mapping = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Step:
+    fleet: FleetState
+    actions: tuple
+    transitions: tuple
+
+
+class CommandError(ValueError):
+    """An operator command that cannot be carried out; the message says why."""
+
+
+# -- the step -------------------------------------------------------------------------------------
+def step(fleet: FleetState, observations: Sequence[Observation], now_s: float) -> Step:
+    """Applies ``observations`` in order, then the timers (health, due restarts, quorum floor).
+
+    Raises:
+      CommandError: a Scale, Drain or Chaos observation that is not possible (an unknown region,
+        above max_learners, below quorum, a learner that is not running). Nothing is applied then:
+        validate commands with ``check_command`` before queueing them next to others.
+    """
+    m = _Machine(fleet, now_s)
+    for obs in observations:
+        m.observe(obs)
+    m.timers()
+    return Step(m.fleet, tuple(m.actions), tuple(m.transitions))
+
+
+def check_command(fleet: FleetState, command: Observation) -> None:
+    """Raises CommandError when ``command`` would be refused by ``step`` (no state changes)."""
+    _Machine(fleet, 0.0).observe(command)
+
+
+class _Machine:
+    """One step's working state: the fleet so far, and the actions and transitions produced."""
+
+    def __init__(self, fleet: FleetState, now_s: float):
+        self.fleet, self.now = fleet, now_s
+        self.settings = fleet.settings
+        self.actions: list = []
+        self.transitions: list[Transition] = []
+
+    # -- helpers ----------------------------------------------------------------------------------
+    def put(self, slot: Slot) -> Slot:
+        self.fleet = dataclasses.replace(self.fleet, slots={**self.fleet.slots, slot.learner: slot})
+        return slot
+
+    def set(self, **changes) -> None:
+        self.fleet = dataclasses.replace(self.fleet, **changes)
+
+    def note(self, name: str, learner: Optional[str] = None, **fields) -> None:
+        self.transitions.append(Transition(name, learner, fields))
+
+    def move(self, slot: Slot, state: SlotState, name: str, **fields) -> Slot:
+        self.note(name, slot.learner, **{"from": slot.state.value, "to": state.value, **fields})
+        return self.put(dataclasses.replace(slot, state=state))
+
+    def num_shards(self) -> int:
+        total = sum(p.learners for p in self.settings.regions.values())
+        return max(total, len(self.fleet.slots), 1)
+
+    def peer_for(self, learner: str, region: str) -> Optional[str]:
+        """The one peer-choice policy: a training learner of the same region, else any."""
+        training = [s for s in self.fleet.slots.values()
+                    if s.state == SlotState.TRAINING and s.learner != learner]
+        same = [s for s in training if s.region == region]
+        chosen = (same or training or [None])[0]
+        return chosen.learner if chosen else None
+
+    def current(self, learner: str, incarnation: int) -> Optional[Slot]:
+        slot = self.fleet.slots.get(learner)
+        return slot if slot is not None and slot.incarnation == incarnation else None
+
+    # -- observations -----------------------------------------------------------------------------
+    def observe(self, obs: Observation) -> None:
+        handler = getattr(self, "on_" + type(obs).__name__.lower())
+        handler(obs)
+
+    def on_beat(self, beat: Beat) -> None:
+        slot = self.current(beat.learner, beat.incarnation)
+        if slot is None or slot.state in GONE or slot.state == SlotState.RESTARTING:
+            return  # a beat from an incarnation already buried
+        slot = self.put(dataclasses.replace(
+            slot, last_beat_s=self.now, step_time_s=beat.step_time_s or slot.step_time_s,
+            node_id=beat.node_id or slot.node_id))
+        if slot.state == SlotState.STARTING and beat.training:
+            recovery = dict(slot.recovery or ())
+            if slot.recovery is not None and beat.ready_at_s is not None:
+                recovery.setdefault("restore_done_s", beat.ready_at_s)
+            slot = self.put(dataclasses.replace(slot, recovery=tuple(recovery.items())
+                                                if slot.recovery is not None else None))
+            paused = self.fleet.paused_reason is not None
+            self.move(slot, SlotState.PAUSED if paused else SlotState.TRAINING, "learner_ready",
+                      incarnation=slot.incarnation)
+            if paused:  # a learner that came back joins the pause
+                self.actions.append(PauseLearner(slot.learner, True))
+
+    def on_runended(self, obs: RunEnded) -> None:
+        slot = self.current(obs.learner, obs.incarnation)
+        if slot is None or slot.state not in LIVE:
+            return
+        if self.fleet.stopping:
+            self.retire(slot, "stopped")
+            return
+        if obs.error is None and slot.state == SlotState.DRAINING:
+            self.retire(slot, "drained")
+            return
+        if slot.state == SlotState.DRAINING:  # it died on its way out: it leaves all the same
+            self.retire(slot, f"drained (ended with: {obs.error or 'clean exit'})"[:300])
+            return
+        if obs.error is None or obs.crashed:
+            cause = Cause.CRASH
+        else:
+            cause = death_cause(slot.node_id, self.fleet.alive_nodes or frozenset({slot.node_id}),
+                                obs.preempted, obs.error)
+        self.fail(slot, cause, detail=(obs.error or "run returned")[:300])
+
+    def on_launchfailed(self, obs: LaunchFailed) -> None:
+        slot = self.current(obs.learner, obs.incarnation)
+        if slot is None or slot.state != SlotState.STARTING:
+            return
+        if not slot.restart_postponed:
+            self.note("learner_restart_postponed", slot.learner, reason=obs.reason[:300])
+        # The same incarnation number is launched again (nothing of it ever ran).
+        self.put(dataclasses.replace(
+            slot, state=SlotState.RESTARTING, restart_postponed=True,
+            restart_at_s=self.now + self.settings.restart_retry_s))
+
+    def on_cluster(self, obs: Cluster) -> None:
+        previous = dict(self.fleet.capacity)
+        self.set(capacity=dict(obs.capacity),
+                 alive_nodes=obs.alive_nodes if obs.alive_nodes is not None
+                 else self.fleet.alive_nodes)
+        for region, plan in self.settings.regions.items():
+            capacity = obs.capacity.get(region, 0.0)
+            target = grown_target(capacity, previous.get(region), self.fleet.targets[region],
+                                  plan.max_learners)
+            if target is not None:
+                self.note("region_grew", None, region=region, capacity=capacity, target=target)
+                self.scale_to(region, target, "node joined")
+
+    def on_applied(self, obs: Applied) -> None:
+        self.set(applied_steps={k: (inc, step) for k, (inc, step, _) in obs.entries.items()})
+        for learner, (incarnation, _, tokens) in obs.entries.items():
+            slot = self.fleet.slots.get(learner)
+            if (slot is None or slot.recovery is None or slot.incarnation != incarnation
+                    or slot.state not in LIVE or tokens <= 0
+                    or "restarted_s" not in dict(slot.recovery)):
+                continue
+            rec = dict(slot.recovery)
+            rec["first_contribution_s"] = self.now
+            self.put(dataclasses.replace(slot, recovery=None))
+            self.note("learner_recovered", learner, **recovery_phases(rec))
+
+    def on_scale(self, obs: Scale) -> None:
+        plan = self.settings.regions.get(obs.region)
+        if plan is None:
+            raise CommandError(f"unknown region {obs.region!r}; regions are "
+                               f"{sorted(self.settings.regions)}")
+        if obs.n < 0:
+            raise CommandError(f"learner count must be >= 0, got {obs.n}")
+        if obs.n > plan.max_learners:
+            raise CommandError(f"region {obs.region}: {obs.n} exceeds max_learners "
+                               f"({plan.max_learners})")
+        other = sum(1 for s in self.fleet.slots.values()
+                    if s.region != obs.region and s.state not in GONE)
+        if other + obs.n < self.settings.min_learners:
+            raise CommandError(f"scaling {obs.region} to {obs.n} leaves {other + obs.n} "
+                               f"learners, below quorum {self.settings.min_learners}")
+        self.scale_to(obs.region, obs.n, obs.reason)
+
+    def on_drain(self, obs: Drain) -> None:
+        slot = self.fleet.slots.get(obs.learner)
+        if slot is None or slot.state in GONE or slot.state == SlotState.DRAINING:
+            active = sorted(s.learner for s in self.fleet.slots.values()
+                            if s.state not in GONE and s.state != SlotState.DRAINING)
+            raise CommandError(f"no active learner {obs.learner!r}; active are {active}")
+        self.drain(slot)
+        targets = dict(self.fleet.targets)
+        targets[slot.region] = max(0, targets[slot.region] - 1)
+        self.set(targets=targets)
+
+    def on_chaos(self, obs: Chaos) -> None:
+        fault, kind = obs.fault, obs.fault.kind
+        if kind in (FaultKind.KILL, FaultKind.EXIT):
+            slot = self.fleet.slots.get(fault.target)
+            if slot is None or slot.state not in LIVE:
+                raise CommandError(f"no running learner {fault.target!r}")
+            mode = obs.mode if kind == FaultKind.KILL else "exit"
+            self.note("chaos", fault.target, action="kill", target=fault.target, mode=mode,
+                      repair_s=fault.duration_s)
+            self.kill(slot, mode, fault.duration_s)
+        elif kind == FaultKind.REGION_LOSS:
+            self.region_known(fault.target)
+            victims = [s for s in self.fleet.in_region(fault.target) if s.state in LIVE]
+            self.note("chaos", None, action="region_loss", target=fault.target,
+                      repair_s=fault.duration_s, learners=[s.learner for s in victims])
+            for slot in victims:
+                self.kill(slot, "ray_kill", fault.duration_s)
+        elif kind == FaultKind.SLOWDOWN:
+            targets = self.running_targets(fault.target)
+            self.note("chaos", None, action="slowdown", target=fault.target, factor=fault.factor,
+                      duration_s=fault.duration_s)
+            self.actions += [Slowdown(s.learner, fault.factor, fault.duration_s) for s in targets]
+        elif kind in (FaultKind.NETWORK, FaultKind.PARTITION):
+            self.region_known(fault.target)
+            self.note("chaos", None, action=kind.value, target=fault.target,
+                      duration_s=fault.duration_s, extra_latency_ms=fault.extra_latency_ms,
+                      bandwidth_gbps=fault.bandwidth_gbps)
+            self.set(link_faults=self.fleet.link_faults + (fault,))
+            learners = tuple(s.learner for s in self.fleet.in_region(fault.target)
+                             if s.state in LIVE)
+            self.actions.append(LinkFault(learners, fault))
+        elif kind == FaultKind.SYNCER_KILL:
+            self.note("chaos", None, action="kill", target="syncer", mode="ray_kill")
+            self.actions.append(KillSyncer())
+        else:  # pragma: no cover - FaultKind is closed
+            raise CommandError(f"unknown fault kind {kind!r}")
+
+    def on_hangcommand(self, obs: HangCommand) -> None:
+        slot = self.fleet.slots.get(obs.learner)
+        if slot is None or slot.state not in LIVE:
+            raise CommandError(f"no running learner {obs.learner!r}")
+        self.note("chaos", obs.learner, action="hang", target=obs.learner,
+                  duration_s=obs.duration_s)
+        self.actions.append(Hang(obs.learner, obs.duration_s))
+
+    def on_stop(self, _obs: Stop) -> None:
+        self.set(stopping=True)
+        for slot in list(self.fleet.slots.values()):
+            if slot.state in (SlotState.RESTARTING, SlotState.PENDING):
+                self.retire(slot, "stopped")
+
+    def region_known(self, region: str) -> None:
+        if region not in self.settings.regions:
+            raise CommandError(f"unknown region {region!r}; regions are "
+                               f"{sorted(self.settings.regions)}")
+
+    def running_targets(self, target: str) -> list[Slot]:
+        slot = self.fleet.slots.get(target)
+        if slot is not None:
+            if slot.state not in LIVE:
+                raise CommandError(f"no running learner {target!r}")
+            return [slot]
+        if target in self.settings.regions:
+            return [s for s in self.fleet.in_region(target) if s.state == SlotState.TRAINING]
+        raise CommandError(f"no running learner {target!r}")
+
+    # -- decisions --------------------------------------------------------------------------------
+    def kill(self, slot: Slot, mode: str, repair_s: float) -> None:
+        """A chaos kill: the failure time is now; it may restart no earlier than the repair."""
+        self.put(dataclasses.replace(slot, killed_at_s=self.now,
+                                     repair_until_s=self.now + repair_s))
+        self.actions.append(Kill(slot.learner, slot.incarnation, mode))
+
+    def fail(self, slot: Slot, cause: Cause, detail: str = "") -> None:
+        """Buries the incarnation, then restarts (after the policy's backoff) or gives up."""
+        died_s = slot.killed_at_s or slot.last_beat_s or slot.launched_s or self.now
+        self.actions += [Kill(slot.learner, slot.incarnation), Forget(slot.learner,
+                                                                      slot.incarnation)]
+        self.note("learner_failed", slot.learner, cause=cause.value, incarnation=slot.incarnation,
+                  detail=detail, **{"from": slot.state.value})
+        verdict = self.settings.policy.decide(slot.learner, cause, slot.restart_counts)
+        slot = dataclasses.replace(slot, killed_at_s=None)
+        if verdict.decision == RestartDecision.RETIRE:
+            self.move(slot, SlotState.FAILED, "learner_retired", reason=verdict.message)
+            return
+        slot = slot.with_restart(cause)
+        # The repair of a lost machine starts when the loss is seen.
+        repair_s = max(0.0, slot.repair_until_s - died_s)
+        restart_at = self.now + max(verdict.delay_s, repair_s)
+        slot = dataclasses.replace(
+            slot, restart_at_s=restart_at, restart_postponed=False,
+            recovery=(("failed_s", died_s), ("detected_s", self.now), ("cause", cause.value)))
+        self.move(slot, SlotState.RESTARTING, "learner_restart_scheduled", cause=cause.value,
+                  message=verdict.message, delay_s=restart_at - self.now)
+
+    def retire(self, slot: Slot, reason: str) -> None:
+        if slot.state in LIVE:
+            self.actions.append(Forget(slot.learner, slot.incarnation))
+        slot = dataclasses.replace(slot, restart_at_s=None, recovery=None)
+        self.move(slot, SlotState.RETIRED, "learner_retired", reason=reason)
+
+    def drain(self, slot: Slot) -> None:
+        if slot.state in (SlotState.RESTARTING, SlotState.PENDING):
+            # No live incarnation: nothing is in flight, so it leaves now.
+            self.retire(slot, "drained while restarting" if slot.state == SlotState.RESTARTING
+                        else "drained before launch")
+            return
+        self.move(slot, SlotState.DRAINING, "learner_draining")
+        self.actions.append(DrainLearner(slot.learner))
+
+    def launch(self, slot: Slot, start_step: int, name: str = "learner_launched") -> None:
+        peer = self.peer_for(slot.learner, slot.region)
+        faults = tuple(f for f in self.fleet.link_faults
+                       if f.target == slot.region and f.end_s > self.now)
+        recovery = slot.recovery
+        if recovery is not None:
+            recovery = tuple({**dict(recovery), "restarted_s": self.now,
+                              "incarnation": slot.incarnation}.items())
+        slot = dataclasses.replace(slot, launched_s=self.now, last_beat_s=None,
+                                   start_step=start_step, restart_at_s=None, recovery=recovery)
+        self.actions.append(Launch(slot.learner, slot.region, slot.incarnation, slot.shard,
+                                   self.num_shards(), slot.speed_factor, peer, start_step,
+                                   faults))
+        self.move(slot, SlotState.STARTING, name, incarnation=slot.incarnation, peer=peer,
+                  resume_step=start_step)
+
+    def scale_to(self, region: str, n: int, reason: str) -> None:
+        active = sorted((s for s in self.fleet.in_region(region)
+                         if s.state not in GONE and s.state != SlotState.DRAINING),
+                        key=lambda s: s.index)
+        added, drained = [], []
+        while len(active) + len(added) < n:
+            fleet, slot = _new_slot(self.fleet, region)
+            self.fleet = fleet
+            self.put(slot)
+            added.append(slot.learner)
+        for slot in active[n:]:
+            drained.append(slot.learner)
+            self.drain(slot)
+        self.set(targets={**self.fleet.targets, region: n})
+        for learner in added:
+            self.launch(self.fleet.slots[learner], 0)
+        self.note("scaled", None, region=region, target=n, added=added, drained=drained,
+                  reason=reason)
+
+    # -- timers -----------------------------------------------------------------------------------
+    def timers(self) -> None:
+        if not self.fleet.stopping:
+            self.launch_pending()
+            self.check_health()
+            self.start_due_restarts()
+        self.quorum_floor()
+
+    def launch_pending(self) -> None:
+        for slot in list(self.fleet.slots.values()):
+            if slot.state == SlotState.PENDING:
+                self.launch(slot, 0)
+
+    def check_health(self) -> None:
+        s = self.settings
+        running = [x for x in self.fleet.slots.values()
+                   if x.state in (SlotState.TRAINING, SlotState.STARTING)]
+        step_times = {x.learner: x.step_time_s for x in running
+                      if x.state == SlotState.TRAINING and x.step_time_s}
+        for slot in running:
+            # Its region's other learners; the whole fleet's when the region has fewer than two
+            # others (a region of two cannot say which of its pair is the slow one).
+            peers = [t for name, t in step_times.items()
+                     if name != slot.learner and self.fleet.slots[name].region == slot.region]
+            if len(peers) < 2:
+                peers = [t for name, t in step_times.items() if name != slot.learner]
+            cause = detect(self.now, slot.last_beat_s, slot.launched_s or self.now,
+                           step_times.get(slot.learner), peers, s.heartbeat_timeout_s,
+                           s.straggler_factor, s.startup_timeout_s)
+            if cause is None or (cause == Cause.STRAGGLER and slot.speed_factor < 1.0):
+                continue  # healthy, or slow by design (a mixed fleet)
+            self.note("learner_unhealthy", slot.learner, cause=cause.value,
+                      step_time_s=step_times.get(slot.learner))
+            self.fail(slot, cause, detail=f"{cause.value} detected")
+
+    def start_due_restarts(self) -> None:
+        for slot in list(self.fleet.slots.values()):
+            if (slot.state != SlotState.RESTARTING or slot.restart_at_s is None
+                    or self.now < slot.restart_at_s):
+                continue
+            applied = self.fleet.applied_steps.get(slot.learner)
+            start_step = applied[1] if applied is not None else slot.start_step
+            incarnation = slot.incarnation + (0 if slot.restart_postponed else 1)
+            slot = dataclasses.replace(slot, incarnation=incarnation)
+            self.launch(slot, start_step, name="learner_restarted")
+
+    def quorum_floor(self) -> None:
+        k = self.settings.min_learners
+        live = [s for s in self.fleet.slots.values()
+                if s.state in (SlotState.TRAINING, SlotState.PAUSED)]
+        if len(live) >= k and not self.fleet.quorum_seen:
+            self.set(quorum_seen=True)
+        if not self.fleet.quorum_seen or self.fleet.stopping:
+            return  # still starting up: nothing to pause yet
+        if len(live) < k and self.fleet.paused_reason is None:
+            reason = (f"{len(live)} live learner(s) below quorum {k}: training paused until "
+                      "learners return")
+            self.set(paused_reason=reason)
+            self.note("training_paused", None, reason=reason)
+            for slot in live:
+                if slot.state == SlotState.TRAINING:
+                    self.put(dataclasses.replace(slot, state=SlotState.PAUSED))
+                self.actions.append(PauseLearner(slot.learner, True))
+        elif len(live) >= k and self.fleet.paused_reason is not None:
+            self.set(paused_reason=None)
+            self.note("training_resumed", None, live=len(live))
+            for slot in live:
+                self.put(dataclasses.replace(slot, state=SlotState.TRAINING))
+                self.actions.append(PauseLearner(slot.learner, False))
+
+
+def recovery_phases(rec: Mapping) -> dict:
+    """Seconds per recovery phase: detect, restart, restore, first contribution, total."""
+    failed = rec["failed_s"]
+    detected = rec.get("detected_s", failed)
+    restarted = rec.get("restarted_s", detected)
+    restored = rec.get("restore_done_s", restarted)
+    first = rec.get("first_contribution_s", restored)
+    return {"cause": rec.get("cause"), "detect_s": detected - failed,
+            "restart_s": restarted - detected, "restore_s": restored - restarted,
+            "first_contribution_s": first - restored, "total_s": first - failed}
+

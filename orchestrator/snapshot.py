@@ -1,0 +1,148 @@
+"""The job's snapshot: one typed object that metrics, ``islands status``, the progress line, the
+run dir's metrics.jsonl and the summary all read.
+"""
+
+from __future__ import annotations
+
+import collections
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any, Optional
+
+
+@dataclass(frozen=True)
+class LearnerRow:
+    region: str
+    state: str
+    incarnation: int
+    step: int
+    tokens_done: int
+    loss: Optional[float]
+    step_time_s: Optional[float]
+    restarts: dict
+    last_heartbeat_s: Optional[float]
+    wire_bytes_up: int
+    wire_bytes_down: int
+    compression_relative_error: Optional[float]
+    timings: Optional[dict]
+    steps_total: int
+    wire_bytes_up_total: int
+    wire_bytes_down_total: int
+
+
+@dataclass(frozen=True)
+class JobSnapshot:
+    t: float
+    elapsed_s: float
+    goodput: dict
+    tokens: dict
+    learner_states: dict
+    learners: dict            # learner id -> LearnerRow
+    alive: int
+    total: int
+    train_loss: Optional[float]
+    eval_loss: Optional[float]
+    initial_eval_loss: Optional[float]
+    syncer: dict
+    syncer_restarts: int
+    learner_restarts: dict
+    recoveries: list
+    paused_reason: Optional[str]
+    wire_bytes: dict
+    rejected_total: dict
+    staleness_counts: dict
+    extra: dict = field(default_factory=dict)
+
+    def as_dict(self) -> dict:
+        out = asdict(self)
+        out.pop("extra")
+        return out
+
+    def summary(self, controller: Any) -> dict:
+        regions = {name: {"learners": controller.fleet.targets[name],
+                          "wire_bytes_up": self.wire_bytes[name]["up"],
+                          "wire_bytes_down": self.wire_bytes[name]["down"]}
+                   for name in controller.config.regions}
+        return {
+            "goodput": self.goodput["goodput"],
+            "tokens_applied": self.tokens["applied"],
+            "tokens_dropped": self.tokens["dropped"],
+            "tokens_in_flight": self.tokens["in_flight"],
+            "tokens_processed": self.tokens["processed"],
+            "merges": self.syncer["merges"] or 0,
+            "learner_restarts": sum(self.learner_restarts.values()),
+            "learner_restarts_by_reason": self.learner_restarts,
+            "syncer_restarts": self.syncer_restarts,
+            "syncer_epoch": self.syncer["epoch"],
+            "wire_bytes": sum(r["wire_bytes_up"] + r["wire_bytes_down"] for r in regions.values()),
+            "initial_eval_loss": self.initial_eval_loss,
+            "final_eval_loss": self.eval_loss,
+            "duration_s": self.elapsed_s,
+            "learners": {k: asdict(v) for k, v in self.learners.items()},
+            "regions": regions,
+            "recoveries": self.recoveries,
+            "rejected_pushes": self.rejected_total,
+            "goodput_window": self.goodput["window"],
+            "chaos_fired": list(controller.chaos_fired),
+        }
+
+
+SYNCER_KEYS = ("epoch", "versions", "merges", "merges_by_fragment", "quorum_size",
+               "grace_window_s", "staleness_counts", "rejected", "wire_bytes_up",
+               "wire_bytes_down")
+
+
+def job_snapshot(controller: Any) -> JobSnapshot:
+    """Reads the controller's fleet (an immutable value), books and last syncer status."""
+    now = time.time()
+    fleet = controller.fleet
+    with controller.lock:
+        status = dict(controller.syncer_status)
+        closed_syncer = {k: dict(v) for k, v in controller.syncer_closed.items()}
+        eval_loss = controller.eval_history[-1][2] if controller.eval_history else None
+        initial_eval_loss = controller.initial_eval_loss
+        recoveries = list(controller.recoveries)
+    learners = {}
+    for name, slot in fleet.slots.items():
+        run = controller.running.get(name)
+        closed = controller.closed.get(name, {})
+        beat = run.beat if run is not None else closed.get("beat", {})
+        current_steps = (max(0, int(beat.get("step", slot.start_step) or 0) - slot.start_step)
+                         if run is not None else 0)
+        up_now = int(beat.get("wire_bytes_up", 0) or 0) if run is not None else 0
+        down_now = int(beat.get("wire_bytes_down", 0) or 0) if run is not None else 0
+        learners[name] = LearnerRow(
+            region=slot.region, state=slot.state.value, incarnation=slot.incarnation,
+            step=int(beat.get("step", 0) or 0), tokens_done=int(beat.get("tokens_done", 0) or 0),
+            loss=beat.get("loss"), step_time_s=beat.get("step_time_s"),
+            restarts={c.value: n for c, n in slot.restarts},
+            last_heartbeat_s=now - slot.last_beat_s if slot.last_beat_s else None,
+            wire_bytes_up=int(beat.get("wire_bytes_up", 0) or 0),
+            wire_bytes_down=int(beat.get("wire_bytes_down", 0) or 0),
+            compression_relative_error=beat.get("compression_relative_error"),
+            timings=beat.get("timings"), steps_total=closed.get("steps", 0) + current_steps,
+            wire_bytes_up_total=closed.get("up", 0) + up_now,
+            wire_bytes_down_total=closed.get("down", 0) + down_now)
+    states = collections.Counter(row.state for row in learners.values())
+    wire = {region: {"up": 0, "down": 0} for region in controller.config.regions}
+    restarts: collections.Counter = collections.Counter()
+    for row in learners.values():
+        wire[row.region]["up"] += row.wire_bytes_up_total
+        wire[row.region]["down"] += row.wire_bytes_down_total
+        restarts.update(row.restarts)
+    rejected = collections.Counter(closed_syncer["rejected"])
+    rejected.update(status.get("rejected") or {})
+    staleness = collections.Counter(closed_syncer["staleness_counts"])
+    staleness.update(status.get("staleness_counts") or {})
+    losses = [r.loss for r in learners.values() if r.loss is not None and r.state == "training"]
+    return JobSnapshot(
+        t=now, elapsed_s=now - controller.started_s, goodput=controller.goodput(),
+        tokens=controller.tokens(), learner_states=dict(states), learners=learners,
+        alive=states.get("training", 0) + states.get("paused", 0),
+        total=sum(1 for r in learners.values() if r.state not in ("retired", "failed")),
+        train_loss=statistics.fmean(losses) if losses else None, eval_loss=eval_loss,
+        initial_eval_loss=initial_eval_loss, syncer={k: status.get(k) for k in SYNCER_KEYS},
+        syncer_restarts=controller.syncer_restarts, learner_restarts=dict(restarts),
+        recoveries=recoveries, paused_reason=fleet.paused_reason, wire_bytes=wire,
+        rejected_total=dict(rejected), staleness_counts=dict(staleness))
