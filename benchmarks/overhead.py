@@ -217,7 +217,10 @@ class InprocessLearner:
     def run(self, steps: int) -> PhaseTimes:
         times = PhaseTimes()
         core, spec = self.core, self.spec
-        tokens = self.sampler.tokens_per_batch
+        from islands.learners.loop import LearnerLoop
+
+        loop = LearnerLoop(core, self.train_step, self.sampler.batch_at,
+                           self.sampler.tokens_per_batch, spec.fragments, spec.sync_every_steps)
         t_run, cpu_run = time.perf_counter(), time.process_time()
         for _ in range(steps):
             t0 = time.perf_counter()
@@ -225,33 +228,30 @@ class InprocessLearner:
                 core.offer_reply(p, fragment, version)
             self.arrived = []
             with self.lock:
-                adopted = core.adopt_ready()
+                adopted = loop.adopt()
             t1 = time.perf_counter()
-            batch = self.sampler.batch_at(core.step)
+            batch = loop.batch()
             t2 = time.perf_counter()
-            new_params, new_opt, loss = self.train_step(core.params, core.opt_state, batch)
-            loss = float(loss)
-            with self.lock:
-                core.params, core.opt_state = new_params, new_opt
+            loss = float(loop.train(batch))
             t3 = time.perf_counter()
             syncer_s = 0.0
-            for p in core.due(spec.fragments, spec.sync_every_steps):
-                plan = core.make_push(p, self.epoch)
+            with self.lock:
+                loop.record(t3 - t0)
+            t4 = time.perf_counter()
+            for plan in loop.pushes(self.epoch):
                 self.stats["pushes"] += 1
                 self.stats["wire_bytes_up"] += plan.wire_bytes
                 syncer_s += self._syncer_round(plan.push, times)
                 times.pushes += 1
-            t4 = time.perf_counter()
             with self.lock:
-                core.record_step(tokens, t4 - t0)
                 self.stats.update(step=core.step, loss=loss,
                                   adopted=self.stats["adopted"] + len(adopted))
             t5 = time.perf_counter()
             times.adopt += t1 - t0
             times.batch += t2 - t1
             times.step += t3 - t2
-            times.push += (t4 - t3) - syncer_s
-            times.book += t5 - t4
+            times.book += t4 - t3
+            times.push += (t5 - t4) - syncer_s
             times.syncer += syncer_s
             times.adopted += len(adopted)
             times.steps += 1

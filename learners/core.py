@@ -55,6 +55,10 @@ class PushPlan:
     relative_error: float
 
 
+# Refusals that say nothing about the drift itself: keep it and push again after re-registering.
+RESEND_REASONS = frozenset({"stale_epoch", "unknown_learner", "syncer_down", "dropped"})
+
+
 class LearnerCore:
     """One learner's parameters, inner optimizer state and per-fragment sync bookkeeping.
 
@@ -162,6 +166,28 @@ class LearnerCore:
         track.reply = None
         if fragment is not None and version is not None:
             self.adopt(p, fragment, version)
+
+    def refused(self, p: int, reason: str, fragment: Optional[Fragment] = None,
+                version: Optional[int] = None) -> None:
+        """The one refusal rule of every driver. A push the syncer could not judge (it was sent
+        to an earlier syncer epoch, its incarnation is not registered there, the syncer was
+        down, or the learner was forgotten) keeps its drift and goes again at the next due step,
+        after the driver re-registers; any other refusal starts over from the current global
+        fragment that rides along with it."""
+        if reason in RESEND_REASONS:
+            self.push_refused(p)
+        else:
+            self.push_refused(p, fragment, version)
+
+    def reregistered(self, fragments: list[Fragment], versions: list[int]) -> None:
+        """Joined a restarted syncer (a new epoch): every fragment's anchor becomes the global
+        fragment it now holds; local progress stays as drift, unanswered pushes are void."""
+        for track, fragment, version in zip(self.tracks, fragments, versions):
+            track.base = on_device(fragment)
+            track.base_version = version
+            track.in_flight_since_step = None
+            track.reply = None
+            track.pending_ef_state = None
 
     # -- step 3: adopt a merged fragment ----------------------------------------------------------
     def offer_reply(self, p: int, fragment: Fragment, version: int) -> None:

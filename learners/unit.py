@@ -379,22 +379,17 @@ class LearnerUnit:
                     self.stats["wire_bytes_down"] += nbytes
                 arrived.append((self.arrival_s(time.time(), nbytes), reply.fragment,
                                 reply.params, reply.version))
-            elif reply.reason in ("stale_epoch", "unknown_learner") or reply.status == "dropped":
+            else:
+                reason = reply.reason if reply.status == "rejected" else reply.status
                 with self.lock:
                     self.stats["refused"] += reply.status == "rejected"
-                    self.core.push_refused(push.fragment)
-                if reply.status == "rejected":
+                    self.core.refused(push.fragment, reason, reply.params, reply.version)
+                if reason in ("stale_epoch", "unknown_learner"):
                     self._reregister()
-            else:
-                with self.lock:
-                    self.stats["refused"] += 1
-                    self.core.push_refused(push.fragment, reply.params, reply.version)
 
     def _reregister(self) -> None:
         """Joins a restarted syncer: new epoch, new bases; local progress is kept as drift."""
         import ray
-
-        from .core import on_device
 
         deadline = time.time() + 60
         while not self.stop_event.is_set() and time.time() < deadline:
@@ -411,13 +406,7 @@ class LearnerUnit:
             return
         self.epoch = reg["epoch"]
         with self.lock:
-            for p, (frag, version) in enumerate(zip(reg["fragments"], reg["versions"])):
-                track = self.core.tracks[p]
-                track.base = on_device(frag)
-                track.base_version = version
-                track.in_flight_since_step = None
-                track.reply = None
-                track.pending_ef_state = None
+            self.core.reregistered(reg["fragments"], reg["versions"])
             self.stats["reregistered"] += 1
 
     def _beat(self, core, step_time_ema) -> None:

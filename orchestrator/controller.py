@@ -399,7 +399,8 @@ class Controller:
         self._handle(a.learner).pause.remote(a.paused)
 
     def _do_slowdown(self, a) -> None:
-        self._handle(a.learner).slowdown.remote(a.factor, a.duration_s)
+        for learner in a.learners:
+            self._handle(learner).slowdown.remote(a.fault.factor, a.fault.duration_s)
 
     def _do_hang(self, a) -> None:
         self._handle(a.learner).hang.remote(a.duration_s)

@@ -50,6 +50,7 @@ class RegionPlan:
     learners: int                       # initial count
     max_learners: int                   # ceiling for scale commands and node joins
     speed_factors: tuple[float, ...] = ()  # of the initial learners (emulated hardware speed)
+    names: tuple[str, ...] = ()           # ids of the initial learners (default "<region>:<i>")
 
 
 @dataclass(frozen=True)
@@ -127,6 +128,8 @@ def initial(settings: FleetSettings) -> FleetState:
         for i in range(plan.learners):
             fleet, slot = _new_slot(fleet, region, plan.speed_factors[i] if i < len(
                 plan.speed_factors) else 1.0)
+            if i < len(plan.names):
+                slot = dataclasses.replace(slot, learner=plan.names[i])
             slots[slot.learner] = slot
             fleet = dataclasses.replace(fleet, slots=dict(slots))
     return fleet
@@ -269,9 +272,10 @@ class PauseLearner:
 
 @dataclass(frozen=True)
 class Slowdown:
-    learner: str
-    factor: float
-    duration_s: float
+    """Slow ``learners`` (the fault's target, expanded to the learners running now)."""
+
+    learners: tuple[str, ...]
+    fault: Fault
 
 
 @dataclass(frozen=True)
@@ -506,7 +510,7 @@ class _Machine:
             targets = self.running_targets(fault.target)
             self.note("chaos", None, action="slowdown", target=fault.target, factor=fault.factor,
                       duration_s=fault.duration_s)
-            self.actions += [Slowdown(s.learner, fault.factor, fault.duration_s) for s in targets]
+            self.actions.append(Slowdown(tuple(s.learner for s in targets), fault))
         elif kind in (FaultKind.NETWORK, FaultKind.PARTITION):
             self.region_known(fault.target)
             self.note("chaos", None, action=kind.value, target=fault.target,
@@ -560,7 +564,7 @@ class _Machine:
 
     def fail(self, slot: Slot, cause: Cause, detail: str = "") -> None:
         """Buries the incarnation, then restarts (after the policy's backoff) or gives up."""
-        died_s = slot.killed_at_s or slot.last_beat_s or slot.launched_s or self.now
+        died_s = _first(slot.killed_at_s, slot.last_beat_s, slot.launched_s, self.now)
         self.actions += [Kill(slot.learner, slot.incarnation), Forget(slot.learner,
                                                                       slot.incarnation)]
         self.note("learner_failed", slot.learner, cause=cause.value, incarnation=slot.incarnation,
@@ -656,7 +660,7 @@ class _Machine:
                      if name != slot.learner and self.fleet.slots[name].region == slot.region]
             if len(peers) < 2:
                 peers = [t for name, t in step_times.items() if name != slot.learner]
-            cause = detect(self.now, slot.last_beat_s, slot.launched_s or self.now,
+            cause = detect(self.now, slot.last_beat_s, _first(slot.launched_s, self.now),
                            step_times.get(slot.learner), peers, s.heartbeat_timeout_s,
                            s.straggler_factor, s.startup_timeout_s)
             if cause is None or (cause == Cause.STRAGGLER and slot.speed_factor < 1.0):
@@ -699,6 +703,11 @@ class _Machine:
             for slot in live:
                 self.put(dataclasses.replace(slot, state=SlotState.TRAINING))
                 self.actions.append(PauseLearner(slot.learner, False))
+
+
+def _first(*values):
+    """The first value that is not None (0.0 is a time like any other)."""
+    return next(v for v in values if v is not None)
 
 
 def recovery_phases(rec: Mapping) -> dict:

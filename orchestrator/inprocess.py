@@ -25,19 +25,22 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from islands.faults import LEARNER_LOSS_KINDS, Fault, FaultKind, FaultWindows, Link
 from islands.learners.core import LearnerCore
-from islands.orchestrator.chaos import (LEARNER_LOSS_KINDS, Fault, FaultKind, FaultPlan,
-                                        FaultWindows, Link, RestartCosts)
+from islands.learners.loop import LearnerLoop
+from islands.orchestrator import fleet as fleet_lib
+from islands.orchestrator.books import Books
+from islands.orchestrator.chaos import FaultPlan, RestartCosts
+from islands.orchestrator.health import RestartPolicy
 from islands.syncer import fragments as fragments_lib
 from islands.syncer.core import MergeResult, SyncerCore
 from islands.syncer.fragments import FragmentPlan
-from islands.syncer.validate import RejectReason
 
 # Event priorities at equal times: pushes leave before the syncer decides, the syncer answers
 # before learners start their next step (so zero latency means "answered at this boundary").
 # A fault at the time a step ends hits after that step's pushes left (they are then refused), and
 # before the learner starts another step; a restarted learner starts after everything else.
-_STEP_DONE, _FAULT, _ARRIVE, _CHECK, _REPLY, _STEP_START, _RESTART = range(7)
+_STEP_DONE, _FAULT, _ARRIVE, _CHECK, _REPLY, _STEP_START, _FLEET, _RESTART = range(8)
 SYNCER_DOWN = "syncer_down"  # rejection reason of a push that reached a dead syncer
 
 
@@ -125,6 +128,7 @@ class RunRecord:
     wire_bytes_restore: int = 0    # fragments fetched by restarted learners (fp32)
     watermarks: dict[tuple[int, int], int] = field(default_factory=dict)  # (i, inc) -> step
     learners: list[LearnerCore] = field(default_factory=list)  # final cores (restarts included)
+    transitions: list[tuple[float, fleet_lib.Transition]] = field(default_factory=list)
 
     @property
     def goodput(self) -> float:
@@ -181,6 +185,24 @@ def series_from_intervals(useful: Sequence[tuple[float, float]], allocated_s: Se
     return edges[1:], windowed, cumulative
 
 
+def fleet_settings(ids: Sequence[str], regions: Sequence[str], speed_factors: Sequence[float],
+                   min_learners: int) -> fleet_lib.FleetSettings:
+    """The fleet brain's settings for a virtual fleet: learners that cannot hang or straggle,
+    restarts without a backoff of their own (``RestartCosts.restart_s`` holds it), no budget."""
+    by_region: dict[str, list[int]] = {}
+    for i, region in enumerate(regions):
+        by_region.setdefault(region, []).append(i)
+    plans = {region: fleet_lib.RegionPlan(len(idx), len(idx),
+                                          tuple(float(speed_factors[i]) for i in idx),
+                                          tuple(ids[i] for i in idx))
+             for region, idx in by_region.items()}
+    return fleet_lib.FleetSettings(
+        regions=plans, min_learners=min_learners,
+        policy=RestartPolicy(backoff_initial_s=0.0, backoff_multiplier=1.0, backoff_max_s=0.0,
+                             max_crash_restarts=None, max_preemption_restarts=None),
+        heartbeat_timeout_s=math.inf, startup_timeout_s=math.inf, straggler_factor=math.inf)
+
+
 class _Driver:
     """The event loop of ``run_inprocess`` and its per-learner state."""
 
@@ -208,6 +230,14 @@ class _Driver:
             raise ValueError(f"fleet.regions has {len(fleet.regions)} entries for {n} learners")
         self.regions = [fleet.region_of(i, name) for i, name in enumerate(self.ids)]
         self._check_plan()
+        self.fleet_state = fleet_lib.initial(fleet_settings(self.ids, self.regions,
+                                                            fleet.speed_factors,
+                                                            syncer.settings.min_learners))
+        self.books = Books()
+        self.loops = [self.loop_for(i, core) for i, core in enumerate(self.cores)]
+        self.paused = [False] * n
+        self.parked = [False] * n        # paused at a step boundary, to start again on resume
+        self.restart_token = [0] * n     # invalidates a scheduled comeback that was killed
         self.rngs = [fleet.noise_rng(i) for i in range(n)]
         self.up = [True] * n
         self.finished_at: list[Optional[float]] = [None] * n
@@ -216,9 +246,8 @@ class _Driver:
         self.start_step = [core.step for core in self.cores]
         self.windows = FaultWindows()
         self.syncer_down_until = -math.inf
-        self.processed = [0] * n                 # tokens, every incarnation
-        self.closed_applied = [0] * n            # applied tokens of finished incarnations
-        self.closed_processed = [0] * n
+        self.cause_of = [""] * n                 # the fault kind of each learner's last loss
+        self.current_fault: Optional[Fault] = None
         self.events: list = []
         self.seq = itertools.count()
         self.last_eval_step = -1
@@ -304,7 +333,10 @@ class _Driver:
         for t in self.faults.times():
             self.schedule(t, _FAULT, "fault", None)
         self.maybe_eval(0.0)
+        self.fleet_step(0.0, [])  # launches the slots: here they exist already
+        self.fleet_step(0.0, [fleet_lib.Beat(name, 0, True, ready_at_s=0.0) for name in self.ids])
         for i, core in enumerate(self.cores):
+            self.books.allocate(self.ids[i], 0.0)
             self.schedule(0.0, _STEP_START, "start", (i, core.incarnation))
         now = 0.0
         while self.events:
@@ -317,17 +349,18 @@ class _Driver:
         i, incarnation = payload
         if not self.current(i, incarnation):
             return
-        core = self.cores[i]
-        core.adopt_ready()
+        core, loop = self.cores[i], self.loops[i]
+        if self.paused[i]:
+            self.parked[i] = True  # the quorum floor holds it; a resume starts it again
+            return
+        loop.adopt()
         if core.step >= self.steps or (self.until_s is not None and now >= self.until_s):
             self.finished_at[i] = now
             return
-        batch = self.batch_for(i, core.step)
-        core.params, core.opt_state, loss = self.train_step(core.params, core.opt_state, batch)
+        loss = loop.train(loop.batch())
         self.record.train_losses[i].append(float(loss))
         dt = self.step_time(i, now)
-        core.record_step(self.tokens_per_batch, dt)
-        self.processed[i] += self.tokens_per_batch
+        loop.record(dt)
         self.record.tokens_processed += self.tokens_per_batch
         self.record.step_log.append(StepRecord(i, incarnation, core.step, now, dt))
         self.schedule(now + dt, _STEP_DONE, "done", payload)
@@ -337,8 +370,7 @@ class _Driver:
         if not self.current(i, incarnation):
             return
         core = self.cores[i]
-        for p in core.due(self.num_fragments, self.sync_every_steps):
-            plan = core.make_push(p, self.epoch_of[i])
+        for plan in self.loops[i].pushes(self.epoch_of[i]):
             self.record.wire_bytes_up += plan.wire_bytes
             self.schedule(self.arrival(i, now, plan.wire_bytes), _ARRIVE, "arrive", plan.push)
         if (i == 0 and self.eval_every_steps and core.step % self.eval_every_steps == 0
@@ -353,20 +385,16 @@ class _Driver:
         if now < self.syncer_down_until:
             self.count_rejected(SYNCER_DOWN)
             if mine:
-                self.cores[i].push_refused(push.fragment)
+                self.cores[i].refused(push.fragment, SYNCER_DOWN)
             return
         verdict = self.syncer.accept_push(push, now)
         if not verdict.ok:
             self.count_rejected(verdict.reason)
             if not mine:
                 return  # a dead incarnation's push: its work is dropped with it
-            if verdict.reason == RejectReason.STALE_EPOCH:
-                # sent to the syncer's previous incarnation: keep the progress, resend when due
-                self.cores[i].push_refused(push.fragment)
-                return
             current, version = self.syncer.fragment(push.fragment) if (
                 0 <= push.fragment < len(self.syncer.slots)) else (None, None)
-            self.cores[i].push_refused(push.fragment, current, version)
+            self.cores[i].refused(push.fragment, verdict.reason.value, current, version)
             return
         self.schedule(now, _CHECK, "check", push.fragment)
 
@@ -376,16 +404,16 @@ class _Driver:
     def on_check(self, now: float, p: int) -> None:
         if now < self.syncer_down_until:
             return
-        slot = self.syncer.slots[p]
-        if not slot.round:
+        if not self.syncer.slots[p].round:
             return
-        quorum_s = (slot.quorum_reached_at_s or now) - (slot.round_opened_at_s or now)
-        grace = self.syncer.grace_s(self.slowest_step_s, quorum_s, 2 * self.fleet.latency_s)
         live = self.live()
-        decision = self.syncer.decide(p, now, live, grace)
+        decision, _ = self.syncer.timed_decision(p, now, live, self.slowest_step_s,
+                                                 2 * self.fleet.latency_s)
         if decision.merge:
             result = self.syncer.merge(p, decision.reason.value, live_count=len(live))
             self.record.merges.append(result)
+            if any(slot.recovery is not None for slot in self.fleet_state.slots.values()):
+                self.fleet_step(now, [])
             nbytes = sum(int(np.asarray(v).nbytes) for v in result.params.values())
             for name in result.learners:
                 i = self.index_of[name]
@@ -400,47 +428,107 @@ class _Driver:
         if self.current(i, incarnation):
             self.cores[i].offer_reply(p, fragment, version)
 
-    # -- faults ---------------------------------------------------------------------------------
+    # -- the fleet: the same brain as the Ray controller -----------------------------------------
+    def loop_for(self, i: int, core: LearnerCore) -> LearnerLoop:
+        return LearnerLoop(core, self.train_step, lambda step: self.batch_for(i, step),
+                           self.tokens_per_batch, self.num_fragments, self.sync_every_steps)
+
+    def applied_view(self) -> fleet_lib.Applied:
+        return fleet_lib.Applied({name: (e.incarnation, e.applied_step, e.applied_tokens_done)
+                                  for name, e in self.syncer.ledger.items()})
+
+    def fleet_step(self, now: float, observations: list) -> None:
+        result = fleet_lib.step(self.fleet_state, [self.applied_view()] + list(observations), now)
+        self.fleet_state = result.fleet
+        for t in result.transitions:
+            self.record.transitions.append((now, t))
+            if t.name == "learner_restart_scheduled":
+                self.schedule(now + t.fields["delay_s"], _FLEET, "fleet", [])
+        for action in result.actions:
+            getattr(self, "do_" + type(action).__name__.lower())(now, action)
+
+    def on_fleet(self, now: float, observations) -> None:
+        self.fleet_step(now, observations)
+
     def on_fault(self, now: float, _payload) -> None:
         for fault in self.faults.due(now):
             if fault.kind in (FaultKind.KILL, FaultKind.EXIT):
-                self.kill(self.index_of[fault.target], fault, now)
-            elif fault.kind == FaultKind.REGION_LOSS:
-                for i, region in enumerate(self.regions):
-                    if region == fault.target:
-                        self.kill(i, fault, now)
-            elif fault.kind == FaultKind.SYNCER_KILL:
-                self.kill_syncer(fault, now)
-            else:
-                self.windows.add(fault)
+                i = self.index_of[fault.target]
+                if self.finished_at[i] is not None:
+                    self.record.faults_skipped.append((fault, f"{fault.target} has finished"))
+                    continue
+            obs = fleet_lib.Chaos(fault, "exit" if fault.kind == FaultKind.EXIT else "ray_kill")
+            try:
+                fleet_lib.check_command(self.fleet_state, obs)
+            except fleet_lib.CommandError as exc:
+                self.record.faults_skipped.append((fault, str(exc)))
+                continue
+            self.current_fault = fault
+            self.fleet_step(now, [obs])
 
-    def kill(self, i: int, fault: Fault, now: float) -> None:
-        if not self.up[i]:
-            self.record.faults_skipped.append((fault, f"{self.ids[i]} is already down"))
-            return
-        if self.finished_at[i] is not None:
-            self.record.faults_skipped.append((fault, f"{self.ids[i]} has finished"))
-            return
+    # -- actions ----------------------------------------------------------------------------------
+    def do_launch(self, now: float, a: fleet_lib.Launch) -> None:
+        if a.incarnation == 0 and self.cores[self.index_of[a.learner]].incarnation == 0:
+            return  # the initial learners exist already
+        i = self.index_of[a.learner]
+        self.restart_token[i] += 1
+        self.schedule(now + self.restart.restart_s, _RESTART, "restart",
+                      (i, a, self.restart_token[i]))
+
+    def do_kill(self, now: float, a: fleet_lib.Kill) -> None:
+        """A chaos kill ends the incarnation now; the death is seen after the detection time."""
+        if a.mode == "bury":
+            return  # dead already
+        i = self.index_of[a.learner]
+        fault = self.current_fault
+        if self.up[i]:
+            self.kill(i, now)
+        else:  # killed during its restart: that comeback is off
+            self.restart_token[i] += 1
+        self.cause_of[i] = fault.kind.value
+        self.schedule(now + self.restart.detect_s(fault.kind), _FLEET, "fleet",
+                      [fleet_lib.RunEnded(a.learner, a.incarnation, f"{fault.kind.value}")])
+
+    def do_forget(self, now: float, a: fleet_lib.Forget) -> None:
+        self.record.dropped_pushes += len(self.syncer.forget(a.learner))
+
+    def do_slowdown(self, now: float, a: fleet_lib.Slowdown) -> None:
+        self.windows.add(a.fault)
+
+    def do_linkfault(self, now: float, a: fleet_lib.LinkFault) -> None:
+        self.windows.add(a.fault)
+
+    def do_killsyncer(self, now: float, a: fleet_lib.KillSyncer) -> None:
+        self.kill_syncer(now)
+
+    def do_pauselearner(self, now: float, a: fleet_lib.PauseLearner) -> None:
+        i = self.index_of[a.learner]
+        self.paused[i] = a.paused
+        if not a.paused and self.parked[i]:
+            self.parked[i] = False
+            self.schedule(now, _STEP_START, "start", (i, self.cores[i].incarnation))
+
+    def kill(self, i: int, now: float) -> None:
         core = self.cores[i]
         # The watermark is final: forget() drops its open pushes and later ones are refused.
         self.record.watermarks[(i, core.incarnation)] = self.watermark(i)
-        applied = self.applied_tokens_current(i)
-        self.closed_applied[i] += applied
-        self.closed_processed[i] += core.tokens_done
+        self.books.close_incarnation(self.ids[i], core.tokens_done,
+                                     self.applied_tokens_current(i))
         self.record.dropped_pushes += len(self.syncer.forget(self.ids[i]))
         self.up[i] = False
+        self.parked[i] = False
         self.down_since[i] = now
-        back_s = now + self.restart.down_s(fault)
-        self.schedule(back_s, _RESTART, "restart", (i, fault, now))
         self.recheck_open_rounds(now)
 
     def on_restart(self, now: float, payload) -> None:
-        i, fault, failed_s = payload
+        i, launch, token = payload
+        if token != self.restart_token[i]:
+            return  # killed again while it was coming back
         if self.until_s is not None and now >= self.until_s:
             return  # the run is over before it is back; its slot stays allocated to the end
         old = self.cores[i]
         name = self.ids[i]
-        incarnation = old.incarnation + 1
+        incarnation = launch.incarnation
         epoch, frags = self.syncer.register(name, incarnation)
         flat = {}
         for fragment, _ in frags:
@@ -448,36 +536,35 @@ class _Driver:
         assemble = self.assemble or assemble_like(old.params)
         params = assemble({k: np.array(v, np.float32, copy=True) for k, v in flat.items()})
         self.record.wire_bytes_restore += sum(int(np.asarray(v).nbytes) for v in flat.values())
-        peer = self.pick_peer(i)
+        peer = self.index_of.get(launch.peer) if launch.peer is not None else None
+        if peer is not None and not self.up[peer]:
+            peer = None  # the peer died meanwhile: a fresh inner state
         opt_state = self.cores[peer].opt_state if peer is not None else self.opt_init(params)
-        start_step = self.syncer.ledger[name].applied_step
+        start_step = launch.start_step
         core = LearnerCore(name, params, opt_state, old.plan, [v for _, v in frags],
                            old.error_feedback, old.wire_bytes, old.decode,
                            overlap_steps=old.overlap_steps, merge_alpha=old.merge_alpha,
                            incarnation=incarnation, start_step=start_step)
         self.cores[i] = core
+        self.loops[i] = self.loop_for(i, core)
         self.start_step[i] = start_step
         self.up[i] = True
         self.epoch_of[i] = epoch
         self.record.down_intervals[i].append((self.down_since[i], now))
+        failed_s = self.down_since[i]
         self.down_since[i] = None
         self.record.restarts.append({
-            "learner": name, "incarnation": incarnation, "cause": fault.kind.value,
+            "learner": name, "incarnation": incarnation, "cause": self.cause_of[i],
             "failed_s": failed_s, "back_s": now, "down_s": now - failed_s,
             "resume_step": start_step, "peer": self.ids[peer] if peer is not None else None})
+        self.fleet_step(now, [fleet_lib.Beat(name, incarnation, True, ready_at_s=now)])
         self.schedule(now, _STEP_START, "start", (i, incarnation))
 
-    def pick_peer(self, i: int) -> Optional[int]:
-        """A live learner to copy the inner state from: same region first, then any."""
-        live = [j for j in range(len(self.cores)) if j != i and self.up[j]]
-        same = [j for j in live if self.regions[j] == self.regions[i]]
-        return (same or live or [None])[0]
-
-    def kill_syncer(self, fault: Fault, now: float) -> None:
+    def kill_syncer(self, now: float) -> None:
         """The syncer restarts from its snapshot at the last merge boundary: Θ, versions, outer
         state and ledger survive; the open rounds are lost and the epoch moves on (fencing)."""
         if now < self.syncer_down_until:
-            self.record.faults_skipped.append((fault, "syncer is already down"))
+            self.record.faults_skipped.append((self.faults.fired[-1], "syncer is already down"))
             return
         for slot in self.syncer.slots:
             for name, contribution in slot.round.items():
@@ -499,12 +586,7 @@ class _Driver:
                 continue
             epoch, frags = self.syncer.register(self.ids[i], core.incarnation)
             self.epoch_of[i] = epoch
-            for track, (fragment, version) in zip(core.tracks, frags):
-                track.base = {k: np.array(v, np.float32, copy=True) for k, v in fragment.items()}
-                track.base_version = version
-                track.in_flight_since_step = None
-                track.reply = None
-                track.pending_ef_state = None
+            core.reregistered([f for f, _ in frags], [v for _, v in frags])
 
     # -- the end --------------------------------------------------------------------------------
     def finish(self) -> RunRecord:
@@ -518,23 +600,22 @@ class _Driver:
         horizon = self.until_s if self.until_s is not None else record.end_time_s
         for i, core in enumerate(self.cores):
             name = self.ids[i]
+            live = None
             if self.up[i]:
                 record.watermarks[(i, core.incarnation)] = self.watermark(i)
                 end = self.finished_at[i] if self.finished_at[i] is not None else horizon
-                applied_now, processed_now = self.applied_tokens_current(i), core.tokens_done
+                live = (core.tokens_done, self.applied_tokens_current(i))
             else:  # down at the end: allocated (and down) until the horizon
                 end = max(horizon, self.down_since[i])
                 record.down_intervals[i].append((self.down_since[i], end))
-                applied_now = processed_now = 0
-            record.allocated_s.append(end)
+            self.books.release(name, end)
+            record.allocated_s.append(self.books.allocated_s(end, name))
             entry = self.syncer.ledger.get(name)
             record.useful_s.append(entry.applied_compute_total_s if entry else 0.0)
-            applied = self.closed_applied[i] + applied_now
             record.ledger[name] = {
-                "processed": self.processed[i], "applied": applied,
-                "dropped": self.closed_processed[i] - self.closed_applied[i],
-                "in_flight": processed_now - applied_now,
+                **self.books.learner_tokens(name, live).as_dict(),
                 "restarts": sum(r["learner"] == name for r in record.restarts)}
+        self.fleet_step(record.end_time_s, [])  # the last first contributions
         return record
 
 

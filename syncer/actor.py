@@ -108,9 +108,8 @@ class Syncer:
             for p, slot in enumerate(self.core.slots):
                 if not slot.round or self.paused:
                     continue
-                quorum_s = (slot.quorum_reached_at_s or now) - (slot.round_opened_at_s or now)
-                grace = self.core.grace_s(self.slowest_step_s, quorum_s, self.sync_s)
-                decision = self.core.decide(p, now, live, grace)
+                decision, grace = self.core.timed_decision(p, now, live, self.slowest_step_s,
+                                                           self.sync_s)
                 if decision.merge:
                     self.last_grace_s = grace
                     self._merge(p, decision.reason.value)

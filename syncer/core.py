@@ -220,6 +220,17 @@ class SyncerCore:
         return merge_decision(frozenset(slot.round), live, now_s, slot.quorum_reached_at_s,
                               self.settings.min_learners, grace_s)
 
+    def timed_decision(self, fragment: int, now_s: float, live: frozenset[str],
+                       slowest_step_s: float, sync_s: float) -> tuple[Decision, float]:
+        """When to merge, in one place for every driver: the grace window of Eq. 3 from the
+        slowest learner's step time, how long this round took to reach quorum and the sync time
+        ``sync_s`` (the driver's measure of it), then the quorum decision. Returns the decision
+        and the grace window it used."""
+        slot = self.slots[fragment]
+        quorum_s = (slot.quorum_reached_at_s or now_s) - (slot.round_opened_at_s or now_s)
+        grace = self.grace_s(slowest_step_s, quorum_s, sync_s)
+        return self.decide(fragment, now_s, live, grace), grace
+
     def merge(self, fragment: int, reason: str = "", live_count: Optional[int] = None) -> MergeResult:
         """Merges the open round of a fragment against the current Θ[p] and steps the outer optimizer.
 

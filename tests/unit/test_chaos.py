@@ -286,8 +286,9 @@ def test_region_loss_slowdown_and_horizon():
     # detect (lost node: 10 s) + repair 1 s + restart 1.5 s = 12.5 s down, back at 16 s
     assert [(r["learner"], r["back_s"]) for r in record.restarts] == [("a:0", 16.0),
                                                                      ("a:1", 16.0)]
-    # a:0 comes back first while a:1 is still down, so it copies b:0; a:1 then copies a:0
-    assert [r["peer"] for r in record.restarts] == ["b:0", "a:0"]
+    # Both are relaunched at once, when no learner of region a trains: the fleet's one peer
+    # policy (same region first, else any training learner) gives each of them b:0.
+    assert [r["peer"] for r in record.restarts] == ["b:0", "b:0"]
     # b:0's step starting at 2 s takes 3 s: steps end at 1, 2, 5, 6, …, 20 → 2 + 1 + 15 steps
     b_steps = [s for s in record.step_log if s.learner == 2]
     assert [s.step_s for s in b_steps[:4]] == [1.0, 1.0, 3.0, 1.0]

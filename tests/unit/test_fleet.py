@@ -1,0 +1,309 @@
+"""The fleet state machine, stepped by hand: observations in, actions and named transitions out.
+
+No Ray and no sleeps: clocks are plain numbers, backdated or advanced as each test needs. Every
+named transition of ``fleet.py`` has a test here (``test_every_transition_name_is_tested``).
+"""
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from islands.faults import Fault, FaultKind
+from islands.orchestrator import fleet as F
+from islands.orchestrator.health import Cause, RestartPolicy
+from islands.orchestrator.fleet import SlotState
+
+POLICY = RestartPolicy(backoff_initial_s=0.5, backoff_multiplier=2.0, backoff_max_s=30.0,
+                       max_crash_restarts=2, max_preemption_restarts=None)
+
+
+def settings(**overrides) -> F.FleetSettings:
+    base = dict(regions={"a": F.RegionPlan(2, 3), "b": F.RegionPlan(1, 2, (0.5,))},
+                min_learners=1, policy=POLICY, heartbeat_timeout_s=10.0, startup_timeout_s=60.0,
+                straggler_factor=4.0)
+    base.update(overrides)
+    return F.FleetSettings(**base)
+
+
+def names(result):
+    return [t.name for t in result.transitions]
+
+
+def kinds(result):
+    return [type(a).__name__ for a in result.actions]
+
+
+def training(s=None, now=1.0, step_time=0.1):
+    """A fleet whose three learners were launched at t=0 and beat "training" at ``now``."""
+    fleet = F.step(F.initial(s or settings()), [], 0.0).fleet
+    beats = [F.Beat(n, 0, True, step_time, node_id="n1", ready_at_s=now) for n in fleet.slots]
+    return F.step(fleet, beats, now).fleet
+
+
+def states(fleet):
+    return {n: s.state.value for n, s in fleet.slots.items()}
+
+
+def test_initial_slots_are_pending_then_launched_with_their_shards():
+    fleet = F.initial(settings())
+    assert states(fleet) == {"a:0": "pending", "a:1": "pending", "b:0": "pending"}
+    assert fleet.slots["b:0"].speed_factor == 0.5
+    result = F.step(fleet, [], 0.0)
+    assert names(result) == ["learner_launched"] * 3
+    launches = result.actions
+    assert [(a.learner, a.shard, a.num_shards, a.incarnation, a.start_step) for a in launches] == [
+        ("a:0", 0, 3, 0, 0), ("a:1", 1, 3, 0, 0), ("b:0", 2, 3, 0, 0)]
+    assert set(states(result.fleet).values()) == {"starting"}
+
+
+def test_ready_on_the_first_training_beat_and_old_incarnations_are_ignored():
+    fleet = F.step(F.initial(settings()), [], 0.0).fleet
+    result = F.step(fleet, [F.Beat("a:0", 0, False)], 1.0)  # alive, still compiling
+    assert names(result) == [] and result.fleet.slots["a:0"].state == SlotState.STARTING
+    result = F.step(result.fleet, [F.Beat("a:0", 0, True, 0.1)], 2.0)
+    assert names(result) == ["learner_ready"]
+    assert result.fleet.slots["a:0"].state == SlotState.TRAINING
+    ghost = F.step(result.fleet, [F.Beat("a:0", 7, True)], 3.0)
+    assert ghost.fleet.slots["a:0"].last_beat_s == 2.0  # a beat from another incarnation
+
+
+def test_a_crash_restarts_after_the_backoff_with_a_same_region_peer_and_the_applied_step():
+    fleet = training()
+    fleet = F.step(fleet, [F.Applied({"a:1": (0, 12, 4096)})], 2.0).fleet
+    failed = F.step(fleet, [F.RunEnded("a:1", 0, "actor died")], 5.0)
+    assert names(failed) == ["learner_failed", "learner_restart_scheduled"]
+    assert kinds(failed) == ["Kill", "Forget"]  # bury it, drop its unmerged pushes
+    scheduled = failed.transitions[1].fields
+    assert scheduled["cause"] == "crash" and scheduled["delay_s"] == 0.5  # first backoff 0.5 s
+    slot = failed.fleet.slots["a:1"]
+    assert slot.state == SlotState.RESTARTING and slot.restart_at_s == 5.5
+    assert slot.restart_counts == {Cause.CRASH: 1}
+    early = F.step(failed.fleet, [], 5.4999)
+    assert names(early) == []
+    due = F.step(failed.fleet, [], 5.5)
+    assert names(due) == ["learner_restarted"]
+    (launch,) = due.actions
+    assert (launch.learner, launch.incarnation, launch.peer, launch.start_step) == (
+        "a:1", 1, "a:0", 12)
+
+
+def test_backoff_doubles_per_restart_and_the_crash_budget_ends_in_failed():
+    fleet = training(settings(heartbeat_timeout_s=1e9))
+    delays, now = [], 2.0
+    for incarnation in range(2):
+        result = F.step(fleet, [F.RunEnded("a:0", incarnation, "died")], now)
+        delays.append(result.transitions[1].fields["delay_s"])
+        fleet = F.step(result.fleet, [], now + 100).fleet  # relaunched
+        now += 200
+    assert delays == [0.5, 1.0]  # 0.5·2^0, 0.5·2^1
+    result = F.step(fleet, [F.RunEnded("a:0", 2, "died")], now)
+    assert names(result) == ["learner_failed", "learner_retired"]
+    assert "crash budget of 2 spent" in result.transitions[1].fields["reason"]
+    assert result.fleet.slots["a:0"].state == SlotState.FAILED
+
+
+def test_preemption_uses_its_own_budget_node_gone_or_platform_says_so():
+    fleet = F.step(training(), [F.Cluster({"a": 3, "b": 2}, frozenset({"n2"}))], 2.0).fleet
+    result = F.step(fleet, [F.RunEnded("a:0", 0, "actor died")], 3.0)  # its node n1 is gone
+    assert result.transitions[0].fields["cause"] == "preemption"
+    result = F.step(training(), [F.RunEnded("a:0", 0, "x", preempted=True)], 3.0)
+    assert result.transitions[0].fields["cause"] == "preemption"
+    assert result.fleet.slots["a:0"].restart_counts == {Cause.PREEMPTION: 1}
+
+
+def test_a_loop_that_raised_is_a_crash_even_when_the_node_is_gone():
+    fleet = F.step(training(), [F.Cluster({"a": 3}, frozenset())], 2.0).fleet
+    result = F.step(fleet, [F.RunEnded("a:0", 0, "ValueError()", crashed=True)], 3.0)
+    assert result.transitions[0].fields["cause"] == "crash"
+
+
+def test_hang_detected_after_the_timeout_backdated_clock():
+    fleet = training(now=1.0)
+    assert names(F.step(fleet, [], 11.0)) == []  # exactly the timeout: not yet
+    result = F.step(fleet, [], 11.01)
+    assert names(result)[:3] == ["learner_unhealthy", "learner_failed",
+                                 "learner_restart_scheduled"]
+    assert {t.fields["cause"] for t in result.transitions if t.name == "learner_unhealthy"} == {
+        "hang"}
+    assert kinds(result)[:2] == ["Kill", "Forget"]
+
+
+def test_a_learner_that_never_beats_hangs_after_the_startup_timeout():
+    fleet = F.step(F.initial(settings()), [], 0.0).fleet
+    assert names(F.step(fleet, [], 60.0)) == []
+    result = F.step(fleet, [], 60.5)
+    assert names(result).count("learner_unhealthy") == 3
+
+
+def test_straggler_against_its_peers_but_not_a_slow_by_design_learner():
+    s = settings(regions={"a": F.RegionPlan(3, 3), "b": F.RegionPlan(1, 1, (0.5,))})
+    fleet = F.step(F.initial(s), [], 0.0).fleet
+    beats = [F.Beat("a:0", 0, True, 0.1), F.Beat("a:1", 0, True, 0.1),
+             F.Beat("a:2", 0, True, 0.41), F.Beat("b:0", 0, True, 0.9)]
+    result = F.step(fleet, beats, 1.0)
+    unhealthy = [(t.learner, t.fields["cause"]) for t in result.transitions
+                 if t.name == "learner_unhealthy"]
+    # a:2 at 0.41 s > 4 × median(0.1, 0.1); b:0 is slower still but runs at speed 0.5 on purpose.
+    assert unhealthy == [("a:2", "straggler")]
+
+
+def test_launch_failure_postpones_and_retries_the_same_incarnation():
+    fleet = F.step(training(), [F.RunEnded("a:0", 0, "died")], 2.0).fleet
+    fleet = F.step(fleet, [], 2.5).fleet  # relaunched as incarnation 1
+    result = F.step(fleet, [F.LaunchFailed("a:0", 1, "name taken")], 2.6)
+    assert names(result) == ["learner_restart_postponed"]
+    assert result.fleet.slots["a:0"].state == SlotState.RESTARTING
+    retry = F.step(result.fleet, [], 2.6 + 0.2)
+    assert names(retry) == ["learner_restarted"] and retry.actions[0].incarnation == 1
+    # a ledger entry of the dead incarnation 0 is no first contribution of incarnation 1
+    assert "learner_recovered" not in names(F.step(result.fleet, [F.Applied({"a:0": (0, 4, 9)})],
+                                                   2.7))
+
+
+def test_recovered_on_the_first_applied_tokens_of_the_new_incarnation_with_its_phases():
+    fleet = F.step(training(), [F.Chaos(Fault(3.0, FaultKind.KILL, "a:0"))], 3.0).fleet
+    fleet = F.step(fleet, [F.RunEnded("a:0", 0, "killed")], 3.25).fleet
+    fleet = F.step(fleet, [], 3.75).fleet                                # restarted
+    fleet = F.step(fleet, [F.Beat("a:0", 1, True, 0.1, ready_at_s=5.0)], 5.0).fleet
+    assert "learner_recovered" not in names(F.step(fleet, [F.Applied({"a:0": (1, 0, 0)})], 5.5))
+    result = F.step(fleet, [F.Applied({"a:0": (1, 20, 512)})], 6.0)
+    (rec,) = [t for t in result.transitions if t.name == "learner_recovered"]
+    assert rec.fields == {"cause": "crash", "detect_s": 0.25, "restart_s": 0.5, "restore_s": 1.25,
+                          "first_contribution_s": 1.0, "total_s": 3.0}
+
+
+def test_chaos_kill_with_repair_waits_for_the_repair_counted_from_detection():
+    fleet = F.step(training(), [F.Chaos(Fault(2.0, FaultKind.KILL, "a:0", duration_s=4.0))],
+                   2.0)
+    assert names(fleet) == ["chaos"] and fleet.actions[0] == F.Kill("a:0", 0, "ray_kill")
+    result = F.step(fleet.fleet, [F.RunEnded("a:0", 0, "killed")], 2.1)
+    assert result.fleet.slots["a:0"].restart_at_s == pytest.approx(2.1 + 4.0)  # repair > 0.5
+
+
+def test_chaos_region_loss_kills_every_running_learner_of_the_region():
+    result = F.step(training(), [F.Chaos(Fault(2.0, FaultKind.REGION_LOSS, "a", 1.0))], 2.0)
+    assert result.transitions[0].fields["action"] == "region_loss"
+    assert result.transitions[0].fields["learners"] == ["a:0", "a:1"]
+    assert [(a.learner, a.mode) for a in result.actions] == [("a:0", "ray_kill"),
+                                                             ("a:1", "ray_kill")]
+
+
+def test_chaos_slowdown_network_partition_syncer_and_hang_become_actions():
+    fleet = training()
+    slow = F.step(fleet, [F.Chaos(Fault(2.0, FaultKind.SLOWDOWN, "a", 3.0, factor=2.0))], 2.0)
+    assert slow.actions[0].learners == ("a:0", "a:1") and slow.actions[0].fault.factor == 2.0
+    net = F.step(fleet, [F.Chaos(Fault(2.0, FaultKind.PARTITION, "b", 5.0))], 2.0)
+    assert net.actions[0].learners == ("b:0",) and net.fleet.link_faults[0].end_s == 7.0
+    assert kinds(F.step(fleet, [F.Chaos(Fault(2.0, FaultKind.SYNCER_KILL, "syncer"))], 2.0)) == [
+        "KillSyncer"]
+    hang = F.step(fleet, [F.HangCommand("b:0", 9.0)], 2.0)
+    assert names(hang) == ["chaos"] and hang.actions[0] == F.Hang("b:0", 9.0)
+
+
+def test_a_learner_launched_during_a_link_fault_gets_it():
+    fleet = F.step(training(settings(heartbeat_timeout_s=1e9)), [F.Chaos(Fault(2.0, FaultKind.NETWORK, "a", 10.0,
+                                              extra_latency_ms=300))], 2.0).fleet
+    fleet = F.step(fleet, [F.RunEnded("a:0", 0, "died")], 3.0).fleet
+    (launch,) = F.step(fleet, [], 3.5).actions
+    assert launch.link_faults[0].extra_latency_ms == 300
+    fleet = F.step(fleet, [F.RunEnded("a:1", 0, "died")], 20.0).fleet
+    (launch,) = F.step(fleet, [], 20.5).actions
+    assert launch.link_faults == ()  # over by then
+
+
+def test_commands_that_cannot_be_done_are_refused_and_change_nothing():
+    fleet = training()
+    for command, message in [(F.Scale("z", 1), "unknown region 'z'"),
+                             (F.Scale("a", 4), "exceeds max_learners"),
+                             (F.Scale("a", -1), ">= 0"),
+                             (F.Drain("a:9"), "no active learner 'a:9'"),
+                             (F.Chaos(Fault(1.0, FaultKind.KILL, "a:9")), "no running learner"),
+                             (F.Chaos(Fault(1.0, FaultKind.REGION_LOSS, "z")), "unknown region"),
+                             (F.HangCommand("a:9", 1.0), "no running learner")]:
+        with pytest.raises(F.CommandError, match=re.escape(message)):
+            F.check_command(fleet, command)
+    s = settings(min_learners=3)
+    with pytest.raises(F.CommandError, match="below quorum 3"):
+        F.check_command(training(s), F.Scale("a", 1))
+
+
+def test_scale_up_adds_and_launches_scale_down_drains_the_highest_index():
+    fleet = training()
+    up = F.step(fleet, [F.Scale("a", 3)], 2.0)
+    assert names(up) == ["learner_launched", "scaled"]
+    assert up.actions[0].learner == "a:2" and up.actions[0].shard == 3
+    assert up.actions[0].peer == "a:0"
+    down = F.step(up.fleet, [F.Scale("a", 1)], 3.0)
+    assert names(down) == ["learner_draining", "learner_draining", "scaled"]
+    assert [a.learner for a in down.actions] == ["a:1", "a:2"]
+    assert down.fleet.targets["a"] == 1
+    drained = F.step(down.fleet, [F.RunEnded("a:1", 0)], 4.0)
+    assert names(drained) == ["learner_retired"]
+    assert drained.transitions[0].fields["reason"] == "drained"
+    assert kinds(drained) == ["Forget"]
+
+
+def test_drain_of_a_restarting_learner_retires_it_at_once_and_one_that_dies_draining_leaves():
+    fleet = F.step(training(), [F.RunEnded("a:0", 0, "died")], 2.0).fleet
+    result = F.step(fleet, [F.Drain("a:0")], 2.1)
+    assert names(result) == ["learner_retired"]
+    assert result.transitions[0].fields["reason"] == "drained while restarting"
+    fleet = F.step(training(), [F.Drain("a:1")], 2.0).fleet
+    died = F.step(fleet, [F.RunEnded("a:1", 0, "segfault")], 3.0)
+    assert names(died) == ["learner_retired"]  # not restarted: it was leaving
+
+
+def test_node_join_grows_a_region_up_to_its_ceiling():
+    fleet = F.step(training(), [F.Cluster({"a": 2, "b": 1})], 2.0).fleet
+    result = F.step(fleet, [F.Cluster({"a": 5, "b": 1})], 3.0)
+    assert names(result) == ["region_grew", "learner_launched", "scaled"]
+    assert result.transitions[0].fields["target"] == 3  # max_learners of a
+
+
+def test_quorum_floor_pauses_below_k_and_resumes_when_learners_return():
+    fleet = training(settings(min_learners=3))
+    paused = F.step(fleet, [F.RunEnded("a:0", 0, "died")], 2.0)
+    assert names(paused)[-1] == "training_paused"
+    assert [a for a in paused.actions if isinstance(a, F.PauseLearner)] == [
+        F.PauseLearner("a:1", True), F.PauseLearner("b:0", True)]
+    assert paused.fleet.slots["a:1"].state == SlotState.PAUSED
+    relaunched = F.step(paused.fleet, [], 2.5).fleet
+    back = F.step(relaunched, [F.Beat("a:0", 1, True, 0.1)], 4.0)
+    assert names(back) == ["learner_ready", "training_resumed"]
+    assert set(states(back.fleet).values()) == {"training"}
+
+
+def test_a_learner_that_becomes_ready_during_a_pause_joins_it():
+    s = settings(min_learners=3, regions={"a": F.RegionPlan(3, 3), "b": F.RegionPlan(1, 1)})
+    fleet = F.step(F.initial(s), [], 0.0).fleet
+    fleet = F.step(fleet, [F.Beat(n, 0, True, 0.1) for n in ("a:0", "a:1", "a:2")], 1.0).fleet
+    fleet = F.step(fleet, [F.RunEnded("a:0", 0, "x"), F.RunEnded("a:1", 0, "x")], 2.0).fleet
+    assert fleet.paused_reason is not None
+    joined = F.step(fleet, [F.Beat("b:0", 0, True, 0.1)], 2.1)
+    assert joined.fleet.slots["b:0"].state == SlotState.PAUSED
+    assert F.PauseLearner("b:0", True) in joined.actions
+
+
+def test_stop_retires_clean_ends_and_nothing_restarts():
+    fleet = F.step(training(), [F.RunEnded("a:0", 0, "died")], 2.0).fleet
+    stopped = F.step(fleet, [F.Stop()], 2.1)
+    assert names(stopped) == ["learner_retired"]  # a:0 was waiting for its restart
+    ended = F.step(stopped.fleet, [F.RunEnded("a:1", 0), F.RunEnded("b:0", 0, "x")], 3.0)
+    assert [t.fields["reason"] for t in ended.transitions] == ["stopped", "stopped"]
+    assert kinds(F.step(ended.fleet, [], 100.0)) == []
+
+
+def test_step_is_pure():
+    fleet = training()
+    before = dataclasses.replace(fleet)
+    F.step(fleet, [F.RunEnded("a:0", 0, "died"), F.Scale("a", 3)], 5.0)
+    assert fleet == before and fleet.slots["a:0"].state == SlotState.TRAINING
+
+
+def test_every_transition_name_is_tested():
+    source = Path(F.__file__).read_text()
+    emitted = set(re.findall(r'"((?:learner|training|region)_[a-z_]+|scaled|chaos)"', source))
+    tested = set(re.findall(r'"([a-z_]+)"', Path(__file__).read_text()))
+    assert emitted and emitted <= tested, sorted(emitted - tested)
