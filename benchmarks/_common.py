@@ -155,7 +155,7 @@ def run_ours(setup: Setup, *, learner_ids: Sequence[str], fleet: inprocess.Fleet
              until_s: Optional[float] = None,
              faults: Optional[FaultPlan] = None, restart: RestartCosts = RestartCosts(),
              eval_every_steps: int = 0) -> inprocess.RunRecord:
-    """Decoupled DiLoCo in the in-process driver (DESIGN §4 defaults: RDA merge, outer Nesterov
+    """Decoupled DiLoCo in the in-process driver (docs/architecture.md#the-algorithm defaults: RDA merge, outer Nesterov
     0.7/0.9, α = 0, error feedback; ``outer_kind="sgd"`` is sgd(1.0), plain averaging;
     ``outer_kwargs`` sets the outer optimizer's lr and momentum)."""
     c = codec_lib.make_codec(codec)

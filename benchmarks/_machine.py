@@ -17,7 +17,7 @@ BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 
 def ensure_islands_importable() -> None:
     """Maps ``islands.*`` to this checkout when the package is not installed (the GPU machine):
-    ``islands.learners`` is the top-level ``learners/`` folder (DESIGN §3)."""
+    ``islands.learners`` is the top-level ``learners/`` folder (docs/architecture.md#code-layout)."""
     try:
         import islands.learners  # noqa: F401
     except ImportError:

@@ -5,7 +5,7 @@
 ``mtbf_s``, whole-region losses at a quarter of that rate, a repair delay, the Ray service's
 restart costs — drives both systems. The MTBF is chosen by bisection so that the baseline's
 goodput on this exact plan lands near the paper's 27 % (``--mtbf`` fixes it instead); the baseline
-checkpoints every ``--checkpoint-every`` steps. Goodput is DESIGN §6 on the virtual clock: ours =
+checkpoints every ``--checkpoint-every`` steps. Goodput is docs/architecture.md#goodput on the virtual clock: ours =
 applied inner-step seconds ÷ allocated slot seconds; the baseline = steps never rolled back × their
 step time × M ÷ (wall time × M).
 

@@ -17,7 +17,7 @@ import _common as C
 from islands.orchestrator import inprocess
 
 CONFIGS = [  # (name, outer kind, outer kwargs, merge rule, H)
-    ("nesterov 0.7/0.9 (DESIGN default)", "nesterov", dict(lr=0.7, momentum=0.9), "rda", 24),
+    ("nesterov 0.7/0.9 (the first default)", "nesterov", dict(lr=0.7, momentum=0.9), "rda", 24),
     ("nesterov 0.7/0.5", "nesterov", dict(lr=0.7, momentum=0.5), "rda", 24),
     ("nesterov 1.0/0.5", "nesterov", dict(lr=1.0, momentum=0.5), "rda", 24),
     ("nesterov 0.3/0.9", "nesterov", dict(lr=0.3, momentum=0.9), "rda", 24),

@@ -8,7 +8,7 @@ Two modes:
   the learner steps as fast as it can; its step counter is read from the controller's snapshots,
   timed by the learner's own heartbeat clock) against the bare loop ``batch → train_step →
   float(loss)`` on the same model, batch stream and corpus. The learner runs with the controller's
-  single-thread XLA environment (``_single_thread_env``), so the bare loop runs in a subprocess
+  single-thread XLA environment (``runtime.single_thread_env``), so the bare loop runs in a subprocess
   started with exactly those environment variables, once before the service starts and once after
   it stops (never at the same time: the machine has 2 cores).
 * ``--mode inprocess``: no Ray at all (``ray`` is never imported; the GPU machine has none). The
@@ -72,7 +72,7 @@ PRESETS = {
     "small": Preset(dict(vocab_size=256, d_model=128, n_layers=4, n_heads=4, d_ff=512,
                          seq_len=128), batch_size=8, fragments=8, sync_every_steps=8, steps=200,
                     quick_steps=100),
-    # GPT-2-small shape (124M parameters, DESIGN §10's H100 measurement), P = H = 24 (the paper).
+    # GPT-2-small shape (124M parameters, docs/architecture.md#learners-on-accelerators's H100 measurement), P = H = 24 (the paper).
     "gpu": Preset(dict(vocab_size=50304, d_model=768, n_layers=12, n_heads=12, d_ff=3072,
                        seq_len=1024), batch_size=16, fragments=24, sync_every_steps=24,
                   steps=100, quick_steps=50),
@@ -504,10 +504,10 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
 
 
 def run_ray(preset_name: str, duration_s: float, warmup_s: float) -> dict:
-    from islands.orchestrator.controller import _single_thread_env
+    from islands.orchestrator.runtime import single_thread_env
 
     run_dir = tempfile.mkdtemp(prefix="islands-overhead-")
-    env_vars = _single_thread_env(os.path.join(run_dir, "jax_cache"))
+    env_vars = single_thread_env(os.path.join(run_dir, "jax_cache"))
     runs = []
     try:
         bare_before = run_bare_subprocess(preset_name, duration_s, env_vars)

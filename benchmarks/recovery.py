@@ -7,7 +7,7 @@ A real local Ray cluster runs the service exactly as ``tests/integration/test_se
 (a ``Controller`` actor started with ``controller.start``): a tiny model, 2 regions × 2 learners.
 Once every learner trains, the benchmark kills one learner at a time (``chaos_kill``, round robin
 over the learners so the restart backoff stays at its first step), and waits for the
-controller's ``learner_recovered`` event, whose phases are (DESIGN §5):
+controller's ``learner_recovered`` event, whose phases are (docs/architecture.md#failures-and-reintegration):
 
   detect              the kill → the monitor sees the actor dead
   restart             → the new incarnation is launched (includes the restart policy's backoff)

@@ -1,4 +1,4 @@
-"""Scale: goodput of data-parallel and Decoupled DiLoCo at 150k–2.4M chips (DESIGN §9 simulator).
+"""Scale: goodput of data-parallel and Decoupled DiLoCo at 150k–2.4M chips (docs/operations.md#scale-simulator simulator).
 
 Calibrates the unpublished times (restart, checkpoint interval, elastic reconfiguration, repair) on
 the paper's two data-parallel rows only, then predicts Decoupled DiLoCo for M = 2, 4, 8, 16 with

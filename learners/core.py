@@ -1,4 +1,4 @@
-"""The learner's pure core: counters, drift, push and adopt (DESIGN §4, learner steps 1–3).
+"""The learner's pure core: counters, drift, push and adopt (docs/architecture.md#the-algorithm, learner steps 1–3).
 
 No Ray and no clock here: the in-process driver and the LearnerUnit actor both call it between
 inner steps. The train step itself lives in ``inner.py``.
@@ -102,7 +102,7 @@ class LearnerCore:
         # Drift, encode (with error feedback) and the encoding's relative error in one compiled
         # call on the device that holds the parameters; only the codes go to the host. Taking
         # the fp32 fragment to the host and encoding it in numpy cost half a step on a GPU
-        # (DESIGN §10).
+        # (docs/architecture.md#learners-on-accelerators).
         self._encode_drift = jax.jit(self._encode_drift_math)
 
     def compile_pushes(self) -> None:

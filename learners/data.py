@@ -2,7 +2,7 @@
 
 The vocabulary is the 256 byte values. Files are read in sorted relative-path order and assigned to
 train or eval by a hash of that path, so every process (and every restart) sees the same corpus
-without coordination (DESIGN §8).
+without coordination (docs/architecture.md#wan-emulation-and-data).
 """
 
 from __future__ import annotations
@@ -166,7 +166,7 @@ class ShardSampler:
 
     ``batch_at(i)`` depends only on (seed, shard_index, i) for the same bytes, so a restarted
     learner resumes its shard exactly where its last applied contribution ended by asking for the
-    same index (DESIGN §5). Windows are drawn uniformly inside the shard and never cross its end.
+    same index (docs/architecture.md#failures-and-reintegration). Windows are drawn uniformly inside the shard and never cross its end.
 
     Attributes:
       start, stop: the shard's byte range ``[start, stop)`` in ``train_bytes``.
@@ -206,7 +206,7 @@ class ShardSampler:
 
     @property
     def tokens_per_batch(self) -> int:
-        """Tokens trained on per batch, B·L (the ``c_tokens`` increment of DESIGN §4)."""
+        """Tokens trained on per batch, B·L (the ``c_tokens`` increment of docs/architecture.md#the-algorithm)."""
         return self.batch_size * self.seq_len
 
     def window_starts(self, index: int) -> np.ndarray:

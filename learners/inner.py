@@ -51,7 +51,7 @@ def _matrices_only(params: Params) -> Params:
 def inner_optimizer(lr: float = 3e-3, warmup_steps: int = 20, total_steps: int = 5000,
                     weight_decay: float = 0.1, b1: float = 0.9, b2: float = 0.95,
                     clip_norm: float = 1.0) -> optax.GradientTransformation:
-    """Global-norm clipping, then AdamW on :func:`inner_schedule` (DESIGN §4, learner step 1).
+    """Global-norm clipping, then AdamW on :func:`inner_schedule` (docs/architecture.md#the-algorithm, learner step 1).
 
     Args:
       lr: peak learning rate.
@@ -63,7 +63,7 @@ def inner_optimizer(lr: float = 3e-3, warmup_steps: int = 20, total_steps: int =
 
     Returns:
       An ``optax.GradientTransformation``; its state is what a reintegrating learner copies from
-      a peer (DESIGN §5).
+      a peer (docs/architecture.md#failures-and-reintegration).
     """
     if clip_norm <= 0:
         raise ValueError(f"clip_norm must be > 0, got {clip_norm}")

@@ -1,7 +1,7 @@
 """A small decoder-only transformer LM in plain JAX: params are a nested dict of float32 arrays.
 
 The tree reads like the model (``params["blocks"]["0"]["attn"]["wq"]``), so fragment paths
-(``"blocks/0/attn/wq"``), snapshots and merge rules (DESIGN §4) name tensors the same way. The
+(``"blocks/0/attn/wq"``), snapshots and merge rules (docs/architecture.md#the-algorithm) name tensors the same way. The
 output head is tied to the token embedding, so ``embed/tokens`` is both the first and last layer.
 """
 
@@ -190,7 +190,7 @@ def _key_name(key: Any) -> str:
 
 
 def is_embedding_path(path: Union[Sequence[Any], str]) -> bool:
-    """Whether a leaf lies under ``"embed"``: those merge by plain weighted mean (DESIGN §4).
+    """Whether a leaf lies under ``"embed"``: those merge by plain weighted mean (docs/architecture.md#the-algorithm).
 
     Args:
       path: a key path, as a tuple of keys (``("embed", "tokens")`` or the entries that

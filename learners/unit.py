@@ -15,6 +15,8 @@ from typing import Any, Optional
 
 import numpy as np
 
+from islands.syncer.codec_kinds import DEFAULT_BLOCK_SIZE
+
 log = logging.getLogger("islands.learner")
 
 
@@ -33,7 +35,7 @@ class TrainingSpec:
     overlap_steps: int = 2
     merge_alpha: float = 0.0
     codec_kind: str = "int4"
-    codec_block_size: int = 64
+    codec_block_size: int = DEFAULT_BLOCK_SIZE
     error_feedback: bool = True
     seed: int = 0
 
@@ -88,6 +90,19 @@ def build_training(spec: TrainingSpec, abstract: bool = False):
     params = jax.eval_shape(init) if abstract else jax.jit(init)()
     optimizer = inner.inner_optimizer(**spec.inner)
     return cfg, params, optimizer, inner.make_train_step(cfg, optimizer)
+
+
+def eval_loss_fn(spec: TrainingSpec, template, eval_bytes, num_batches: int):
+    """``flat {path: array} -> float``: the eval loss of flat global parameters on the held-out
+    split (fixed batches, so every evaluation of a job is comparable)."""
+    from islands.syncer.fragments import assembler
+
+    from . import data, inner, model
+
+    cfg = model.ModelConfig(**spec.model)
+    batches = data.eval_batches(eval_bytes, spec.batch_size, cfg.seq_len, num_batches)
+    evaluate, assemble = inner.make_eval_fn(cfg), assembler(template)
+    return lambda flat: float(evaluate(assemble(flat), batches))
 
 
 def warm_compile_cache(spec: TrainingSpec, params) -> None:
@@ -209,7 +224,7 @@ class LearnerUnit:
                     for p, t in enumerate(self.core.tracks)}
 
     def inner_state(self) -> Any:
-        """A numpy copy of the inner optimizer state, for a restarting peer (DESIGN §5)."""
+        """A numpy copy of the inner optimizer state, for a restarting peer (docs/architecture.md#failures-and-reintegration)."""
         import jax
 
         with self.lock:
@@ -339,7 +354,13 @@ class LearnerUnit:
                         self.stats["pushes"] += 1
                         self.stats["wire_bytes_up"] += push_plan.wire_bytes
                         self.stats["compression_relative_error"] = push_plan.relative_error
+                # The iteration's time includes handing over its pushes (as padding covers them);
+                # that part is counted once the pushes are out, with the next push's seconds.
+                extra = max(time.time() - t0, target) - dt
                 with self.lock:
+                    if extra > 0:
+                        core.compute_s += extra
+                        dt += extra
                     if not first_step:  # the first step loads or compiles the program: not a pace
                         step_time_ema = (dt if step_time_ema is None
                                          else 0.8 * step_time_ema + 0.2 * dt)

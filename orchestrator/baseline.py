@@ -1,6 +1,6 @@
 """Synchronous data-parallel baseline in the same harness: same model, data, learners, fault plan.
 
-Classic semantics (DESIGN §6): at every step each of the M learners computes the gradient of its
+Classic semantics (docs/architecture.md#goodput): at every step each of the M learners computes the gradient of its
 own batch (``batch_for(m, step)``, the same shards as Decoupled DiLoCo), the gradients are averaged
 (an exact all-reduce, in process) and one shared inner-optimizer step is taken. A step lasts as
 long as the slowest learner plus the ring all-reduce. Any learner loss stops everyone until the

@@ -7,9 +7,13 @@ walks every JobConfig field and shows it reaches the object that uses it.
 
 from __future__ import annotations
 
-from islands.learners.unit import TrainingSpec
+from dataclasses import dataclass
+from typing import Optional
+
+from islands.learners.unit import LearnerSpec, TrainingSpec
 from islands.syncer import fragments as fragments_lib
 from islands.syncer.actor import SyncerSpec
+from islands.syncer.codec_kinds import DEFAULT_BLOCK_SIZE
 from islands.syncer.core import SyncerSettings
 from islands.syncer.merge import MergeRule
 
@@ -23,7 +27,7 @@ CLI_ONLY = ("name", "run.duration_s", "run.run_dir", "run.progress_every_s", "ru
 
 def codec_block_size(config) -> int:
     """The codec's block size (codecs without blocks ignore it)."""
-    return getattr(config.compression, "block_size", 64)
+    return getattr(config.compression, "block_size", DEFAULT_BLOCK_SIZE)
 
 
 def training_spec(config) -> TrainingSpec:
@@ -74,22 +78,69 @@ def fleet_settings(config) -> FleetSettings:
                          straggler_factor=config.health.straggler_factor)
 
 
-def syncer_spec(config, template, run_dir: str) -> SyncerSpec:
-    """The syncer's spec; snapshots go under the run dir, or into a per-job subdirectory of
-    ``syncer.checkpoint_dir`` (a user's directory is only ever written into)."""
+@dataclass(frozen=True)
+class ControllerSettings:
+    """What the controller itself reads (the fleet's settings are ``fleet_settings``)."""
+
+    eval_every_s: float
+    eval_batches: int
+    placement_timeout_s: float
+    goodput_window_s: float
+    heartbeat_s: float
+
+
+def controller_settings(config) -> ControllerSettings:
+    return ControllerSettings(eval_every_s=config.learner.eval_every_s,
+                              eval_batches=config.data.eval_batches,
+                              placement_timeout_s=config.health.placement_timeout_s,
+                              goodput_window_s=config.metrics.goodput_window_s,
+                              heartbeat_s=config.health.heartbeat_s)
+
+
+def learner_spec(config, training: TrainingSpec, launch, corpus_ref=None,
+                 env: Optional[dict] = None) -> LearnerSpec:
+    """The spec of one learner incarnation the fleet decided to launch (a ``fleet.Launch``)."""
+    region = config.regions[launch.region]
+    return LearnerSpec(
+        learner=launch.learner, shard_index=launch.shard % launch.num_shards,
+        num_shards=launch.num_shards, training=training, incarnation=launch.incarnation,
+        start_step=launch.start_step, speed_factor=launch.speed_factor,
+        min_step_time_s=config.learner.min_step_time_s, latency_ms=region.latency_ms,
+        bandwidth_gbps=region.bandwidth_gbps, heartbeat_s=config.health.heartbeat_s,
+        peer=f"islands:{launch.peer}" if launch.peer else None, corpus_ref=corpus_ref,
+        env=dict(env or {}))
+
+
+def chaos_plan(config):
+    """The job's seeded fault plan (None without a ``chaos`` section)."""
+    if config.chaos is None:
+        return None
+    return config.chaos.plan({name: [f"{name}:{i}" for i in range(region.learners)]
+                              for name, region in config.regions.items()},
+                             config.run.duration_s)
+
+
+def syncer_options(config, run_dir: str) -> dict:
+    """Everything of the syncer's spec but the initial fragments. Snapshots go under the run dir,
+    or into a per-job subdirectory of ``syncer.checkpoint_dir`` (a user's directory is only ever
+    written into)."""
     from islands.syncer.state import snapshot_directory
 
+    outer = config.syncer.outer_optimizer.model_dump()
+    kind = outer.pop("type")
+    return dict(settings=syncer_settings(config), outer_kind=kind, outer_kwargs=outer,
+                codec_kind=config.compression.type, codec_block_size=codec_block_size(config),
+                checkpoint_dir=snapshot_directory(config.syncer.checkpoint_dir, run_dir,
+                                                  config.name),
+                snapshot_every_merges=config.syncer.snapshot_every_merges)
+
+
+def syncer_spec(config, template, run_dir: str) -> SyncerSpec:
+    """The syncer's spec: the initial global fragments of ``template`` and ``syncer_options``."""
     plan = fragments_lib.partition(template, config.syncer.fragments)
     frags = [{k: _np(v) for k, v in fragments_lib.extract(template, plan, p).items()}
              for p in range(plan.num_fragments)]
-    outer = config.syncer.outer_optimizer.model_dump()
-    kind = outer.pop("type")
-    return SyncerSpec(fragments=frags, settings=syncer_settings(config), outer_kind=kind,
-                      outer_kwargs=outer, codec_kind=config.compression.type,
-                      codec_block_size=codec_block_size(config),
-                      checkpoint_dir=snapshot_directory(config.syncer.checkpoint_dir, run_dir,
-                                                        config.name),
-                      snapshot_every_merges=config.syncer.snapshot_every_merges)
+    return SyncerSpec(fragments=frags, **syncer_options(config, run_dir))
 
 
 def _np(x):

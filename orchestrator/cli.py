@@ -1,4 +1,4 @@
-"""``islands`` command line: run, status, scale, drain, chaos, report, simulate."""
+"""``islands`` command line: run, status, scale, drain, chaos, report, simulate, config."""
 
 from __future__ import annotations
 
@@ -8,25 +8,87 @@ import os
 import sys
 
 
+# Seconds a CLI command may spend reaching the cluster: a TCP probe of the address, then
+# ray.init and the controller lookup as a whole (Ray itself retries a dead GCS for minutes).
+PROBE_TIMEOUT_S = 5.0
+CONNECT_TIMEOUT_S = float(os.environ.get("ISLANDS_CONNECT_TIMEOUT_S", "30"))
+
+
+def _resolve_auto() -> str:
+    """What Ray's "auto" would join (the last `ray start` cluster), or "auto" if unknown."""
+    try:
+        from ray._private.services import get_ray_address_from_environment
+
+        return get_ray_address_from_environment("auto", None) or "auto"
+    except Exception:
+        return "auto"
+
+
 def _connect(address):
+    """The running job's controller; a bad or stale address fails within seconds, exit 1."""
+    import threading
+
     import ray
 
     from .controller import CONTROLLER_NAME, NAMESPACE
 
-    from .job import embedded_address
+    from .job import embedded_address, probe_address
 
     if not ray.is_initialized():
         target = address or os.environ.get("RAY_ADDRESS") or embedded_address() or "auto"
+        probed = _resolve_auto() if target == "auto" else target
+        problem = probe_address(probed, PROBE_TIMEOUT_S)
+        if problem:
+            sys.exit(f"islands: {problem} Start a job with `islands run`, or pass --address")
+
+        def give_up():  # ray.init has no deadline of its own: a wrong port can hang for minutes
+            print(f"islands: could not connect to the Ray cluster at {target!r} within "
+                  f"{CONNECT_TIMEOUT_S:g}s (set ISLANDS_CONNECT_TIMEOUT_S to wait longer)",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
+
+        watchdog = threading.Timer(CONNECT_TIMEOUT_S, give_up)
+        watchdog.daemon = True
+        watchdog.start()
         try:
             ray.init(address=target, namespace=NAMESPACE, log_to_driver=False)
         except ConnectionError as exc:
             sys.exit(f"islands: no Ray cluster to talk to at {target!r} ({exc}); start a job "
                      "with `islands run`, or pass --address")
+        finally:
+            watchdog.cancel()
     try:
         return ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
     except ValueError:
         sys.exit("islands: no running job found (no actor 'islands:controller' in namespace "
                  "'islands' on this cluster)")
+
+
+def _number(kind: str, low: float, inclusive: bool, what: str):
+    """An argparse type: a finite float above ``low`` (or at least ``low``), as the config checks
+    the same parameter, so a bad value stops before anything connects to Ray."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+        if value != value or value in (float("inf"), float("-inf")):
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+        if value < low or (value == low and not inclusive):
+            raise argparse.ArgumentTypeError(
+                f"must be {'>=' if inclusive else '>'} {low:g} ({what}), got {text}")
+        return value
+
+    parse.__name__ = kind  # argparse names the type in its "invalid <name> value" message
+    return parse
+
+
+positive_seconds = _number("seconds", 0.0, False, "a duration in seconds")
+slowdown_factor = _number("factor", 1.0, False, "a slowdown multiplies step time")
+non_negative_ms = _number("milliseconds", 0.0, True, "extra latency")
+positive_gbps = _number("gbps", 0.0, False, "a bandwidth cap")
+non_negative_seconds = _number("seconds", 0.0, True, "a delay in seconds")
 
 
 def format_status(table: dict) -> str:
@@ -46,16 +108,44 @@ def format_status(table: dict) -> str:
     return "\n".join(lines)
 
 
+def _config_command(args) -> int:
+    """``islands config schema`` and ``islands config check FILE`` (see docs/config.md)."""
+    from .config import ConfigError, JobConfig, load_config
+
+    if args.action == "schema":
+        print(json.dumps(JobConfig.model_json_schema(), indent=2))
+        return 0
+    try:
+        config = load_config(args.file)
+    except (ConfigError, OSError) as exc:
+        print(f"islands: invalid config {args.file}:\n{exc}", file=sys.stderr)
+        return 2
+    import yaml
+
+    print(yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False), end="")
+    return 0
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="islands", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="islands", description=__doc__,
+        epilog="Documentation: docs/README.md (architecture, configuration, metrics, operations).")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="run a job from a YAML config")
     run.add_argument("config")
-    run.add_argument("--duration", type=float, default=None, help="seconds (default: config)")
+    run.add_argument("--duration", type=positive_seconds, default=None,
+                     help="seconds (default: config)")
     run.add_argument("--run-dir", default=None)
     run.add_argument("--address", default=None, help="Ray address to join (default: embedded)")
     run.add_argument("--log-format", choices=("text", "json"), default="text")
+    again = run.add_mutually_exclusive_group()
+    again.add_argument("--resume", action="store_true",
+                       help="continue the run in --run-dir (append to its logs, restore the "
+                            "syncer from its newest snapshot)")
+    again.add_argument("--force", action="store_true",
+                       help="--run-dir holds an earlier run: start a new one in a timestamped "
+                            "subdirectory of it (nothing is deleted)")
 
     for name, help_text in (("status", "learners and syncer of the running job"),):
         p = sub.add_parser(name, help=help_text)
@@ -79,34 +169,44 @@ def main(argv=None) -> int:
     kill.add_argument("--address", default=None)
     slow = chaos_sub.add_parser("slowdown", help="multiply a learner's step time for a while")
     slow.add_argument("target")
-    slow.add_argument("--factor", type=float, default=4.0)
-    slow.add_argument("--duration", type=float, default=30.0)
+    slow.add_argument("--factor", type=slowdown_factor, default=4.0, help="> 1")
+    slow.add_argument("--duration", type=positive_seconds, default=30.0)
     slow.add_argument("--address", default=None)
     hang = chaos_sub.add_parser("hang", help="wedge a learner (no steps, no heartbeats)")
     hang.add_argument("target")
-    hang.add_argument("--duration", type=float, default=60.0)
+    hang.add_argument("--duration", type=positive_seconds, default=60.0)
     hang.add_argument("--address", default=None)
     lose = chaos_sub.add_parser("region-loss", help="kill every learner of a region at once")
     lose.add_argument("target", metavar="REGION")
-    lose.add_argument("--repair", type=float, default=0.0, help="seconds before they may restart")
+    lose.add_argument("--repair", type=non_negative_seconds, default=0.0,
+                      help="seconds before they may restart")
     lose.add_argument("--address", default=None)
     net = chaos_sub.add_parser("network", help="degrade a region's link for a while")
     net.add_argument("target", metavar="REGION")
-    net.add_argument("--latency-ms", type=float, default=200.0, help="extra one-way latency")
-    net.add_argument("--bandwidth-gbps", type=float, default=None, help="bandwidth cap")
-    net.add_argument("--duration", type=float, default=30.0)
+    net.add_argument("--latency-ms", type=non_negative_ms, default=200.0,
+                     help="extra one-way latency")
+    net.add_argument("--bandwidth-gbps", type=positive_gbps, default=None, help="bandwidth cap")
+    net.add_argument("--duration", type=positive_seconds, default=30.0)
     net.add_argument("--address", default=None)
     part = chaos_sub.add_parser("partition", help="cut a region off the syncer for a while")
     part.add_argument("target", metavar="REGION")
-    part.add_argument("--duration", type=float, default=30.0)
+    part.add_argument("--duration", type=positive_seconds, default=30.0)
     part.add_argument("--address", default=None)
 
     sub.add_parser("simulate", add_help=False,
-                   help="chaos simulation of goodput at 150k-2.4M chips (DESIGN §9); "
+                   help="chaos simulation of goodput at 150k-2.4M chips (docs/operations.md); "
                         "islands simulate --help")
 
     report = sub.add_parser("report", help="plots and report.md from a run dir")
     report.add_argument("run_dir")
+
+    config_cmd = sub.add_parser("config", help="the job config: JSON schema, or check a file",
+                                epilog="Every key is described in docs/config.md.")
+    config_sub = config_cmd.add_subparsers(dest="action", required=True)
+    config_sub.add_parser("schema", help="print the JobConfig JSON schema")
+    check = config_sub.add_parser("check", help="validate a YAML config and print it with every "
+                                                "default filled in (exit 2 when invalid)")
+    check.add_argument("file")
 
     argv = sys.argv[1:] if argv is None else list(argv)
     if "--address" not in argv and not os.environ.get("RAY_ADDRESS"):
@@ -122,16 +222,28 @@ def main(argv=None) -> int:
         return simulate_main(argv[1:])
     args = parser.parse_args(argv)
 
+    if args.command == "config":  # no Ray: it only reads the file
+        return _config_command(args)
     if args.command == "run":
         from .config import ConfigError, load_config
-        from .job import run_job
+        from .job import RunDirError, run_job
+        from .preflight import preflight
 
         try:
             config = load_config(args.config)
+            preflight(config)  # limits that need the built model and corpus, before Ray
         except (ConfigError, OSError) as exc:
             print(f"islands: invalid config {args.config}:\n{exc}", file=sys.stderr)
             return 2
-        summary = run_job(config, args.duration, args.run_dir, args.address, args.log_format)
+        try:
+            summary = run_job(config, args.duration, args.run_dir, args.address, args.log_format,
+                              resume=args.resume, force=args.force)
+        except (ConfigError, RunDirError) as exc:
+            print(f"islands: {exc}", file=sys.stderr)
+            return 2
+        except ConnectionError as exc:
+            print(f"islands: {exc}", file=sys.stderr)
+            return 1
         keys = ("goodput", "merges", "tokens_applied", "tokens_dropped", "learner_restarts",
                 "initial_eval_loss", "final_eval_loss", "wire_bytes")
         print(json.dumps({k: summary.get(k) for k in keys}))

@@ -13,8 +13,10 @@ from typing import Annotated, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from islands.syncer import codec_kinds
+
 REGION_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
-CODECS = ("none", "bf16", "int8", "int4")
+CODECS = codec_kinds.KINDS
 
 
 class ConfigError(ValueError):
@@ -131,12 +133,12 @@ class Bf16Codec(_Codec):
 
 class Int8Codec(_Codec):
     type: Literal["int8"]
-    block_size: int = Field(64, gt=0)
+    block_size: int = Field(codec_kinds.DEFAULT_BLOCK_SIZE, gt=0)
 
 
 class Int4Codec(_Codec):
     type: Literal["int4"] = "int4"
-    block_size: int = Field(64, gt=0)
+    block_size: int = Field(codec_kinds.DEFAULT_BLOCK_SIZE, gt=0)
 
 
 Compression = Annotated[Union[NoneCodec, Bf16Codec, Int8Codec, Int4Codec],
@@ -191,6 +193,9 @@ class HealthSection(_Section):
 class MetricsSection(_Section):
     enabled: bool = True
     port: int = Field(9400, ge=0, le=65535)   # 0 picks a free port
+    # The address /metrics binds. None: 127.0.0.1 for an embedded cluster, the controller node's
+    # address on a real cluster. "0.0.0.0" (every interface) only when asked for.
+    host: Optional[str] = Field(None, min_length=1)
     snapshot_every_s: float = Field(2.0, gt=0)
     goodput_window_s: float = Field(300.0, gt=0)   # islands_goodput_ratio{window="5m"}
 
@@ -362,13 +367,93 @@ class JobConfig(_Section):
 
     @classmethod
     def from_yaml_text(cls, text: str) -> "JobConfig":
+        """Parses YAML strictly (a key written twice is an error, not a silent overwrite)."""
         try:
-            raw = yaml.safe_load(text) or {}
+            raw = load_yaml(text) or {}
         except yaml.YAMLError as exc:
             raise ConfigError(f"not valid YAML: {exc}") from exc
         if not isinstance(raw, dict):
             raise ConfigError(f"the config must be a mapping, got {type(raw).__name__}")
         return parse(raw)
+
+
+class StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a mapping with the same key twice (YAML says keys are
+    unique; PyYAML silently keeps the last one, so a region written twice would vanish)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            problems = _duplicate_keys(node, [])
+            if problems:
+                raise DuplicateKeyError(problems)
+        return super().construct_mapping(node, deep=deep)
+
+    def get_single_data(self):
+        node = self.get_single_node()
+        if node is None:
+            return None
+        problems = _duplicate_keys(node, [], set(), recursive=True)
+        if problems:
+            raise DuplicateKeyError(problems)
+        return self.construct_document(node)
+
+
+class DuplicateKeyError(yaml.YAMLError):
+    def __init__(self, problems: list[str]):
+        super().__init__("\n".join(problems))
+        self.problems = problems
+
+
+_MERGE_TAG = "tag:yaml.org,2002:merge"
+
+
+def _duplicate_keys(node, path: list[str], seen_nodes: Optional[set] = None,
+                    recursive: bool = False) -> list[str]:
+    """``path.key: duplicate key 'key' (lines 3 and 5)`` for every key repeated in a mapping
+    (``<<`` merges are not duplicates: explicit keys override merged ones by design)."""
+    if recursive:
+        if id(node) in seen_nodes:  # an alias: checked once
+            return []
+        seen_nodes.add(id(node))
+    problems: list[str] = []
+    if isinstance(node, yaml.MappingNode):
+        first: dict = {}
+        for key_node, value_node in node.value:
+            if key_node.tag == _MERGE_TAG:
+                continue
+            name = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
+            where = ".".join(path + [name])
+            if isinstance(key_node, yaml.ScalarNode):
+                ident = (key_node.tag, key_node.value)
+                line = key_node.start_mark.line + 1
+                if ident in first:
+                    problems.append(f"{where}: duplicate key {name!r} (lines {first[ident]} and "
+                                    f"{line})")
+                else:
+                    first[ident] = line
+            if recursive:
+                problems += _duplicate_keys(value_node, path + [name], seen_nodes, True)
+    elif recursive and isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            problems += _duplicate_keys(item, path + [str(i)], seen_nodes, True)
+    return problems
+
+
+def load_yaml(text: str):
+    """``yaml.safe_load`` with :class:`StrictLoader`: duplicate keys raise, naming their lines.
+
+    Raises:
+      ConfigError: listing every duplicate key as
+        ``dotted.path: duplicate key 'k' (lines a and b)``.
+      yaml.YAMLError: on any other YAML problem.
+    """
+    loader = StrictLoader(text)
+    try:
+        return loader.get_single_data()
+    except DuplicateKeyError as exc:
+        raise ConfigError("\n".join(exc.problems)) from None
+    finally:
+        loader.dispose()
 
 
 class _FieldError(ValueError):
@@ -378,11 +463,39 @@ class _FieldError(ValueError):
         super().__init__(f"{field}: {message}")
 
 
-def _describe(error: dict) -> str:
-    path = ".".join(str(p) for p in error["loc"])
+def _field_loc(loc: tuple, raw) -> list:
+    """``loc`` as the YAML spells it: pydantic adds a tagged union's tag (``compression.int8.
+    block_size``) and a plain union's member (``speed_factors.float``); neither is a key."""
+    out, node = [], raw
+    for part in loc:
+        if isinstance(node, dict):
+            if part in node:
+                node = node[part]
+            elif isinstance(part, str) and node.get("type") == part:
+                continue  # the discriminator's tag
+            else:
+                node = None
+        elif isinstance(node, list) and isinstance(part, int) and 0 <= part < len(node):
+            node = node[part]
+        elif isinstance(part, str) and node is not None:
+            continue  # a union member's name under a scalar value
+        else:
+            node = None
+        out.append(part)
+    return out
+
+
+def _describe(error: dict, raw=None) -> str:
+    path = ".".join(str(p) for p in _field_loc(error["loc"], raw))
     message = error["msg"]
     if error["type"] == "extra_forbidden":
         return f"{path}: unknown key"
+    if error["type"] == "union_tag_not_found":
+        kinds = {"compression": CODECS, "syncer.outer_optimizer": ("nesterov", "sgd", "adam")}.get(
+            path, ("kill", "region_loss", "slowdown", "network", "partition")
+            if re.match(r"^chaos\.events\.\d+$", path) else ())
+        path = f"{path}.type" if path else "type"
+        return f"{path}: required" + (f"; choose one of {', '.join(kinds)}" if kinds else "")
     if error["type"] == "union_tag_invalid":
         tag = error.get("ctx", {}).get("tag")
         expected = error.get("ctx", {}).get("expected_tags", "")
@@ -406,7 +519,7 @@ def parse(raw: dict) -> JobConfig:
     try:
         return JobConfig.model_validate(raw)
     except ValidationError as exc:
-        problems = [_describe(e) for e in exc.errors()]
+        problems = list(dict.fromkeys(_describe(e, raw) for e in exc.errors()))
         raise ConfigError("\n".join(problems)) from None
 
 

@@ -24,27 +24,13 @@ from . import fleet as fleet_lib
 from .books import Books
 from .chaos import Fault, FaultKind
 from .fleet import SlotState
+from .runtime import (CONTROLLER_NAME, NAMESPACE, SYNCER_NAME, controller_options,  # noqa: F401
+                      enable_compile_cache, learner_actor_name, learner_options, single_thread_env,
+                      syncer_options)
 
 log = logging.getLogger("islands.controller")
 
-NAMESPACE = "islands"
-CONTROLLER_NAME = "islands:controller"
-SYNCER_NAME = "islands:syncer"
 EVENT_LOG_LIMIT = 100_000
-CPUS = {"syncer": 0.2, "learner": 0.25}
-
-
-def controller_options(run_dir: str) -> dict:
-    """Ray options for the controller. It shares the learners' XLA flags and compilation cache, so
-    the train step it compiles before launching them is a cache hit in every learner."""
-    return dict(name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=0.1, max_concurrency=16,
-                max_restarts=0,
-                runtime_env={"env_vars": _single_thread_env(os.path.join(run_dir, "jax_cache"))})
-
-
-def learner_actor_name(learner_id: str) -> str:
-    """"us-east:0" -> "islands:us-east:0"."""
-    return f"islands:{learner_id}"
 
 
 @dataclasses.dataclass
@@ -93,10 +79,8 @@ class Controller:
         self.goodput_history: list = []
         self.metrics_server = None
         self.ray_metrics = None
-        self.chaos_plan = (config.chaos.plan(
-            {name: [f"{name}:{i}" for i in range(region.learners)]
-             for name, region in config.regions.items()}, config.run.duration_s)
-            if config.chaos is not None else None)
+        self.settings = build.controller_settings(config)
+        self.chaos_plan = build.chaos_plan(config)
 
     # -- events ---------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
@@ -125,7 +109,7 @@ class Controller:
         self.corpus = load_corpus(self.training)
         self.corpus_ref = ray.put(self.corpus.train)  # every learner maps the same bytes
         self.jax_cache_dir = os.path.join(self.run_dir, "jax_cache")
-        _enable_compile_cache(self.jax_cache_dir)
+        enable_compile_cache(self.jax_cache_dir)
         warm_compile_cache(self.training, self.template)  # restarts load it instead of compiling
         self.syncer_spec = build.syncer_spec(self.config, self.template, self.run_dir)
         self._start_syncer(epoch=0, restore=self.resume)
@@ -137,7 +121,7 @@ class Controller:
             self.threads.append(thread)
         self.job_started_s = time.time()  # the chaos plan's clock: faults hit a running job
         self.emit("job_started", learners=list(self.fleet.slots), regions=list(self.config.regions),
-                  num_params=sum(int(v.size) for v in _leaves(self.template)))
+                  num_params=_num_params(self.template))
         return {"learners": list(self.fleet.slots)}
 
     def _start_syncer(self, epoch: int, restore: bool) -> None:
@@ -145,12 +129,9 @@ class Controller:
 
         from islands.syncer.actor import Syncer
 
-        options = dict(name=SYNCER_NAME, namespace=NAMESPACE, num_cpus=CPUS["syncer"],
-                       max_restarts=0, max_concurrency=1000,
-                       runtime_env={"env_vars": _single_thread_env(self.jax_cache_dir)})
-        self.syncer = ray.remote(Syncer).options(**options).remote(self.syncer_spec, epoch,
-                                                                   restore=restore)
-        ready = ray.get(self.syncer.ready.remote(), timeout=self.config.health.placement_timeout_s)
+        self.syncer = ray.remote(Syncer).options(**syncer_options(self.jax_cache_dir)).remote(
+            self.syncer_spec, epoch, restore=restore)
+        ready = ray.get(self.syncer.ready.remote(), timeout=self.settings.placement_timeout_s)
         self.syncer_ref = self.syncer.wait_closed.remote()
         self.emit("syncer_started", epoch=ready["epoch"], versions=ready["versions"],
                   restored_from=ready["restored_from"])
@@ -318,22 +299,15 @@ class Controller:
     def _do_launch(self, a: fleet_lib.Launch) -> None:
         import ray
 
-        from islands.learners.unit import LearnerSpec, LearnerUnit
+        from islands.learners.unit import LearnerUnit
 
-        region = self.config.regions[a.region]
-        spec = LearnerSpec(
-            learner=a.learner, shard_index=a.shard % a.num_shards, num_shards=a.num_shards,
-            training=self.training, incarnation=a.incarnation, start_step=a.start_step,
-            speed_factor=a.speed_factor, min_step_time_s=self.config.learner.min_step_time_s,
-            latency_ms=region.latency_ms, bandwidth_gbps=region.bandwidth_gbps,
-            heartbeat_s=self.config.health.heartbeat_s,
-            peer=learner_actor_name(a.peer) if a.peer else None, corpus_ref=self.corpus_ref,
-            env=_single_thread_env(self.jax_cache_dir))
-        options = dict(name=learner_actor_name(a.learner), namespace=NAMESPACE,
-                       num_cpus=CPUS["learner"], max_restarts=0, max_concurrency=8,
-                       resources={f"region:{a.region}": 1})
+        from . import build
+
+        spec = build.learner_spec(self.config, self.training, a, self.corpus_ref,
+                                  single_thread_env(self.jax_cache_dir))
         try:
-            handle = ray.remote(LearnerUnit).options(**options).remote(spec)
+            handle = ray.remote(LearnerUnit).options(
+                **learner_options(a.learner, a.region)).remote(spec)
         except ValueError as exc:  # the dead actor's name is not released yet: retry soon
             self.inbox.put((fleet_lib.LaunchFailed(a.learner, a.incarnation, str(exc)), None))
             return
@@ -457,20 +431,17 @@ class Controller:
                 self.evaluate_now()
             except Exception as exc:
                 log.info("eval skipped: %s", exc)
-            self.stop_event.wait(self.config.learner.eval_every_s)
+            self.stop_event.wait(self.settings.eval_every_s)
 
     def evaluate_now(self) -> Optional[float]:
+        """The eval loss of the syncer's global parameters now (also recorded)."""
         import ray
 
-        from islands.learners import data, inner, model
-        from islands.syncer.fragments import assembler
+        from islands.learners.unit import eval_loss_fn
 
         if not hasattr(self, "_evaluate"):
-            cfg = model.ModelConfig(**self.training.model)
-            batches = data.eval_batches(self.corpus.eval, self.training.batch_size, cfg.seq_len,
-                                        self.config.data.eval_batches)
-            fn, assemble = inner.make_eval_fn(cfg), assembler(self.template)
-            self._evaluate = lambda flat: float(fn(assemble(flat), batches))
+            self._evaluate = eval_loss_fn(self.training, self.template, self.corpus.eval,
+                                          self.settings.eval_batches)
         flat, _ = ray.get(self.syncer.global_params.remote(), timeout=30)
         loss = self._evaluate(flat)
         with self.lock:
@@ -503,7 +474,7 @@ class Controller:
         useful = sum(float(e["applied_compute_s"])
                      for e in self.syncer_status.get("ledger", {}).values())
         allocated = self.books.allocated_s(now)
-        window_s = self.config.metrics.goodput_window_s
+        window_s = self.settings.goodput_window_s
         history = list(self.goodput_history) + [(now, useful, allocated)]
         return {"useful_s": useful, "allocated_s": allocated, "goodput": goodput(useful, allocated),
                 "window": {"label": window_label(window_s), "seconds": window_s,
@@ -637,27 +608,7 @@ class Controller:
 recovery_phases = fleet_lib.recovery_phases
 
 
-def _leaves(tree):
+def _num_params(tree) -> int:
     import jax
 
-    return jax.tree_util.tree_leaves(tree)
-
-
-def _single_thread_env(jax_cache_dir: str) -> dict:
-    """Small CPU thread pools (several learners share a few cores) and the shared persistent
-    compilation cache (a restarted learner loads its step instead of compiling it)."""
-    return {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
-            "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "OMP_NUM_THREADS": "1",
-            "JAX_PLATFORMS": os.environ.get("ISLANDS_JAX_PLATFORMS", "cpu"),
-            "JAX_COMPILATION_CACHE_DIR": jax_cache_dir,
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
-
-
-def _enable_compile_cache(path: str) -> None:
-    import jax
-
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    return sum(int(v.size) for v in jax.tree_util.tree_leaves(tree))

@@ -1,4 +1,4 @@
-"""Health: how a learner failure is classified and what the restart policy decides (DESIGN §5)."""
+"""Health: how a learner failure is classified and what the restart policy decides (docs/architecture.md#failures-and-reintegration)."""
 
 from __future__ import annotations
 

@@ -5,13 +5,13 @@ core objects the Ray actors wrap (``LearnerCore``, ``SyncerCore``). It is the en
 tests, the benchmarks and the in-process demo. A learner never waits here either: it keeps
 stepping while its pushes travel, and adopts a reply at a step boundary.
 
-Faults come from a ``chaos.FaultPlan`` (DESIGN §5): a killed learner stops at the fault time and
+Faults come from a ``chaos.FaultPlan`` (docs/architecture.md#failures-and-reintegration): a killed learner stops at the fault time and
 its unmerged pushes are dropped (``SyncerCore.forget``); after detect + repair + restart
 (``chaos.RestartCosts``) a new incarnation registers, takes every fragment from the syncer and the
 inner optimizer state of a live peer (a fresh one when none is alive), and resumes its shard at
 ``syncer.ledger[learner].applied_step``. Slowdowns multiply step time; network faults change the
 region's transfer time; a syncer kill drops the open rounds and fences the old epoch. Goodput
-(DESIGN §6) is exact on the virtual clock: applied inner-step seconds (the ledger's
+(docs/architecture.md#goodput) is exact on the virtual clock: applied inner-step seconds (the ledger's
 ``applied_compute``) over the seconds each learner's slot existed, down time included.
 """
 
@@ -113,7 +113,7 @@ class RunRecord:
     tokens_processed: int = 0
     end_time_s: float = 0.0
     steps: list[int] = field(default_factory=list)
-    # -- failures and goodput (DESIGN §5, §6) ----------------------------------------------------
+    # -- failures and goodput (docs/architecture.md#failures-and-reintegration, §6) ----------------------------------------------------
     learner_ids: list[str] = field(default_factory=list)
     regions: list[str] = field(default_factory=list)
     step_log: list[StepRecord] = field(default_factory=list)
@@ -132,7 +132,7 @@ class RunRecord:
 
     @property
     def goodput(self) -> float:
-        """Σ applied inner-step seconds ÷ Σ allocated seconds (DESIGN §6); 0 for an empty run."""
+        """Σ applied inner-step seconds ÷ Σ allocated seconds (docs/architecture.md#goodput); 0 for an empty run."""
         allocated = sum(self.allocated_s)
         return sum(self.useful_s) / allocated if allocated > 0 else 0.0
 
@@ -615,7 +615,11 @@ class _Driver:
             record.ledger[name] = {
                 **self.books.learner_tokens(name, live).as_dict(),
                 "restarts": sum(r["learner"] == name for r in record.restarts)}
-        self.fleet_step(record.end_time_s, [])  # the last first contributions
+        # The job ends as the Ray controller ends it: stop, then every running learner's run ends.
+        end = record.end_time_s
+        self.fleet_step(end, [fleet_lib.Stop()] + [
+            fleet_lib.RunEnded(name, self.cores[i].incarnation)
+            for i, name in enumerate(self.ids) if self.up[i]])
         return record
 
 

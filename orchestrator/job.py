@@ -1,7 +1,9 @@
 """``islands run``: start (or join) a Ray cluster, start the controller, watch, and write the run dir.
 
 Run dir: ``summary.json``, ``events.jsonl`` (every membership change, failure, restart, merge and
-refusal, timestamped), ``metrics.jsonl`` (periodic snapshots).
+refusal, timestamped), ``metrics.jsonl`` (periodic snapshots). A new job never reuses (or deletes)
+a run dir that holds an earlier run: ``resume`` continues it, ``force`` writes to a new
+subdirectory of it (:func:`prepare_run_dir`).
 """
 
 from __future__ import annotations
@@ -9,7 +11,10 @@ from __future__ import annotations
 import json
 import logging
 import os
+import socket
+import stat
 import sys
+import tempfile
 import time
 from typing import Optional
 
@@ -27,6 +32,9 @@ def start_ray(config, address: Optional[str]) -> bool:
         return False
     address = address or os.environ.get("RAY_ADDRESS")
     if address:
+        problem = probe_address(address)
+        if problem:
+            raise ConnectionError(problem)
         ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
         return False
     learners_cpu = 0.25 * sum(max(r.learners, r.max_learners or 0)
@@ -43,17 +51,53 @@ def start_ray(config, address: Optional[str]) -> bool:
     return True
 
 
+def islands_state_dir() -> str:
+    """A per-user directory for small runtime files: ``$XDG_RUNTIME_DIR/islands`` when that is set
+    (tmpfs, mode 0700, per login), else ``$XDG_CACHE_HOME/islands`` or ``~/.cache/islands``."""
+    runtime = os.environ.get("XDG_RUNTIME_DIR")
+    if runtime and os.path.isdir(runtime):
+        return os.path.join(runtime, "islands")
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(cache, "islands")
+
+
 def embedded_address_file() -> str:
     """Where a running embedded cluster's address is kept, so `islands status` and friends in
-    another shell find it (Ray's own "auto" only knows clusters started by `ray start`)."""
-    import tempfile
+    another shell find it (Ray's own "auto" only knows clusters started by `ray start`). It lives
+    in :func:`islands_state_dir` (0700), not a shared temp dir another user could write."""
+    return os.path.join(islands_state_dir(), "embedded_cluster_address")
 
-    return os.path.join(tempfile.gettempdir(), "islands", "embedded_cluster_address")
+
+def _private_file_problem(st: os.stat_result, what: str, path: str, mask: int) -> Optional[str]:
+    """Why a file or directory may not be trusted (not ours, or open to group/other), or None."""
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    if uid is not None and st.st_uid != uid:
+        return f"{what} {path} is owned by uid {st.st_uid}, not this user ({uid})"
+    if stat.S_IMODE(st.st_mode) & mask:
+        return (f"{what} {path} has mode {stat.S_IMODE(st.st_mode):o}: group or others may "
+                "change it")
+    return None
 
 
 def embedded_address() -> Optional[str]:
+    """The embedded cluster's address, or None. A file that is not this user's alone (another
+    owner, a link, or group/other permissions) is ignored with a warning: it could point this
+    client at someone else's cluster."""
+    path = embedded_address_file()
     try:
-        with open(embedded_address_file()) as f:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        log.warning("ignoring %s: not a regular file", path)
+        return None
+    problem = _private_file_problem(st, "address file", path, 0o077)
+    if problem:
+        log.warning("ignoring the embedded cluster address: %s", problem)
+        return None
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        with os.fdopen(fd) as f:
             return f.read().strip() or None
     except OSError:
         return None
@@ -61,9 +105,28 @@ def embedded_address() -> Optional[str]:
 
 def _write_embedded_address(address: str) -> None:
     path = embedded_address_file()
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    with open(path, "w") as f:
-        f.write(address)
+    directory = os.path.dirname(path)
+    try:
+        os.makedirs(directory, mode=0o700, exist_ok=True)
+        st = os.lstat(directory)
+        if not stat.S_ISDIR(st.st_mode):
+            raise OSError(f"{directory} is not a directory")
+        problem = _private_file_problem(st, "directory", directory, 0)
+        if problem:
+            raise OSError(problem)
+        if stat.S_IMODE(st.st_mode) & 0o077:
+            os.chmod(directory, 0o700)
+        fd, tmp = tempfile.mkstemp(dir=directory, prefix=".address-")  # created 0600
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(address)
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, path)
+        except BaseException:
+            os.unlink(tmp)
+            raise
+    except OSError as exc:  # only `islands status` from another shell needs it
+        log.warning("could not record the embedded cluster's address in %s: %s", path, exc)
 
 
 def _forget_embedded_address() -> None:
@@ -71,6 +134,112 @@ def _forget_embedded_address() -> None:
         os.remove(embedded_address_file())
     except OSError:
         pass
+
+
+def probe_address(address: str, timeout_s: float = 5.0) -> Optional[str]:
+    """A TCP connect to a ``host:port`` Ray address (``ray://`` too); returns why it failed, or
+    None when something answers or the address names no port ("auto", "local")."""
+    target = address.split("://", 1)[-1].rstrip("/")
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit() or not host:
+        return None
+    host = host.strip("[]")
+    try:
+        with socket.create_connection((host, int(port)), timeout=timeout_s):
+            return None
+    except OSError as exc:
+        reason = "timed out" if isinstance(exc, socket.timeout) else (exc.strerror or str(exc))
+        return (f"no Ray cluster answers at {address!r} ({reason} within {timeout_s:g}s); is the "
+                "address right and the cluster up?")
+
+
+def metrics_host(config, embedded: bool, node_ip: Optional[str] = None) -> str:
+    """The address ``/metrics`` binds: ``metrics.host`` when set; 127.0.0.1 for an embedded
+    cluster (this machine's alone); on a real cluster the controller node's address (``node_ip``,
+    else this node's), never every interface unless the config asks for 0.0.0.0.
+
+    >>> from islands.orchestrator.config import parse
+    >>> metrics_host(parse({}), embedded=True), metrics_host(parse({}), False, "10.0.0.5")
+    ('127.0.0.1', '10.0.0.5')
+    """
+    if config.metrics.host:
+        return config.metrics.host
+    if embedded:
+        return "127.0.0.1"
+    if node_ip:
+        return node_ip
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+class RunDirError(ValueError):
+    """A run dir that a new job must not use as it is; nothing in it was changed."""
+
+
+RUN_FILES = ("events.jsonl", "metrics.jsonl", "summary.json")
+
+
+def earlier_run(path: str) -> list[str]:
+    """What in ``path`` shows an earlier run: its run files and ``syncer/`` snapshots."""
+    from islands.syncer.state import snapshot_steps
+
+    found = [name for name in RUN_FILES if os.path.exists(os.path.join(path, name))]
+    if snapshot_steps(os.path.join(path, "syncer")):
+        found.append("syncer/ snapshots")
+    return found
+
+
+def prepare_run_dir(path: str, resume: bool = False, force: bool = False) -> str:
+    """The directory a job writes to; it never deletes or empties anything.
+
+    A run dir that holds no earlier run (absent, empty, or only other files) is used as it is. One
+    that does is refused, unless ``resume`` (continue that run: append to its logs, restore the
+    syncer from its newest snapshot) or ``force`` (start a new run in a new subdirectory
+    ``<path>/<YYYYmmdd-HHMMSS>``, returned).
+
+    Raises:
+      RunDirError: naming the path, what it holds and the flags.
+    """
+    if resume and force:
+        raise RunDirError("--resume continues the run in a run dir, --force starts a new one "
+                          "beside it: pass one of them, not both")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise RunDirError(f"run dir {path!r} exists and is not a directory")
+    found = earlier_run(path) if os.path.isdir(path) else []
+    if resume:
+        if not found:
+            raise RunDirError(f"--resume: run dir {path!r} holds no earlier run to continue "
+                              f"(no {', '.join(RUN_FILES)} or syncer/ snapshots)")
+        return path
+    if not found:
+        return path
+    if not force:
+        raise RunDirError(f"run dir {path!r} already holds a run ({', '.join(found)}); a new job "
+                          "never overwrites it. Pass --resume to continue that run, --force to "
+                          "start a new run in a subdirectory of it, or choose another --run-dir")
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    for n in range(1, 1000):
+        candidate = os.path.join(path, stamp if n == 1 else f"{stamp}-{n}")
+        try:
+            os.makedirs(candidate)
+            return candidate
+        except FileExistsError:
+            continue
+    raise RunDirError(f"run dir {path!r}: no free subdirectory named {stamp}-N")
+
+
+def check_snapshot_dir(config, run_dir: str, resume: bool) -> None:
+    """A new job whose syncer snapshot directory already holds snapshots is refused before Ray
+    starts (the syncer would refuse it anyway, and nothing there is deleted)."""
+    from islands.syncer.state import snapshot_directory, snapshot_steps
+
+    directory = snapshot_directory(config.syncer.checkpoint_dir, run_dir, config.name)
+    steps = snapshot_steps(directory)
+    if steps and not resume:
+        raise RunDirError(f"syncer.checkpoint_dir: {directory!r} already holds snapshots of a job "
+                          f"named {config.name!r} (steps {', '.join(steps)}); pass --resume to "
+                          "continue it, or change the job's name or syncer.checkpoint_dir")
 
 
 def check_capacity(config) -> None:
@@ -131,9 +300,18 @@ class RunDir:
         self.metrics.flush()
 
     def write_summary(self, summary: dict) -> str:
+        """Writes ``summary.json`` atomically; a summary already there (a resumed run) is kept as
+        ``summary.<n>.json`` rather than overwritten."""
         path = os.path.join(self.path, "summary.json")
-        with open(path, "w") as f:
+        if os.path.exists(path):
+            n = 1
+            while os.path.exists(os.path.join(self.path, f"summary.{n}.json")):
+                n += 1
+            os.replace(path, os.path.join(self.path, f"summary.{n}.json"))
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
             json.dump(summary, f, indent=2, default=str)
+        os.replace(tmp, path)
         return path
 
     def close(self) -> None:
@@ -143,12 +321,28 @@ class RunDir:
 
 def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] = None,
             address: Optional[str] = None, log_format: str = "text", quiet: bool = False,
-            on_started=None) -> dict:
-    """Runs a job to its duration (or Ctrl+C) and returns the summary."""
+            on_started=None, resume: bool = False, force: bool = False) -> dict:
+    """Runs a job to its duration (or Ctrl+C) and returns the summary.
+
+    Before Ray starts: :func:`preflight` checks the config against the built model and corpus,
+    and :func:`prepare_run_dir` refuses a run dir holding an earlier run unless ``resume`` (the
+    controller restores the syncer from its newest snapshot) or ``force`` (a new subdirectory).
+
+    Raises:
+      ConfigError, RunDirError, ConnectionError: before anything started.
+    """
     import ray
 
+    from .preflight import preflight
+
     duration_s = duration_s if duration_s is not None else config.run.duration_s
-    run_dir = run_dir or config.run.run_dir.format(name=config.name)
+    requested = run_dir or config.run.run_dir.format(name=config.name)
+    preflight(config)
+    run_dir = prepare_run_dir(requested, resume=resume, force=force)
+    check_snapshot_dir(config, run_dir, resume)
+    if run_dir != requested and not quiet:
+        print(f"islands: {requested} holds an earlier run; this run writes to {run_dir}",
+              flush=True)
     started_cluster = start_ray(config, address)
     out = RunDir(run_dir, log_format)
     controller = None
@@ -156,25 +350,29 @@ def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] =
     try:
         check_capacity(config)
         controller = ray.remote(Controller).options(
-            **controller_options(os.path.abspath(run_dir))).remote(config, os.path.abspath(run_dir))
+            **controller_options(os.path.abspath(run_dir))).remote(
+                config, os.path.abspath(run_dir), resume=resume)
         ray.get(controller.start.remote())
-        metrics_port = _serve_metrics(controller, config)
+        metrics_port = _serve_metrics(controller, config, embedded=started_cluster)
         if not quiet:
             print(f"islands: job {config.name!r} running for {duration_s:.0f}s, run dir {run_dir}"
                   + (f", metrics on :{metrics_port}/metrics" if metrics_port else ""), flush=True)
         if on_started is not None:
             on_started(controller)
         t0 = time.time()
-        next_snap = 0.0
+        next_snap = next_progress = 0.0
         while time.time() - t0 < duration_s:
             events, out.event_index = ray.get(controller.events_since.remote(out.event_index))
             out.add_events(events)
-            if time.time() >= next_snap:
+            now = time.time()
+            if now >= next_snap or (not quiet and now >= next_progress):
                 snap = ray.get(controller.snapshot.remote())
-                out.add_snapshot(snap)
-                if not quiet:
+                if now >= next_snap:  # a metrics.jsonl row every metrics.snapshot_every_s
+                    out.add_snapshot(snap)
+                    next_snap = now + config.metrics.snapshot_every_s
+                if not quiet and now >= next_progress:
                     print(progress_line(snap), flush=True)
-                next_snap = time.time() + max(config.run.progress_every_s, 1.0)
+                    next_progress = now + config.run.progress_every_s
             time.sleep(min(0.25, max(0.0, duration_s - (time.time() - t0))))
     except KeyboardInterrupt:
         print("islands: interrupted, stopping cleanly", flush=True)
@@ -199,16 +397,34 @@ def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] =
     return summary
 
 
-def _serve_metrics(controller, config) -> Optional[int]:
+def _serve_metrics(controller, config, embedded: bool = False) -> Optional[int]:
     import ray
 
     if not config.metrics.enabled:
         return None
     try:
-        return ray.get(controller.serve_metrics.remote(config.metrics.port))
+        node_ip = None if embedded or config.metrics.host else _actor_node_ip(controller)
+        host = metrics_host(config, embedded, node_ip)
+        return ray.get(controller.serve_metrics.remote(config.metrics.port, host))
     except Exception as exc:  # metrics must never stop training
         log.warning("metrics endpoint not started: %s", exc)
         return None
+
+
+def _actor_node_ip(actor) -> Optional[str]:
+    """The address of the node an actor runs on (None if Ray's state API cannot tell)."""
+    import ray
+
+    try:
+        from ray.util.state import get_actor
+
+        node_id = get_actor(actor._actor_id.hex()).node_id
+        for node in ray.nodes():
+            if node.get("NodeID") == node_id:
+                return node.get("NodeManagerAddress")
+    except Exception as exc:
+        log.debug("controller node lookup failed: %s", exc)
+    return None
 
 
 def _kill_job_actors(controller) -> None:

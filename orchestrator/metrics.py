@@ -1,4 +1,4 @@
-"""Prometheus metrics (DESIGN §7): every exported series, computed from the controller's snapshot.
+"""Prometheus metrics (docs/metrics.md): every exported series, computed from the controller's snapshot.
 
 The controller keeps the books; this module only turns one ``snapshot()`` dict into metric
 families. It is a custom prometheus-client collector rather than a set of live ``Counter`` objects:
@@ -6,7 +6,7 @@ the controller already holds exact cumulative totals (the syncer ledger, per-inc
 that it carries over restarts), so a scrape reads them as they are and nothing is counted twice.
 ``families(snapshot)`` is pure and testable without Ray or a server.
 
-Names are the contract (DESIGN §7): base units, ``_total`` on counters (prometheus-client adds
+Names are the contract (docs/metrics.md): base units, ``_total`` on counters (prometheus-client adds
 the suffix to a counter family), ``_ratio`` for 0–1. Labels are bounded.
 """
 
@@ -25,7 +25,8 @@ RECOVERY_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 30
 # Staleness in fragment versions: 0 is the common case, a few with K < M, more after an outage.
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
 RECOVERY_PHASES = ("detect", "restart", "restore", "first_contribution", "total")
-LEARNER_STATES = ("starting", "training", "paused", "restarting", "draining", "retired")
+LEARNER_STATES = ("pending", "starting", "training", "paused", "draining", "restarting", "failed",
+                  "retired")
 RESTART_REASONS = ("crash", "preemption", "hang", "straggler")
 TOKEN_FATES = ("applied", "dropped")
 
@@ -42,7 +43,7 @@ class MetricSpec:
 
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("islands_goodput_ratio", "gauge", ("window",),
-               "Applied inner-step seconds / allocated learner seconds (DESIGN §6), over the run "
+               "Applied inner-step seconds / allocated learner seconds (docs/architecture.md#goodput), over the run "
                "and over a sliding window"),
     MetricSpec("islands_learner_steps", "counter", ("region", "learner"),
                "Inner steps taken, summed over the learner's incarnations"),
@@ -146,7 +147,7 @@ def _counted_histogram(counts: Mapping[Any, int], bounds: Iterable[float]) -> tu
 
 
 def families(snap: Mapping[str, Any]) -> list:
-    """All metric families of DESIGN §7 for one controller snapshot (pure).
+    """All metric families of docs/metrics.md for one controller snapshot (pure).
 
     Every known label value is present from the start (reads 0), so a dashboard never shows gaps.
     """
@@ -267,8 +268,10 @@ class SnapshotCollector:
         return families(snap)
 
 
-def serve(snapshot_fn, port: int = DEFAULT_METRICS_PORT, addr: str = "0.0.0.0") -> tuple[Any, int]:
-    """Starts ``/metrics`` on ``port`` (0 picks a free one) in a daemon thread.
+def serve(snapshot_fn, port: int = DEFAULT_METRICS_PORT,
+          addr: str = "127.0.0.1") -> tuple[Any, int]:
+    """Starts ``/metrics`` on ``addr:port`` (0 picks a free port) in a daemon thread. Loopback by
+    default; a real cluster passes the node's address (``metrics.host``), never 0.0.0.0 unasked.
 
     Returns:
       ``(server, port)``; ``server.shutdown()`` stops it.
@@ -326,5 +329,5 @@ class RayMetricsMirror:
 
 
 def _ascii(text: str) -> str:
-    """Ray's metric descriptions must be ASCII ("DESIGN §6" -> "DESIGN S6")."""
+    """Ray's metric descriptions must be ASCII ("Σ applied ÷ allocated" -> "? applied ? allocated")."""
     return text.replace("§", "S").encode("ascii", "replace").decode()

@@ -1,4 +1,4 @@
-"""Scale simulator: discrete-event chaos model of slices, learners, failures, repairs (DESIGN §9).
+"""Scale simulator: discrete-event chaos model of slices, learners, failures and repairs.
 
 The model, in one place (every time is in seconds):
 
@@ -21,12 +21,12 @@ The model, in one place (every time is in seconds):
   (re-grow). Events during a pause are folded into that reconfiguration; nothing rolls back.
 * **Decoupled DiLoCo, M learners** (``diloco_M``): the slices are split into M contiguous learners
   (sizes differ by at most one slice). Each learner is an elastic job of its own: a failure pauses
-  only that learner for ``reconfig_s`` (and again on re-grow); the others never wait (DESIGN §2).
+  only that learner for ``reconfig_s`` (and again on re-grow); the others never wait (docs/architecture.md#the-shape).
   With M = 1 this is exactly ``dp_elastic`` on the same trace.
 
-Goodput is DESIGN §6: Σ useful (slice-)time ÷ Σ allocated (slice-)time, where every system is
+Goodput is docs/architecture.md#goodput: Σ useful (slice-)time ÷ Σ allocated (slice-)time, where every system is
 allocated all ``chips`` for the whole horizon. Only the times the paper does not publish
-(``Timings``) are calibrated, on the two data-parallel rows of DESIGN §9; the DiLoCo rows are then
+(``Timings``) are calibrated, on the two data-parallel rows of docs/operations.md#scale-simulator; the DiLoCo rows are then
 predicted with the same times.
 
 Nominal chip counts round to whole slices (150k → 586 × 256). Each simulated run holds about
@@ -54,7 +54,7 @@ DAY_S = 24 * 3600.0
 DEFAULT_SLICE_CHIPS = 256
 DEFAULT_SPARE_Z = 3.0
 PAPER_CHIPS = (150_000, 300_000, 600_000, 1_200_000, 2_400_000)
-# Decoupled DiLoCo paper (arXiv 2604.21428), Table 1, goodput; DESIGN §9.
+# Decoupled DiLoCo paper (arXiv 2604.21428), Table 1, goodput; docs/operations.md#scale-simulator.
 PAPER_TARGETS = {
     "dp": (0.72, 0.57, 0.38, 0.27, 0.18),
     "dp_elastic": (0.88, 0.80, 0.69, 0.58, 0.40),

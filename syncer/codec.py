@@ -2,7 +2,7 @@
 
 The math is jax.numpy, so ``Codec.encode``/``decode``, ``encode_tree``/``decode_tree`` and the
 error-feedback ``init``/``update`` can run inside a jitted train step on the accelerator
-(DESIGN §10); ``to_numpy`` brings the codes to the host for sending, and decoding accepts numpy
+(docs/architecture.md#learners-on-accelerators); ``to_numpy`` brings the codes to the host for sending, and decoding accepts numpy
 codes as well.
 
 Wire bytes are honest (``wire_bytes``): int4 packs two values per byte, and every block's float32
@@ -24,15 +24,15 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-KINDS: tuple[str, ...] = ("none", "bf16", "int8", "int4")
+from .codec_kinds import DEFAULT_BLOCK_SIZE, KINDS  # noqa: E402,F401
+
 LEVELS: dict[str, int] = {"int8": 127, "int4": 7}  # symmetric: q ∈ [−L, L]
-DEFAULT_BLOCK_SIZE = 64
 _INT4_ZERO = 8  # int4 nibbles are offset binary: q + 8 ∈ [1, 15], 8 means 0
 
 
@@ -252,9 +252,21 @@ def encode_tree(codec: Codec, tree: Any) -> Any:
     return jax.tree_util.tree_map(lambda x: codec.encode(x)[0], tree)
 
 
-def decode_tree(codec: Codec, codes: Any) -> Any:
-    """Decodes a tree of codes, each by its own kind (see ``Codec.decode``); jax arrays."""
-    del codec  # kept for the symmetric signature; codes are self-describing
+def decode_tree(codec: Optional[Codec], codes: Any) -> Any:
+    """Decodes a tree of codes; jax arrays.
+
+    With a ``codec`` (the job's), every code must be of its kind (and block size for int kinds):
+    the codec is the job's, not the pusher's, so a code of another kind is refused with a
+    ValueError naming both. ``None`` decodes each code by its own kind.
+    """
+    if codec is not None:
+        for code in jax.tree_util.tree_leaves(codes, is_leaf=_is_code):
+            if not _is_code(code):
+                raise ValueError(f"not a code: {type(code).__name__}")
+            if code.kind != codec.kind or (code.kind in LEVELS
+                                           and code.block_size != codec.block_size):
+                raise ValueError(f"a {code.kind} code (block {code.block_size}) where the job's "
+                                 f"codec is {codec.kind} (block {codec.block_size})")
     return jax.tree_util.tree_map(decode, codes, is_leaf=_is_code)
 
 

@@ -65,7 +65,7 @@ class FragmentSlot:
 
 @dataclass
 class LedgerEntry:
-    """Per learner: what its merged pushes covered (DESIGN §5 token ledger).
+    """Per learner: what its merged pushes covered (docs/architecture.md#failures-and-reintegration token ledger).
 
     A step counts as applied once a merge includes a push sent at or after it: that push's drift
     carries the step's update to its fragment.

@@ -1,7 +1,7 @@
 """Fragments: a balanced partition of the parameter pytree, and the staggered sync schedule.
 
 A fragment is a flat ``{path: array}`` dict of whole tensors, so the syncer can merge per tensor
-(DESIGN §4: embeddings by weighted mean, the rest by RDA) and only 1/P of the model crosses the
+(docs/architecture.md#the-algorithm: embeddings by weighted mean, the rest by RDA) and only 1/P of the model crosses the
 network at a time.
 """
 

@@ -1,4 +1,4 @@
-"""Merge: token weights and the per-tensor combination of the learners' outer gradients (DESIGN §4.3)."""
+"""Merge: token weights and the per-tensor combination of the learners' outer gradients (docs/architecture.md#token-weighted-merge-and-rda)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ class MergeRule(str, enum.Enum):
 
 
 def token_weight(c_tokens: float, c_steps: float) -> float:
-    """``w = c_tokens² / c_steps`` (0 when c_steps = 0), DESIGN §4.3.
+    """``w = c_tokens² / c_steps`` (0 when c_steps = 0), docs/architecture.md#token-weighted-merge-and-rda.
 
     A learner that processed more tokens per step (a bigger batch) and more tokens overall counts
     more; a learner that did nothing since its base counts nothing.

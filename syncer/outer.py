@@ -1,4 +1,4 @@
-"""Outer optimizer: one optax transform applied per fragment to the merged outer gradient (DESIGN §4.4)."""
+"""Outer optimizer: one optax transform applied per fragment to the merged outer gradient (docs/architecture.md#outer-step)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Quorum and the adaptive grace window: when may the syncer merge a fragment (DESIGN §4.2)."""
+"""Quorum and the adaptive grace window: when may the syncer merge a fragment (docs/architecture.md#quorum-and-the-grace-window)."""
 
 from __future__ import annotations
 

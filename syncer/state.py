@@ -3,13 +3,72 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import logging
 import os
+import re
 from typing import Optional
 
 import jax
 import numpy as np
 
 from .core import LedgerEntry, SyncerCore
+
+log = logging.getLogger("islands.syncer.state")
+
+# orbax names a step's directory after the step ("12"); an unfinished save is
+# "12.orbax-checkpoint-tmp-…".
+_STEP_DIR = re.compile(r"^\d+($|\.orbax-checkpoint-tmp)")
+
+
+class SnapshotDirError(RuntimeError):
+    """A new job was pointed at a directory that already holds snapshots (nothing is deleted)."""
+
+
+class SnapshotError(RuntimeError):
+    """Snapshots exist but none of them could be restored intact."""
+
+
+def snapshot_directory(checkpoint_dir: Optional[str], run_dir: str, job_name: str) -> str:
+    """Where a job's syncer snapshots go (an absolute path).
+
+    ``checkpoint_dir`` None: ``<run_dir>/syncer``. A directory the user names is never written into
+    directly: each job gets its own subdirectory ``<checkpoint_dir>/<job_name>`` (the name made
+    safe as a single path component), so nothing else in it is ever touched.
+
+    >>> snapshot_directory(None, "/runs/a", "a")
+    '/runs/a/syncer'
+    >>> snapshot_directory("/ckpt", "/runs/a", "my job/../x")
+    '/ckpt/my_job_.._x'
+    """
+    if not checkpoint_dir:
+        return os.path.abspath(os.path.join(run_dir, "syncer"))
+    component = re.sub(r"[^A-Za-z0-9._-]", "_", job_name or "")
+    if component in ("", ".", ".."):
+        component = f"job{component.replace('.', '_')}"
+    return os.path.abspath(os.path.join(os.path.expanduser(checkpoint_dir), component))
+
+
+def snapshot_steps(directory: str) -> list[str]:
+    """Names of the snapshot (step) directories in ``directory``; [] if it does not exist."""
+    try:
+        entries = os.listdir(directory)
+    except OSError:
+        return []
+    return sorted(e for e in entries
+                  if _STEP_DIR.match(e) and os.path.isdir(os.path.join(directory, e)))
+
+
+def arrays_checksum(arrays: dict) -> str:
+    """sha256 over every array of a snapshot (path, dtype, shape and bytes, in path order)."""
+    digest = hashlib.sha256()
+    leaves, _ = jax.tree_util.tree_flatten_with_path(arrays)
+    for path, leaf in sorted(((jax.tree_util.keystr(p), x) for p, x in leaves),
+                             key=lambda item: item[0]):
+        value = np.ascontiguousarray(np.asarray(leaf))
+        digest.update(f"{path}|{value.dtype.str}|{value.shape}|".encode())
+        digest.update(value.tobytes())
+    return digest.hexdigest()
 
 
 def snapshot_tree(core: SyncerCore) -> tuple[dict, dict]:
@@ -54,18 +113,26 @@ def restore_into(core: SyncerCore, arrays: dict, meta: dict, min_epoch: int = 0)
 
 
 class SnapshotStore:
-    """An orbax CheckpointManager keyed by the total merge count; keeps the newest few."""
+    """An orbax CheckpointManager keyed by the total merge count; keeps the newest few.
+
+    It never deletes or empties a directory (orbax prunes only its own older step directories).
+    """
 
     def __init__(self, directory: str, max_to_keep: int = 3, fresh: bool = False):
-        """``fresh`` empties the directory first: a new job must never restore an older job's
-        snapshots (their merge counts could outrank its own)."""
-        import shutil
-
+        """``fresh``: a new job. Its directory must not already hold snapshots (an older job's
+        merge counts could outrank its own and be restored later); if it does, SnapshotDirError
+        names it and nothing is touched. Use :func:`snapshot_directory` for a per-job directory.
+        """
         import orbax.checkpoint as ocp
 
         self._ocp = ocp
-        if fresh and os.path.isdir(directory):
-            shutil.rmtree(directory)
+        existing = snapshot_steps(directory) if fresh else []
+        if existing:
+            raise SnapshotDirError(
+                f"snapshot directory {os.path.abspath(directory)!r} already holds snapshots "
+                f"(steps {', '.join(existing)}) of an earlier job; a new job never deletes or "
+                "overwrites them. Resume that job (islands run --resume), or point the job at "
+                "another directory (syncer.checkpoint_dir, --run-dir or the job name)")
         os.makedirs(directory, exist_ok=True)
         self.manager = ocp.CheckpointManager(
             os.path.abspath(directory),
@@ -74,6 +141,7 @@ class SnapshotStore:
 
     def save(self, core: SyncerCore) -> int:
         arrays, meta = snapshot_tree(core)
+        meta["sha256"] = arrays_checksum(arrays)
         step = meta["merges"]
         if step in (self.manager.all_steps() or []):
             return step
@@ -86,15 +154,36 @@ class SnapshotStore:
         return self.manager.latest_step()
 
     def restore_latest(self, core: SyncerCore, min_epoch: int = 0) -> Optional[int]:
-        """Restores the newest snapshot into ``core``; returns its step, or None if there is none."""
-        step = self.manager.latest_step()
-        if step is None:
+        """Restores the newest intact snapshot into ``core``; returns its step, or None if there is
+        none. A snapshot that cannot be read or whose arrays do not match their recorded sha256
+        (a truncated or corrupt file) is skipped with a warning for the one before it.
+
+        Raises:
+          SnapshotError: snapshots exist but none is intact.
+        """
+        steps = sorted(self.manager.all_steps() or [], reverse=True)
+        if not steps:
             return None
         template, _ = snapshot_tree(core)
-        restored = self.manager.restore(step, args=self._ocp.args.Composite(
-            arrays=self._ocp.args.StandardRestore(template), meta=self._ocp.args.JsonRestore()))
-        restore_into(core, restored["arrays"], restored["meta"], min_epoch)
-        return step
+        problems = []
+        for step in steps:
+            try:
+                restored = self.manager.restore(step, args=self._ocp.args.Composite(
+                    arrays=self._ocp.args.StandardRestore(template),
+                    meta=self._ocp.args.JsonRestore()))
+                arrays, meta = restored["arrays"], restored["meta"]
+                expected = meta.get("sha256")
+                if expected is not None and arrays_checksum(arrays) != expected:
+                    raise ValueError("arrays do not match their sha256")
+            except Exception as exc:  # a torn or corrupt snapshot: fall back to an older one
+                problems.append(f"step {step}: {type(exc).__name__}: {exc}")
+                log.warning("snapshot step %s in %s is unreadable or corrupt (%s); trying an "
+                            "older one", step, self.manager.directory, exc)
+                continue
+            restore_into(core, arrays, meta, min_epoch)
+            return step
+        raise SnapshotError(f"no intact snapshot in {str(self.manager.directory)!r}: "
+                            + "; ".join(problems))
 
     def close(self) -> None:
         self.manager.close()

@@ -29,7 +29,7 @@ REJECT_REASONS: tuple[str, ...] = tuple(reason.value for reason in RejectReason)
 
 @dataclass(frozen=True)
 class Push:
-    """One learner's compressed drift for one fragment (DESIGN §4, learner step 2).
+    """One learner's compressed drift for one fragment (docs/architecture.md#the-algorithm, learner step 2).
 
     Attributes:
       learner: learner id, "us-east:0".

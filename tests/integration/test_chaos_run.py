@@ -82,3 +82,84 @@ def test_summary_and_books(finished_run):
     assert len(metrics_lines) >= 5
     kinds = {e["event"] for e in events}
     assert {"job_started", "chaos", "learner_failed", "syncer_failed", "job_stopped"} <= kinds
+
+
+# -- parity: the same plan through the in-process driver -----------------------------------------
+LIFECYCLE = ("learner_launched", "learner_ready", "learner_failed", "learner_restart_scheduled",
+             "learner_restarted", "learner_recovered", "learner_retired")
+
+
+def lifecycle(pairs):
+    """Per learner, the names of its lifecycle transitions in order."""
+    out = {}
+    for learner, name in pairs:
+        if learner is not None and name in LIFECYCLE:
+            out.setdefault(learner, []).append(name)
+    return out
+
+
+def run_plan_inprocess(config):
+    """The job's chaos plan on a virtual clock: the same fleet brain, a tiny synthetic model."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    from islands.orchestrator import build, inprocess
+    from islands.orchestrator.chaos import RestartCosts
+    from islands.syncer import codec as codec_lib
+    from islands.syncer import fragments, outer
+
+    inner = optax.adam(1e-2)
+    params = {"w": jnp.ones((4, 2)) * 0.1, "b": jnp.zeros(2)}
+
+    @jax.jit
+    def train_step(p, opt_state, batch):
+        x, y = batch
+        loss, grads = jax.value_and_grad(lambda q: jnp.mean((x @ q["w"] + q["b"][None, :] - y) ** 2))(p)
+        updates, opt_state = inner.update(grads, opt_state, p)
+        return optax.apply_updates(p, updates), opt_state, loss
+
+    def batch_for(i, k):
+        rng = np.random.default_rng(1000 * i + k)
+        x = rng.normal(size=(8, 4)).astype(np.float32)
+        return x, (x[:, :2] * 0.5).astype(np.float32)
+
+    codec = codec_lib.make_codec("none")
+    ids = config.learner_ids()
+    syncer, learners = inprocess.build_syncer_and_learners(
+        params=params, opt_init=inner.init, plan=fragments.partition(params, 2),
+        settings=build.syncer_settings(config), outer_optimizer=outer.build("nesterov"),
+        error_feedback_factory=lambda: codec_lib.error_feedback(codec),
+        decode=lambda c: codec_lib.decode_tree(codec, c), wire_bytes=codec_lib.tree_wire_bytes,
+        learner_ids=ids, merge_alpha=0.0)
+    fleet = inprocess.Fleet([1.0] * len(ids), step_time_s=config.learner.min_step_time_s,
+                            latency_s=0.005, regions=[i.rsplit(":", 1)[0] for i in ids])
+    return inprocess.run_inprocess(
+        learners=learners, syncer=syncer, train_step=train_step, batch_for=batch_for,
+        tokens_per_batch=8, fleet=fleet, num_fragments=2, sync_every_steps=4, steps=10**6,
+        faults=build.chaos_plan(config), opt_init=inner.init, until_s=40.0,
+        # ray.kill of a region's actors is seen at once, like a kill; the restart takes ~1 s
+        restart=RestartCosts(detect_lost_s=0.0, restart_s=1.0))
+
+
+def test_parity_with_the_inprocess_driver(finished_run):
+    """The same seeded plan, two bodies, one brain: the same lifecycle transitions per learner in
+    the same order, the same chaos actions, and books that balance term by term in both."""
+    _, summary, events = finished_run
+    record = run_plan_inprocess(parse(CONFIG))
+    ray_side = lifecycle((e.get("learner"), e["event"]) for e in events)
+    virtual = lifecycle((t.learner, t.name) for _, t in record.transitions)
+    assert ray_side == virtual
+    assert virtual["b:0"] == ["learner_launched", "learner_ready", "learner_failed",
+                              "learner_restart_scheduled", "learner_restarted", "learner_ready",
+                              "learner_recovered", "learner_retired"]
+    chaos = lambda pairs: [(f["action"], f["target"]) for f in pairs]  # noqa: E731
+    assert chaos(e for e in events if e["event"] == "chaos") == chaos(
+        t.fields for _, t in record.transitions if t.name == "chaos")
+    for books in [record.ledger[name] for name in record.ledger] + [{
+            "processed": summary["tokens_processed"], "applied": summary["tokens_applied"],
+            "dropped": summary["tokens_dropped"], "in_flight": summary["tokens_in_flight"]}]:
+        assert books["applied"] + books["dropped"] + books["in_flight"] == books["processed"]
+    assert {n for n, b in record.ledger.items() if b["restarts"]} == {
+        n for n, l in summary["learners"].items() if sum(l["restarts"].values())} == {"b:0"}

@@ -156,7 +156,7 @@ def test_metrics_scrape_during_a_run(job):
     controller, snap = job
     port = ray.get(controller.serve_metrics.remote(0))
     first = scrape(port)
-    for spec in METRICS:  # every DESIGN §7 metric, with its type
+    for spec in METRICS:  # every docs/metrics.md metric, with its type
         assert spec.name in first, f"{spec.name} missing from /metrics"
         assert first[spec.name].type == spec.kind, (spec.name, first[spec.name].type)
     goodput = {s.labels["window"]: s.value for s in first["islands_goodput_ratio"].samples}

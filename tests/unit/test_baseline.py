@@ -1,5 +1,5 @@
 """Synchronous data-parallel baseline: the exact all-reduce step, the failure timeline worked by
-hand (stop everyone, wait, roll back to the checkpoint), and its bytes and goodput (DESIGN §6)."""
+hand (stop everyone, wait, roll back to the checkpoint), and its bytes and goodput (docs/architecture.md#goodput)."""
 
 import jax
 import jax.numpy as jnp

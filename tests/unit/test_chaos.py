@@ -1,5 +1,5 @@
 """Chaos: the seeded fault plan (determinism, independence, Poisson rates, builders, replay), the
-windows a driver reads it through, and the in-process driver under scripted faults (DESIGN §5, §6).
+windows a driver reads it through, and the in-process driver under scripted faults (docs/architecture.md#failures-and-reintegration, §6).
 """
 
 import math

@@ -72,3 +72,55 @@ def test_cli_refuses_a_bad_config_before_starting_anything(tmp_path, capsys):
     import ray
 
     assert not ray.is_initialized()
+
+
+def test_duplicate_keys_are_refused_with_their_lines():
+    text = ("name: demo\n"
+            "regions:\n"
+            "  us-east: {learners: 2}\n"
+            "  eu-west: {learners: 1}\n"
+            "  us-east: {learners: 3}\n"
+            "syncer: {fragments: 2, fragments: 4}\n")
+    with pytest.raises(ConfigError) as info:
+        JobConfig.from_yaml_text(text)
+    message = str(info.value)
+    assert "regions.us-east: duplicate key 'us-east' (lines 3 and 5)" in message
+    assert "syncer.fragments: duplicate key 'fragments' (lines 6 and 6)" in message
+
+
+def test_yaml_merge_keys_and_aliases_are_not_duplicates():
+    text = ("x-region: &region {learners: 1, latency_ms: 5}\n"
+            "regions:\n"
+            "  us-east: *region\n"
+            "  eu-west:\n"
+            "    <<: *region\n"
+            "    learners: 2\n")
+    from islands.orchestrator.config import load_yaml
+
+    raw = load_yaml(text)
+    assert raw["regions"]["eu-west"] == {"learners": 2, "latency_ms": 5}
+    assert parse({"regions": raw["regions"]}).total_learners == 3
+
+
+def test_metrics_host_defaults_to_none_and_must_not_be_empty():
+    assert parse({}).metrics.host is None
+    assert parse({"metrics": {"host": "10.0.0.5"}}).metrics.host == "10.0.0.5"
+    with pytest.raises(ConfigError, match="metrics.host"):
+        parse({"metrics": {"host": ""}})
+
+
+@pytest.mark.parametrize("raw,message", [
+    # A union's tag is not a key the YAML has: the path is the one the user wrote.
+    ({"syncer": {"outer_optimizer": {"type": "sgd", "lr": -1}}},
+     "syncer.outer_optimizer.lr: Input should be greater than 0, got -1"),
+    ({"compression": {"type": "int8", "block_size": 0}}, "compression.block_size: Input should"),
+    ({"regions": {"a": {"learners": 1}}, "chaos": {"events": [
+        {"type": "kill", "target": "a:0", "at_s": 1, "bogus": 1}]}},
+     "chaos.events.0.bogus: unknown key"),
+    ({"syncer": {"outer_optimizer": {"lr": 0.5}}},
+     "syncer.outer_optimizer.type: required; choose one of nesterov, sgd, adam"),
+])
+def test_union_errors_name_the_yaml_path(raw, message):
+    with pytest.raises(ConfigError) as info:
+        parse(raw)
+    assert message in str(info.value)

@@ -1,4 +1,4 @@
-"""DESIGN §4 equivalences: the in-process driver against independently written references.
+"""docs/architecture.md#the-algorithm equivalences: the in-process driver against independently written references.
 
 - K = M, infinite grace, equal speeds  ==  synchronous streaming DiLoCo (with overlap τ)
 - P = 1                               ==  DiLoCo

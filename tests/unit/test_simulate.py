@@ -1,4 +1,4 @@
-"""Scale simulator (DESIGN §9): hand-worked goodputs on scripted traces, equivalences, seeds."""
+"""Scale simulator (docs/operations.md#scale-simulator): hand-worked goodputs on scripted traces, equivalences, seeds."""
 
 import doctest
 import json

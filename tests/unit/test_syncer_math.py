@@ -1,4 +1,4 @@
-"""Hand-worked values for the syncer's math (DESIGN §4): schedule, signs, weights, RDA, grace, outer."""
+"""Hand-worked values for the syncer's math (docs/architecture.md#the-algorithm): schedule, signs, weights, RDA, grace, outer."""
 
 import math
 

@@ -1,0 +1,594 @@
+"""The config reference (docs/config.md), generated from the pydantic ``JobConfig`` schema.
+
+``python -m islands.orchestrator.config_docs > docs/config.md`` regenerates the page; a unit test
+checks that the committed page equals ``render_markdown()``. Every field is listed with its dotted
+path, type, default and constraints. Its text is the field's own ``description=`` when it has
+one (a one-word description is a symbol, such as "P", and the note below follows it); otherwise
+it comes from ``FIELD_NOTES`` here. Cross-field rules that live in validators are listed in
+``RULES``. The output depends on nothing but the schema and this module, so it is deterministic.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import types
+import typing
+from typing import Any, Iterator, NamedTuple, Optional
+
+import annotated_types
+import yaml
+from pydantic import BaseModel
+from pydantic_core import PydanticUndefined
+
+from .config import REGION_NAME, JobConfig
+
+GENERATE_COMMAND = "python -m islands.orchestrator.config_docs > docs/config.md"
+
+# Keys: the dotted path ("syncer.fragments"; "regions.<name>.learners" inside a mapping,
+# "chaos.events[].target" inside a list); "path@tag" for one variant of a tagged union.
+FIELD_NOTES: dict[str, str] = {
+    "name": "Job name: fills `{name}` in `run.run_dir` and names the job in logs.",
+    "seed": "Seed of the model's initial parameters and of every learner's batch order.",
+    "model": "The model every learner trains.",
+    "data": "Training and evaluation data.",
+    "learner": "What every learner does between syncs.",
+    "syncer": "Fragments, schedule, merge and outer optimizer.",
+    "quorum": "When a fragment may merge.",
+    "compression": "How a learner encodes its drift before pushing it.",
+    "regions": "The regions and their learners, by region name.",
+    "health": "Failure detection and the restart policy.",
+    "metrics": "The Prometheus endpoint.",
+    "chaos": "A seeded fault plan; leave it out (null) for none.",
+    "run": "Duration and outputs of `islands run`.",
+    # model
+    "model.vocab_size": "Vocabulary size; 256 is one token per byte (the byte-level corpus).",
+    "model.d_model": "Width of the residual stream.",
+    "model.n_layers": "Number of transformer blocks.",
+    "model.n_heads": "Attention heads per block.",
+    "model.d_ff": "Hidden width of each block's MLP.",
+    "model.seq_len": "Tokens per training window (and rows of the position embedding).",
+    # data
+    "data.corpus": "`stdlib` (the Python standard library's own `.py` sources, present wherever "
+                   "Python is; no network) or a directory whose `.py` files are the corpus.",
+    "data.eval_fraction": "Share of files held out for evaluation, chosen by a hash of each "
+                          "file's path (the same split in every process).",
+    "data.max_bytes": "Caps the training bytes (evaluation at max(max_bytes // 20, 4096)); "
+                      "null reads everything.",
+    "data.batch_size": "Windows per inner step of one learner; tokens per step = batch_size × "
+                       "`model.seq_len`.",
+    "data.eval_batches": "Held-out batches per evaluation of the global parameters.",
+    # learner
+    "learner.inner_optimizer": "The inner optimizer: global-norm clipping, then AdamW on a "
+                               "linear warmup and cosine decay.",
+    "learner.inner_optimizer.lr": "Peak learning rate of the inner AdamW.",
+    "learner.inner_optimizer.warmup_steps": "Steps of linear warmup from 0 to `lr`.",
+    "learner.inner_optimizer.total_steps": "Step at which the cosine decay reaches lr/10 (the "
+                                           "warmup included); the rate stays at lr/10 after.",
+    "learner.inner_optimizer.weight_decay": "Decoupled weight decay, applied to tensors of rank "
+                                            "≥ 2 only (not to norm scales).",
+    "learner.inner_optimizer.b1": "Adam's first-moment decay rate.",
+    "learner.inner_optimizer.b2": "Adam's second-moment decay rate.",
+    "learner.inner_optimizer.clip_norm": "Gradients are rescaled to at most this global L2 norm.",
+    "learner.merge_alpha": "α of the blend when a merged fragment arrives: θ ← α·θ_local + "
+                           "(1 − α)·Θ; 0 adopts the merged fragment as it is (the paper).",
+    "learner.min_step_time_s": "Pads every inner step to at least this many seconds divided by "
+                               "the learner's speed factor: emulates slower hardware. 0: no "
+                               "padding.",
+    "learner.eval_every_s": "Seconds between two evaluations of the global parameters on the "
+                            "held-out batches (`islands_eval_loss`).",
+    # syncer
+    "syncer.fragments": "number of fragments the parameters are split into (whole tensors, "
+                        "balanced by size); 1/P of the model crosses the network per sync.",
+    "syncer.sync_every_steps": "inner steps between two syncs of the same fragment; fragment p "
+                               "is due after step t when t mod H = ⌊p·H/P⌋.",
+    "syncer.outer_optimizer": "The outer optimizer, applied per fragment to the merged outer "
+                              "gradient.",
+    "syncer.outer_optimizer.type": "Which outer optimizer.",
+    "syncer.outer_optimizer.lr": "Outer learning rate.",
+    "syncer.outer_optimizer.momentum@nesterov": "Nesterov momentum.",
+    "syncer.outer_optimizer.momentum@sgd": "Heavy-ball momentum; 0 is none. `{type: sgd, lr: "
+                                           "1.0}` makes Θ the weighted mean of the learners.",
+    "syncer.outer_optimizer.b1": "Adam's first-moment decay rate.",
+    "syncer.outer_optimizer.b2": "Adam's second-moment decay rate.",
+    "syncer.history_versions": "Versions of each fragment the syncer keeps to rebuild pushes "
+                               "made against an older base; a push whose base is older is "
+                               "refused (`unknown_version`).",
+    "syncer.max_staleness": "Refuse a push whose base is more than this many versions behind "
+                            "(`too_stale`); null: no limit.",
+    "syncer.outlier_norm_factor": "Refuse a push whose drift norm exceeds this factor × the "
+                                  "median norm of the fragment's recent pushes (at least 3 of "
+                                  "them; `outlier_norm`); null turns the test off.",
+    "syncer.staleness_discount": "Extra weight (1 + staleness)^−discount on each contribution; 0 "
+                                 "(the paper) leaves the token weights alone.",
+    "syncer.merge_rule": "`rda`: radial-directional average for every tensor but the embeddings, "
+                         "which always take the weighted mean; `mean`: weighted mean for every "
+                         "tensor.",
+    "syncer.participation_scale": "Scale each merge's outer gradient by n/M (n learners in the "
+                                  "merge, M registered learners), so that with K < M one round "
+                                  "of every learner adds up to one synchronous-sized outer step.",
+    "syncer.snapshot_every_merges": "Snapshot the syncer (Θ, outer state, versions, epoch, "
+                                    "ledger) whenever its total merge count is a multiple of "
+                                    "this.",
+    "syncer.checkpoint_dir": "Where the syncer's snapshots go: `<checkpoint_dir>/<job name>`; "
+                             "null: `<run dir>/syncer`. Nothing there is ever deleted: a new job "
+                             "refuses a directory that already holds snapshots, `islands run "
+                             "--resume` continues from them.",
+    # quorum
+    "quorum.min_learners": "distinct learners whose pushes for a fragment must be in before it "
+                           "may merge.",
+    "quorum.grace_gamma": "γ: the share of the slack given to stragglers once the quorum is in "
+                          "(the grace window).",
+    "quorum.grace_cap_s": "Upper bound of the grace window, seconds.",
+    # compression
+    "compression.type": "Which codec: fp32 (`none`), bfloat16, or blockwise absmax int8/int4.",
+    "compression.error_feedback": "Keep what each encoding left out and add it to the next push "
+                                  "of the same fragment.",
+    "compression.block_size": "Elements per float32 scale.",
+    # regions
+    "regions.<name>": "One region.",
+    "regions.<name>.learners": "Learners in the region at start; each takes one unit of the Ray "
+                               "resource `region:<name>`.",
+    "regions.<name>.max_learners": "Upper bound for `islands scale` and for growth when the "
+                                   "cluster gains `region:<name>` capacity; also sizes the "
+                                   "embedded cluster's resource. null: `learners` (the region "
+                                   "does not grow).",
+    "regions.<name>.speed_factors": "Relative speed of the learners (one number for all, or one "
+                                    "per learner); a learner with factor f pads its steps to "
+                                    "`learner.min_step_time_s` / f and is never called a "
+                                    "straggler when f < 1.",
+    "regions.<name>.bandwidth_gbps": "Emulated bandwidth of the region's link to the syncer, "
+                                     "Gbit/s: b bytes take latency + b / bandwidth.",
+    "regions.<name>.latency_ms": "Emulated one-way latency of the region's link to the syncer.",
+    # health
+    "health.heartbeat_s": "Seconds between two heartbeats of a learner to the controller.",
+    "health.timeout_s": "A learner with no heartbeat for this long is hung: it is killed and "
+                        "restarted (cause `hang`).",
+    "health.straggler_factor": "A learner whose step time exceeds this × the median of its "
+                               "region's other learners is a straggler: it is killed and "
+                               "restarted (cause `straggler`).",
+    "health.restart": "Restart policy: exponential backoff, a budget per cause.",
+    "health.restart.backoff_initial_s": "Delay before a learner's first restart.",
+    "health.restart.backoff_multiplier": "Growth of the delay: min(initial × multiplier^n, max) "
+                                         "with n the learner's restarts so far (every cause).",
+    "health.restart.backoff_max_s": "Upper bound of the delay.",
+    "health.restart.max_crash_restarts": "Restarts per learner for crashes, hangs and "
+                                         "stragglers together; null: unlimited. Over budget the "
+                                         "learner is retired.",
+    "health.restart.max_preemption_restarts": "Restarts per learner after preemptions (its node "
+                                              "went away); null: unlimited.",
+    "health.placement_timeout_s": "Seconds to wait for the syncer to start (also after a syncer "
+                                  "restart) before giving up.",
+    # metrics
+    "metrics.enabled": "Serve Prometheus `/metrics` from the controller.",
+    "metrics.port": "Port of `/metrics`; 0 picks a free port (printed at start).",
+    "metrics.host": "Address `/metrics` binds; null: 127.0.0.1 for an embedded cluster, the "
+                    "controller node's address on a real cluster. `0.0.0.0` (every interface) "
+                    "only when set.",
+    "metrics.snapshot_every_s": "Seconds between rows of the run dir's `metrics.jsonl` (a "
+                                "snapshot of every exported value).",
+    "metrics.goodput_window_s": "Length of the sliding goodput window; it names the `window` "
+                                "label: 300 → `5m`, 30 → `30s`.",
+    # chaos
+    "chaos.seed": "Seed of the random faults; the same seed gives the same faults.",
+    "chaos.events": "Scripted faults, at fixed times.",
+    "chaos.mtbf_s": "Mean time between failures of each learner, seconds of up time; null: no "
+                    "random learner kills.",
+    "chaos.repair_s": "Repair delay after a random learner kill or region loss: no restart "
+                      "before it is over.",
+    "chaos.kill_mode": "How random learner kills happen: `ray_kill`, or `exit` (a hard process "
+                       "exit inside the learner).",
+    "chaos.region_mtbf_s": "Mean time between losses of a whole region, per region; null: none.",
+    "chaos.slowdown_mtbf_s": "Mean time between slowdowns, per learner; null: none.",
+    "chaos.slowdown_factor": "Step-time multiplier of a random slowdown.",
+    "chaos.slowdown_s": "Duration of a random slowdown, seconds.",
+    "chaos.network_mtbf_s": "Mean time between network faults (200 ms extra latency, a 0.1 Gbit/s "
+                            "cap), per region; null: none.",
+    "chaos.network_s": "Duration of a random network fault, seconds.",
+    "chaos.syncer_mtbf_s": "Mean time between syncer kills; null: none.",
+    "chaos.horizon_s": "Random faults are drawn on [0, horizon_s) from the job's start; null: "
+                       "`run.duration_s`.",
+    "chaos.events[]": "One scripted fault.",
+    "chaos.events[].type": "What happens.",
+    "chaos.events[].target@kill": "The learner (`<region>:<i>`) or `syncer`.",
+    "chaos.events[].target@region_loss": "The region.",
+    "chaos.events[].target@slowdown": "A learner (`<region>:<i>`) or a region (all its "
+                                      "learners).",
+    "chaos.events[].target@network": "The region.",
+    "chaos.events[].at_s": "When, seconds from the job's start.",
+    "chaos.events[].mode": "`ray_kill`, or `exit` (a hard process exit inside the learner). The "
+                           "syncer is always killed with `ray_kill`.",
+    "chaos.events[].repair_s": "No restart before this many seconds after the fault.",
+    "chaos.events[].duration_s": "How long it lasts, seconds.",
+    "chaos.events[].factor": "Step-time multiplier.",
+    "chaos.events[].extra_latency_ms": "Added one-way latency (`network` only).",
+    "chaos.events[].bandwidth_gbps": "Bandwidth cap, Gbit/s (`network` only); null: no cap.",
+    # run
+    "run.duration_s": "How long `islands run` trains, seconds (`--duration` overrides it).",
+    "run.run_dir": "The run directory; `{name}` becomes the job name (`--run-dir` overrides it).",
+    "run.progress_every_s": "Seconds between progress lines on the console.",
+    "run.dashboard": "Start the Ray dashboard with an embedded cluster (bound to 127.0.0.1).",
+}
+
+# Rules that validators (or the job's start) enforce beyond a single field's bounds.
+RULES: dict[str, str] = {
+    "model.d_model": "divisible by `model.n_heads`",
+    "data.corpus": "gives at least one train and one eval file (checked by `islands run` before "
+                   "it starts Ray)",
+    "data.batch_size": "a batch of batch_size × (`model.seq_len` + 1) tokens fits in the train "
+                       "split and in memory (checked by `islands run` before it starts Ray)",
+    "learner.inner_optimizer.total_steps": "> `warmup_steps` (checked when the learners are "
+                                           "built)",
+    "syncer.fragments": "≤ the model's parameter tensors (checked by `islands run` before it "
+                        "starts Ray)",
+    "syncer.overlap_steps": "< `syncer.sync_every_steps`",
+    "quorum.min_learners": "≤ the learners of all regions together",
+    "regions": f"at least one; names match `{REGION_NAME.pattern}`",
+    "regions.<name>.max_learners": "≥ `learners`",
+    "regions.<name>.speed_factors": "each > 0; a list has one entry per learner",
+    "health.timeout_s": "> `health.heartbeat_s`",
+    "chaos.events[].target@kill": "a configured learner, or `syncer`",
+    "chaos.events[].target@region_loss": "a configured region",
+    "chaos.events[].target@slowdown": "a configured learner or region",
+    "chaos.events[].target@network": "a configured region",
+}
+
+INTRO = """\
+A job is one YAML file, read once and validated before any actor starts. Every key has a default
+unless it is marked **required**; an unknown key, or a key written twice, is an error, and an
+error names the field path, the rule and the values
+(`quorum.min_learners: quorum (5) exceeds learners (4)`).
+
+- `islands config check FILE` validates a file and prints it with every default filled in.
+- `islands config schema` prints the JSON schema (for editors and CI).
+
+The symbols (P, H, τ, K, γ, α) are those of [the architecture](architecture.md#vocabulary).
+A small job:
+
+```yaml
+name: demo
+syncer: {fragments: 4, sync_every_steps: 8, overlap_steps: 2}
+quorum: {min_learners: 1}
+regions:
+  us-east: {learners: 2, latency_ms: 20, bandwidth_gbps: 1.0}
+  eu-west: {learners: 2, latency_ms: 40, bandwidth_gbps: 1.0}
+run: {duration_s: 110}
+```
+"""
+
+
+class Row(NamedTuple):
+    path: str
+    type: str
+    default: str
+    constraints: str
+    description: str
+
+
+class Section(NamedTuple):
+    path: str              # "" for the top level
+    title: str
+    intro: str
+    rows: list[Row]
+    variants: list         # [(tag, is_default, rows)] for a tagged union; else []
+
+
+# -- helpers ---------------------------------------------------------------------------------------
+def _slug(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = heading.strip().lower()
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def _heading(path: str) -> str:
+    return f"`{path}`" if path else "Top level"
+
+
+def _link(path: str) -> str:
+    return f"[`{path}`](#{_slug(_heading(path))})"
+
+
+def _is_model(tp: Any) -> bool:
+    return isinstance(tp, type) and issubclass(tp, BaseModel)
+
+
+def _strip_annotated(tp: Any) -> Any:
+    while typing.get_origin(tp) is typing.Annotated:
+        tp = typing.get_args(tp)[0]
+    return tp
+
+
+def _union_args(tp: Any) -> Optional[tuple]:
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return typing.get_args(tp)
+    return None
+
+
+def _split_optional(tp: Any) -> tuple[Any, bool]:
+    args = _union_args(tp)
+    if args and type(None) in args:
+        rest = tuple(a for a in args if a is not type(None))
+        return (rest[0] if len(rest) == 1 else typing.Union[rest]), True
+    return tp, False
+
+
+def _model_union(tp: Any) -> Optional[tuple]:
+    """The member models of a tagged union of sections, else None."""
+    args = _union_args(_strip_annotated(tp))
+    if args and all(_is_model(a) for a in args):
+        return args
+    return None
+
+
+def _tags(model: type) -> tuple[str, ...]:
+    return typing.get_args(model.model_fields["type"].annotation)
+
+
+def _type_name(tp: Any, path: str) -> str:
+    tp = _strip_annotated(tp)
+    tp, optional = _split_optional(tp)
+    tp = _strip_annotated(tp)
+    suffix = " or null" if optional else ""
+    if _model_union(tp):
+        return f"section by `type`, see {_link(path)}{suffix}"
+    if _is_model(tp):
+        return f"section, see {_link(path)}{suffix}"
+    origin = typing.get_origin(tp)
+    if origin is typing.Literal:
+        values = [f"`{v}`" for v in typing.get_args(tp)]
+        return ("one of " if len(values) > 1 else "") + ", ".join(values) + suffix
+    if origin is dict:
+        _, value = typing.get_args(tp)
+        inner = _type_name(value, f"{path}.<name>")
+        return f"mapping of name to {inner}{suffix}"
+    if origin is list:
+        (item,) = typing.get_args(tp)
+        if _model_union(item) or _is_model(_strip_annotated(item)):
+            return f"list, see {_link(path + '[]')}{suffix}"
+        return f"list of {_type_name(item, path)}{suffix}"
+    args = _union_args(tp)
+    if args:
+        return " or ".join(_type_name(a, path) for a in args) + suffix
+    names = {bool: "boolean", int: "integer", float: "number", str: "string"}
+    if tp in names:
+        return names[tp] + suffix
+    raise TypeError(f"{path}: no documentation name for type {tp!r}")
+
+
+def _flow(value: Any) -> str:
+    """A value as YAML flow text."""
+    if isinstance(value, BaseModel):
+        value = value.model_dump(mode="json", exclude_defaults=True)
+    elif isinstance(value, dict):
+        value = {k: (v.model_dump(mode="json", exclude_defaults=True)
+                     if isinstance(v, BaseModel) else v) for k, v in value.items()}
+    text = yaml.safe_dump(value, default_flow_style=True, width=10 ** 6, allow_unicode=True)
+    return text.removesuffix("\n").removesuffix("\n...").strip()
+
+
+def _default(field, tp: Any) -> str:
+    if field.is_required():
+        return "**required**"
+    value = field.get_default(call_default_factory=True)
+    if isinstance(value, BaseModel) and _model_union(tp):
+        dumped = value.model_dump(mode="json", exclude_defaults=True)
+        dumped = {"type": value.type, **{k: v for k, v in dumped.items() if k != "type"}}
+        return f"`{_flow(dumped)}`"
+    if isinstance(value, BaseModel):
+        return "(its defaults)"
+    return f"`{_flow(value)}`"
+
+
+def _number(x: Any) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def _constraints(field, path: str, tag: Optional[str]) -> str:
+    parts = []
+    for item in field.metadata:
+        if isinstance(item, annotated_types.Ge):
+            parts.append(f"≥ {_number(item.ge)}")
+        elif isinstance(item, annotated_types.Gt):
+            parts.append(f"> {_number(item.gt)}")
+        elif isinstance(item, annotated_types.Le):
+            parts.append(f"≤ {_number(item.le)}")
+        elif isinstance(item, annotated_types.Lt):
+            parts.append(f"< {_number(item.lt)}")
+        elif isinstance(item, annotated_types.MinLen):
+            parts.append("not empty" if item.min_length == 1 else f"length ≥ {item.min_length}")
+        elif isinstance(item, annotated_types.MaxLen):
+            parts.append(f"length ≤ {item.max_length}")
+        elif isinstance(item, annotated_types.MultipleOf):
+            parts.append(f"a multiple of {_number(item.multiple_of)}")
+        elif getattr(item, "pattern", None):
+            parts.append(f"matches `{item.pattern}`")
+    rule = RULES.get(f"{path}@{tag}") if tag else None
+    rule = rule or RULES.get(path)
+    if rule:
+        parts.append(rule)
+    return "; ".join(parts)
+
+
+def _note(path: str, tag: Optional[str]) -> Optional[str]:
+    if tag is not None and f"{path}@{tag}" in FIELD_NOTES:
+        return FIELD_NOTES[f"{path}@{tag}"]
+    return FIELD_NOTES.get(path)
+
+
+def _description(field, path: str, tag: Optional[str]) -> str:
+    own = (field.description or "").strip()
+    note = _note(path, tag)
+    if own and note and len(own.split()) == 1:  # a symbol ("P"): the note says what it is
+        return f"{own}: {note}"
+    return own or note or ""
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+# -- the walk --------------------------------------------------------------------------------------
+def _rows(model: type, prefix: str, tag: Optional[str] = None) -> Iterator[tuple[Row, Any, str]]:
+    names = list(model.model_fields)
+    if tag is not None:  # a variant: its tag first, then the fields in schema order
+        names.sort(key=lambda name: name != "type")
+    for name in names:
+        field = model.model_fields[name]
+        path = f"{prefix}.{name}" if prefix else name
+        tp = field.annotation
+        yield (Row(path, _type_name(tp, path), _default(field, tp),
+                   _constraints(field, path, tag), _description(field, path, tag)), tp, path)
+
+
+def _variant_tag(model: type) -> str:
+    return _tags(model)[0]
+
+
+def sections() -> list[Section]:
+    """Every section of JobConfig, depth first, in the schema's field order."""
+    out: list[Section] = []
+
+    def visit(model: Optional[type], path: str, union: Optional[tuple] = None,
+              default_tag: Optional[str] = None) -> None:
+        intro = (_note(path, None) or "") if path else ""
+        nested: list[tuple[Any, str]] = []
+        if union is None:
+            rows = []
+            for row, tp, child in _rows(model, path):
+                rows.append(row)
+                nested.append((tp, child))
+            out.append(Section(path, _heading(path), intro, rows, []))
+        else:
+            variants = []
+            for member in union:
+                tag = _variant_tag(member)
+                rows = []
+                for row, tp, child in _rows(member, path, tag):
+                    rows.append(row)
+                    if child.rsplit(".", 1)[-1] != "type":
+                        nested.append((tp, child))
+                variants.append((" | ".join(_tags(member)), tag == default_tag, rows))
+            out.append(Section(path, _heading(path), intro, [], variants))
+        for tp, child in nested:
+            inner, _ = _split_optional(_strip_annotated(tp))
+            inner = _strip_annotated(inner)
+            members = _model_union(inner)
+            if members:
+                default = None
+                parent = _owner(model, union, child)
+                if parent is not None:
+                    value = parent.model_fields[child.rsplit(".", 1)[-1]].get_default()
+                    default = getattr(value, "type", None)
+                visit(None, child, members, default)
+            elif _is_model(inner):
+                visit(inner, child)
+            elif typing.get_origin(inner) is dict and _is_model(typing.get_args(inner)[1]):
+                visit(typing.get_args(inner)[1], f"{child}.<name>")
+            elif typing.get_origin(inner) is list:
+                item = typing.get_args(inner)[0]
+                members = _model_union(item)
+                if members:
+                    visit(None, f"{child}[]", members, None)
+                elif _is_model(_strip_annotated(item)):
+                    visit(_strip_annotated(item), f"{child}[]")
+
+    visit(JobConfig, "")
+    return out
+
+
+def _owner(model: Optional[type], union: Optional[tuple], child: str) -> Optional[type]:
+    name = child.rsplit(".", 1)[-1]
+    for candidate in ([model] if model is not None else list(union or ())):
+        if candidate is not None and name in candidate.model_fields:
+            return candidate
+    return None
+
+
+def _table(rows: list[Row]) -> list[str]:
+    lines = ["| key | type | default | allowed | description |", "|---|---|---|---|---|"]
+    for r in rows:
+        lines.append("| " + " | ".join(_cell(c) for c in (
+            f"`{r.path}`", r.type, r.default, r.constraints, r.description)) + " |")
+    return lines
+
+
+def missing_descriptions() -> list[str]:
+    """Dotted paths (with ``@tag`` for a variant) of fields that render without a description."""
+    missing = []
+    for section in sections():
+        groups = [(None, section.rows)] + [(tag, rows) for tag, _, rows in section.variants]
+        for tag, rows in groups:
+            missing += [r.path + (f"@{tag}" if tag else "") for r in rows if not r.description]
+    return missing
+
+
+def fields_without_own_description() -> list[str]:
+    """Fields whose text comes only from ``FIELD_NOTES`` (their ``description=`` is missing or
+    a bare symbol): the ones config.py should describe itself."""
+    paths = []
+
+    def walk(model: type, prefix: str) -> None:
+        for name, field in model.model_fields.items():
+            path = f"{prefix}.{name}" if prefix else name
+            own = (field.description or "").strip()
+            if len(own.split()) <= 1 and path not in paths:
+                paths.append(path)
+            inner, _ = _split_optional(_strip_annotated(field.annotation))
+            inner = _strip_annotated(inner)
+            if _is_model(inner):
+                walk(inner, path)
+            for member in _model_union(inner) or ():
+                walk(member, path)
+            if typing.get_origin(inner) is dict and _is_model(typing.get_args(inner)[1]):
+                walk(typing.get_args(inner)[1], f"{path}.<name>")
+            if typing.get_origin(inner) is list:
+                for member in _model_union(typing.get_args(inner)[0]) or ():
+                    walk(member, f"{path}[]")
+
+    walk(JobConfig, "")
+    return paths
+
+
+def render_markdown() -> str:
+    """docs/config.md: the intro, a table of contents and one table per section."""
+    all_sections = sections()
+    lines = ["# Configuration reference", "",
+             f"<!-- Generated from the JobConfig schema by `{GENERATE_COMMAND}`; "
+             "do not edit by hand. -->", "", INTRO.rstrip("\n"), "", "## Sections", ""]
+    for s in all_sections:
+        lines.append(f"- [{s.title}](#{_slug(s.title)})")
+    for s in all_sections:
+        lines += ["", f"## {s.title}", ""]
+        if s.intro:
+            lines += [s.intro, ""]
+        if s.variants:
+            tags = ", ".join(f"`{t}`" for t, _, _ in s.variants)
+            default = next((t for t, d, _ in s.variants if d), None)
+            choose = f"Choose one by `type`: {tags}"
+            lines += [choose + (f" (default `{default}`)." if default else "."), ""]
+            for tag, is_default, rows in s.variants:
+                lines += [f"### `type: {tag}`" + (" (default)" if is_default else ""), ""]
+                lines += _table(rows) + [""]
+            lines.pop()
+        else:
+            lines += _table(s.rows)
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """Prints docs/config.md to stdout (UTF-8)."""
+    del argv
+    text = render_markdown()
+    buffer = getattr(sys.stdout, "buffer", None)
+    if buffer is not None:
+        sys.stdout.flush()
+        buffer.write(text.encode("utf-8"))
+        buffer.flush()
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""How the job's actors run on Ray: names, CPU shares, the single-threaded XLA environment and
+the shared persistent compilation cache."""
+
+from __future__ import annotations
+
+import os
+
+NAMESPACE = "islands"
+CONTROLLER_NAME = "islands:controller"
+SYNCER_NAME = "islands:syncer"
+CPUS = {"controller": 0.1, "syncer": 0.2, "learner": 0.25}
+
+
+def learner_actor_name(learner_id: str) -> str:
+    """"us-east:0" -> "islands:us-east:0"."""
+    return f"islands:{learner_id}"
+
+
+def controller_options(run_dir: str) -> dict:
+    """Ray options for the controller. It shares the learners' XLA flags and compilation cache, so
+    the train step it compiles before launching them is a cache hit in every learner."""
+    return dict(name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=CPUS["controller"],
+                max_concurrency=16, max_restarts=0,
+                runtime_env={"env_vars": single_thread_env(os.path.join(run_dir, "jax_cache"))})
+
+
+def syncer_options(jax_cache_dir: str) -> dict:
+    return dict(name=SYNCER_NAME, namespace=NAMESPACE, num_cpus=CPUS["syncer"], max_restarts=0,
+                max_concurrency=1000, runtime_env={"env_vars": single_thread_env(jax_cache_dir)})
+
+
+def learner_options(learner: str, region: str) -> dict:
+    return dict(name=learner_actor_name(learner), namespace=NAMESPACE, num_cpus=CPUS["learner"],
+                max_restarts=0, max_concurrency=8, resources={f"region:{region}": 1})
+
+
+def single_thread_env(jax_cache_dir: str) -> dict:
+    """Small CPU thread pools (several learners share a few cores) and the shared persistent
+    compilation cache (a restarted learner loads its step instead of compiling it)."""
+    return {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
+            "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "OMP_NUM_THREADS": "1",
+            "JAX_PLATFORMS": os.environ.get("ISLANDS_JAX_PLATFORMS", "cpu"),
+            "JAX_COMPILATION_CACHE_DIR": jax_cache_dir,
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+
+
+def enable_compile_cache(path: str) -> None:
+    import jax
+
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
