@@ -44,6 +44,7 @@ class FragmentTrack:
     in_flight_since_step: Optional[int] = None
     pending_ef_state: Any = None
     reply: Optional[tuple[Fragment, int]] = None
+    resend: bool = False           # re-based after a refusal: push again at the next step
 
 
 @dataclass
@@ -56,7 +57,11 @@ class PushPlan:
 
 
 # Refusals that say nothing about the drift itself: keep it and push again after re-registering.
-RESEND_REASONS = frozenset({"stale_epoch", "unknown_learner", "syncer_down", "dropped"})
+RESEND_REASONS = frozenset({"stale_epoch", "unknown_learner", "bad_session", "syncer_down",
+                            "dropped"})
+# Refusals of a sound drift against an anchor the syncer no longer has (or a round it already
+# holds): re-base the drift on the global fragment that rides along and push it again at once.
+REBASE_REASONS = frozenset({"unknown_version", "duplicate", "too_stale"})
 
 
 class LearnerCore:
@@ -80,7 +85,8 @@ class LearnerCore:
     def __init__(self, learner: str, params: Any, opt_state: Any, plan: FragmentPlan,
                  versions: list[int], error_feedback: Any, wire_bytes: Callable[[Any], int],
                  decode: Callable[[Any], Fragment], overlap_steps: int = 2,
-                 merge_alpha: float = 0.0, incarnation: int = 0, start_step: int = 0):
+                 merge_alpha: float = 0.0, incarnation: int = 0, start_step: int = 0,
+                 session: str = ""):
         self.learner = learner
         self.params = params
         self.opt_state = opt_state
@@ -91,6 +97,7 @@ class LearnerCore:
         self.overlap_steps = overlap_steps
         self.merge_alpha = merge_alpha
         self.incarnation = incarnation
+        self.session = session     # the syncer's token for this incarnation ("" when unchecked)
         self.step = start_step
         self.tokens_done = 0       # this incarnation
         self.compute_s = 0.0       # this incarnation's inner-step seconds
@@ -129,8 +136,9 @@ class LearnerCore:
     # -- step 2: push a due fragment -------------------------------------------------------------
     def due(self, num_fragments: int, sync_every_steps: int) -> list[int]:
         """Fragments due after the current step, skipping those whose last push is unanswered."""
-        return [p for p in fragments_lib.due_fragments(self.step, num_fragments, sync_every_steps)
-                if self.tracks[p].in_flight_since_step is None]
+        due = set(fragments_lib.due_fragments(self.step, num_fragments, sync_every_steps))
+        return [p for p, track in enumerate(self.tracks)
+                if (p in due or track.resend) and track.in_flight_since_step is None]
 
     def drift(self, p: int) -> Fragment:
         """``δ = θ_m[p] − Θ[p](v_base)``, as host arrays."""
@@ -147,11 +155,13 @@ class LearnerCore:
         err = float(err)
         track.pending_ef_state = new_ef_state
         track.in_flight_since_step = self.step
+        track.resend = False
         nbytes = self.wire_bytes(codes)
         push = Push(learner=self.learner, fragment=p, codes=codes,
                     base_version=track.base_version, epoch=epoch, c_tokens=track.c_tokens,
                     c_steps=track.c_steps, incarnation=self.incarnation, step=self.step,
-                    tokens_done=self.tokens_done, compute_s=self.compute_s, wire_bytes=nbytes)
+                    tokens_done=self.tokens_done, compute_s=self.compute_s, wire_bytes=nbytes,
+                    session=self.session)
         return PushPlan(push, nbytes, err)
 
     def push_refused(self, p: int, fragment: Optional[Fragment] = None,
@@ -176,12 +186,32 @@ class LearnerCore:
         fragment that rides along with it."""
         if reason in RESEND_REASONS:
             self.push_refused(p)
+        elif reason in REBASE_REASONS and fragment is not None and version is not None:
+            self.rebase(p, fragment, version)
         else:
             self.push_refused(p, fragment, version)
 
-    def reregistered(self, fragments: list[Fragment], versions: list[int]) -> None:
+    def rebase(self, p: int, fragment: Fragment, version: int) -> None:
+        """Re-anchors fragment p's drift on the global fragment Θ[p](version): the local values
+        become ``Θ[p](version) + δ``, so no inner step is lost, and the counters keep counting
+        the steps the drift carries. The fragment is pushed again at the next step."""
+        track = self.tracks[p]
+        local = fragments_lib.extract(self.params, self.plan, p)
+        base = on_device(fragment)
+        moved = {path: base[path] + (jnp.asarray(local[path], jnp.float32) - track.base[path])
+                 for path in base}
+        self.params = fragments_lib.insert(self.params, self.plan, p, moved)
+        track.base, track.base_version = base, version
+        track.in_flight_since_step = None
+        track.pending_ef_state = None
+        track.reply = None
+        track.resend = True
+
+    def reregistered(self, fragments: list[Fragment], versions: list[int],
+                     session: str = "") -> None:
         """Joined a restarted syncer (a new epoch): every fragment's anchor becomes the global
         fragment it now holds; local progress stays as drift, unanswered pushes are void."""
+        self.session = session
         for track, fragment, version in zip(self.tracks, fragments, versions):
             track.base = on_device(fragment)
             track.base_version = version

@@ -121,7 +121,7 @@ def warm_compile_cache(spec: TrainingSpec, params) -> None:
 
 
 def _learner_core(spec: TrainingSpec, learner: str, params, opt_state, versions,
-                  incarnation: int = 0, start_step: int = 0):
+                  incarnation: int = 0, start_step: int = 0, session: str = ""):
     """The LearnerCore a learner of ``spec`` runs (also built by the cache warm-up, which must
     trace exactly the same push encoder)."""
     from islands.syncer import codec as codec_lib
@@ -134,7 +134,7 @@ def _learner_core(spec: TrainingSpec, learner: str, params, opt_state, versions,
                        versions, ef, codec_lib.tree_wire_bytes,
                        lambda codes: codec_lib.decode_tree(codec, codes),
                        overlap_steps=spec.overlap_steps, merge_alpha=spec.merge_alpha,
-                       incarnation=incarnation, start_step=start_step)
+                       incarnation=incarnation, start_step=start_step, session=session)
 
 
 def make_error_feedback(spec: TrainingSpec):
@@ -285,7 +285,7 @@ class LearnerUnit:
             opt_state = optimizer.init(params)
         with self.lock:
             self.core = _learner_core(tspec, spec.learner, params, opt_state, reg["versions"],
-                                      spec.incarnation, spec.start_step)
+                                      spec.incarnation, spec.start_step, reg["session"])
         core = self.core
         from .loop import LearnerLoop
 
@@ -405,7 +405,7 @@ class LearnerUnit:
                 with self.lock:
                     self.stats["refused"] += reply.status == "rejected"
                     self.core.refused(push.fragment, reason, reply.params, reply.version)
-                if reason in ("stale_epoch", "unknown_learner"):
+                if reason in ("stale_epoch", "unknown_learner", "bad_session"):
                     self._reregister()
 
     def _reregister(self) -> None:
@@ -423,11 +423,13 @@ class LearnerUnit:
                 time.sleep(0.5)
         else:
             return
-        if reg["epoch"] == self.epoch:
+        if reg["epoch"] == self.epoch:  # same syncer, a new session: the drift stays as it is
+            with self.lock:
+                self.core.session = reg["session"]
             return
         self.epoch = reg["epoch"]
         with self.lock:
-            self.core.reregistered(reg["fragments"], reg["versions"])
+            self.core.reregistered(reg["fragments"], reg["versions"], reg["session"])
             self.stats["reregistered"] += 1
 
     def _beat(self, core, step_time_ema) -> None:

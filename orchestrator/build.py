@@ -57,7 +57,17 @@ def syncer_settings(config) -> SyncerSettings:
         overlap_steps=s.overlap_steps, history_versions=s.history_versions,
         max_staleness=s.max_staleness, outlier_norm_factor=s.outlier_norm_factor,
         staleness_discount=s.staleness_discount, merge_rule=MergeRule(s.merge_rule),
-        participation_scale=s.participation_scale)
+        participation_scale=s.participation_scale,
+        inner_schedule=inner_schedule(config),
+        tokens_per_step=config.data.batch_size * config.model.seq_len)
+
+
+def inner_schedule(config) -> tuple:
+    """The learners' inner learning-rate schedule as the syncer checks drifts against it."""
+    from islands.learners.inner import END_LR_FRACTION
+
+    inner = config.learner.inner_optimizer
+    return (inner.lr, inner.warmup_steps, inner.total_steps, END_LR_FRACTION)
 
 
 def restart_policy(config) -> RestartPolicy:

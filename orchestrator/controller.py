@@ -71,6 +71,7 @@ class Controller:
         self.syncer_ref = None
         self.syncer_status: dict = {}
         self.syncer_restarts = 0
+        self.refusals_seen = 0               # the current syncer's refusals already emitted
         self.syncer_closed: dict = {"rejected": {}, "staleness_counts": {}}
         self.eval_history: list[tuple[float, int, float]] = []
         self.initial_eval_loss: Optional[float] = None
@@ -156,6 +157,7 @@ class Controller:
                 if now - last["syncer"] >= (0.2 if awaiting else 1.0):
                     self._refresh_syncer_status()
                     observations.append(self._applied())
+                    observations += self._refusals()
                     gp = self.goodput()
                     self.goodput_history.append((now, gp["useful_s"], gp["allocated_s"]))
                     del self.goodput_history[:-100_000]
@@ -277,6 +279,21 @@ class Controller:
         return fleet_lib.Applied({name: (int(e["incarnation"]), int(e["applied_step"]),
                                          int(e["applied_tokens_incarnation"]))
                                   for name, e in ledger.items()})
+
+    def _refusals(self) -> list:
+        """Every refused push becomes a ``push_refused`` event; a learner the syncer quarantined
+        (its drifts kept being refused as garbage) becomes an observation."""
+        import ray
+
+        try:
+            refusals, self.refusals_seen = ray.get(
+                self.syncer.refusals_since.remote(self.refusals_seen), timeout=10)
+        except Exception:
+            refusals = []
+        for refusal in refusals:
+            self.emit("push_refused", **refusal)
+        return [fleet_lib.Quarantine(name, incarnation, "drifts refused as garbage")
+                for name, incarnation in (self.syncer_status.get("quarantined") or {}).items()]
 
     def _due_faults(self) -> list:
         if self.chaos_plan is None or self.job_started_s is None:
@@ -408,6 +425,7 @@ class Controller:
             self.syncer_status = {**self.syncer_status, "rejected": {}, "staleness_counts": {}}
         self.emit("syncer_failed", epoch=old_epoch)
         self.syncer_restarts += 1
+        self.refusals_seen = 0
         self._start_syncer(epoch=old_epoch + 1, restore=True)
         self._refresh_syncer_status()
 

@@ -168,6 +168,15 @@ class RunEnded:
 
 
 @dataclass(frozen=True)
+class Quarantine:
+    """The syncer refused this incarnation's drifts as garbage too many times in a row."""
+
+    learner: str
+    incarnation: int
+    detail: str = ""
+
+
+@dataclass(frozen=True)
 class LaunchFailed:
     """A launch could not be carried out (e.g. the dead actor's name is not released yet)."""
 
@@ -224,8 +233,8 @@ class Stop:
     """The job is ending: clean ends retire, nothing restarts."""
 
 
-Observation = Union[Beat, RunEnded, LaunchFailed, Cluster, Applied, Scale, Drain, Chaos,
-                    HangCommand, Stop]
+Observation = Union[Beat, RunEnded, Quarantine, LaunchFailed, Cluster, Applied, Scale, Drain,
+                    Chaos, HangCommand, Stop]
 
 
 # -- actions: what a body must do -----------------------------------------------------------------
@@ -423,6 +432,14 @@ class _Machine:
             cause = death_cause(slot.node_id, self.fleet.alive_nodes or frozenset({slot.node_id}),
                                 obs.preempted, obs.error)
         self.fail(slot, cause, detail=(obs.error or "run returned")[:300])
+
+    def on_quarantine(self, obs: Quarantine) -> None:
+        slot = self.current(obs.learner, obs.incarnation)
+        if slot is None or slot.state not in LIVE or self.fleet.stopping:
+            return
+        self.note("learner_quarantined", slot.learner, incarnation=slot.incarnation,
+                  detail=obs.detail[:300])
+        self.fail(slot, Cause.QUARANTINE, detail=obs.detail[:300])
 
     def on_launchfailed(self, obs: LaunchFailed) -> None:
         slot = self.current(obs.learner, obs.incarnation)

@@ -15,6 +15,7 @@ class Cause(str, enum.Enum):
     PREEMPTION = "preemption"   # the node under it is gone
     HANG = "hang"               # alive but no heartbeat for timeout_s
     STRAGGLER = "straggler"     # step time far above its region's median
+    QUARANTINE = "quarantine"   # its drifts kept being refused as garbage: restart from a peer
 
 
 class RestartDecision(str, enum.Enum):

@@ -129,6 +129,7 @@ class RunRecord:
     watermarks: dict[tuple[int, int], int] = field(default_factory=dict)  # (i, inc) -> step
     learners: list[LearnerCore] = field(default_factory=list)  # final cores (restarts included)
     transitions: list[tuple[float, fleet_lib.Transition]] = field(default_factory=list)
+    refusals: list[dict] = field(default_factory=list)   # every refused push, with its reason
 
     @property
     def goodput(self) -> float:
@@ -392,6 +393,10 @@ class _Driver:
             self.count_rejected(verdict.reason)
             if not mine:
                 return  # a dead incarnation's push: its work is dropped with it
+            if self.syncer.quarantined.get(push.learner) == push.incarnation:
+                self.fleet_step(now, [fleet_lib.Quarantine(push.learner, push.incarnation,
+                                                           verdict.reason.value)])
+                return
             current, version = self.syncer.fragment(push.fragment) if (
                 0 <= push.fragment < len(self.syncer.slots)) else (None, None)
             self.cores[i].refused(push.fragment, verdict.reason.value, current, version)
@@ -411,6 +416,12 @@ class _Driver:
                                                  2 * self.fleet.latency_s)
         if decision.merge:
             result = self.syncer.merge(p, decision.reason.value, live_count=len(live))
+            if result.refused:  # Θ kept: the round's learners start over from it
+                for name in result.learners:
+                    i = self.index_of[name]
+                    self.count_rejected(result.reason)
+                    self.cores[i].refused(p, result.reason, result.params, result.version)
+                return
             self.record.merges.append(result)
             if any(slot.recovery is not None for slot in self.fleet_state.slots.values()):
                 self.fleet_step(now, [])
@@ -477,9 +488,12 @@ class _Driver:
 
     def do_kill(self, now: float, a: fleet_lib.Kill) -> None:
         """A chaos kill ends the incarnation now; the death is seen after the detection time."""
-        if a.mode == "bury":
-            return  # dead already
         i = self.index_of[a.learner]
+        if a.mode == "bury":  # decided dead: a live one (a quarantined learner) stops now
+            if self.up[i] and self.cores[i].incarnation == a.incarnation:
+                self.kill(i, now)
+                self.cause_of[i] = "quarantine"
+            return
         fault = self.current_fault
         if self.up[i]:
             self.kill(i, now)
@@ -597,6 +611,7 @@ class _Driver:
         record.steps = [core.step for core in self.cores]
         record.learners = list(self.cores)
         record.faults_fired = list(self.faults.fired)
+        record.refusals = list(self.syncer.refusals)
         horizon = self.until_s if self.until_s is not None else record.end_time_s
         for i, core in enumerate(self.cores):
             name = self.ids[i]

@@ -27,7 +27,7 @@ STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
 RECOVERY_PHASES = ("detect", "restart", "restore", "first_contribution", "total")
 LEARNER_STATES = ("pending", "starting", "training", "paused", "draining", "restarting", "failed",
                   "retired")
-RESTART_REASONS = ("crash", "preemption", "hang", "straggler")
+RESTART_REASONS = ("crash", "preemption", "hang", "straggler", "quarantine")
 TOKEN_FATES = ("applied", "dropped")
 
 

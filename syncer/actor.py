@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Optional
@@ -126,6 +127,14 @@ class Syncer:
         t0 = time.monotonic()
         result = self.core.merge(p, reason, live_count=len(self.core.learners))
         self.sync_s = 0.8 * self.sync_s + 0.2 * (time.monotonic() - t0)
+        if result.refused:  # Θ kept: every waiting push is answered with the refusal
+            for name in result.learners:
+                future = self.waiters[p].pop(name, None)
+                if future is not None and not future.done():
+                    future.set_result(Reply("rejected", p, self.core.epoch, result.params,
+                                            result.version, result.reason,
+                                            "the merged fragment was not finite"))
+            return
         self.merges_by_fragment[p] += 1
         self.last_quorum[p] = len(result.learners)
         for s in result.staleness:
@@ -146,18 +155,17 @@ class Syncer:
     # -- the data path --------------------------------------------------------------------------
     async def register(self, learner: str, incarnation: int) -> dict:
         self._ensure_loop()
-        epoch, frags = self.core.register(learner, incarnation)
+        session = secrets.token_hex(16)  # every push of this incarnation must carry it
+        epoch, frags = self.core.register(learner, incarnation, session)
         self._wake.set()  # the live set changed
         return {"epoch": epoch, "fragments": [f for f, _ in frags],
-                "versions": [v for _, v in frags]}
+                "versions": [v for _, v in frags], "session": session}
 
     async def push(self, push: Push) -> Reply:
         self._ensure_loop()
         verdict = self.core.accept_push(push, time.monotonic())
         self.wire_bytes_up[push.learner] += push.wire_bytes
-        if not verdict.ok:
-            log.info("refused %s fragment %d: %s (%s)", push.learner, push.fragment,
-                     verdict.reason.value, verdict.detail)
+        if not verdict.ok:  # logged (WARNING) and recorded by the core
             params, version = (self.core.fragment(push.fragment)
                                if 0 <= push.fragment < len(self.core.slots) else (None, -1))
             # The current fragment rides along so the learner can start over from it.
@@ -206,6 +214,8 @@ class Syncer:
             "staleness_counts": dict(self.staleness_counts),
             "rejected": {r.value: n for r, n in self.core.rejected.items()},
             "registered": dict(self.core.learners),
+            "refusals_total": self.core.refusals_total,
+            "quarantined": dict(self.core.quarantined),
             "ledger": ledger,
             "wire_bytes_up": dict(self.wire_bytes_up),
             "wire_bytes_down": dict(self.wire_bytes_down),
@@ -215,6 +225,12 @@ class Syncer:
     async def fragment_at(self, p: int, version: int) -> Optional[dict]:
         """Fragment p at ``version`` if it is still in the history, else None."""
         return self.core.slots[p].history.get(version)
+
+    async def refusals_since(self, total: int) -> tuple[list[dict], int]:
+        """Refusals after the first ``total`` this syncer made (the newest 10,000 are kept)."""
+        new = self.core.refusals_total - total
+        recent = list(self.core.refusals)[-new:] if new > 0 else []
+        return recent, self.core.refusals_total
 
     async def recent_merges(self, since_s: float) -> list[dict]:
         return [m for m in self.merge_events if m["t"] > since_s]

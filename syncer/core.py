@@ -7,6 +7,7 @@ in as ``now_s``; the caller owns the clock.
 from __future__ import annotations
 
 import collections
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
@@ -17,8 +18,10 @@ from . import merge as merge_lib
 from . import outer as outer_lib
 from .fragments import Fragment
 from .quorum import Decision, grace_window, merge_decision
-from .validate import (Accepted, Push, RejectReason, Rejected, check_drift, check_outlier,
-                       drift_norm)
+from .validate import (GARBAGE_REASONS, Accepted, Push, RejectReason, Rejected, check_counters,
+                       check_drift, drift_norm, outlier_limit, scaled_norm)
+
+log = logging.getLogger("islands.syncer")
 
 
 @dataclass(frozen=True)
@@ -37,6 +40,12 @@ class SyncerSettings:
     norm_window: int = 32
     # A merge of n of the M live learners applies n/M of the outer step (see merge()).
     participation_scale: bool = True
+    # What the syncer can check a push against: the learners' inner learning-rate schedule (drift
+    # norms are compared in units of what it can move) and the tokens one inner step processes.
+    inner_schedule: Optional[tuple] = None   # (peak lr, warmup, total steps, end fraction)
+    tokens_per_step: Optional[int] = None
+    # A learner whose drifts are refused as garbage this many times in a row is quarantined.
+    quarantine_after: int = 3
 
 
 @dataclass
@@ -61,6 +70,7 @@ class FragmentSlot:
     quorum_reached_at_s: Optional[float] = None
     round_opened_at_s: Optional[float] = None
     recent_norms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=32))
+    outlier_learners: set = field(default_factory=set)   # refused as outliers since an accept
 
 
 @dataclass
@@ -88,6 +98,16 @@ class LedgerEntry:
 
 
 @dataclass(frozen=True)
+class _Judged:
+    """A push that passed every check (internal to accept_push)."""
+
+    staleness: int
+    drift: dict
+    norm: float
+    ok: bool = True
+
+
+@dataclass(frozen=True)
 class MergeResult:
     fragment: int
     version: int
@@ -96,6 +116,7 @@ class MergeResult:
     staleness: tuple[int, ...]
     reason: str
     outer_grad_norm: float
+    refused: bool = False    # the merged fragment failed its check: Θ and the version unchanged
 
 
 class SyncerCore:
@@ -119,16 +140,32 @@ class SyncerCore:
             slot.history[0] = params
             self.slots.append(slot)
         self.learners: dict[str, int] = {}  # registered learner -> incarnation
+        self.sessions: dict[str, str] = {}  # learner -> its incarnation's session token
         self.ledger: dict[str, LedgerEntry] = {}
         self.rejected: collections.Counter = collections.Counter()
+        self.refusals: collections.deque = collections.deque(maxlen=10_000)  # newest refusals
+        self.refusals_total = 0
+        self.garbage_streak: collections.Counter = collections.Counter()
+        self.quarantined: dict[str, int] = {}  # learner -> incarnation, until it re-registers
 
     # -- membership -----------------------------------------------------------------------------
-    def register(self, learner: str, incarnation: int) -> tuple[int, list[tuple[Fragment, int]]]:
-        """Admits a learner incarnation; returns the epoch and every fragment with its version."""
+    def register(self, learner: str, incarnation: int, session: Optional[str] = None
+                 ) -> tuple[int, list[tuple[Fragment, int]]]:
+        """Admits a learner incarnation; returns the epoch and every fragment with its version.
+
+        ``session``: a token every push of this incarnation must carry (the Ray syncer hands a
+        fresh random one to each registration, so one learner cannot push as another); None: not
+        checked (a trusted in-process driver)."""
         previous = self.learners.get(learner)
         if previous is not None and incarnation < previous:
             raise ValueError(f"{learner}: incarnation {incarnation} is older than {previous}")
         self.learners[learner] = incarnation
+        if session is None:
+            self.sessions.pop(learner, None)
+        else:
+            self.sessions[learner] = session
+        self.garbage_streak.pop(learner, None)
+        self.quarantined.pop(learner, None)
         entry = self.ledger.setdefault(learner, LedgerEntry(incarnation=incarnation))
         if incarnation != entry.incarnation:
             entry.applied_tokens_before += entry.applied_tokens_done
@@ -146,31 +183,21 @@ class SyncerCore:
                 dropped.append(contribution.push)
                 self._recount_quorum(slot)
         self.learners.pop(learner, None)
+        self.sessions.pop(learner, None)
         return dropped
 
     # -- the data path --------------------------------------------------------------------------
     def accept_push(self, push: Push, now_s: float) -> Accepted | Rejected:
-        """Validates and stores a push in its fragment's open round. A refusal changes nothing."""
-        verdict = self._check(push)
-        if isinstance(verdict, Rejected):
-            self.rejected[verdict.reason] += 1
+        """Validates and stores a push in its fragment's open round. A refusal changes nothing
+        but the refusal books (counts, the event, a learner's garbage streak)."""
+        verdict = self._judge(push)
+        if not verdict.ok:
+            self._refused(push, verdict)
             return verdict
         slot = self.slots[push.fragment]
-        try:
-            drift = {k: np.asarray(v) for k, v in self.decode(push.codes).items()}
-        except (ValueError, TypeError, KeyError) as exc:  # a malformed code is a bad shape
-            self.rejected[RejectReason.BAD_SHAPE] += 1
-            return Rejected(RejectReason.BAD_SHAPE, f"cannot decode: {exc}")
-        problem = check_drift(drift, slot.params, (), None)  # shapes, dtypes, finite values
-        if problem is not None:
-            self.rejected[problem.reason] += 1
-            return problem
-        norm = drift_norm(drift)
-        problem = check_outlier(norm, list(slot.recent_norms), self.settings.outlier_norm_factor)
-        slot.recent_norms.append(norm)  # well-formed: part of what "normal" is
-        if problem is not None:
-            self.rejected[problem.reason] += 1
-            return problem
+        drift, norm = verdict.drift, verdict.norm
+        slot.recent_norms.append(norm)  # accepted: part of what "normal" is
+        self.garbage_streak.pop(push.learner, None)
         base = slot.history[push.base_version]
         theta = {path: base[path] + np.asarray(drift[path], np.float32) for path in base}
         if not slot.round:
@@ -178,7 +205,57 @@ class SyncerCore:
         slot.round[push.learner] = Contribution(push, theta, verdict.staleness, now_s)
         if slot.quorum_reached_at_s is None and len(slot.round) >= self.settings.min_learners:
             slot.quorum_reached_at_s = now_s
-        return verdict
+        return Accepted(verdict.staleness)
+
+    def _judge(self, push: Push):
+        verdict = self._check(push)
+        if isinstance(verdict, Rejected):
+            return verdict
+        problem = check_counters(push.c_tokens, push.c_steps, self.settings.tokens_per_step)
+        if problem is not None:
+            return problem
+        slot = self.slots[push.fragment]
+        try:
+            drift = {k: np.asarray(v) for k, v in self.decode(push.codes).items()}
+        except (ValueError, TypeError, KeyError) as exc:  # a malformed code is a bad shape
+            return Rejected(RejectReason.BAD_SHAPE, f"cannot decode: {exc}")
+        problem = check_drift(drift, slot.params, (), None)  # shapes, dtypes, finite values
+        if problem is not None:
+            return problem
+        size = sum(int(np.size(v)) for v in slot.params.values())
+        norm = scaled_norm(drift_norm(drift), self.settings.inner_schedule, push.step,
+                           push.c_steps, size)
+        factor = self.settings.outlier_norm_factor
+        limit = outlier_limit(list(slot.recent_norms), factor, factor)
+        if limit is not None and limit > 0 and norm > limit:
+            slot.outlier_learners.add(push.learner)
+            if len(slot.outlier_learners) >= 2:
+                # Several learners in a row look like outliers: the reference is what is off
+                # (the loss landscape moved). Start again from the first-push bound.
+                log.warning("fragment %d: outlier window reset after refusals from %s",
+                            push.fragment, sorted(slot.outlier_learners))
+                slot.recent_norms.clear()
+                slot.outlier_learners = set()
+                if norm <= factor:
+                    return _Judged(verdict.staleness, drift, norm)
+            return Rejected(RejectReason.OUTLIER_NORM,
+                            f"drift norm {norm:.4g} > {limit:.4g} (in units of the inner step)")
+        slot.outlier_learners = set()
+        return _Judged(verdict.staleness, drift, norm)
+
+    def _refused(self, push: Push, verdict: Rejected) -> None:
+        self.rejected[verdict.reason] += 1
+        self.refusals_total += 1
+        self.refusals.append({"learner": push.learner, "incarnation": push.incarnation,
+                              "fragment": push.fragment, "reason": verdict.reason.value,
+                              "detail": verdict.detail[:300]})
+        log.warning("refused %s fragment %s: %s (%s)", push.learner, push.fragment,
+                    verdict.reason.value, verdict.detail)
+        if verdict.reason in GARBAGE_REASONS and self.learners.get(push.learner) == \
+                push.incarnation:
+            self.garbage_streak[push.learner] += 1
+            if self.garbage_streak[push.learner] >= self.settings.quarantine_after:
+                self.quarantined[push.learner] = push.incarnation
 
     def _check(self, push: Push) -> Accepted | Rejected:
         if push.epoch != self.epoch:
@@ -186,6 +263,10 @@ class SyncerCore:
         if self.learners.get(push.learner) != push.incarnation:
             return Rejected(RejectReason.UNKNOWN_LEARNER,
                             f"{push.learner} incarnation {push.incarnation} is not registered")
+        session = self.sessions.get(push.learner)
+        if session is not None and push.session != session:
+            return Rejected(RejectReason.BAD_SESSION,
+                            f"{push.learner}: the push does not carry its incarnation's session")
         if not 0 <= push.fragment < len(self.slots):
             return Rejected(RejectReason.UNKNOWN_FRAGMENT,
                             f"fragment {push.fragment} not in [0, {len(self.slots)})")
@@ -259,8 +340,22 @@ class SyncerCore:
             # round's total step the size of a synchronous one; with K = M it is exactly 1.
             share = np.float32(min(1.0, len(contributions) / live_count))
             merged = {path: share * g for path, g in merged.items()}
-        slot.params, slot.outer_state = outer_lib.outer_step(self.outer, merged, slot.outer_state,
-                                                             slot.params)
+        new_params, new_outer = outer_lib.outer_step(self.outer, merged, slot.outer_state,
+                                                     slot.params)
+        if not all(np.all(np.isfinite(v)) for v in new_params.values()):
+            # Θ is never replaced by garbage: the round is refused whole and Θ stays as it was.
+            for c in contributions:
+                self._refused(c.push, Rejected(RejectReason.BAD_MERGE,
+                                               "the merged fragment was not finite"))
+            slot.round = {}
+            slot.quorum_reached_at_s = None
+            slot.round_opened_at_s = None
+            return MergeResult(fragment=fragment, version=slot.version, params=slot.params,
+                               learners=tuple(c.push.learner for c in contributions),
+                               staleness=tuple(c.staleness for c in contributions),
+                               reason=RejectReason.BAD_MERGE.value, outer_grad_norm=float("nan"),
+                               refused=True)
+        slot.params, slot.outer_state = new_params, new_outer
         slot.version += 1
         slot.history[slot.version] = slot.params
         for old in [v for v in slot.history if v <= slot.version - self.settings.history_versions]:

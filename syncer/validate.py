@@ -21,7 +21,16 @@ class RejectReason(str, enum.Enum):
     BAD_SHAPE = "bad_shape"                # tensor set or shapes differ from the fragment's
     BAD_DTYPE = "bad_dtype"                # not float32 after decoding
     NON_FINITE = "non_finite"              # NaN or inf in the drift
-    OUTLIER_NORM = "outlier_norm"          # drift norm far above recent accepted ones
+    OUTLIER_NORM = "outlier_norm"          # drift norm far above what an inner loop can move
+    BAD_COUNTERS = "bad_counters"          # token/step counters impossible for the job's batch
+    BAD_SESSION = "bad_session"            # the incarnation's session token does not match
+    BAD_MERGE = "bad_merge"                # the round's merged fragment was not finite
+
+
+# Refusals that say the drift itself is garbage: counted towards quarantine.
+GARBAGE_REASONS = frozenset({RejectReason.BAD_SHAPE, RejectReason.BAD_DTYPE,
+                             RejectReason.NON_FINITE, RejectReason.OUTLIER_NORM,
+                             RejectReason.BAD_COUNTERS})
 
 
 REJECT_REASONS: tuple[str, ...] = tuple(reason.value for reason in RejectReason)
@@ -44,6 +53,8 @@ class Push:
       tokens_done: tokens processed by this incarnation up to ``step``.
       compute_s: inner-step seconds spent by this incarnation up to ``step``.
       wire_bytes: encoded payload size (for the byte counters).
+      session: the token the syncer gave this incarnation at registration ("" where the driver
+        registers without one: the in-process drivers, which are trusted code).
     """
 
     learner: str
@@ -58,6 +69,7 @@ class Push:
     tokens_done: int = 0
     compute_s: float = 0.0
     wire_bytes: int = 0
+    session: str = ""
 
 
 @dataclass(frozen=True)
@@ -116,6 +128,88 @@ def check_outlier(norm: float, recent_norms: Sequence[float],
     limit = outlier_norm_factor * float(np.median(recent_norms))
     if limit > 0 and norm > limit:
         return Rejected(RejectReason.OUTLIER_NORM, f"drift norm {norm:.4g} > {limit:.4g}")
+    return None
+
+
+def outlier_limit(accepted_norms: Sequence[float], first_bound: Optional[float],
+                  factor: Optional[float], min_history: int = 3) -> Optional[float]:
+    """The largest (scaled, see ``scaled_norm``) drift norm a push may have; None: no limit.
+
+    Until ``min_history`` pushes were accepted: ``first_bound`` (the factor itself on scaled
+    norms: a drift at most factor × what the inner optimizer can move), so the first pushes of a
+    job or of a restarted syncer are checked too. After: median + factor · spread of the
+    *accepted* norms, spread = max(1.4826 · MAD, median / 2): robust to a few outliers, and
+    refused pushes never enter the window.
+
+    >>> outlier_limit([], 12.0, 10.0), outlier_limit([1.0, 1.0, 4.0], 12.0, 10.0)
+    (12.0, 6.0)
+    >>> outlier_limit([1.0, 2.0, 3.0, 4.0, 50.0], None, 2.0)   # median 3, MAD 1 -> spread 1.5
+    6.0
+    """
+    if factor is None:
+        return None
+    if len(accepted_norms) < min_history:
+        return first_bound
+    norms = np.asarray(accepted_norms, np.float64)
+    median = float(np.median(norms))
+    mad = float(np.median(np.abs(norms - median)))
+    return median + factor * max(1.4826 * mad, median / 2)
+
+
+def lr_sum(schedule: Optional[tuple], step: int, c_steps: int) -> float:
+    """Σ of the inner learning rate over the ``c_steps`` updates that end at ``step``:
+    ``schedule`` = (peak lr, warmup steps, total steps, end fraction) of the learners' warmup +
+    cosine schedule (update k uses the rate at count k). None: c_steps (a unit rate), so norms
+    are compared per step. Never below one warmup increment (the first update's rate is 0).
+
+    >>> lr_sum((1.0, 4, 100, 0.1), step=2, c_steps=2)   # counts 0 and 1: 0 + 0.25
+    0.25
+    >>> lr_sum(None, 7, 3)
+    3.0
+    """
+    if schedule is None:
+        return float(max(c_steps, 1))
+    peak, warmup, total, end_fraction = schedule
+    warmup = max(int(warmup), 1)
+    counts = np.arange(max(step - c_steps, 0), max(step, 1), dtype=np.float64)
+    return max(float(np.sum(warmup_cosine(counts, peak, warmup, total, end_fraction))),
+               peak / warmup)
+
+
+def warmup_cosine(counts: np.ndarray, peak: float, warmup: int, total: int,
+                  end_fraction: float) -> np.ndarray:
+    """optax.warmup_cosine_decay_schedule(0, peak, warmup, total, peak · end_fraction) in numpy
+    (the syncer evaluates it for every push: no device dispatch on that path)."""
+    decay = max(total - warmup, 1)
+    phase = np.minimum(np.maximum(counts - warmup, 0.0), decay) / decay
+    cosine = peak * ((1 - end_fraction) * 0.5 * (1 + np.cos(np.pi * phase)) + end_fraction)
+    return np.where(counts < warmup, peak * counts / warmup, cosine)
+
+
+def scaled_norm(norm: float, schedule: Optional[tuple], step: int, c_steps: int,
+                size: int) -> float:
+    """‖δ‖ ÷ (Σ lr · √n): the drift in units of what AdamW can move a fragment of n values
+    (about lr per value and step: clipped, bias-corrected moments). Comparable across warm-up
+    and decay, across H, and between fragments of different sizes.
+
+    >>> scaled_norm(0.8, None, 8, 8, 100)
+    0.01
+    """
+    return float(norm / (lr_sum(schedule, step, c_steps) * np.sqrt(max(size, 1))))
+
+
+def check_counters(c_tokens: int, c_steps: int, tokens_per_step: Optional[int]) -> Optional[Rejected]:
+    """The merge weight comes from these counters: refuse impossible ones (negative, or more
+    tokens than ``c_steps`` full batches hold).
+
+    >>> check_counters(64, 2, 32) is None, check_counters(65, 2, 32).reason.value
+    (True, 'bad_counters')
+    """
+    if c_tokens < 0 or c_steps < 0:
+        return Rejected(RejectReason.BAD_COUNTERS, f"negative counters ({c_tokens}, {c_steps})")
+    if tokens_per_step is not None and c_tokens > c_steps * tokens_per_step:
+        return Rejected(RejectReason.BAD_COUNTERS,
+                        f"{c_tokens} tokens in {c_steps} steps of at most {tokens_per_step}")
     return None
 
 

@@ -11,6 +11,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from islands.orchestrator.cli import format_status  # noqa: E402
+from islands.orchestrator.metrics import RESTART_REASONS  # noqa: E402
 from islands.orchestrator.config import JobConfig  # noqa: E402
 from islands.orchestrator.controller import (NAMESPACE, Controller,  # noqa: E402
                                              controller_options, learner_actor_name)
@@ -185,7 +186,7 @@ def test_metrics_scrape_during_a_run(job):
     assert set(steps) == set(snap()["learners"]) and min(steps.values()) > 0
     restarts = {s.labels["reason"]: s.value for s in second["islands_learner_restarts"].samples
                 if s.name.endswith("_total")}
-    assert restarts["crash"] >= 1 and set(restarts) == {"crash", "preemption", "hang", "straggler"}
+    assert restarts["crash"] >= 1 and set(restarts) == set(RESTART_REASONS)
     # The ray.util.metrics mirror ran alongside without disturbing the monitor.
     assert not events(controller, "metrics_mirror_stopped")
     assert not events(controller, "monitor_error")

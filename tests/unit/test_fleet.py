@@ -307,3 +307,11 @@ def test_every_transition_name_is_tested():
     emitted = set(re.findall(r'"((?:learner|training|region)_[a-z_]+|scaled|chaos)"', source))
     tested = set(re.findall(r'"([a-z_]+)"', Path(__file__).read_text()))
     assert emitted and emitted <= tested, sorted(emitted - tested)
+
+
+def test_a_quarantined_learner_is_restarted_from_a_peer_under_its_own_reason():
+    result = F.step(training(), [F.Quarantine("a:1", 0, "outlier_norm")], 2.0)
+    assert names(result) == ["learner_quarantined", "learner_failed", "learner_restart_scheduled"]
+    assert kinds(result) == ["Kill", "Forget"]
+    assert result.fleet.slots["a:1"].restart_counts == {Cause.QUARANTINE: 1}
+    assert names(F.step(result.fleet, [F.Quarantine("a:1", 0, "again")], 2.1)) == []  # once

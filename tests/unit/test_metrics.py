@@ -6,6 +6,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from islands.orchestrator import metrics
+from islands.syncer.validate import REJECT_REASONS
 
 
 def snapshot(**overrides):
@@ -72,9 +73,10 @@ def test_values_are_the_snapshot_values():
     assert math.isclose(values(f["islands_compression_relative_error"])[()], 0.2)
     restarts = values(f["islands_learner_restarts"], "islands_learner_restarts_total")
     assert restarts == {(("reason", "crash"),): 2.0, (("reason", "preemption"),): 0.0,
-                        (("reason", "hang"),): 0.0, (("reason", "straggler"),): 0.0}
+                        (("reason", "hang"),): 0.0, (("reason", "straggler"),): 0.0,
+                        (("reason", "quarantine"),): 0.0}
     rejected = values(f["islands_rejected_pushes"], "islands_rejected_pushes_total")
-    assert rejected[(("reason", "stale_epoch"),)] == 4.0 and len(rejected) == 10
+    assert rejected[(("reason", "stale_epoch"),)] == 4.0 and len(rejected) == len(REJECT_REASONS)
     learners = values(f["islands_learners"])
     assert learners[(("region", "us-east"), ("state", "restarting"))] == 1.0
     assert learners[(("region", "eu-west"), ("state", "retired"))] == 0.0  # known values read 0

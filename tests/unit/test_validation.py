@@ -77,7 +77,11 @@ def test_every_reason_fires_and_changes_nothing(core):
     }
     # Base 1 is still in the history, but staleness 3 − 1 = 2 exceeds max_staleness 1.
     bad[RejectReason.TOO_STALE] = good_push("b", base_version=1)
-    assert set(bad) == set(RejectReason)
+    bad[RejectReason.BAD_COUNTERS] = good_push("b", base_version=3, c_tokens=-1)
+    core.register("e", 0, session="e's token")
+    bad[RejectReason.BAD_SESSION] = good_push("e", base_version=3, session="forged")
+    # BAD_MERGE refuses a whole round at merge time (tests/unit/test_refusals.py).
+    assert set(bad) == set(RejectReason) - {RejectReason.BAD_MERGE}
     assert set(REJECT_REASONS) == {r.value for r in RejectReason}
 
     for reason, push in bad.items():
