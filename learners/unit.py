@@ -325,8 +325,10 @@ class LearnerUnit:
                     time.sleep(0.05)
                     continue
                 self.state = "training"
-                t0 = time.time()
+                # Collecting replies may re-register with a restarted syncer (seconds): that is
+                # not step time, which the straggler check reads.
                 self._collect_replies(sender, arrived)
+                t0 = time.time()
                 ready = [a for a in arrived if a[0] <= t0]
                 for item in ready:
                     arrived.remove(item)
@@ -412,12 +414,15 @@ class LearnerUnit:
         """Joins a restarted syncer: new epoch, new bases; local progress is kept as drift."""
         import ray
 
+        with self.lock:  # what this learner adopted: a restored syncer takes newer versions
+            adopted = [(t.base_version, {k: np.asarray(v) for k, v in t.base.items()})
+                       for t in self.core.tracks]
         deadline = time.time() + 60
         while not self.stop_event.is_set() and time.time() < deadline:
             try:
                 self.syncer = ray.get_actor(self.spec.syncer_name, namespace=self.spec.namespace)
-                reg = ray.get(self.syncer.register.remote(self.spec.learner, self.spec.incarnation),
-                              timeout=10)
+                reg = ray.get(self.syncer.register.remote(self.spec.learner, self.spec.incarnation,
+                                                          adopted), timeout=10)
                 break
             except Exception:
                 time.sleep(0.5)

@@ -581,6 +581,10 @@ class Controller:
             ray.wait(refs, num_returns=len(refs), timeout=30)
         self._step(self._ended_runs())
         self._refresh_syncer_status()
+        try:  # the newest state on disk: `islands run --resume` continues from exactly here
+            ray.get(self.syncer.snapshot_now.remote(), timeout=60)
+        except Exception as exc:
+            log.warning("final snapshot failed: %s", exc)
         try:
             self.evaluate_now()
         except Exception as exc:

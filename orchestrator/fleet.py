@@ -660,9 +660,11 @@ class _Machine:
         self.quorum_floor()
 
     def launch_pending(self) -> None:
+        """Launches new slots: at step 0, or where a resumed job's ledger says they were."""
         for slot in list(self.fleet.slots.values()):
             if slot.state == SlotState.PENDING:
-                self.launch(slot, 0)
+                applied = self.fleet.applied_steps.get(slot.learner)
+                self.launch(slot, applied[1] if applied is not None else 0)
 
     def check_health(self) -> None:
         s = self.settings

@@ -153,8 +153,13 @@ class Syncer:
             self.store.save(self.core)
 
     # -- the data path --------------------------------------------------------------------------
-    async def register(self, learner: str, incarnation: int) -> dict:
+    async def register(self, learner: str, incarnation: int,
+                       adopted: Optional[list] = None) -> dict:
+        """Admits a learner incarnation. ``adopted``: [(version, fragment)] the learner holds,
+        offered after a syncer restart so that merges newer than the snapshot are not lost."""
         self._ensure_loop()
+        if adopted:
+            self.core.catch_up(learner, incarnation, adopted)
         session = secrets.token_hex(16)  # every push of this incarnation must carry it
         epoch, frags = self.core.register(learner, incarnation, session)
         self._wake.set()  # the live set changed

@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import numpy as np
 import optax
@@ -146,6 +146,9 @@ class SyncerCore:
         self.refusals: collections.deque = collections.deque(maxlen=10_000)  # newest refusals
         self.refusals_total = 0
         self.garbage_streak: collections.Counter = collections.Counter()
+        # Fragments restored from a snapshot that may be older than what learners adopted since:
+        # until the fragment's first merge, a re-registering learner's newer copy is taken.
+        self.catching_up: set[int] = set()
         self.quarantined: dict[str, int] = {}  # learner -> incarnation, until it re-registers
 
     # -- membership -----------------------------------------------------------------------------
@@ -185,6 +188,33 @@ class SyncerCore:
         self.learners.pop(learner, None)
         self.sessions.pop(learner, None)
         return dropped
+
+    def catch_up(self, learner: str, incarnation: int,
+                 adopted: Sequence[tuple[int, Fragment]]) -> list[int]:
+        """After a restore from a snapshot: takes a learner's adopted fragments that are newer
+        than the snapshot, so no merged version is lost. Only before the fragment's first merge
+        since the restore, only from an incarnation the restored ledger knows, only finite and
+        of the fragment's shapes. Returns the fragments taken."""
+        entry = self.ledger.get(learner)
+        if entry is None or entry.incarnation != incarnation:
+            return []
+        taken = []
+        for p, (version, fragment) in enumerate(adopted):
+            if p >= len(self.slots) or p not in self.catching_up:
+                continue
+            slot = self.slots[p]
+            if version <= slot.version or set(fragment) != set(slot.params):
+                continue
+            values = {k: np.asarray(v, np.float32) for k, v in fragment.items()}
+            if any(v.shape != slot.params[k].shape or not np.all(np.isfinite(v))
+                   for k, v in values.items()):
+                continue
+            log.info("fragment %d: version %d from %s's adopted copy (restored: %d)", p,
+                     version, learner, slot.version)
+            slot.params, slot.version = values, int(version)
+            slot.history = {slot.version: values}
+            taken.append(p)
+        return taken
 
     # -- the data path --------------------------------------------------------------------------
     def accept_push(self, push: Push, now_s: float) -> Accepted | Rejected:
@@ -357,6 +387,7 @@ class SyncerCore:
                                refused=True)
         slot.params, slot.outer_state = new_params, new_outer
         slot.version += 1
+        self.catching_up.discard(fragment)
         slot.history[slot.version] = slot.params
         for old in [v for v in slot.history if v <= slot.version - self.settings.history_versions]:
             del slot.history[old]

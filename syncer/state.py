@@ -109,6 +109,7 @@ def restore_into(core: SyncerCore, arrays: dict, meta: dict, min_epoch: int = 0)
         slot.round_opened_at_s = None
     core.ledger = {name: LedgerEntry(**entry) for name, entry in meta["ledger"].items()}
     core.learners = {}  # every learner must register again with the new epoch
+    core.catching_up = set(range(len(core.slots)))  # learners may hold newer merged versions
     core.epoch = max(min_epoch, int(meta["epoch"]) + 1)
 
 

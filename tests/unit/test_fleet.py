@@ -315,3 +315,10 @@ def test_a_quarantined_learner_is_restarted_from_a_peer_under_its_own_reason():
     assert kinds(result) == ["Kill", "Forget"]
     assert result.fleet.slots["a:1"].restart_counts == {Cause.QUARANTINE: 1}
     assert names(F.step(result.fleet, [F.Quarantine("a:1", 0, "again")], 2.1)) == []  # once
+
+
+def test_a_resumed_job_launches_its_learners_at_their_applied_steps():
+    fleet = F.initial(settings())
+    result = F.step(fleet, [F.Applied({"a:0": (3, 120, 0), "b:0": (0, 40, 0)})], 0.0)
+    assert [(a.learner, a.start_step) for a in result.actions] == [("a:0", 120), ("a:1", 0),
+                                                                   ("b:0", 40)]

@@ -44,3 +44,35 @@ def test_snapshot_round_trip(tmp_path):
     verdict = fresh.accept_push(Push("a", 1, {"v": np.zeros((2, 2), np.float32)}, 0, 0, 1, 1), 0.0)
     assert verdict.reason == RejectReason.STALE_EPOCH
     store.close()
+
+
+def test_a_restored_syncer_loses_no_merged_version_a_learner_adopted(tmp_path):
+    """The syncer snapshots every 10 merges by default: a kill between two snapshots used to roll
+    the job back to the older one. A re-registering learner now offers what it adopted."""
+    core = build()
+    core.register("a", 0)
+
+    def one_merge(c, epoch):
+        c.accept_push(Push("a", 0, {"w": np.full(3, -0.5, np.float32)}, c.versions[0], epoch,
+                           64, 2), 0.0)
+        return c.merge(0)
+
+    one_merge(core, 0)
+    store = SnapshotStore(str(tmp_path / "snap"))
+    store.save(core)                                   # snapshot at version 1
+    newest = one_merge(core, 0)                         # version 2: adopted by "a", not saved
+    fresh = build()
+    store.restore_latest(fresh)
+    assert fresh.versions == (1, 0)
+    # Only a learner of the restored ledger, only newer versions, only sound values.
+    assert fresh.catch_up("mallory", 0, [(9, {"w": np.zeros(3, np.float32)})]) == []
+    assert fresh.catch_up("a", 0, [(5, {"w": np.full(3, np.nan, np.float32)})]) == []
+    assert fresh.catch_up("a", 0, [(newest.version, newest.params), (0, {"v": np.zeros((2, 2))})]) \
+        == [0]
+    assert fresh.versions == (2, 0)
+    np.testing.assert_array_equal(fresh.slots[0].params["w"], newest.params["w"])
+    fresh.register("a", 0)
+    one_merge(fresh, fresh.epoch)                       # the next merge closes the catch-up
+    assert fresh.versions == (3, 0)
+    assert fresh.catch_up("a", 0, [(7, {"w": np.zeros(3, np.float32)})]) == []
+    store.close()

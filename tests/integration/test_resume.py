@@ -1,0 +1,48 @@
+"""`islands run --resume`: a stopped job continues from its newest snapshot in the same run dir
+(the loss goes on where it stopped, merges and the data resume point too); without a flag the
+run dir is refused and nothing in it changes."""
+
+import json
+import os
+
+import pytest
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.ray
+
+from islands.orchestrator.config import parse  # noqa: E402
+from islands.orchestrator.job import RunDirError, run_job  # noqa: E402
+
+CONFIG = {
+    "name": "resume-itest",
+    "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "seq_len": 32},
+    "data": {"max_bytes": 300_000, "batch_size": 4, "eval_batches": 2},
+    "learner": {"min_step_time_s": 0.05, "eval_every_s": 5.0},
+    "syncer": {"fragments": 2, "sync_every_steps": 4, "overlap_steps": 1},
+    "quorum": {"min_learners": 1, "grace_cap_s": 0.5},
+    "regions": {"a": {"learners": 2}},
+    "metrics": {"enabled": False},
+    "run": {"dashboard": False},
+}
+
+
+def test_resume_continues_where_the_job_stopped(tmp_path):
+    config = parse(CONFIG)
+    run_dir = str(tmp_path / "run")
+    first = run_job(config, duration_s=20, run_dir=run_dir, quiet=True)
+    assert first["merges"] > 0 and first["final_eval_loss"] < first["initial_eval_loss"]
+    listing = sorted(os.listdir(run_dir))
+    with pytest.raises(RunDirError, match="--resume"):
+        run_job(config, duration_s=5, run_dir=run_dir, quiet=True)
+    assert sorted(os.listdir(run_dir)) == listing  # refused before anything was written
+
+    second = run_job(config, duration_s=15, run_dir=run_dir, quiet=True, resume=True)
+    # No jump back to the initial loss: the resumed job starts from the first one's model.
+    assert second["initial_eval_loss"] == pytest.approx(first["final_eval_loss"], rel=0.02)
+    assert second["merges"] > first["merges"]  # versions continue from the snapshot
+    events = [json.loads(line) for line in open(os.path.join(run_dir, "events.jsonl"))]
+    started = [e for e in events if e["event"] == "syncer_started"]
+    assert started[-1]["restored_from"] == first["merges"]
+    resumed = [e for e in events if e["event"] == "learner_launched"][-2:]
+    assert all(e["resume_step"] > 0 for e in resumed)
+    assert os.path.exists(os.path.join(run_dir, "summary.1.json"))  # the first summary is kept
