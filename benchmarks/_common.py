@@ -118,6 +118,7 @@ class Setup:
     tokens_per_batch: int
     evaluate: Callable[[Any], float]
     num_params: int
+    schedule: tuple = ()   # the inner lr schedule, as the syncer checks drifts against it
 
     def batch_for(self, i: int, k: int):
         return self.samplers[i].batch_at(k)
@@ -143,7 +144,8 @@ def make_setup(*, model_kwargs: dict, num_learners: int, batch_size: int, total_
                  train_step=inner.make_train_step(cfg, optimizer),
                  loss_fn=lambda p, b: model.loss_fn(p, b, cfg), samplers=samplers,
                  tokens_per_batch=samplers[0].tokens_per_batch,
-                 evaluate=lambda p: eval_fn(p, eval_set), num_params=model.num_params(params))
+                 evaluate=lambda p: eval_fn(p, eval_set), num_params=model.num_params(params),
+                 schedule=(lr, warmup_steps, total_steps, inner.END_LR_FRACTION))
 
 
 def run_ours(setup: Setup, *, learner_ids: Sequence[str], fleet: inprocess.Fleet,
@@ -161,7 +163,9 @@ def run_ours(setup: Setup, *, learner_ids: Sequence[str], fleet: inprocess.Fleet
     c = codec_lib.make_codec(codec)
     settings = SyncerSettings(min_learners=min_learners, overlap_steps=overlap_steps,
                               grace_gamma=grace_gamma, grace_cap_s=grace_cap_s,
-                              merge_rule=MergeRule(merge_rule))
+                              merge_rule=MergeRule(merge_rule),
+                              inner_schedule=setup.schedule or None,
+                              tokens_per_step=setup.tokens_per_batch)
     syncer, learners = inprocess.build_syncer_and_learners(
         params=setup.params, opt_init=setup.optimizer.init,
         plan=fragments.partition(setup.params, num_fragments), settings=settings,
