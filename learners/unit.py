@@ -153,6 +153,8 @@ class LearnerUnit:
         self.spec = spec
         self.state = "starting"
         self.stop_event = threading.Event()
+        self.done = threading.Event()        # run() has returned
+        self.run_error: Optional[str] = None
         self.drain_event = threading.Event()
         self.pause_event = threading.Event()
         self.lock = threading.Lock()
@@ -177,8 +179,19 @@ class LearnerUnit:
 
     # -- control methods (called concurrently with run) -----------------------------------------
     def ping(self) -> dict:
-        return {"learner": self.spec.learner, "incarnation": self.spec.incarnation,
-                "state": self.state, "pid": os.getpid(), "node_id": _node_id()}
+        spec = self.spec
+        return {"learner": spec.learner, "incarnation": spec.incarnation, "state": self.state,
+                "pid": os.getpid(), "node_id": _node_id(), "shard_index": spec.shard_index,
+                "start_step": spec.start_step, "speed_factor": spec.speed_factor}
+
+    def wait_done(self) -> dict:
+        """Returns when ``run`` has returned (with its stats) or raises what it raised: the
+        liveness probe a restarted controller watches (the first one's ``run`` future died with
+        it)."""
+        self.done.wait()
+        if self.run_error is not None:
+            raise RuntimeError(f"{self.spec.learner}: training loop failed: {self.run_error}")
+        return self.status()
 
     def status(self) -> dict:
         with self.lock:
@@ -238,9 +251,12 @@ class LearnerUnit:
         os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         try:
             self._run()
-        except Exception:
+        except Exception as exc:
             log.exception("%s failed", self.spec.learner)
+            self.run_error = repr(exc)[:500]
             raise
+        finally:
+            self.done.set()
         return self.status()
 
     def _run(self) -> None:

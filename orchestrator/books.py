@@ -106,6 +106,20 @@ class Books:
         return _one(self._slot(learner).closed, live)
 
 
+    def to_json(self) -> dict:
+        return {name: {"closed": b.closed.as_dict(), "allocated_closed_s": b.allocated_closed_s,
+                       "allocated_since_s": b.allocated_since_s}
+                for name, b in self.slots.items()}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "Books":
+        books = cls()
+        for name, b in data.items():
+            books.slots[name] = _SlotBooks(Fates(**b["closed"]), b["allocated_closed_s"],
+                                           b["allocated_since_s"])
+        return books
+
+
 def _one(closed: Fates, live: Optional[tuple[int, int]]) -> Fates:
     if live is None:
         return Fates(closed.processed, closed.applied, closed.dropped, 0)

@@ -11,6 +11,7 @@ only talks to Ray. Control plane only: tensors flow learner <-> syncer directly.
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 import os
 import queue
@@ -53,6 +54,8 @@ class Controller:
     """
 
     def __init__(self, config, run_dir: str, resume: bool = False):
+        import ray
+
         from . import build
 
         self.config, self.run_dir, self.resume = config, run_dir, resume
@@ -82,6 +85,9 @@ class Controller:
         self.ray_metrics = None
         self.settings = build.controller_settings(config)
         self.chaos_plan = build.chaos_plan(config)
+        self.state_path = os.path.join(run_dir, "controller_state.json")
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            self._recover()
 
     # -- events ---------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
@@ -93,7 +99,11 @@ class Controller:
         log.info("%s %s", kind, fields)
 
     def events_since(self, index: int) -> tuple[list[dict], int]:
+        """Events after the first ``index``; all of them when ``index`` is past the end (the
+        caller's count is from before this controller restarted)."""
         with self.lock:
+            if index > len(self.events):
+                index = 0
             return self.events[index:], len(self.events)
 
     # -- start ----------------------------------------------------------------------------------
@@ -137,6 +147,117 @@ class Controller:
         self.emit("syncer_started", epoch=ready["epoch"], versions=ready["versions"],
                   restored_from=ready["restored_from"])
 
+    # -- surviving a restart of this actor -------------------------------------------------------
+    def _save_state(self) -> None:
+        """What a restarted controller cannot ask anyone else for: the books, the slots' states and
+        restart counts, the chaos plan's progress (written atomically, about once a second)."""
+        fleet = self.fleet
+        state = {
+            "books": self.books.to_json(), "closed": self.closed,
+            "slots": [{"learner": x.learner, "region": x.region, "index": x.index,
+                       "shard": x.shard, "speed_factor": x.speed_factor, "state": x.state.value,
+                       "incarnation": x.incarnation, "start_step": x.start_step,
+                       "restarts": {c.value: n for c, n in x.restarts}}
+                      for x in fleet.slots.values()],
+            "targets": dict(fleet.targets), "next_index": dict(fleet.next_index),
+            "next_shard": fleet.next_shard, "recoveries": self.recoveries[-1000:],
+            "eval_history": self.eval_history[-1000:], "initial_eval_loss": self.initial_eval_loss,
+            "syncer_restarts": self.syncer_restarts, "syncer_closed": self.syncer_closed,
+            "chaos_fired": self.chaos_fired, "job_started_s": self.job_started_s,
+            "started_s": self.started_s, "restarts": getattr(self, "restarts", 0),
+            "syncer_epoch": int(self.syncer_status.get("epoch") or 0)}
+        tmp = self.state_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(state, f, default=str)
+        os.replace(tmp, self.state_path)
+
+    def _recover(self) -> None:
+        """Rebuilds the controller after Ray restarted it: its saved books and slots, the live
+        syncer (or a restored one), and the learners that kept training meanwhile — none of them
+        is stopped. Learners that died while it was away are relaunched by the first step."""
+        import ray
+
+        from islands.learners.unit import build_training, load_corpus
+
+        from . import build
+        from .health import Cause
+
+        with open(self.state_path) as f:
+            saved = json.load(f)
+        self.books = Books.from_json(saved["books"])
+        self.closed = saved["closed"]
+        self.recoveries, self.chaos_fired = saved["recoveries"], saved["chaos_fired"]
+        self.eval_history = [tuple(e) for e in saved["eval_history"]]
+        self.initial_eval_loss = saved["initial_eval_loss"]
+        self.syncer_restarts, self.syncer_closed = saved["syncer_restarts"], saved["syncer_closed"]
+        self.started_s, self.job_started_s = saved["started_s"], saved["job_started_s"]
+        self.restarts = saved["restarts"] + 1
+        if self.chaos_plan is not None and self.job_started_s is not None:
+            self.chaos_plan.due(time.time() - self.job_started_s)  # fired before: not again
+        self.training = build.training_spec(self.config)
+        _, self.template, _, _ = build_training(self.training)
+        self.corpus = load_corpus(self.training)
+        self.corpus_ref = ray.put(self.corpus.train)
+        self.jax_cache_dir = os.path.join(self.run_dir, "jax_cache")
+        enable_compile_cache(self.jax_cache_dir)
+        self.syncer_spec = build.syncer_spec(self.config, self.template, self.run_dir)
+        try:
+            self.syncer = ray.get_actor(SYNCER_NAME, namespace=NAMESPACE)
+            ray.get(self.syncer.ping.remote(), timeout=30)
+            self.syncer_ref = self.syncer.wait_closed.remote()
+        except Exception:  # it died too: the usual syncer restart
+            self.syncer_restarts += 1
+            self._start_syncer(epoch=saved["syncer_epoch"] + 1, restore=True)
+        self._refresh_syncer_status()
+        ledger = self.syncer_status.get("ledger", {})
+        now = time.time()
+        slots = []
+        for row in saved["slots"]:
+            slot = fleet_lib.Slot(
+                learner=row["learner"], region=row["region"], index=row["index"],
+                shard=row["shard"], speed_factor=row["speed_factor"],
+                state=fleet_lib.SlotState(row["state"]), incarnation=row["incarnation"],
+                start_step=row["start_step"],
+                restarts=tuple(sorted((Cause(c), n) for c, n in row["restarts"].items())))
+            if slot.state in fleet_lib.GONE:
+                slots.append(slot)
+                continue
+            try:  # still running? then it keeps training under the new controller
+                handle = ray.get_actor(learner_actor_name(slot.learner), namespace=NAMESPACE)
+                info = ray.get(handle.ping.remote(), timeout=10)
+            except Exception:
+                info = None
+            if info is not None and info["state"] in ("training", "paused", "draining",
+                                                      "starting"):
+                running_state = {"training": fleet_lib.SlotState.TRAINING,
+                                 "paused": fleet_lib.SlotState.TRAINING,  # the floor decides again
+                                 "draining": fleet_lib.SlotState.DRAINING,
+                                 "starting": fleet_lib.SlotState.STARTING}[info["state"]]
+                if slot.state == fleet_lib.SlotState.DRAINING:
+                    running_state = fleet_lib.SlotState.DRAINING
+                slots.append(dataclasses.replace(
+                    slot, state=running_state, incarnation=info["incarnation"],
+                    start_step=info["start_step"], launched_s=now, last_beat_s=now))
+                self.running[slot.learner] = Incarnation(info["incarnation"], handle,
+                                                         handle.wait_done.remote(),
+                                                         {"step": info["start_step"]})
+                continue
+            # Gone while the controller was away: relaunched, as a newer incarnation.
+            known = int(ledger.get(slot.learner, {}).get("incarnation", slot.incarnation))
+            slots.append(dataclasses.replace(slot, state=fleet_lib.SlotState.RESTARTING,
+                                             incarnation=max(slot.incarnation, known),
+                                             restart_at_s=now))
+        self.fleet = fleet_lib.rebuilt(self.fleet.settings, slots, saved["targets"],
+                                       saved["next_index"], saved["next_shard"])
+        for target in (self._owner_loop, self._eval_loop):
+            thread = threading.Thread(target=target, daemon=True, name=target.__name__)
+            thread.start()
+            self.threads.append(thread)
+        self.emit("controller_restarted", restarts=self.restarts,
+                  learners_kept=sorted(self.running),
+                  relaunched=sorted(s.learner for s in slots
+                                    if s.state == fleet_lib.SlotState.RESTARTING))
+
     # -- the owner thread -----------------------------------------------------------------------
     def _owner_loop(self) -> None:
         import ray
@@ -165,6 +286,9 @@ class Controller:
                     last["syncer"] = now
                 observations += self._due_faults()
                 self._step(observations)
+                if now - last.get("saved", 0.0) >= 1.0:
+                    self._save_state()
+                    last["saved"] = now
             except Exception as exc:  # keep owning the fleet; say what broke, once per error
                 log.exception("controller iteration failed")
                 if repr(exc) != getattr(self, "_last_error", None):

@@ -135,6 +135,14 @@ def initial(settings: FleetSettings) -> FleetState:
     return fleet
 
 
+def rebuilt(settings: FleetSettings, slots: Sequence[Slot], targets: Mapping[str, int],
+            next_index: Mapping[str, int], next_shard: int) -> FleetState:
+    """The fleet a restarted controller rebuilds from what it saved and what it finds running
+    (the quorum was reached before, so the floor applies at once)."""
+    return FleetState(settings, slots={s.learner: s for s in slots}, targets=dict(targets),
+                      next_index=dict(next_index), next_shard=next_shard, quorum_seen=True)
+
+
 def _new_slot(fleet: FleetState, region: str, speed: float = 1.0) -> tuple[FleetState, Slot]:
     index = fleet.next_index[region]
     slot = Slot(learner=f"{region}:{index}", region=region, index=index, shard=fleet.next_shard,

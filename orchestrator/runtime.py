@@ -9,6 +9,7 @@ NAMESPACE = "islands"
 CONTROLLER_NAME = "islands:controller"
 SYNCER_NAME = "islands:syncer"
 CPUS = {"controller": 0.1, "syncer": 0.2, "learner": 0.25}
+CONTROLLER_MAX_RESTARTS = 10
 
 
 def learner_actor_name(learner_id: str) -> str:
@@ -19,19 +20,25 @@ def learner_actor_name(learner_id: str) -> str:
 def controller_options(run_dir: str) -> dict:
     """Ray options for the controller. It shares the learners' XLA flags and compilation cache, so
     the train step it compiles before launching them is a cache hit in every learner."""
+    # It restarts (and rebuilds its state from its saved books, the syncer and the running
+    # learners); calls made while it restarts wait for it instead of failing.
     return dict(name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=CPUS["controller"],
-                max_concurrency=16, max_restarts=0,
+                max_concurrency=16, max_restarts=CONTROLLER_MAX_RESTARTS, max_task_retries=-1,
                 runtime_env={"env_vars": single_thread_env(os.path.join(run_dir, "jax_cache"))})
 
 
+# The syncer and the learners are detached: actors an actor creates die with it, and the job's
+# actors must outlive a controller restart. The job runner kills them when the job ends.
 def syncer_options(jax_cache_dir: str) -> dict:
     return dict(name=SYNCER_NAME, namespace=NAMESPACE, num_cpus=CPUS["syncer"], max_restarts=0,
-                max_concurrency=1000, runtime_env={"env_vars": single_thread_env(jax_cache_dir)})
+                max_concurrency=1000, runtime_env={"env_vars": single_thread_env(jax_cache_dir)},
+                lifetime="detached")
 
 
 def learner_options(learner: str, region: str) -> dict:
     return dict(name=learner_actor_name(learner), namespace=NAMESPACE, num_cpus=CPUS["learner"],
-                max_restarts=0, max_concurrency=8, resources={f"region:{region}": 1})
+                max_restarts=0, max_concurrency=8, resources={f"region:{region}": 1},
+                lifetime="detached")
 
 
 def single_thread_env(jax_cache_dir: str) -> dict:
