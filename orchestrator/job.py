@@ -428,16 +428,16 @@ def _actor_node_ip(actor) -> Optional[str]:
 
 
 def _kill_job_actors(controller) -> None:
+    """Ends every actor of the job (the syncer and learners are detached: they outlive their
+    creator by design). Named-actor listing needs no dashboard, unlike Ray's state API."""
     import ray
 
-    from ray.util.state import list_actors
-
     try:
-        actors = list_actors(filters=[("state", "=", "ALIVE")], limit=1000)
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a.get("namespace") == NAMESPACE]
     except Exception:
-        actors = []
-    for actor in actors:
-        name = getattr(actor, "name", "") or ""
+        names = []
+    for name in names:
         if name.startswith("islands:") and name != CONTROLLER_NAME:
             try:
                 ray.kill(ray.get_actor(name, namespace=NAMESPACE))

@@ -1,0 +1,233 @@
+"""Soak: many failures of mixed kinds on the real Ray service, then the books and the model checked.
+
+One seeded ``poisson_plan`` (learner kills by ``ray.kill`` and by hard exit, whole-region losses,
+partitions, syncer kills) is fired at the running job through the controller's chaos commands;
+a second seeded stream hangs learners (the health monitor must find them); the controller
+itself is killed (Ray restarts it) at evenly spaced times. At the end: every fault is counted
+from the job's own events, the books must balance term by term, merged versions must only
+increase (after each syncer restart's catch-up), eval loss must have fallen, and no job actor
+may be left alive. The same plan (without the hangs, which the in-process driver does not
+model) runs through the in-process driver for ``predicted_goodput``.
+
+    python benchmarks/soak.py --quick     # ≥ 100 learner failures, ≥ 2 syncer kills, 1 controller
+    python benchmarks/soak.py             # ≥ 1,000 learner failures, ≥ 10 syncer kills, ≥ 3
+
+Prints a table, then one JSON object as the last line; writes soak.json (and soak.png).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+
+import _common as C
+import numpy as np
+
+from islands.orchestrator import chaos
+from islands.orchestrator.chaos import FaultKind, RestartCosts
+
+TINY = dict(d_model=32, n_layers=1, n_heads=2, d_ff=64, seq_len=32)
+REGIONS = {"a": 2, "b": 2}
+
+
+def job_config(seed: int) -> dict:
+    return {
+        "name": "soak",
+        "seed": seed,
+        "model": TINY,
+        "data": {"max_bytes": 300_000, "batch_size": 4, "eval_batches": 2},
+        "learner": {"min_step_time_s": 0.05, "eval_every_s": 10.0},
+        "syncer": {"fragments": 2, "sync_every_steps": 4, "overlap_steps": 1,
+                   "snapshot_every_merges": 10},
+        "quorum": {"min_learners": 1, "grace_cap_s": 0.5},
+        "regions": {r: {"learners": n} for r, n in REGIONS.items()},
+        "health": {"heartbeat_s": 0.5, "timeout_s": 3.0,
+                   "restart": {"backoff_initial_s": 0.1, "backoff_multiplier": 1.0,
+                               "max_crash_restarts": None}},
+        "metrics": {"enabled": False, "snapshot_every_s": 1.0},
+        "run": {"dashboard": False},
+    }
+
+
+def fault_plan(horizon_s: float, seed: int, mtbf_s: float, syncer_kills: int):
+    by_region = {r: [f"{r}:{i}" for i in range(n)] for r, n in REGIONS.items()}
+    kills = chaos.poisson_plan(by_region, horizon_s, seed=seed, mtbf_s=mtbf_s, repair_s=0.0,
+                               region_mtbf_s=8 * mtbf_s, network_mtbf_s=6 * mtbf_s,
+                               network_s=2.0, network_kind="partition")
+    exits = chaos.poisson_plan(by_region, horizon_s, seed=seed + 1, mtbf_s=2 * mtbf_s,
+                               repair_s=0.0, kill_mode="exit")
+    plan = chaos.FaultPlan(list(kills) + list(exits))
+    for k in range(syncer_kills):
+        plan.kill_syncer(horizon_s * (k + 0.5) / syncer_kills)
+    hangs = [(t, f"{r}:{i}") for r, n in REGIONS.items() for i in range(n)
+             for t in chaos.renewal_times(chaos.stream_rng(seed, f"{r}:{i}", "slowdown"),
+                                          4 * mtbf_s, 0.0, horizon_s)]
+    return plan.sorted(), sorted(hangs)
+
+
+def fire(controller, plan, hangs, controller_kill_times, t0, stop, log):
+    """Fires every fault at its time (a schedule, not a synchronisation); notes what was moot."""
+    import ray
+
+    items = ([(f.at_s, "fault", f) for f in plan] + [(t, "hang", who) for t, who in hangs]
+             + [(t, "controller", None) for t in controller_kill_times])
+    for at_s, kind, what in sorted(items, key=lambda x: x[0]):
+        if stop.wait(max(0.0, t0 + at_s - time.time())):
+            return
+        try:
+            if kind == "controller":
+                ray.kill(controller, no_restart=False)
+                log.append(("controller_kill", None))
+            elif kind == "hang":
+                ray.get(controller.chaos_hang.remote(what, 6.0), timeout=60)
+                log.append(("hang", what))
+            elif what.kind == FaultKind.SYNCER_KILL:
+                ray.get(controller.chaos_kill.remote("syncer"), timeout=60)
+                log.append(("syncer_kill", None))
+            elif what.kind in (FaultKind.KILL, FaultKind.EXIT):
+                mode = "ray_kill" if what.kind == FaultKind.KILL else "exit"
+                ray.get(controller.chaos_kill.remote(what.target, mode), timeout=60)
+                log.append((mode, what.target))
+            elif what.kind == FaultKind.REGION_LOSS:
+                ray.get(controller.chaos_region_loss.remote(what.target, 0.0), timeout=60)
+                log.append(("region_loss", what.target))
+            elif what.kind == FaultKind.PARTITION:
+                ray.get(controller.chaos_network.remote(what.target, what.duration_s,
+                                                        partition=True), timeout=60)
+                log.append(("partition", what.target))
+        except Exception as exc:  # the target is down already: that fault is moot
+            log.append(("moot", f"{kind}: {str(exc)[:80]}"))
+
+
+def versions_check(run_dir: str, events: list[dict]) -> tuple[bool, int]:
+    """(monotonic, lost): per fragment, versions never go below the highest seen before, outside
+    the 3 s after a syncer restart (its catch-up); lost = how far below they stayed after it."""
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    restarts = [e["t"] for e in events if e["event"] == "syncer_started" and e.get("epoch")]
+    highest: dict[int, int] = {}
+    monotonic, lost = True, 0
+    for row in rows:
+        versions = (row.get("syncer") or {}).get("versions") or []
+        settling = any(0 <= row["t"] - t < 3.0 for t in restarts)
+        for p, v in enumerate(versions):
+            if v is None:
+                continue
+            if not settling and v < highest.get(p, 0):
+                monotonic = False
+                lost = max(lost, highest[p] - v)
+            highest[p] = max(highest.get(p, 0), v)
+    return monotonic, lost
+
+
+def plot(run_dir: str, events: list[dict], out_dir: str) -> None:
+    """Merges and cumulative learner failures over the run, syncer and controller restarts marked."""
+    plt = C.pyplot()
+    rows = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    t0 = rows[0]["t"] if rows else 0.0
+    fig, ax = plt.subplots(figsize=(9, 4))
+    ax.plot([r["t"] - t0 for r in rows], [(r.get("syncer") or {}).get("merges") or 0
+                                          for r in rows], label="merges")
+    failed = sorted(e["t"] - t0 for e in events if e["event"] == "learner_failed")
+    ax2 = ax.twinx()
+    ax2.step(failed, range(1, len(failed) + 1), color="tab:red", where="post",
+             label="learner failures (cumulative)")
+    for e in events:
+        if e["event"] in ("syncer_failed", "controller_restarted"):
+            ax.axvline(e["t"] - t0, color="k" if e["event"] == "syncer_failed" else "tab:purple",
+                       lw=0.8, ls="--")
+    ax.set_xlabel("seconds"), ax.set_ylabel("merges"), ax2.set_ylabel("learner failures")
+    ax.set_title("soak: merges go on through failures (dashed: syncer / controller restarts)")
+    C.save_figure(fig, out_dir, "soak.png")
+
+
+def predicted_goodput(plan, horizon_s: float, seed: int) -> float:
+    """The same plan (no hangs) through the in-process driver on the same model and schedule."""
+    from islands.orchestrator import inprocess
+
+    ids = [f"{r}:{i}" for r, n in REGIONS.items() for i in range(n)]
+    setup = C.make_setup(model_kwargs=TINY, num_learners=len(ids), batch_size=4,
+                         total_steps=int(horizon_s / 0.05), max_bytes=300_000, seed=seed)
+    fleet = inprocess.Fleet([1.0] * len(ids), step_time_s=0.05, latency_s=0.001,
+                            regions=[i.split(":")[0] for i in ids], seed=seed)
+    record = C.run_ours(setup, learner_ids=ids, fleet=fleet, num_fragments=2,
+                        sync_every_steps=4, overlap_steps=1, until_s=horizon_s,
+                        faults=plan, restart=RestartCosts(detect_lost_s=0.0, restart_s=2.5))
+    return record.goodput
+
+
+def main(argv=None) -> dict:
+    p = C.parser(__doc__)
+    p.add_argument("--horizon", type=float, default=None, help="seconds of faults (default "
+                   "160 quick, 1500 full)")
+    p.add_argument("--mtbf", type=float, default=None, help="per-learner MTBF of ray.kill "
+                   "(exits at half that rate; default 6 s quick, 5 s full)")
+    args = p.parse_args(argv)
+    import ray
+
+    from islands.orchestrator.config import parse
+    from islands.orchestrator.job import run_job
+
+    horizon = args.horizon or (160.0 if args.quick else 1500.0)
+    mtbf = args.mtbf or (6.0 if args.quick else 5.0)
+    syncer_kills, controller_kills = (2, 1) if args.quick else (10, 3)
+    plan, hangs = fault_plan(horizon, args.seed, mtbf, syncer_kills)
+    kill_times = [horizon * (k + 1) / (controller_kills + 1) + 1.3 for k in range(controller_kills)]
+    watch = C.Stopwatch()
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+             resources={f"region:{r}": n for r, n in REGIONS.items()},
+             _node_ip_address="127.0.0.1", namespace="islands")
+    run_dir = os.path.join(tempfile.mkdtemp(prefix="islands-soak-"), "run")
+    stop, log = threading.Event(), []
+
+    def on_started(controller):
+        threading.Thread(target=fire, args=(controller, plan, hangs, kill_times, time.time(),
+                                            stop, log), daemon=True).start()
+
+    try:
+        summary = run_job(parse(job_config(args.seed)), duration_s=horizon + 10, run_dir=run_dir,
+                          quiet=True, on_started=on_started)
+    finally:
+        stop.set()
+    alive = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith("islands:")]
+    ray.shutdown()
+    events = [json.loads(line) for line in open(os.path.join(run_dir, "events.jsonl"))]
+    monotonic, lost = versions_check(run_dir, events)
+    tokens = {k: summary[f"tokens_{k}"] for k in ("processed", "applied", "dropped", "in_flight")}
+    kinds = [k for k, _ in log]
+    result = {
+        "benchmark": "soak", "quick": bool(args.quick), "seed": args.seed, "horizon_s": horizon,
+        "learner_failures": sum(e["event"] == "learner_failed" for e in events),
+        "failure_causes": {c: sum(e["event"] == "learner_failed" and e["cause"] == c
+                                  for e in events) for c in ("crash", "preemption", "hang",
+                                                            "straggler", "quarantine")},
+        "faults_fired": {k: kinds.count(k) for k in sorted(set(kinds))},
+        "syncer_kills": summary.get("syncer_restarts", 0),
+        "controller_kills": sum(e["event"] == "controller_restarted" for e in events),
+        "tokens_processed": tokens["processed"], "tokens_applied": tokens["applied"],
+        "tokens_dropped": tokens["dropped"], "tokens_in_flight": tokens["in_flight"],
+        "books_balanced": (tokens["applied"] + tokens["dropped"] + tokens["in_flight"]
+                           == tokens["processed"] and min(tokens.values()) >= 0),
+        "versions_monotonic": monotonic, "merged_versions_lost": lost,
+        "leaked_actors": len(alive),
+        "initial_eval_loss": summary.get("initial_eval_loss"),
+        "final_eval_loss": summary.get("final_eval_loss"),
+        "merges": summary.get("merges"), "goodput": summary.get("goodput"),
+    }
+    result["predicted_goodput"] = predicted_goodput(plan, horizon, args.seed)
+    result["wall_s"] = watch()
+    result["machine"] = C.machine()
+    print(C.table([{k: v for k, v in result.items() if not isinstance(v, dict)}],
+                  [k for k, v in result.items() if not isinstance(v, dict)]))
+    plot(run_dir, events, args.out)
+    C.finish("soak", result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    main()
