@@ -166,6 +166,7 @@ class Controller:
             "chaos_fired": self.chaos_fired, "job_started_s": self.job_started_s,
             "started_s": self.started_s, "restarts": getattr(self, "restarts", 0),
             "syncer_epoch": int(self.syncer_status.get("epoch") or 0)}
+        os.makedirs(self.run_dir, exist_ok=True)
         tmp = self.state_path + ".tmp"
         with open(tmp, "w") as f:
             json.dump(state, f, default=str)
