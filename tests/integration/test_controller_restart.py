@@ -11,23 +11,9 @@ import pytest
 ray = pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
 
-from islands.orchestrator.config import parse  # noqa: E402
 from islands.orchestrator.job import run_job  # noqa: E402
 
-CONFIG = {
-    "name": "controller-itest",
-    "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "seq_len": 32},
-    "data": {"max_bytes": 300_000, "batch_size": 4, "eval_batches": 2},
-    "learner": {"min_step_time_s": 0.05, "eval_every_s": 5.0},
-    "syncer": {"fragments": 2, "sync_every_steps": 4, "overlap_steps": 1},
-    "quorum": {"min_learners": 1, "grace_cap_s": 0.5},
-    "regions": {"a": {"learners": 2}},
-    "metrics": {"enabled": False},
-    "run": {"dashboard": False},
-}
-
-
-def test_a_killed_controller_comes_back_and_no_learner_stops(tmp_path):
+def test_a_killed_controller_comes_back_and_no_learner_stops(tmp_path, tiny_job):
     killed = {}
 
     def kill_when_merging(controller):
@@ -46,7 +32,8 @@ def test_a_killed_controller_comes_back_and_no_learner_stops(tmp_path):
         threading.Thread(target=wait_then_kill, daemon=True).start()
 
     run_dir = tmp_path / "run"
-    summary = run_job(parse(CONFIG), duration_s=35, run_dir=str(run_dir), quiet=True,
+    summary = run_job(tiny_job("controller-itest"), duration_s=35, run_dir=str(run_dir),
+                      quiet=True,
                       on_started=kill_when_merging)
     assert "error" not in killed and killed.get("merges", 0) >= 20
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]

@@ -10,24 +10,10 @@ import pytest
 pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
 
-from islands.orchestrator.config import parse  # noqa: E402
 from islands.orchestrator.job import RunDirError, run_job  # noqa: E402
 
-CONFIG = {
-    "name": "resume-itest",
-    "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "seq_len": 32},
-    "data": {"max_bytes": 300_000, "batch_size": 4, "eval_batches": 2},
-    "learner": {"min_step_time_s": 0.05, "eval_every_s": 5.0},
-    "syncer": {"fragments": 2, "sync_every_steps": 4, "overlap_steps": 1},
-    "quorum": {"min_learners": 1, "grace_cap_s": 0.5},
-    "regions": {"a": {"learners": 2}},
-    "metrics": {"enabled": False},
-    "run": {"dashboard": False},
-}
-
-
-def test_resume_continues_where_the_job_stopped(tmp_path):
-    config = parse(CONFIG)
+def test_resume_continues_where_the_job_stopped(tmp_path, tiny_job):
+    config = tiny_job("resume-itest")
     run_dir = str(tmp_path / "run")
     first = run_job(config, duration_s=20, run_dir=run_dir, quiet=True)
     assert first["merges"] > 0 and first["final_eval_loss"] < first["initial_eval_loss"]
