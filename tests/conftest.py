@@ -9,6 +9,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
+import pytest  # noqa: E402
 
 # Tests run on CPU even where an accelerator is visible; set before any backend starts.
 jax.config.update("jax_platforms", "cpu")
@@ -27,3 +28,23 @@ def assert_trees_close(a, b, atol: float = 1e-6, rtol: float = 1e-6) -> None:
     for (path, leaf_a), (_, leaf_b) in zip(leaves_a, leaves_b):
         np.testing.assert_allclose(np.asarray(leaf_a), np.asarray(leaf_b), atol=atol, rtol=rtol,
                                    err_msg=f"leaf {jax.tree_util.keystr(path)}")
+
+# A job small enough for 2 cores: one region of two learners of a 17k-parameter model.
+TINY_JOB = {
+    "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "seq_len": 32},
+    "data": {"max_bytes": 300_000, "batch_size": 4, "eval_batches": 2},
+    "learner": {"min_step_time_s": 0.05, "eval_every_s": 5.0},
+    "syncer": {"fragments": 2, "sync_every_steps": 4, "overlap_steps": 1},
+    "quorum": {"min_learners": 1, "grace_cap_s": 0.5},
+    "regions": {"a": {"learners": 2}},
+    "metrics": {"enabled": False},
+    "run": {"dashboard": False},
+}
+
+
+@pytest.fixture
+def tiny_job():
+    """``tiny_job(name)`` -> a validated JobConfig of TINY_JOB under that job name."""
+    from islands.orchestrator.config import parse
+
+    return lambda name: parse({**TINY_JOB, "name": name})
