@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from islands.learners.fates import REFUSED, IncarnationFates
 from islands.syncer import fragments as fragments_lib
 from islands.syncer.fragments import Fragment, FragmentPlan
 from islands.syncer.validate import Push
@@ -101,6 +102,7 @@ class LearnerCore:
         self.step = start_step
         self.tokens_done = 0       # this incarnation
         self.compute_s = 0.0       # this incarnation's inner-step seconds
+        self.fates = IncarnationFates(plan.num_fragments)  # where each step's tokens went
         self.tracks = []
         for p in range(plan.num_fragments):
             base = on_device(fragments_lib.extract(params, plan, p))
@@ -129,9 +131,15 @@ class LearnerCore:
         self.step += 1
         self.tokens_done += tokens
         self.compute_s += step_s
+        self.fates.step(tokens, step_s)
         for track in self.tracks:
             track.c_tokens += tokens
             track.c_steps += 1
+
+    def add_step_seconds(self, seconds: float) -> None:
+        """Step time counted after the step's pushes left (their hand-over is step time)."""
+        self.compute_s += seconds
+        self.fates.add_seconds(seconds)
 
     # -- step 2: push a due fragment -------------------------------------------------------------
     def due(self, num_fragments: int, sync_every_steps: int) -> list[int]:
@@ -156,12 +164,13 @@ class LearnerCore:
         track.pending_ef_state = new_ef_state
         track.in_flight_since_step = self.step
         track.resend = False
+        self.fates.pushed(p, self.step)
         nbytes = self.wire_bytes(codes)
         push = Push(learner=self.learner, fragment=p, codes=codes,
                     base_version=track.base_version, epoch=epoch, c_tokens=track.c_tokens,
                     c_steps=track.c_steps, incarnation=self.incarnation, step=self.step,
                     tokens_done=self.tokens_done, compute_s=self.compute_s, wire_bytes=nbytes,
-                    session=self.session)
+                    session=self.session, fates=self.fates.to_json())
         return PushPlan(push, nbytes, err)
 
     def push_refused(self, p: int, fragment: Optional[Fragment] = None,
@@ -175,7 +184,10 @@ class LearnerCore:
         track.pending_ef_state = None
         track.reply = None
         if fragment is not None and version is not None:
+            self.fates.discarded(p, REFUSED)
             self.adopt(p, fragment, version)
+        else:
+            self.fates.returned(p)
 
     def refused(self, p: int, reason: str, fragment: Optional[Fragment] = None,
                 version: Optional[int] = None) -> None:
@@ -206,13 +218,15 @@ class LearnerCore:
         track.pending_ef_state = None
         track.reply = None
         track.resend = True
+        self.fates.returned(p)
 
     def reregistered(self, fragments: list[Fragment], versions: list[int],
                      session: str = "") -> None:
         """Joined a restarted syncer (a new epoch): every fragment's anchor becomes the global
         fragment it now holds; local progress stays as drift, unanswered pushes are void."""
         self.session = session
-        for track, fragment, version in zip(self.tracks, fragments, versions):
+        for p, (track, fragment, version) in enumerate(zip(self.tracks, fragments, versions)):
+            self.fates.returned(p)
             track.base = on_device(fragment)
             track.base_version = version
             track.in_flight_since_step = None
@@ -233,6 +247,8 @@ class LearnerCore:
             if self.step < track.in_flight_since_step + self.overlap_steps:
                 continue
             fragment, version = track.reply
+            self.fates.merged(p)        # the merge included its push
+            self.fates.overwritten(p)   # the steps since the push are replaced
             self.adopt(p, fragment, version)
             adopted.append(p)
         return adopted

@@ -377,7 +377,7 @@ class LearnerUnit:
                 extra = max(time.time() - t0, target) - dt
                 with self.lock:
                     if extra > 0:
-                        core.compute_s += extra
+                        core.add_step_seconds(extra)
                         dt += extra
                     if not first_step:  # the first step loads or compiles the program: not a pace
                         step_time_ema = (dt if step_time_ema is None
@@ -458,7 +458,8 @@ class LearnerUnit:
             return
         with self.lock:
             beat = {"learner": self.spec.learner, "incarnation": self.spec.incarnation,
-                    "t": time.time(), "state": self.state, "node_id": self.node_id, **self.stats}
+                    "t": time.time(), "state": self.state, "node_id": self.node_id, **self.stats,
+                    "fates": core.fates.to_json()}  # the training thread's books, current
         try:
             self.controller.heartbeat.remote(beat)
         except Exception:  # the controller is gone: the job is ending

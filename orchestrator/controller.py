@@ -23,6 +23,7 @@ from typing import Any, Optional
 
 from . import fleet as fleet_lib
 from .books import Books
+from islands.learners.fates import newest
 from .chaos import Fault, FaultKind
 from .fleet import SlotState
 from .runtime import (CONTROLLER_NAME, NAMESPACE, SYNCER_NAME, controller_options,  # noqa: F401
@@ -60,7 +61,7 @@ class Controller:
 
         self.config, self.run_dir, self.resume = config, run_dir, resume
         self.fleet = fleet_lib.initial(build.fleet_settings(config))
-        self.books = Books()
+        self.books = Books(config.syncer.fragments)
         self.inbox: "queue.Queue[tuple[Any, Optional[Future]]]" = queue.Queue()
         self.running: dict[str, Incarnation] = {}
         self.closed: dict[str, dict] = {}    # per learner: counters of ended incarnations
@@ -481,14 +482,21 @@ class Controller:
         except Exception:
             pass
         self._refresh_syncer_status()
-        closed = self.closed.get(a.learner, {})
+        closed = self.closed.setdefault(a.learner, {"steps": 0, "up": 0, "down": 0})
         if closed.get("settled") == a.incarnation:
             return
-        processed = int(closed.get("beat", {}).get("tokens_done", 0))
-        entry = self.syncer_status.get("ledger", {}).get(a.learner)
-        applied = (int(entry["applied_tokens_incarnation"])
-                   if entry and int(entry["incarnation"]) == a.incarnation else 0)
-        self.books.close_incarnation(a.learner, processed, applied)
+        # The newest of its books: its last heartbeat (the incarnation may still be in `running`
+        # when its death was seen before its run ended), or what its newest push carried.
+        inc = self.running.get(a.learner)
+        beat = inc.beat if inc is not None and inc.number == a.incarnation else closed.get(
+            "beat", {})
+        entry = self.syncer_status.get("ledger", {}).get(a.learner) or {}
+        same = int(entry.get("incarnation", -1)) == a.incarnation
+        fates = newest(beat.get("fates") if int(beat.get("incarnation", a.incarnation))
+                       == a.incarnation else None, entry.get("fates") if same else None)
+        merged_steps = {int(p): int(v) for p, v in (entry.get("merged_steps") or {}).items()
+                        } if same else {}
+        self.books.close_incarnation(a.learner, fates, merged_steps, a.reason)
         closed["settled"] = a.incarnation
 
     def _close(self, learner: str) -> None:
@@ -595,27 +603,21 @@ class Controller:
         return loss
 
     # -- the books and the snapshot -------------------------------------------------------------
-    def _live_tokens(self) -> dict:
-        ledger = self.syncer_status.get("ledger", {})
-        live = {}
-        for name, inc in list(self.running.items()):
-            entry = ledger.get(name)
-            applied = (int(entry["applied_tokens_incarnation"])
-                       if entry and int(entry["incarnation"]) == inc.number else 0)
-            live[name] = (int(inc.beat.get("tokens_done", 0) or 0), applied)
-        return live
+    def _live_fates(self) -> dict:
+        """Each running incarnation's own books, from its newest heartbeat."""
+        return {name: inc.beat.get("fates") for name, inc in list(self.running.items())}
 
     def tokens(self) -> dict:
-        """Tokens by fate: applied + dropped + in flight == processed."""
-        return self.books.tokens(self._live_tokens()).as_dict()
+        """Tokens by fate, each counted where it happens (``books.py``): applied, dropped (by
+        reason) and in flight, which account for every processed token."""
+        return self.books.tokens(self._live_fates()).as_dict(self.books.num_fragments)
 
     def goodput(self) -> dict:
         from .metrics import window_label, windowed_ratio
         from .books import goodput
 
         now = time.time()
-        useful = sum(float(e["applied_compute_s"])
-                     for e in self.syncer_status.get("ledger", {}).values())
+        useful = self.books.useful_s(self._live_fates())
         allocated = self.books.allocated_s(now)
         window_s = self.settings.goodput_window_s
         history = list(self.goodput_history) + [(now, useful, allocated)]

@@ -270,10 +270,12 @@ class Kill:
 
 @dataclass(frozen=True)
 class Forget:
-    """Unregister the learner at the syncer: its unmerged pushes are dropped."""
+    """Unregister the learner at the syncer: its unmerged pushes are dropped, and what the
+    incarnation still held is dropped in the books for ``reason``."""
 
     learner: str
     incarnation: int
+    reason: str = "ended"
 
 
 @dataclass(frozen=True)
@@ -590,8 +592,8 @@ class _Machine:
     def fail(self, slot: Slot, cause: Cause, detail: str = "") -> None:
         """Buries the incarnation, then restarts (after the policy's backoff) or gives up."""
         died_s = _first(slot.killed_at_s, slot.last_beat_s, slot.launched_s, self.now)
-        self.actions += [Kill(slot.learner, slot.incarnation), Forget(slot.learner,
-                                                                      slot.incarnation)]
+        self.actions += [Kill(slot.learner, slot.incarnation),
+                         Forget(slot.learner, slot.incarnation, cause.value)]
         self.note("learner_failed", slot.learner, cause=cause.value, incarnation=slot.incarnation,
                   detail=detail, **{"from": slot.state.value})
         verdict = self.settings.policy.decide(slot.learner, cause, slot.restart_counts)
@@ -611,7 +613,7 @@ class _Machine:
 
     def retire(self, slot: Slot, reason: str) -> None:
         if slot.state in LIVE:
-            self.actions.append(Forget(slot.learner, slot.incarnation))
+            self.actions.append(Forget(slot.learner, slot.incarnation, reason.split(" ")[0]))
         slot = dataclasses.replace(slot, restart_at_s=None, recovery=None)
         self.move(slot, SlotState.RETIRED, "learner_retired", reason=reason)
 

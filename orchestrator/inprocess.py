@@ -234,7 +234,7 @@ class _Driver:
         self.fleet_state = fleet_lib.initial(fleet_settings(self.ids, self.regions,
                                                             fleet.speed_factors,
                                                             syncer.settings.min_learners))
-        self.books = Books()
+        self.books = Books(self.num_fragments)
         self.loops = [self.loop_for(i, core) for i, core in enumerate(self.cores)]
         self.paused = [False] * n
         self.parked = [False] * n        # paused at a step boundary, to start again on resume
@@ -301,8 +301,20 @@ class _Driver:
         flat = self.syncer.params_flat()
         return self.assemble(flat) if self.assemble else flat
 
-    def tokens_applied(self) -> int:
-        return sum(entry.applied_tokens for entry in self.syncer.ledger.values())
+    def live_fates(self) -> dict:
+        """Each running incarnation's own books."""
+        return {self.ids[i]: core.fates.to_json() for i, core in enumerate(self.cores)
+                if self.up[i]}
+
+    def tokens_applied(self) -> float:
+        return self.books.tokens(self.live_fates()).applied / self.num_fragments
+
+    def merged_steps(self, i: int) -> dict:
+        """The syncer's fragment -> step of the current incarnation's last merged push."""
+        entry = self.syncer.ledger.get(self.ids[i])
+        if entry is None or entry.incarnation != self.cores[i].incarnation:
+            return {}
+        return dict(entry.merged_steps)
 
     def maybe_eval(self, now_s: float) -> None:
         if self.evaluate is not None:
@@ -316,12 +328,6 @@ class _Driver:
         if entry is None or entry.incarnation != core.incarnation:
             return self.start_step[i]
         return entry.applied_step
-
-    def applied_tokens_current(self, i: int) -> int:
-        entry = self.syncer.ledger.get(self.ids[i])
-        if entry is None or entry.incarnation != self.cores[i].incarnation:
-            return 0
-        return entry.applied_tokens_done
 
     def recheck_open_rounds(self, now: float) -> None:
         for p, slot in enumerate(self.syncer.slots):
@@ -491,12 +497,12 @@ class _Driver:
         i = self.index_of[a.learner]
         if a.mode == "bury":  # decided dead: a live one (a quarantined learner) stops now
             if self.up[i] and self.cores[i].incarnation == a.incarnation:
-                self.kill(i, now)
+                self.kill(i, now, "quarantine")
                 self.cause_of[i] = "quarantine"
             return
         fault = self.current_fault
         if self.up[i]:
-            self.kill(i, now)
+            self.kill(i, now, fault.kind.value)
         else:  # killed during its restart: that comeback is off
             self.restart_token[i] += 1
         self.cause_of[i] = fault.kind.value
@@ -522,12 +528,12 @@ class _Driver:
             self.parked[i] = False
             self.schedule(now, _STEP_START, "start", (i, self.cores[i].incarnation))
 
-    def kill(self, i: int, now: float) -> None:
+    def kill(self, i: int, now: float, reason: str) -> None:
         core = self.cores[i]
         # The watermark is final: forget() drops its open pushes and later ones are refused.
         self.record.watermarks[(i, core.incarnation)] = self.watermark(i)
-        self.books.close_incarnation(self.ids[i], core.tokens_done,
-                                     self.applied_tokens_current(i))
+        self.books.close_incarnation(self.ids[i], core.fates.to_json(), self.merged_steps(i),
+                                     reason)
         self.record.dropped_pushes += len(self.syncer.forget(self.ids[i]))
         self.up[i] = False
         self.parked[i] = False
@@ -619,16 +625,16 @@ class _Driver:
             if self.up[i]:
                 record.watermarks[(i, core.incarnation)] = self.watermark(i)
                 end = self.finished_at[i] if self.finished_at[i] is not None else horizon
-                live = (core.tokens_done, self.applied_tokens_current(i))
+                live = core.fates.to_json()
             else:  # down at the end: allocated (and down) until the horizon
                 end = max(horizon, self.down_since[i])
                 record.down_intervals[i].append((self.down_since[i], end))
             self.books.release(name, end)
             record.allocated_s.append(self.books.allocated_s(end, name))
-            entry = self.syncer.ledger.get(name)
-            record.useful_s.append(entry.applied_compute_total_s if entry else 0.0)
+            fates = self.books.learner_tokens(name, live)
+            record.useful_s.append(fates.applied_s / self.num_fragments)
             record.ledger[name] = {
-                **self.books.learner_tokens(name, live).as_dict(),
+                **fates.as_dict(self.num_fragments),
                 "restarts": sum(r["learner"] == name for r in record.restarts)}
         # The job ends as the Ray controller ends it: stop, then every running learner's run ends.
         end = record.end_time_s

@@ -48,7 +48,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("islands_learner_steps", "counter", ("region", "learner"),
                "Inner steps taken, summed over the learner's incarnations"),
     MetricSpec("islands_tokens", "counter", ("fate",),
-               "Tokens whose update was applied in a merge, or dropped (learner died, push refused)"),
+               "Tokens by fate (docs/architecture.md#token-ledger): applied in a merge, dropped "
+               "(overwritten, refused, or held by an incarnation that ended)"),
     MetricSpec("islands_merges", "counter", ("fragment",), "Merges of each fragment"),
     MetricSpec("islands_quorum_size", "gauge", ("fragment",),
                "Distinct learners in the fragment's last merge"),

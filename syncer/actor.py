@@ -207,7 +207,9 @@ class Syncer:
                          "applied_tokens_incarnation": e.applied_tokens_done,
                          "applied_compute_s": e.applied_compute_total_s,
                          "applied_compute_incarnation_s": e.applied_compute_s,
-                         "applied_step": e.applied_step}
+                         "applied_step": e.applied_step,
+                         "merged_steps": dict(e.merged_steps),
+                         "merged_tokens_total": e.merged_tokens_total, "fates": e.fates}
                   for name, e in self.core.ledger.items()}
         return {
             "epoch": self.core.epoch,

@@ -23,6 +23,10 @@ from .validate import (GARBAGE_REASONS, Accepted, Push, RejectReason, Rejected, 
 
 log = logging.getLogger("islands.syncer")
 
+# Refusals that say the pusher is not who it claims (or not of this syncer): its books are not kept.
+IDENTITY_REASONS = frozenset({RejectReason.STALE_EPOCH, RejectReason.UNKNOWN_LEARNER,
+                              RejectReason.BAD_SESSION})
+
 
 @dataclass(frozen=True)
 class SyncerSettings:
@@ -87,6 +91,17 @@ class LedgerEntry:
     applied_step: int = 0            # the learner's data resume point
     applied_tokens_before: int = 0   # applied tokens of finished incarnations
     applied_compute_before_s: float = 0.0
+    # The current incarnation, per fragment: the learner step of its last merged push (the books
+    # settle a dead learner's open push with it) and the fragment-tokens merges applied (counted
+    # here, independently of the learner's own books).
+    merged_steps: dict = field(default_factory=dict)
+    merged_tokens: dict = field(default_factory=dict)
+    fates: Optional[dict] = None     # the newest books a push of this incarnation carried
+    merged_tokens_total: int = 0     # fragment-tokens merged, every incarnation
+
+    def __post_init__(self):  # JSON round trips (snapshots) turn the fragment keys into strings
+        self.merged_steps = {int(p): int(v) for p, v in self.merged_steps.items()}
+        self.merged_tokens = {int(p): int(v) for p, v in self.merged_tokens.items()}
 
     @property
     def applied_tokens(self) -> int:
@@ -174,6 +189,7 @@ class SyncerCore:
             entry.applied_tokens_before += entry.applied_tokens_done
             entry.applied_compute_before_s += entry.applied_compute_s
             entry.applied_tokens_done, entry.applied_compute_s = 0, 0.0
+            entry.merged_steps, entry.merged_tokens, entry.fates = {}, {}, None
             entry.incarnation = incarnation
         return self.epoch, [(slot.params, slot.version) for slot in self.slots]
 
@@ -221,6 +237,8 @@ class SyncerCore:
         """Validates and stores a push in its fragment's open round. A refusal changes nothing
         but the refusal books (counts, the event, a learner's garbage streak)."""
         verdict = self._judge(push)
+        if verdict.ok or verdict.reason not in IDENTITY_REASONS:
+            self._note_fates(push)
         if not verdict.ok:
             self._refused(push, verdict)
             return verdict
@@ -272,6 +290,13 @@ class SyncerCore:
                             f"drift norm {norm:.4g} > {limit:.4g} (in units of the inner step)")
         slot.outlier_learners = set()
         return _Judged(verdict.staleness, drift, norm)
+
+    def _note_fates(self, push: Push) -> None:
+        """Keeps the newest books of a registered incarnation's pushes."""
+        entry = self.ledger.get(push.learner)
+        if push.fates and entry is not None and entry.incarnation == push.incarnation and (
+                entry.fates is None or push.fates["events"] > entry.fates["events"]):
+            entry.fates = dict(push.fates)
 
     def _refused(self, push: Push, verdict: Rejected) -> None:
         self.rejected[verdict.reason] += 1
@@ -406,6 +431,9 @@ class SyncerCore:
         entry = self.ledger.setdefault(push.learner, LedgerEntry(incarnation=push.incarnation))
         if push.incarnation != entry.incarnation:
             return  # an older incarnation's push cannot be in a round: forget() removed it
+        entry.merged_steps[push.fragment] = push.step
+        entry.merged_tokens[push.fragment] = entry.merged_tokens.get(push.fragment, 0) + push.c_tokens
+        entry.merged_tokens_total += push.c_tokens
         if push.tokens_done > entry.applied_tokens_done:
             entry.applied_tokens_done = push.tokens_done
             entry.applied_compute_s = push.compute_s

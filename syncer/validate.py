@@ -55,6 +55,8 @@ class Push:
       wire_bytes: encoded payload size (for the byte counters).
       session: the token the syncer gave this incarnation at registration ("" where the driver
         registers without one: the in-process drivers, which are trusted code).
+      fates: the learner's token books (``IncarnationFates.to_json()``) as of this push, so the
+        books of an incarnation that dies know what its newest push carried.
     """
 
     learner: str
@@ -70,6 +72,7 @@ class Push:
     compute_s: float = 0.0
     wire_bytes: int = 0
     session: str = ""
+    fates: Optional[Mapping[str, Any]] = None
 
 
 @dataclass(frozen=True)

@@ -75,8 +75,14 @@ def test_summary_and_books(finished_run):
     assert json.loads((run_dir / "summary.json").read_text())["merges"] == summary["merges"]
     assert 0.0 < summary["goodput"] < 1.0  # a lost region costs goodput
     assert summary["learner_restarts"] >= 1 and summary["tokens_applied"] > 0
-    assert (summary["tokens_applied"] + summary["tokens_dropped"] + summary["tokens_in_flight"]
-            == summary["tokens_processed"])
+    ft = summary["fragment_tokens"]  # each term counted where it happens, in exact integers
+    assert ft["applied"] + ft["dropped"] + ft["in_flight"] == ft["processed"] > 0
+    assert summary["books_balanced"] is True
+    # a learner that died while training held drifts: dropped, with how it died as the reason
+    died = {r: n for r, n in summary["tokens_dropped_by"].items()
+            if r not in ("overlap", "refused", "stopped", "drained")}
+    failed = [e for e in events if e["event"] == "learner_failed" and e["from"] == "training"]
+    assert set(died) == {e["cause"] for e in failed}, (summary["tokens_dropped_by"], failed)
     assert summary["regions"]["a"]["wire_bytes_up"] > 0 and summary["wire_bytes"] > 0
     metrics_lines = (run_dir / "metrics.jsonl").read_text().splitlines()
     assert len(metrics_lines) >= 5
@@ -157,9 +163,8 @@ def test_parity_with_the_inprocess_driver(finished_run):
     chaos = lambda pairs: [(f["action"], f["target"]) for f in pairs]  # noqa: E731
     assert chaos(e for e in events if e["event"] == "chaos") == chaos(
         t.fields for _, t in record.transitions if t.name == "chaos")
-    for books in [record.ledger[name] for name in record.ledger] + [{
-            "processed": summary["tokens_processed"], "applied": summary["tokens_applied"],
-            "dropped": summary["tokens_dropped"], "in_flight": summary["tokens_in_flight"]}]:
+    for books in [record.ledger[name]["fragment_tokens"] for name in record.ledger] + [
+            summary["fragment_tokens"]]:
         assert books["applied"] + books["dropped"] + books["in_flight"] == books["processed"]
     assert {n for n, b in record.ledger.items() if b["restarts"]} == {
         n for n, l in summary["learners"].items() if sum(l["restarts"].values())} == {"b:0"}

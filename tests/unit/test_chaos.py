@@ -217,9 +217,20 @@ def run(plan, *, M=2, P=1, H=1, tau=0, steps=6, latency_s=0.0, restart_s=1.5, K=
 
 
 def assert_ledger_balances(record, syncer):
-    for name, fates in record.ledger.items():
-        assert fates["applied"] + fates["dropped"] + fates["in_flight"] == fates["processed"], name
-        assert fates["applied"] == syncer.ledger[name].applied_tokens, name
+    """Each fate is counted where it happens; the terms must account for every fragment-token,
+    and the applied ones must be what the syncer counted at its merges (independently), less the
+    merges a live learner has not adopted yet (still in flight in its own books)."""
+    for i, name in enumerate(record.learner_ids):
+        fates = record.ledger[name]
+        ft = fates["fragment_tokens"]
+        assert ft["applied"] + ft["dropped"] + ft["in_flight"] == ft["processed"], name
+        assert sum(fates["dropped_by"].values()) == fates["dropped"], name
+        entry = syncer.ledger[name]
+        core = record.learners[i]
+        unadopted = sum(f.pushed.tokens for p, f in enumerate(core.fates.fragments)
+                        if entry.incarnation == core.incarnation and f.pushed_step is not None
+                        and entry.merged_steps.get(p) == f.pushed_step)
+        assert ft["applied"] + unadopted == entry.merged_tokens_total, name
 
 
 def test_goodput_of_one_scripted_kill_by_hand():
@@ -236,8 +247,11 @@ def test_goodput_of_one_scripted_kill_by_hand():
                                 "failed_s": 2.5, "back_s": 4.0, "down_s": 1.5,
                                 "resume_step": 2, "peer": "r:0"}]
     assert [k for i, k in calls if i == 1] == [0, 1, 2, 2, 3, 4, 5]  # batch 2 is trained again
-    assert record.ledger["r:1"] == {"processed": 7 * TOKENS, "applied": 6 * TOKENS,
-                                    "dropped": TOKENS, "in_flight": 0, "restarts": 1}
+    fates = record.ledger["r:1"]
+    assert {k: fates[k] for k in ("processed", "applied", "dropped", "in_flight", "dropped_by",
+                                  "restarts")} == {
+        "processed": 7 * TOKENS, "applied": 6 * TOKENS, "dropped": TOKENS, "in_flight": 0,
+        "dropped_by": {"kill": TOKENS}, "restarts": 1}
     assert_ledger_balances(record, syncer)
     assert record.down_intervals == [[], [(2.5, 4.0)]]
     assert record.steps == [6, 6] and plan.fired == plan.faults
@@ -272,10 +286,13 @@ def test_a_kill_drops_unmerged_work_the_victim_resumes_and_the_others_never_wait
                 == [(s.step, s.start_s) for s in clean.step_log if s.learner == i])
         assert [k for j, k in calls if j == i] == [k for j, k in clean_calls if j == i]
     assert record.steps == [40, 40, 40]
-    assert clean.goodput > record.goodput > 0.8
-    # useful seconds are exactly the applied steps of the step log
-    applied_s = sum(s.step_s for s in record.step_log if record.applied(s))
-    assert applied_s == pytest.approx(sum(record.useful_s))
+    # τ/H = 2/4: the two steps between a fragment's push and its adoption are overwritten, so
+    # about half of each fragment's work is applied even without faults (books, not a guess)
+    assert clean.goodput > record.goodput > 0.4
+    assert clean.ledger["r:0"]["dropped_by"]["overlap"] > 0.4 * clean.ledger["r:0"]["processed"]
+    # the honest useful time is below what a watermark (every step before a merged push) credits
+    watermark_s = sum(s.step_s for s in record.step_log if record.applied(s))
+    assert sum(record.useful_s) < watermark_s
 
 
 def test_region_loss_slowdown_and_horizon():
@@ -303,7 +320,7 @@ def test_syncer_kill_fences_the_old_epoch_and_training_goes_on():
     assert record.steps == [20, 20, 20]
     assert sum(record.rejected.values()) > 0   # pushes that met the dead syncer or the old epoch
     assert_ledger_balances(record, syncer)
-    assert record.goodput > 0.8
+    assert record.goodput > 0.4   # τ/H = 1/2 of each fragment's steps are overwritten anyway
 
 
 def test_a_fault_for_an_unknown_target_is_refused():
