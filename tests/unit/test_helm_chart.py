@@ -1,0 +1,374 @@
+"""helm/islands: rendered with Helm's own engine (helm-python-sdk, no cluster), linted, and the
+objects checked against KubeRay's CRD schemas, Kubernetes' schemas and islands' own JobConfig."""
+
+from __future__ import annotations
+
+import functools
+import glob
+import json
+import os
+import re
+
+import jsonschema
+import pytest
+import yaml
+
+hp = pytest.importorskip("helm_python", reason="helm-python-sdk is a dev dependency")
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+from islands.orchestrator.config import parse  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+CHART = os.path.join(REPO, "helm", "islands")
+EXAMPLES = sorted(glob.glob(os.path.join(REPO, "deploy", "helm", "values-*.yaml")))
+CRD_DIR = os.environ.get("ISLANDS_KUBERAY_CRDS") or os.path.join(os.path.dirname(REPO), "shared",
+                                                                  "kuberay")
+KUBE_VERSION = "1.30.0"
+RAY_KINDS = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml"}
+# Objects of CRDs kubernetes-validate has no schema for; checked field by field below.
+MONITOR_KINDS = {"ServiceMonitor", "PodMonitor"}
+CASES = ["default"] + [os.path.basename(p) for p in EXAMPLES]
+
+
+@functools.lru_cache(maxsize=None)
+def chart():
+    return hp.Chart.load(CHART)
+
+
+def example_values(case: str) -> dict:
+    if case == "default":
+        return {}
+    with open(os.path.join(REPO, "deploy", "helm", case)) as f:
+        return yaml.safe_load(f)
+
+
+def render(values: dict | None = None) -> dict[str, str]:
+    return chart().render(values or {}, name="demo", namespace="train")
+
+
+def objects(values: dict | None = None) -> list[dict]:
+    out = []
+    for path, text in render(values).items():
+        if path.endswith(".yaml"):
+            out += [doc for doc in yaml.safe_load_all(text) if doc]
+    return out
+
+
+def only(objs: list[dict], kind: str) -> dict:
+    found = [o for o in objs if o["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def cluster_spec(objs: list[dict]) -> dict:
+    ray = [o for o in objs if o["kind"] in RAY_KINDS]
+    assert len(ray) == 1, [o["kind"] for o in ray]
+    spec = ray[0]["spec"]
+    return spec["rayClusterSpec"] if ray[0]["kind"] == "RayJob" else spec
+
+
+def containers(objs: list[dict]):
+    spec = cluster_spec(objs)
+    for group in [spec["headGroupSpec"]] + spec.get("workerGroupSpecs", []):
+        for container in group["template"]["spec"]["containers"]:
+            yield group, container
+
+
+def region_resources(group: dict) -> dict:
+    """``rayStartParams.resources`` as KubeRay passes it to ``ray start --resources``: a JSON
+    object inside double quotes."""
+    raw = group["rayStartParams"]["resources"]
+    assert raw.startswith('"') and raw.endswith('"'), raw
+    return json.loads(json.loads(raw))
+
+
+@functools.lru_cache(maxsize=None)
+def crd_validator(kind: str):
+    path = os.path.join(CRD_DIR, RAY_KINDS[kind])
+    if not os.path.isfile(path):
+        pytest.skip(f"KubeRay v1.7.0 CRDs not found at {CRD_DIR} (set ISLANDS_KUBERAY_CRDS to a "
+                    f"directory holding {', '.join(RAY_KINDS.values())})")
+    with open(path) as f:   # 1-2 MB each: libyaml's loader reads them ~10x faster
+        crd = yaml.load(f, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
+    version = next(v for v in crd["spec"]["versions"] if v.get("storage"))
+    schema = version["schema"]["openAPIV3Schema"]
+    return jsonschema.Draft7Validator(schema)
+
+
+def crd_errors(obj: dict) -> list[str]:
+    return [f"{'/'.join(map(str, e.absolute_path))}: {e.message}"
+            for e in crd_validator(obj["kind"]).iter_errors(obj)]
+
+
+# -- every values file: renders, lints, validates --------------------------------------------------
+@pytest.mark.parametrize("case", CASES)
+def test_lint_passes(case):
+    report = hp.lint(CHART, example_values(case) or None, strict=True,
+                     kube_version=f"v{KUBE_VERSION}")
+    errors = [m for m in report["messages"] if m["severity"] >= 2]
+    assert report["errors"] == [] and errors == [], report
+
+
+@pytest.mark.parametrize("case, extra", [(c, {}) for c in CASES] + [("default", {"mode": "cluster"})])
+def test_ray_objects_match_kuberay_crds(case, extra):
+    objs = objects({**example_values(case), **extra})
+    ray = [o for o in objs if o["kind"] in RAY_KINDS]
+    assert len(ray) == 1
+    assert crd_errors(ray[0]) == []
+
+
+def test_crd_validation_can_fail():
+    objs = objects()
+    job = only(objs, "RayJob")
+    del job["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["maxReplicas"]
+    job["spec"]["rayClusterSpec"]["authOptions"]["mode"] = "password"
+    errors = crd_errors(job)
+    assert any("'maxReplicas' is a required property" in e for e in errors), errors
+    assert any("authOptions/mode" in e for e in errors), errors
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_core_objects_match_kubernetes_schemas(case):
+    core = [o for o in objects(example_values(case)) if o["kind"] not in set(RAY_KINDS) | MONITOR_KINDS]
+    kinds = {o["kind"] for o in core}
+    assert {"ConfigMap", "Secret", "Service", "NetworkPolicy"} <= kinds, kinds
+    for obj in core:
+        kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
+    with pytest.raises(kubernetes_validate.ValidationError):
+        broken = dict(only(core, "NetworkPolicy"), spec={"podSelector": {}, "ingres": []})
+        kubernetes_validate.validate(broken, KUBE_VERSION, strict=True)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_rendered_job_config_passes_islands_validation(case):
+    values = example_values(case)
+    objs = objects(values)
+    text = next(o for o in objs if o["kind"] == "ConfigMap"
+                and o["metadata"]["name"] == "demo-islands-job")["data"]["job.yaml"]
+    config = parse(yaml.safe_load(text))
+    merged = chart().merge_values(values)
+    enabled = {n: r for n, r in merged["regions"].items() if not r.get("disabled")}
+    assert sorted(config.regions) == sorted(enabled)
+    for name, region in enabled.items():
+        assert config.regions[name].learners == region["learners"]
+        assert config.regions[name].max_learners == (region.get("maxLearners") or region["learners"])
+    assert config.metrics.host == "0.0.0.0" and config.metrics.port == merged["metrics"]["port"]
+    # The entrypoint reads the file the head mounts.
+    job = only(objs, "RayJob")
+    assert job["spec"]["entrypoint"].startswith("islands run /etc/islands/job.yaml")
+    head = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
+    mounts = {m["mountPath"]: m["name"] for m in head["containers"][0]["volumeMounts"]}
+    volume = next(v for v in head["volumes"] if v["name"] == mounts["/etc/islands"])
+    assert volume["configMap"]["name"].endswith("-job")
+
+
+# -- one worker group per region -------------------------------------------------------------------
+def test_worker_group_per_region_with_tpu_selectors_and_limits():
+    values = example_values("values-gke-4-regions.yaml")
+    spec = cluster_spec(objects(values))
+    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
+    assert sorted(groups) == ["asia-northeast1", "europe-west4", "us-central2", "us-east5"]
+    # v5p 2x2x1 is 4 chips on one host; v6e 2x4 is 8 chips on one host.
+    expected = {"us-east5": ("tpu-v5p-slice", "2x2x1", 4), "us-central2": ("tpu-v5p-slice", "2x2x1", 4),
+                "europe-west4": ("tpu-v6e-slice", "2x4", 8), "asia-northeast1": ("tpu-v6e-slice", "2x4", 8)}
+    for name, (tpu, topology, chips) in expected.items():
+        group = groups[name]
+        pod = group["template"]["spec"]
+        assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": tpu,
+                                       "cloud.google.com/gke-tpu-topology": topology}
+        resources = pod["containers"][0]["resources"]
+        assert resources["limits"]["google.com/tpu"] == chips
+        assert resources["requests"]["google.com/tpu"] == chips
+        assert region_resources(group) == {f"region:{name}": 1}
+        assert (group["replicas"], group["maxReplicas"], group["numOfHosts"]) == (2, 4, 1)
+        assert pod["containers"][0]["name"] == "ray-worker"
+
+
+def test_gpu_and_cpu_regions():
+    spec = cluster_spec(objects(example_values("values-gpu.yaml")))
+    for group in spec["workerGroupSpecs"]:
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert limits["nvidia.com/gpu"] == 1 and "google.com/tpu" not in limits
+        assert region_resources(group) == {f"region:{group['groupName']}": 1}
+    assert spec["enableInTreeAutoscaling"] is True
+    spec = cluster_spec(objects(example_values("values-kind.yaml")))
+    assert [g["groupName"] for g in spec["workerGroupSpecs"]] == ["eu-west", "us-east"]
+    for group in spec["workerGroupSpecs"]:
+        limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert set(limits) == {"cpu", "memory"}
+
+
+def test_multi_host_slices_split_chips_per_host():
+    values = {"regions": {"local": {"disabled": True}, "big": {
+        "learners": 1, "hostsPerLearner": 4, "accelerator": {"type": "tpu", "tpuType": "tpu-v5p-slice",
+                                                             "topology": "2x4x4"},
+        "resources": {"requests": {"cpu": "1"}, "limits": {"cpu": "1"}}}}}
+    (group,) = cluster_spec(objects(values))["workerGroupSpecs"]
+    assert group["numOfHosts"] == 4   # 32 chips on 4 hosts: 8 per pod
+    assert group["template"]["spec"]["containers"][0]["resources"]["limits"]["google.com/tpu"] == 8
+    values["regions"]["big"]["hostsPerLearner"] = 3
+    with pytest.raises(hp.HelmError, match="not divisible by hostsPerLearner"):
+        render(values)
+
+
+def test_head_is_cpu_only_and_declares_no_region():
+    for case in CASES:
+        head = cluster_spec(objects(example_values(case)))["headGroupSpec"]
+        assert "resources" not in head["rayStartParams"]
+        limits = head["template"]["spec"]["containers"][0]["resources"]["limits"]
+        assert set(limits) == {"cpu", "memory"}, case
+        assert "nodeSelector" not in head["template"]["spec"] or not any(
+            "tpu" in k for k in head["template"]["spec"]["nodeSelector"])
+
+
+# -- safe by default, and each switch ---------------------------------------------------------------
+def test_safe_defaults():
+    objs = objects()
+    spec = cluster_spec(objs)
+    assert spec["headGroupSpec"]["serviceType"] == "ClusterIP"
+    assert not spec["headGroupSpec"].get("enableIngress")
+    assert not [o for o in objs if o["kind"] == "Ingress"]
+    assert all(o["spec"]["type"] == "ClusterIP" for o in objs if o["kind"] == "Service")
+    # Token auth with the chart's Secret.
+    assert spec["authOptions"] == {"mode": "token", "secretName": "demo-islands-ray-token"}
+    secret = only(objs, "Secret")
+    assert secret["metadata"]["name"] == "demo-islands-ray-token" and secret["data"]["auth_token"]
+    # No privileged pods; requests and limits on every container.
+    for group, container in containers(objs):
+        context = container["securityContext"]
+        assert context["privileged"] is False and context["allowPrivilegeEscalation"] is False
+        assert context["capabilities"]["drop"] == ["ALL"]
+        assert group["template"]["spec"]["securityContext"]["runAsNonRoot"] is True
+        assert container["resources"]["requests"] and container["resources"]["limits"]
+
+
+def test_network_policy_admits_ray_ports_only_from_the_release():
+    objs = objects({"networkPolicy": {"monitoringNamespace": "prom"}})
+    policy = only(objs, "NetworkPolicy")["spec"]
+    release = {"app.kubernetes.io/name": "islands", "app.kubernetes.io/instance": "demo"}
+    assert policy["podSelector"]["matchLabels"] == release
+    assert policy["policyTypes"] == ["Ingress"]
+    same_release, operator, monitoring = policy["ingress"]
+    assert same_release == {"from": [{"podSelector": {"matchLabels": release}}]}
+    assert operator["from"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "kuberay-system"}
+    assert [p["port"] for p in operator["ports"]] == [8265]
+    assert monitoring["from"][0]["namespaceSelector"]["matchLabels"] == {
+        "kubernetes.io/metadata.name": "prom"}
+    assert sorted(p["port"] for p in monitoring["ports"]) == [8080, 9400]
+    # Every pod of the release carries the labels the policy selects.
+    for group, _ in containers(objs):
+        assert release.items() <= group["template"]["metadata"]["labels"].items()
+
+
+def test_each_safety_switch_turns_off():
+    objs = objects({"auth": {"enabled": False}, "networkPolicy": {"enabled": False}})
+    assert "authOptions" not in cluster_spec(objs)
+    assert not [o for o in objs if o["kind"] in ("Secret", "NetworkPolicy")]
+    objs = objects({"auth": {"existingSecret": "mine"}})
+    assert cluster_spec(objs)["authOptions"]["secretName"] == "mine"
+    assert not [o for o in objs if o["kind"] == "Secret"]
+    objs = objects({"mode": "cluster", "dashboard": {"ingress": {"enabled": True,
+                                                                  "host": "ray.example.com"}}})
+    ingress = only(objs, "Ingress")
+    backend = ingress["spec"]["rules"][0]["http"]["paths"][0]["backend"]["service"]
+    assert backend == {"name": "demo-islands-head-svc", "port": {"name": "dashboard"}}
+    kubernetes_validate.validate(ingress, KUBE_VERSION, strict=True)
+    with pytest.raises(hp.HelmError, match="only with mode: cluster"):
+        render({"dashboard": {"ingress": {"enabled": True, "host": "ray.example.com"}}})
+
+
+def test_cluster_mode_renders_a_raycluster_and_the_submit_command():
+    values = {"mode": "cluster"}
+    objs = objects(values)
+    cluster = only(objs, "RayCluster")
+    assert not [o for o in objs if o["kind"] == "RayJob"]
+    assert "restartPolicy" not in cluster["spec"]["headGroupSpec"]["template"]["spec"]
+    notes = render(values)["islands/templates/NOTES.txt"]
+    assert "ray job submit --address http://127.0.0.1:8265 -- islands run /etc/islands/job.yaml" in notes
+    assert "secret demo-islands-ray-token" in notes
+
+
+def test_monitors_select_the_metrics_service_and_ray_pods():
+    objs = objects({"metrics": {"serviceMonitor": {"enabled": True, "additionalLabels": {
+        "release": "prom"}}, "podMonitor": {"enabled": True}}})
+    service = next(o for o in objs if o["kind"] == "Service")
+    monitor = only(objs, "ServiceMonitor")
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()
+    assert monitor["spec"]["endpoints"][0]["port"] == service["spec"]["ports"][0]["name"]
+    # The Service reaches the head container's islands-metrics port.
+    head = cluster_spec(objs)["headGroupSpec"]["template"]
+    assert service["spec"]["selector"].items() <= head["metadata"]["labels"].items()
+    ports = {p["name"]: p["containerPort"] for p in head["spec"]["containers"][0]["ports"]}
+    assert ports[service["spec"]["ports"][0]["targetPort"]] == 9400
+    pods = only(objs, "PodMonitor")
+    assert pods["spec"]["podMetricsEndpoints"][0]["port"] == "metrics" and ports["metrics"] == 8080
+    assert not [o for o in objects() if o["kind"] in MONITOR_KINDS]   # off by default
+
+
+def test_grafana_dashboard_configmap_is_the_project_dashboard():
+    cm = next(o for o in objects() if o["kind"] == "ConfigMap" and "islands.json" in o["data"])
+    assert cm["metadata"]["labels"]["grafana_dashboard"] == "1"
+    with open(os.path.join(REPO, "deploy", "grafana", "islands.json")) as f:
+        assert json.loads(cm["data"]["islands.json"]) == json.load(f), (
+            "helm/islands/dashboards/islands.json differs from deploy/grafana/islands.json; copy it")
+
+
+# -- values.schema.json -----------------------------------------------------------------------------
+@pytest.mark.parametrize("values, message", [
+    ({"regions": {"x": {"learners": 1, "resources": {"requests": {"cpu": 1}, "limits": {"cpu": 1}}}}},
+     "/regions/x': missing property 'accelerator'"),
+    ({"regions": {"local": {"learners": -1}}}, "/regions/local/learners': minimum: got -1"),
+    ({"replicas": 3}, "additional properties 'replicas' not allowed"),
+    ({"regions": {"local": {"replica": 3}}}, "additional properties 'replica' not allowed"),
+    ({"regions": {"Us_East": {}}}, "/regions"),
+    ({"regions": {"local": {"accelerator": {"type": "tpu", "topology": "2x2x1"}}}}, "/regions/local/accelerator"),
+    ({"link": {"enabled": True}}, "/link/enabled"),
+    ({"jobConfig": {"regions": {}}}, "/jobConfig"),
+])
+def test_schema_rejects(values, message):
+    with pytest.raises(hp.HelmValuesError) as info:
+        chart().validate_schema(chart().merge_values(values))
+    assert message in str(info.value)
+    with pytest.raises(hp.HelmValuesError):
+        render(values)
+
+
+def test_schema_accepts_defaults_and_examples():
+    for case in CASES:
+        chart().validate_schema(chart().merge_values(example_values(case)))
+
+
+def test_every_value_is_documented():
+    """Every leaf key of values.yaml has a ``# --`` comment above it or above an ancestor, and
+    every top-level key appears in the chart README."""
+    with open(os.path.join(CHART, "values.yaml")) as f:
+        lines = f.read().splitlines()
+    key = re.compile(r"^(\s*)([A-Za-z0-9_.-]+):(.*)$")
+    stack: list[tuple[int, str, bool]] = []   # (indent, key, documented)
+    undocumented, comment = [], False
+    for i, line in enumerate(lines):
+        if line.strip().startswith("# --"):
+            comment = True
+            continue
+        if line.strip().startswith("#") or not line.strip():
+            continue
+        match = key.match(line)
+        if not match:
+            comment = False
+            continue
+        indent, name, rest = len(match.group(1)), match.group(2), match.group(3).strip()
+        while stack and stack[-1][0] >= indent:
+            stack.pop()
+        documented = comment or any(d for _, _, d in stack)
+        is_leaf = bool(rest) and not rest.startswith("#")
+        if is_leaf and not documented:
+            undocumented.append(".".join([k for _, k, _ in stack] + [name]))
+        stack.append((indent, name, documented))
+        comment = False
+    assert undocumented == []
+    with open(os.path.join(CHART, "README.md")) as f:
+        readme = f.read()
+    top = [k for k in chart().values if k != "global"]
+    assert [k for k in top if f"`{k}" not in readme] == []
