@@ -264,7 +264,7 @@ def progress_line(snap: dict) -> str:
     el = snap.get("eval_loss")
     fmt = lambda v: "-" if v is None else f"{v:.3f}"  # noqa: E731
     line = (f"[{snap['elapsed_s']:7.1f}s] merges {snap['syncer'].get('merges') or 0:5d}  "
-            f"tokens applied {snap['tokens']['applied']:>9,d}  train {fmt(tl)}  eval {fmt(el)}  "
+            f"tokens applied {snap['tokens']['applied']:>9,.0f}  train {fmt(tl)}  eval {fmt(el)}  "
             f"goodput {gp:.3f}  learners {snap['alive']}/{snap['total']}")
     if snap.get("paused_reason"):
         line += f"  PAUSED: {snap['paused_reason']}"

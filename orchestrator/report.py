@@ -593,6 +593,10 @@ def summary_rows(summary: Mapping[str, Any]) -> list[tuple[str, str]]:
     if dropped != "–" and processed:
         dropped += f" ({100 * summary['tokens_dropped'] / processed:.2f} % of processed)"
     rows.append(("tokens dropped", dropped))
+    by_fate = summary.get("tokens_dropped_by") or {}
+    if by_fate:
+        rows.append(("tokens dropped, by reason", ", ".join(
+            f"{reason} {_int(n)}" for reason, n in sorted(by_fate.items(), key=lambda x: -x[1]))))
     if "tokens_in_flight" in summary:
         rows.append(("tokens in flight at the end", _int(summary.get("tokens_in_flight"))))
     rows.append(("merges", _int(summary.get("merges"))))

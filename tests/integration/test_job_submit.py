@@ -3,6 +3,8 @@
 import json
 import os
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import time
@@ -34,6 +36,38 @@ def ray_cli(*args, env, timeout=120, check=True):
                           check=check)
 
 
+def _stop_session(proc: subprocess.Popen) -> None:
+    """Stops the head this test started, and only it: `ray start --block` runs in a session of
+    its own, and every Ray process it started is in that session (``ray stop`` would kill every
+    Ray cluster on the machine)."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _wait_until_started(proc: subprocess.Popen, log_path, timeout_s: float = 180) -> None:
+    """`ray start --block` prints "Ray runtime started" once the head (and its job agent) is up."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        text = open(log_path).read()
+        if "Ray runtime started" in text:
+            return
+        if proc.poll() is not None:
+            pytest.fail("ray start exited: " + text[-3000:])
+        time.sleep(0.5)
+    pytest.fail("ray start did not finish starting: " + open(log_path).read()[-3000:])
+
+
 @pytest.fixture(scope="module")
 def head(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
@@ -43,13 +77,25 @@ def head(tmp_path_factory):
     # RAY_AUTH_MODE=token behind, which would make `ray start` demand an existing one.
     for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
         env.pop(name, None)
-    started = ray_cli("start", "--head", "--num-cpus", "3", "--node-ip-address", "127.0.0.1",
-                      "--port", "0", "--dashboard-host", "127.0.0.1", "--dashboard-port", "8299",
-                      "--resources", json.dumps({"region:us-east": 1, "region:eu-west": 1}),
-                      "--disable-usage-stats", env=env, timeout=180, check=False)
-    assert started.returncode == 0, started.stdout[-3000:] + started.stderr[-3000:]
-    yield env
-    ray_cli("stop", "--force", env=env, check=False)
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    exe = ray_bin if os.path.exists(ray_bin) else shutil.which("ray")
+    log = open(home / "ray-start.log", "w")
+    proc = subprocess.Popen(
+        [exe, "start", "--head", "--block", "--num-cpus", "3", "--node-ip-address", "127.0.0.1",
+         "--port", "0", "--dashboard-host", "127.0.0.1", "--dashboard-port", "8299",
+         # free ports of its own: another Ray cluster on this machine may hold the defaults
+         "--dashboard-agent-listen-port", str(_free_port()),
+         "--dashboard-agent-grpc-port", str(_free_port()),
+         "--metrics-export-port", str(_free_port()),
+         "--resources", json.dumps({"region:us-east": 1, "region:eu-west": 1}),
+         "--disable-usage-stats"], env=env, stdout=log, stderr=subprocess.STDOUT,
+        start_new_session=True)
+    try:
+        _wait_until_started(proc, home / "ray-start.log")
+        yield env
+    finally:
+        _stop_session(proc)
+        log.close()
 
 
 def test_ray_job_submit_runs_the_job(head, tmp_path):
@@ -58,11 +104,16 @@ def test_ray_job_submit_runs_the_job(head, tmp_path):
     (job_dir / "job.yaml").write_text(JOB_YAML)
     run_dir = tmp_path / "run"
     t0 = time.time()
-    result = ray_cli("job", "submit", "--address", "http://127.0.0.1:8299",
-                     "--working-dir", str(job_dir), "--",
-                     sys.executable, "-m", "islands.orchestrator.cli", "run", "job.yaml",
-                     "--duration", "25", "--run-dir", str(run_dir),
-                     env=head, timeout=400, check=False)
+    deadline = time.time() + 120
+    while True:  # the head's job agent may still be starting: it says so, and we ask again
+        result = ray_cli("job", "submit", "--address", "http://127.0.0.1:8299",
+                         "--working-dir", str(job_dir), "--",
+                         sys.executable, "-m", "islands.orchestrator.cli", "run", "job.yaml",
+                         "--duration", "25", "--run-dir", str(run_dir),
+                         env=head, timeout=400, check=False)
+        if "No available agent" not in result.stderr or time.time() > deadline:
+            break
+        time.sleep(2)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "succeeded" in (result.stdout + result.stderr).lower()
     summary = json.loads((run_dir / "summary.json").read_text())
