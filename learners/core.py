@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from islands.syncer import downlink as downlink_lib
 from islands.syncer import fragments as fragments_lib
 from islands.syncer.fragments import Fragment, FragmentPlan
 from islands.syncer.validate import Push
@@ -45,6 +46,8 @@ class FragmentTrack:
     pending_ef_state: Any = None
     reply: Optional[tuple[Fragment, int]] = None
     resend: bool = False           # re-based after a refusal: push again at the next step
+    base_id: int = 0               # the syncer's id of this base (syncer/downlink.py; 0: exact)
+    base_host: Optional[Fragment] = None   # the base as host arrays, once the learner has them
 
 
 @dataclass
@@ -161,7 +164,7 @@ class LearnerCore:
                     base_version=track.base_version, epoch=epoch, c_tokens=track.c_tokens,
                     c_steps=track.c_steps, incarnation=self.incarnation, step=self.step,
                     tokens_done=self.tokens_done, compute_s=self.compute_s, wire_bytes=nbytes,
-                    session=self.session)
+                    session=self.session, base_shadow=track.base_id)
         return PushPlan(push, nbytes, err)
 
     def push_refused(self, p: int, fragment: Optional[Fragment] = None,
@@ -202,6 +205,7 @@ class LearnerCore:
                  for path in base}
         self.params = fragments_lib.insert(self.params, self.plan, p, moved)
         track.base, track.base_version = base, version
+        track.base_id, track.base_host = downlink_lib.EXACT, None
         track.in_flight_since_step = None
         track.pending_ef_state = None
         track.reply = None
@@ -215,13 +219,15 @@ class LearnerCore:
         for track, fragment, version in zip(self.tracks, fragments, versions):
             track.base = on_device(fragment)
             track.base_version = version
+            track.base_id, track.base_host = downlink_lib.EXACT, None
             track.in_flight_since_step = None
             track.reply = None
             track.pending_ef_state = None
 
     # -- step 3: adopt a merged fragment ----------------------------------------------------------
-    def offer_reply(self, p: int, fragment: Fragment, version: int) -> None:
-        """The merged fragment that answers this learner's push has arrived; adopt when due."""
+    def offer_reply(self, p: int, fragment: Any, version: int) -> None:
+        """The answer to this learner's push has arrived (the merged fragment, or a
+        ``downlink.FullUpdate`` / ``DiffUpdate``); adopt when due."""
         self.tracks[p].reply = (fragment, version)
 
     def adopt_ready(self) -> list[int]:
@@ -237,8 +243,24 @@ class LearnerCore:
             adopted.append(p)
         return adopted
 
-    def adopt(self, p: int, fragment: Fragment, version: int) -> None:
+    def adopt(self, p: int, fragment: Any, version: int) -> None:
+        """Takes fragment p from the syncer: a merged fragment or a downlink update of it, which
+        is applied on the host to this learner's base exactly as the syncer applied it to its
+        shadow. An encoded update made for another base is not applied (it cannot be: the
+        learner keeps its base, and the syncer refuses its next push and sends the full
+        fragment to re-base on)."""
         track = self.tracks[p]
+        host = track.base_host
+        if isinstance(fragment, downlink_lib.DiffUpdate) and host is None:
+            host = {path: np.asarray(value, np.float32) for path, value in track.base.items()}
+        resolved = downlink_lib.resolve(fragment, host, track.base_id)
+        if resolved is None:
+            self.push_refused(p)
+            return
+        fragment, sent_version, base_id = resolved
+        version = sent_version if sent_version >= 0 else version
+        track.base_id = base_id
+        track.base_host = fragment if base_id != downlink_lib.EXACT else None
         base = on_device(fragment)  # one host-to-device copy, shared by base and parameters
         if self.merge_alpha == 0.0:
             new_local = base

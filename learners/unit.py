@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from islands.syncer import downlink as downlink_lib
 from islands.syncer.codec_kinds import DEFAULT_BLOCK_SIZE
 
 log = logging.getLogger("islands.learner")
@@ -413,11 +414,12 @@ class LearnerUnit:
                 self._reregister()
                 continue
             if reply.status == "merged":
-                nbytes = sum(int(np.asarray(v).nbytes) for v in reply.params.values())
+                update = reply.update if reply.update is not None else reply.params
+                nbytes = downlink_lib.update_bytes(update)
                 with self.lock:
                     self.stats["wire_bytes_down"] += nbytes
                 arrived.append((self.arrival_s(time.time(), nbytes), reply.fragment,
-                                reply.params, reply.version))
+                                update, reply.version))
             else:
                 reason = reply.reason if reply.status == "rejected" else reply.status
                 with self.lock:

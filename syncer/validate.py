@@ -55,6 +55,9 @@ class Push:
       wire_bytes: encoded payload size (for the byte counters).
       session: the token the syncer gave this incarnation at registration ("" where the driver
         registers without one: the in-process drivers, which are trusted code).
+      base_shadow: the id of the learner's base (``syncer/downlink.py``): 0, the exact global
+        fragment of ``base_version``; otherwise the shadow the syncer recorded when it sent the
+        encoded update the learner adopted.
     """
 
     learner: str
@@ -70,6 +73,7 @@ class Push:
     compute_s: float = 0.0
     wire_bytes: int = 0
     session: str = ""
+    base_shadow: int = 0
 
 
 @dataclass(frozen=True)
