@@ -16,8 +16,8 @@ import numpy as np
 import optax
 
 from . import downlink as downlink_lib
+from . import fused
 from . import merge as merge_lib
-from . import outer as outer_lib
 from .fragments import Fragment
 from .quorum import Decision, grace_window, merge_decision
 from .validate import (GARBAGE_REASONS, Accepted, Push, RejectReason, Rejected, check_counters,
@@ -52,13 +52,16 @@ class SyncerSettings:
 
 @dataclass
 class Contribution:
-    """An accepted push, reconstructed as the learner's fragment ``θ_m[p] = Θ[p](base) + δ``."""
+    """An accepted push, kept as its outer gradient ``g_m = Θ[p] − θ_m[p]`` where
+    ``θ_m[p] = base + δ`` is the learner's fragment (Θ[p] does not change while the round is open:
+    only this fragment's merge, which closes the round, replaces it)."""
 
     push: Push
-    theta: Fragment
+    outer_grad: Fragment
     staleness: int
     arrived_s: float
     base: Optional[Fragment] = None   # exactly what the learner held (the downlink diffs from it)
+    grad_norms: Optional[dict] = None  # ‖g_m‖ per tensor
 
 
 @dataclass
@@ -245,10 +248,11 @@ class SyncerCore:
         slot.recent_norms.append(norm)  # accepted: part of what "normal" is
         self.garbage_streak.pop(push.learner, None)
         base = self._base_of(push)
-        theta = {path: base[path] + np.asarray(drift[path], np.float32) for path in base}
+        grads, norms = fused.outer_gradient(slot.params, base, drift)
         if not slot.round:
             slot.round_opened_at_s = now_s
-        slot.round[push.learner] = Contribution(push, theta, verdict.staleness, now_s, base)
+        slot.round[push.learner] = Contribution(push, grads, verdict.staleness, now_s, base,
+                                                norms)
         if slot.quorum_reached_at_s is None and len(slot.round) >= self.settings.min_learners:
             slot.quorum_reached_at_s = now_s
         return Accepted(verdict.staleness)
@@ -389,20 +393,23 @@ class SyncerCore:
                    for c in contributions]
         if sum(weights) <= 0:  # every learner pushed with zero steps: nothing to learn from
             weights = [1.0] * len(contributions)
-        outer_grads = [{path: slot.params[path] - c.theta[path] for path in slot.params}
-                       for c in contributions]
-        merged = merge_lib.merge_outer_gradients(outer_grads, weights, self.settings.merge_rule,
-                                                 self.is_embedding)
+        share = 1.0
         if self.settings.participation_scale and live_count:
             # With K < M a round of M learners arrives as several merges; each full outer step
             # (Nesterov, lr 0.7) would then count M times per round and its momentum diverges in
             # a mixed fleet (measured: eval loss 3.0 -> 1e5). Scaling by the share n/M keeps one
             # round's total step the size of a synchronous one; with K = M it is exactly 1.
-            share = np.float32(min(1.0, len(contributions) / live_count))
-            merged = {path: share * g for path, g in merged.items()}
-        new_params, new_outer = outer_lib.outer_step(self.outer, merged, slot.outer_state,
-                                                     slot.params)
-        if not all(np.all(np.isfinite(v)) for v in new_params.values()):
+            share = min(1.0, len(contributions) / live_count)
+        rda_paths = frozenset(
+            path for path in slot.params
+            if self.settings.merge_rule == merge_lib.MergeRule.RDA and not self.is_embedding(path))
+        # One compiled program: RDA / weighted mean per tensor, the share, the outer step and
+        # the finiteness check (syncer/fused.py).
+        new_params, new_outer, finite, grad_norm = fused.merge_and_step(
+            self.outer, rda_paths, [c.outer_grad for c in contributions],
+            [c.grad_norms for c in contributions], weights, share, slot.params,
+            slot.outer_state)
+        if not finite:
             # Θ is never replaced by garbage: the round is refused whole and Θ stays as it was.
             for c in contributions:
                 self._refused(c.push, Rejected(RejectReason.BAD_MERGE,
@@ -430,7 +437,7 @@ class SyncerCore:
             fragment=fragment, version=slot.version, params=slot.params,
             learners=tuple(c.push.learner for c in contributions),
             staleness=tuple(c.staleness for c in contributions), reason=reason,
-            outer_grad_norm=drift_norm(merged),
+            outer_grad_norm=grad_norm,
             bases=tuple((c.push.base_shadow, c.push.base_version, c.base)
                         for c in contributions))
 
