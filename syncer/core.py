@@ -140,6 +140,7 @@ class SyncerCore:
         # (learner, fragment) -> the Shadow of what it holds after its last encoded update.
         self.shadows: dict[tuple[str, int], downlink_lib.Shadow] = {}
         self._shadow_ids = itertools.count((epoch << 32) + 1)  # never 0, unique per epoch
+        self.pool = fused.BufferPool()   # outer-gradient buffers, reused round after round
         self.outer = outer_optimizer
         self.decode = decode
         self.is_embedding = is_embedding
@@ -248,7 +249,7 @@ class SyncerCore:
         slot.recent_norms.append(norm)  # accepted: part of what "normal" is
         self.garbage_streak.pop(push.learner, None)
         base = self._base_of(push)
-        grads, norms = fused.outer_gradient(slot.params, base, drift)
+        grads, norms = fused.outer_gradient(slot.params, base, drift, self.pool)
         if not slot.round:
             slot.round_opened_at_s = now_s
         slot.round[push.learner] = Contribution(push, grads, verdict.staleness, now_s, base,
@@ -403,12 +404,14 @@ class SyncerCore:
         rda_paths = frozenset(
             path for path in slot.params
             if self.settings.merge_rule == merge_lib.MergeRule.RDA and not self.is_embedding(path))
-        # One compiled program: RDA / weighted mean per tensor, the share, the outer step and
-        # the finiteness check (syncer/fused.py).
+        # In place, one pass per learner and a few for the step (syncer/fused.py).
         new_params, new_outer, finite, grad_norm = fused.merge_and_step(
             self.outer, rda_paths, [c.outer_grad for c in contributions],
             [c.grad_norms for c in contributions], weights, share, slot.params,
-            slot.outer_state)
+            slot.outer_state, self.pool)
+        for c in contributions:   # the round is closed: its buffers serve the next pushes
+            for g in c.outer_grad.values():
+                self.pool.give(g)
         if not finite:
             # Θ is never replaced by garbage: the round is refused whole and Θ stays as it was.
             for c in contributions:

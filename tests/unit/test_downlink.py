@@ -145,7 +145,7 @@ def test_learner_and_shadow_agree_bit_for_bit_over_many_rounds(down, up):
         theta_now = syncer.slots[p].params
         for k in base:  # g = Θ − (S + δ) on the syncer is Θ − (the learner's base + δ), exactly
             np.testing.assert_array_equal(contribution.outer_grad[k],
-                                          theta_now[k] - (base[k] + decoded[k]))
+                                          (theta_now[k] - base[k]) - decoded[k])
         result = syncer.merge(p, "test", live_count=2)
         update = syncer.updates(result)[name]
         diffs += isinstance(update, downlink.DiffUpdate)
