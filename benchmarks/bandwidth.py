@@ -229,7 +229,7 @@ def plot(out_dir, rows, dp_bpt, dp_loss, dp_need, steps, delta_ms) -> str:
     from matplotlib.ticker import NullFormatter
     ax2.xaxis.set_minor_formatter(NullFormatter())
     for y, v in enumerate(needs):
-        ax2.text(v * 1.05, y, f"{v * 1e3:.0f} Mbit/s", va="center", fontsize=7)
+        ax2.text(v * 1.05, y, f"{v * 1e3:.2g} Mbit/s", va="center", fontsize=7)
     ax2.set_xlim(min(needs) / 1.5, max(needs) * 3)
     ax2.set_xlabel("Gbit/s per learner so that no step waits (log)")
     ax2.set_title(f"Bandwidth needed at this CPU's step time ({delta_ms:.1f} ms)")

@@ -6,6 +6,7 @@ inner steps. The train step itself lives in ``inner.py``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -52,11 +53,20 @@ class FragmentTrack:
 
 @dataclass
 class PushPlan:
-    """A push ready to send, and the bytes it takes on the wire."""
+    """A push ready to send, and the bytes it takes on the wire.
+
+    The codes and the relative error may still be device values being computed (``make_push``
+    only dispatches the encode); ``on_host()`` waits for them and copies them to the host, which
+    the Ray learner's sender thread does off the training thread's path."""
 
     push: Push
     wire_bytes: int
-    relative_error: float
+    relative_error: Any
+
+    def on_host(self) -> "PushPlan":
+        codes = jax.device_get(self.push.codes)
+        return PushPlan(dataclasses.replace(self.push, codes=codes), self.wire_bytes,
+                        float(self.relative_error))
 
 
 # Refusals that say nothing about the drift itself: keep it and push again after re-registering.
@@ -153,9 +163,9 @@ class LearnerCore:
     def make_push(self, p: int, epoch: int) -> PushPlan:
         track = self.tracks[p]
         local = fragments_lib.extract(self.params, self.plan, p)
+        # Dispatched, not waited for: the codes (and the error metric) reach the host when the
+        # caller asks (PushPlan.on_host), so the next inner step can start meanwhile.
         codes, new_ef_state, err = self._encode_drift(local, track.base, track.ef_state)
-        codes = jax.device_get(codes)  # host arrays on the wire, wherever the encode ran
-        err = float(err)
         track.pending_ef_state = new_ef_state
         track.in_flight_since_step = self.step
         track.resend = False
