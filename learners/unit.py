@@ -237,6 +237,14 @@ class LearnerUnit:
             return {p: (t.base_version, {k: np.asarray(v) for k, v in t.base.items()})
                     for p, t in enumerate(self.core.tracks)}
 
+    def fragment_base_ids(self) -> dict:
+        """{p: (version, base id)}: the syncer's name for each base (syncer/downlink.py; 0: the
+        exact global fragment of that version)."""
+        with self.lock:
+            if self.core is None:
+                return {}
+            return {p: (t.base_version, t.base_id) for p, t in enumerate(self.core.tracks)}
+
     def inner_state(self) -> Any:
         """A numpy copy of the inner optimizer state, for a restarting peer (docs/architecture.md#failures-and-reintegration)."""
         import jax

@@ -249,6 +249,12 @@ class Syncer:
         """Fragment p at ``version`` if it is still in the history, else None."""
         return self.core.slots[p].history.get(version)
 
+    async def shadow(self, learner: str, p: int) -> Optional[tuple]:
+        """(shadow id, version, fragment) the syncer records for what ``learner`` holds of
+        fragment p after its last encoded update, or None."""
+        shadow = self.core.shadows.get((learner, p))
+        return None if shadow is None else (shadow.shadow_id, shadow.version, shadow.params)
+
     async def refusals_since(self, total: int) -> tuple[list[dict], int]:
         """Refusals after the first ``total`` this syncer made (the newest 10,000 are kept)."""
         new = self.core.refusals_total - total
