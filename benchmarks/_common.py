@@ -24,6 +24,7 @@ from islands.learners import data, inner, model  # noqa: E402
 from islands.orchestrator import baseline, inprocess  # noqa: E402
 from islands.orchestrator.chaos import FaultPlan, RestartCosts  # noqa: E402
 from islands.syncer import codec as codec_lib  # noqa: E402
+from islands.syncer import downlink as downlink_lib  # noqa: E402
 from islands.syncer import fragments, outer  # noqa: E402
 from islands.syncer.core import SyncerSettings  # noqa: E402
 from islands.syncer.merge import MergeRule  # noqa: E402
@@ -156,11 +157,17 @@ def run_ours(setup: Setup, *, learner_ids: Sequence[str], fleet: inprocess.Fleet
              steps: int = 10 ** 9,
              until_s: Optional[float] = None,
              faults: Optional[FaultPlan] = None, restart: RestartCosts = RestartCosts(),
-             eval_every_steps: int = 0) -> inprocess.RunRecord:
+             eval_every_steps: int = 0, codec_block_size: int = codec_lib.DEFAULT_BLOCK_SIZE,
+             downlink: str = "none",
+             downlink_block_size: int = codec_lib.DEFAULT_BLOCK_SIZE) -> inprocess.RunRecord:
     """Decoupled DiLoCo in the in-process driver (docs/architecture.md#the-algorithm defaults: RDA merge, outer Nesterov
     0.7/0.9, α = 0, error feedback; ``outer_kind="sgd"`` is sgd(1.0), plain averaging;
-    ``outer_kwargs`` sets the outer optimizer's lr and momentum)."""
-    c = codec_lib.make_codec(codec)
+    ``outer_kwargs`` sets the outer optimizer's lr and momentum). ``codec`` encodes the pushes,
+    ``downlink`` the syncer's answers ("none": the merged fragment in fp32)."""
+    c = codec_lib.make_codec(codec, block_size=codec_block_size)
+    down = downlink_lib.DownlinkSettings(
+        None if downlink == "none" else codec_lib.make_codec(downlink,
+                                                             block_size=downlink_block_size))
     settings = SyncerSettings(min_learners=min_learners, overlap_steps=overlap_steps,
                               grace_gamma=grace_gamma, grace_cap_s=grace_cap_s,
                               merge_rule=MergeRule(merge_rule),
@@ -175,7 +182,7 @@ def run_ours(setup: Setup, *, learner_ids: Sequence[str], fleet: inprocess.Fleet
         error_feedback_factory=lambda: codec_lib.error_feedback(c),
         decode=lambda codes: codec_lib.decode_tree(c, codes),
         wire_bytes=codec_lib.tree_wire_bytes, learner_ids=list(learner_ids), merge_alpha=0.0,
-        is_embedding=model.is_embedding_path)
+        is_embedding=model.is_embedding_path, downlink=down)
     record = inprocess.run_inprocess(
         learners=learners, syncer=syncer, train_step=setup.train_step,
         batch_for=setup.batch_for, tokens_per_batch=setup.tokens_per_batch, fleet=fleet,

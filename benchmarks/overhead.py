@@ -232,13 +232,18 @@ class InprocessLearner:
             t1 = time.perf_counter()
             batch = loop.batch()
             t2 = time.perf_counter()
-            loss = float(loop.train(batch))
+            loss = loop.train(batch)
+            loop.prefetch(core.step + 1)   # as the learner does: while the step runs
+            loss = float(loss)
             t3 = time.perf_counter()
             syncer_s = 0.0
             with self.lock:
                 loop.record(t3 - t0)
             t4 = time.perf_counter()
             for plan in loop.pushes(self.epoch):
+                # The Ray learner's sender thread does this off the step's path; here it is
+                # counted as push time (an upper bound on what the learner pays).
+                plan = plan.on_host()
                 self.stats["pushes"] += 1
                 self.stats["wire_bytes_up"] += plan.wire_bytes
                 syncer_s += self._syncer_round(plan.push, times)

@@ -208,6 +208,8 @@ def measure_size(num_params: int, learners: int, rounds: int, codec_kind: str) -
             "merged_gb_per_s": merged_bytes / round_s / 1e9,
             "copy_ms": 1e3 * copy_s * learners, "copy_gb_per_s": nbytes / copy_s / 1e9,
             "ratio_to_copy": (merged_bytes / round_s) / (nbytes / copy_s),
+            # the merge + outer step alone (the pushes' decode and checks apart)
+            "merge_ratio_to_copy": (merged_bytes / merge_m_s) / (nbytes / copy_s),
             "wire_gb_per_s": learners * wire / round_s / 1e9}
 
 
@@ -310,7 +312,7 @@ def parse_args(argv=None):
     parser.add_argument("--sizes", default=None, help="comma list of fragment sizes (parameters)")
     parser.add_argument("--learners", type=int, default=4, help="M: pushes per merge round")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per size")
-    parser.add_argument("--codec", default="int4", choices=["none", "bf16", "int8", "int4"])
+    parser.add_argument("--codec", default="int4", choices=["none", "bf16", "int8", "int4", "int2"])
     parser.add_argument("--step-time-s", type=float, default=None,
                         help="tiny scenario's step time (default: measured here)")
     parser.add_argument("--fragments", type=int, default=4, help="P = H of the tiny scenario")
@@ -346,6 +348,7 @@ def main(argv=None) -> dict:
           f"thread env {env}")
     print(format_table(rows, ["params", "fragment_mb", "push_ms", "merge_ms", "round_ms",
                               "merges_per_s", "merged_gb_per_s", "copy_gb_per_s", "ratio_to_copy",
+                              "merge_ratio_to_copy",
                               "wire_gb_per_s"]))
     print("\nmost learners one syncer sustains (utilisation ≤ 1 on one event loop):")
     print("  r = P/(H·ξ_step);  c_merge(L) = a + b·L;  c_reply = 4·N/P bytes ÷ copy rate")

@@ -6,6 +6,7 @@ inner steps. The train step itself lives in ``inner.py``.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -14,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from islands.learners.fates import REFUSED, IncarnationFates
+from islands.syncer import downlink as downlink_lib
 from islands.syncer import fragments as fragments_lib
 from islands.syncer.fragments import Fragment, FragmentPlan
 from islands.syncer.validate import Push
@@ -46,15 +48,26 @@ class FragmentTrack:
     pending_ef_state: Any = None
     reply: Optional[tuple[Fragment, int]] = None
     resend: bool = False           # re-based after a refusal: push again at the next step
+    base_id: int = 0               # the syncer's id of this base (syncer/downlink.py; 0: exact)
+    base_host: Optional[Fragment] = None   # the base as host arrays, once the learner has them
 
 
 @dataclass
 class PushPlan:
-    """A push ready to send, and the bytes it takes on the wire."""
+    """A push ready to send, and the bytes it takes on the wire.
+
+    The codes and the relative error may still be device values being computed (``make_push``
+    only dispatches the encode); ``on_host()`` waits for them and copies them to the host, which
+    the Ray learner's sender thread does off the training thread's path."""
 
     push: Push
     wire_bytes: int
-    relative_error: float
+    relative_error: Any
+
+    def on_host(self) -> "PushPlan":
+        codes = jax.device_get(self.push.codes)
+        return PushPlan(dataclasses.replace(self.push, codes=codes), self.wire_bytes,
+                        float(self.relative_error))
 
 
 # Refusals that say nothing about the drift itself: keep it and push again after re-registering.
@@ -158,9 +171,9 @@ class LearnerCore:
     def make_push(self, p: int, epoch: int) -> PushPlan:
         track = self.tracks[p]
         local = fragments_lib.extract(self.params, self.plan, p)
+        # Dispatched, not waited for: the codes (and the error metric) reach the host when the
+        # caller asks (PushPlan.on_host), so the next inner step can start meanwhile.
         codes, new_ef_state, err = self._encode_drift(local, track.base, track.ef_state)
-        codes = jax.device_get(codes)  # host arrays on the wire, wherever the encode ran
-        err = float(err)
         track.pending_ef_state = new_ef_state
         track.in_flight_since_step = self.step
         track.resend = False
@@ -170,7 +183,8 @@ class LearnerCore:
                     base_version=track.base_version, epoch=epoch, c_tokens=track.c_tokens,
                     c_steps=track.c_steps, incarnation=self.incarnation, step=self.step,
                     tokens_done=self.tokens_done, compute_s=self.compute_s, wire_bytes=nbytes,
-                    session=self.session, fates=self.fates.to_json())
+                    session=self.session, base_shadow=track.base_id,
+                    fates=self.fates.to_json())
         return PushPlan(push, nbytes, err)
 
     def push_refused(self, p: int, fragment: Optional[Fragment] = None,
@@ -214,6 +228,7 @@ class LearnerCore:
                  for path in base}
         self.params = fragments_lib.insert(self.params, self.plan, p, moved)
         track.base, track.base_version = base, version
+        track.base_id, track.base_host = downlink_lib.EXACT, None
         track.in_flight_since_step = None
         track.pending_ef_state = None
         track.reply = None
@@ -229,13 +244,15 @@ class LearnerCore:
             self.fates.returned(p)
             track.base = on_device(fragment)
             track.base_version = version
+            track.base_id, track.base_host = downlink_lib.EXACT, None
             track.in_flight_since_step = None
             track.reply = None
             track.pending_ef_state = None
 
     # -- step 3: adopt a merged fragment ----------------------------------------------------------
-    def offer_reply(self, p: int, fragment: Fragment, version: int) -> None:
-        """The merged fragment that answers this learner's push has arrived; adopt when due."""
+    def offer_reply(self, p: int, fragment: Any, version: int) -> None:
+        """The answer to this learner's push has arrived (the merged fragment, or a
+        ``downlink.FullUpdate`` / ``DiffUpdate``); adopt when due."""
         self.tracks[p].reply = (fragment, version)
 
     def adopt_ready(self) -> list[int]:
@@ -253,8 +270,24 @@ class LearnerCore:
             adopted.append(p)
         return adopted
 
-    def adopt(self, p: int, fragment: Fragment, version: int) -> None:
+    def adopt(self, p: int, fragment: Any, version: int) -> None:
+        """Takes fragment p from the syncer: a merged fragment or a downlink update of it, which
+        is applied on the host to this learner's base exactly as the syncer applied it to its
+        shadow. An encoded update made for another base is not applied (it cannot be: the
+        learner keeps its base, and the syncer refuses its next push and sends the full
+        fragment to re-base on)."""
         track = self.tracks[p]
+        host = track.base_host
+        if isinstance(fragment, downlink_lib.DiffUpdate) and host is None:
+            host = {path: np.asarray(value, np.float32) for path, value in track.base.items()}
+        resolved = downlink_lib.resolve(fragment, host, track.base_id)
+        if resolved is None:
+            self.push_refused(p)
+            return
+        fragment, sent_version, base_id = resolved
+        version = sent_version if sent_version >= 0 else version
+        track.base_id = base_id
+        track.base_host = fragment if base_id != downlink_lib.EXACT else None
         base = on_device(fragment)  # one host-to-device copy, shared by base and parameters
         if self.merge_alpha == 0.0:
             new_local = base

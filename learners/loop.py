@@ -35,12 +35,22 @@ class LearnerLoop:
         self.tokens_per_batch = tokens_per_batch
         self.num_fragments = num_fragments
         self.sync_every_steps = sync_every_steps
+        self._next: Any = None   # (step, batch) made ahead by prefetch()
 
     def adopt(self) -> list[int]:
         return self.core.adopt_ready()
 
     def batch(self) -> Any:
-        return self.batch_at(self.core.step)
+        """The batch of the current step (the one ``prefetch`` made, when it is that step's)."""
+        step = self.core.step
+        if self._next is not None and self._next[0] == step:
+            return self._next[1]
+        return self.batch_at(step)
+
+    def prefetch(self, step: int) -> None:
+        """Makes the batch of ``step`` now: called while an inner step runs on the device, it
+        takes the next batch's host work off the step's path."""
+        self._next = (step, self.batch_at(step))
 
     def train(self, batch: Any) -> Any:
         """One inner step; returns the loss (a device value: ``float()`` waits for the step)."""

@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from islands.syncer import downlink as downlink_lib
 from islands.syncer.codec_kinds import DEFAULT_BLOCK_SIZE
 
 log = logging.getLogger("islands.learner")
@@ -236,6 +237,14 @@ class LearnerUnit:
             return {p: (t.base_version, {k: np.asarray(v) for k, v in t.base.items()})
                     for p, t in enumerate(self.core.tracks)}
 
+    def fragment_base_ids(self) -> dict:
+        """{p: (version, base id)}: the syncer's name for each base (syncer/downlink.py; 0: the
+        exact global fragment of that version)."""
+        with self.lock:
+            if self.core is None:
+                return {}
+            return {p: (t.base_version, t.base_id) for p, t in enumerate(self.core.tracks)}
+
     def inner_state(self) -> Any:
         """A numpy copy of the inner optimizer state, for a restarting peer (docs/architecture.md#failures-and-reintegration)."""
         import jax
@@ -352,7 +361,9 @@ class LearnerUnit:
                 with self.lock:
                     adopted = loop.adopt()
                     self.stats["adopted"] += len(adopted)
-                loss = float(loop.train(loop.batch()))  # float() waits for the step
+                loss = loop.train(loop.batch())
+                loop.prefetch(core.step + 1)  # the next batch while this step runs
+                loss = float(loss)  # waits for the step
                 # Emulated slower hardware (speed factor, chaos slowdown): the whole iteration,
                 # pushes and bookkeeping included, is padded to the target at its end.
                 factor = self.slowdown_factor if time.time() < self.slowdown_until else 1.0
@@ -366,12 +377,13 @@ class LearnerUnit:
                     self.stats["timings"] = dict(self.timings)
                 with self.lock:
                     loop.record(dt)
+                # The encodes are dispatched; the sender thread waits for the codes and sends them
+                # while the next inner step runs.
                 for push_plan in loop.pushes(self.epoch):
-                    sender.send(self.arrival_s(time.time(), push_plan.wire_bytes), push_plan.push)
+                    sender.send(self.arrival_s(time.time(), push_plan.wire_bytes), push_plan)
                     with self.lock:
                         self.stats["pushes"] += 1
                         self.stats["wire_bytes_up"] += push_plan.wire_bytes
-                        self.stats["compression_relative_error"] = push_plan.relative_error
                 # The iteration's time includes handing over its pushes (as padding covers them);
                 # that part is counted once the pushes are out, with the next push's seconds.
                 extra = max(time.time() - t0, target) - dt
@@ -413,11 +425,12 @@ class LearnerUnit:
                 self._reregister()
                 continue
             if reply.status == "merged":
-                nbytes = sum(int(np.asarray(v).nbytes) for v in reply.params.values())
+                update = reply.update if reply.update is not None else reply.params
+                nbytes = downlink_lib.update_bytes(update)
                 with self.lock:
                     self.stats["wire_bytes_down"] += nbytes
                 arrived.append((self.arrival_s(time.time(), nbytes), reply.fragment,
-                                reply.params, reply.version))
+                                update, reply.version))
             else:
                 reason = reply.reason if reply.status == "rejected" else reply.status
                 with self.lock:
@@ -510,9 +523,13 @@ class _Sender:
     def _loop(self) -> None:
         while not self.closed.is_set():
             try:
-                at_s, _, push = self.queue.get(timeout=0.1)
+                at_s, _, plan = self.queue.get(timeout=0.1)
             except queue.Empty:
                 continue
+            plan = plan.on_host()   # waits for the encode, off the training thread
+            push = plan.push
+            with self.unit.lock:
+                self.unit.stats["compression_relative_error"] = plan.relative_error
             wait = at_s - time.time()
             if wait > 0 and self.closed.wait(wait):
                 return

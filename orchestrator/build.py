@@ -140,6 +140,11 @@ def syncer_options(config, run_dir: str) -> dict:
     kind = outer.pop("type")
     return dict(settings=syncer_settings(config), outer_kind=kind, outer_kwargs=outer,
                 codec_kind=config.compression.type, codec_block_size=codec_block_size(config),
+                downlink_kind=config.downlink_compression.type,
+                downlink_block_size=getattr(config.downlink_compression, "block_size",
+                                            DEFAULT_BLOCK_SIZE),
+                downlink_error_feedback=config.downlink_compression.error_feedback,
+                downlink_full_after_versions=config.syncer.downlink_full_after_versions,
                 checkpoint_dir=snapshot_directory(config.syncer.checkpoint_dir, run_dir,
                                                   config.name),
                 snapshot_every_merges=config.syncer.snapshot_every_merges)

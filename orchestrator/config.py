@@ -104,6 +104,7 @@ class SyncerSection(_Section):
     participation_scale: bool = True
     snapshot_every_merges: int = Field(10, ge=1)
     checkpoint_dir: Optional[str] = None
+    downlink_full_after_versions: Optional[int] = Field(8, ge=0)
 
     @model_validator(mode="after")
     def _overlap_below_period(self):
@@ -141,7 +142,12 @@ class Int4Codec(_Codec):
     block_size: int = Field(codec_kinds.DEFAULT_BLOCK_SIZE, gt=0)
 
 
-Compression = Annotated[Union[NoneCodec, Bf16Codec, Int8Codec, Int4Codec],
+class Int2Codec(_Codec):
+    type: Literal["int2"]
+    block_size: int = Field(codec_kinds.DEFAULT_BLOCK_SIZE, gt=0)
+
+
+Compression = Annotated[Union[NoneCodec, Bf16Codec, Int8Codec, Int4Codec, Int2Codec],
                         Field(discriminator="type")]
 
 
@@ -313,6 +319,7 @@ class JobConfig(_Section):
     syncer: SyncerSection = SyncerSection()
     quorum: QuorumSection = QuorumSection()
     compression: Compression = Int4Codec()
+    downlink_compression: Compression = NoneCodec(type="none")
     regions: dict[str, RegionSection] = {"local": RegionSection(learners=2)}
     health: HealthSection = HealthSection()
     metrics: MetricsSection = MetricsSection()
@@ -491,7 +498,8 @@ def _describe(error: dict, raw=None) -> str:
     if error["type"] == "extra_forbidden":
         return f"{path}: unknown key"
     if error["type"] == "union_tag_not_found":
-        kinds = {"compression": CODECS, "syncer.outer_optimizer": ("nesterov", "sgd", "adam")}.get(
+        kinds = {"compression": CODECS, "downlink_compression": CODECS,
+                 "syncer.outer_optimizer": ("nesterov", "sgd", "adam")}.get(
             path, ("kill", "region_loss", "slowdown", "network", "partition")
             if re.match(r"^chaos\.events\.\d+$", path) else ())
         path = f"{path}.type" if path else "type"

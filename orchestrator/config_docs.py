@@ -36,6 +36,10 @@ FIELD_NOTES: dict[str, str] = {
     "syncer": "Fragments, schedule, merge and outer optimizer.",
     "quorum": "When a fragment may merge.",
     "compression": "How a learner encodes its drift before pushing it.",
+    "downlink_compression": "How the syncer encodes its answer to a merged push: `none` sends "
+                            "the merged fragment in fp32; any other codec sends the encoded "
+                            "difference to the copy the syncer records for that learner (a "
+                            "shadow), so both ends hold the same bits.",
     "regions": "The regions and their learners, by region name.",
     "health": "Failure detection and the restart policy.",
     "metrics": "The Prometheus endpoint.",
@@ -121,10 +125,21 @@ FIELD_NOTES: dict[str, str] = {
                           "(the grace window).",
     "quorum.grace_cap_s": "Upper bound of the grace window, seconds.",
     # compression
-    "compression.type": "Which codec: fp32 (`none`), bfloat16, or blockwise absmax int8/int4.",
+    "compression.type": "Which codec: fp32 (`none`), bfloat16, or blockwise absmax "
+                        "int8/int4/int2 (int2: four levels ±A, ±A/3 per block of absmax A).",
     "compression.error_feedback": "Keep what each encoding left out and add it to the next push "
                                   "of the same fragment.",
     "compression.block_size": "Elements per float32 scale.",
+    "downlink_compression.type": "The downlink codec (the kinds of `compression.type`).",
+    "downlink_compression.error_feedback": "Encode the difference to what the learner holds, so "
+                                           "what one update left out goes with the next; false: "
+                                           "the difference to the global fragment of the "
+                                           "learner's version.",
+    "downlink_compression.block_size": "Elements per float32 scale.",
+    "syncer.downlink_full_after_versions": "With an encoded downlink, a learner whose copy is "
+                                           "more than this many versions behind the merge gets "
+                                           "the full fragment instead; null: never for that "
+                                           "reason.",
     # regions
     "regions.<name>": "One region.",
     "regions.<name>.learners": "Learners in the region at start; each takes one unit of the Ray "

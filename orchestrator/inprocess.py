@@ -32,6 +32,7 @@ from islands.orchestrator import fleet as fleet_lib
 from islands.orchestrator.books import Books
 from islands.orchestrator.chaos import FaultPlan, RestartCosts
 from islands.orchestrator.health import RestartPolicy
+from islands.syncer import downlink as downlink_lib
 from islands.syncer import fragments as fragments_lib
 from islands.syncer.core import MergeResult, SyncerCore
 from islands.syncer.fragments import FragmentPlan
@@ -431,12 +432,14 @@ class _Driver:
             self.record.merges.append(result)
             if any(slot.recovery is not None for slot in self.fleet_state.slots.values()):
                 self.fleet_step(now, [])
-            nbytes = sum(int(np.asarray(v).nbytes) for v in result.params.values())
-            for name in result.learners:
+            # Each learner's answer: the fragment, or its encoded difference to what it holds
+            # (syncer/downlink.py); the same code the Ray syncer runs.
+            for name, update in self.syncer.updates(result).items():
                 i = self.index_of[name]
+                nbytes = downlink_lib.update_bytes(update)
                 self.record.wire_bytes_down += nbytes
                 self.schedule(self.arrival(i, now, nbytes), _REPLY, "reply",
-                              (i, self.cores[i].incarnation, p, result.params, result.version))
+                              (i, self.cores[i].incarnation, p, update, result.version))
         elif decision.wait_until_s is not None:
             self.schedule(decision.wait_until_s, _CHECK, "check", p)
 
@@ -595,6 +598,7 @@ class _Driver:
             slot.round = {}
             slot.quorum_reached_at_s = None
             slot.round_opened_at_s = None
+        self.syncer.shadows.clear()  # a restarted syncer knows no learner's copy
         self.syncer.epoch += 1
         self.syncer_down_until = now + self.restart.syncer_restart_s
         self.schedule(self.syncer_down_until, _FAULT, "syncer_back", None)
@@ -708,10 +712,14 @@ def assemble_like(template: Any) -> Callable[[dict], Any]:
 def build_syncer_and_learners(*, params: Any, opt_init: Callable[[Any], Any], plan: FragmentPlan,
                               settings, outer_optimizer, error_feedback_factory: Callable[[], Any],
                               decode, wire_bytes, learner_ids: Sequence[str], merge_alpha: float,
-                              is_embedding=lambda path: False) -> tuple[SyncerCore, list[LearnerCore]]:
-    """A syncer holding ``params`` and learners registered with it, all starting from ``params``."""
+                              is_embedding=lambda path: False,
+                              downlink: Optional[downlink_lib.DownlinkSettings] = None,
+                              ) -> tuple[SyncerCore, list[LearnerCore]]:
+    """A syncer holding ``params`` and learners registered with it, all starting from ``params``.
+    ``downlink``: how the syncer answers merged pushes (None: the full fragment, fp32)."""
     fragments = [fragments_lib.extract(params, plan, p) for p in range(plan.num_fragments)]
-    syncer = SyncerCore(fragments, settings, outer_optimizer, decode, is_embedding)
+    syncer = SyncerCore(fragments, settings, outer_optimizer, decode, is_embedding,
+                        downlink=downlink)
     cores = []
     for learner_id in learner_ids:
         _, frags = syncer.register(learner_id, 0)

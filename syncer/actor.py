@@ -13,8 +13,9 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
+from . import downlink as downlink_lib
 from .core import SyncerCore, SyncerSettings
 from .validate import Push
 
@@ -34,6 +35,7 @@ class Reply:
     version: int = -1
     reason: str = ""
     detail: str = ""
+    update: Any = None   # "merged": a downlink FullUpdate or DiffUpdate (params stays None)
 
 
 @dataclass(frozen=True)
@@ -47,8 +49,24 @@ class SyncerSpec:
     codec_kind: str
     codec_block_size: int
     embedding_prefix: str = "embed/"
+    # The downlink (syncer/downlink.py): codec kind (None: full fp32 fragments), block size,
+    # error feedback, and how far behind a learner gets the full fragment instead.
+    downlink_kind: Optional[str] = None
+    downlink_block_size: int = 64
+    downlink_error_feedback: bool = True
+    downlink_full_after_versions: Optional[int] = 8
     checkpoint_dir: Optional[str] = None
     snapshot_every_merges: int = 10
+
+
+def downlink_settings(spec: SyncerSpec) -> downlink_lib.DownlinkSettings:
+    """The downlink of a syncer spec (its codec is built here, where JAX may load)."""
+    from . import codec as codec_lib
+
+    codec = (None if spec.downlink_kind in (None, "none")
+             else codec_lib.make_codec(spec.downlink_kind, block_size=spec.downlink_block_size))
+    return downlink_lib.DownlinkSettings(codec, spec.downlink_error_feedback,
+                                         spec.downlink_full_after_versions)
 
 
 class Syncer:
@@ -66,7 +84,8 @@ class Syncer:
         self.core = SyncerCore(spec.fragments, spec.settings,
                                outer_lib.build(spec.outer_kind, **spec.outer_kwargs),
                                lambda codes: codec_lib.decode_tree(codec, codes),
-                               is_embedding=lambda path: path.startswith(prefix), epoch=epoch)
+                               is_embedding=lambda path: path.startswith(prefix), epoch=epoch,
+                               downlink=downlink_settings(spec))
         self.store = None
         self.restored_from: Optional[int] = None
         if spec.checkpoint_dir:
@@ -141,14 +160,13 @@ class Syncer:
             self.staleness_counts[s] += 1
         self.merge_events.append({"t": time.time(), "fragment": p, "version": result.version,
                                   "learners": list(result.learners), "reason": reason})
-        nbytes = sum(int(v.nbytes) for v in result.params.values())
         waiters = self.waiters[p]
-        for name in result.learners:
+        for name, update in self.core.updates(result).items():
             future = waiters.pop(name, None)
             if future is not None and not future.done():
-                self.wire_bytes_down[name] += nbytes
-                future.set_result(Reply("merged", p, self.core.epoch, result.params,
-                                        result.version))
+                self.wire_bytes_down[name] += downlink_lib.update_bytes(update)
+                future.set_result(Reply("merged", p, self.core.epoch, version=result.version,
+                                        update=update))
         if self.store and sum(self.core.versions) % self.spec.snapshot_every_merges == 0:
             self.store.save(self.core)
 
@@ -232,6 +250,12 @@ class Syncer:
     async def fragment_at(self, p: int, version: int) -> Optional[dict]:
         """Fragment p at ``version`` if it is still in the history, else None."""
         return self.core.slots[p].history.get(version)
+
+    async def shadow(self, learner: str, p: int) -> Optional[tuple]:
+        """(shadow id, version, fragment) the syncer records for what ``learner`` holds of
+        fragment p after its last encoded update, or None."""
+        shadow = self.core.shadows.get((learner, p))
+        return None if shadow is None else (shadow.shadow_id, shadow.version, shadow.params)
 
     async def refusals_since(self, total: int) -> tuple[list[dict], int]:
         """Refusals after the first ``total`` this syncer made (the newest 10,000 are kept)."""

@@ -1,4 +1,4 @@
-"""Drift codecs (none/fp32, bf16, int8/int4 blockwise absmax) and error feedback, optax-shaped.
+"""Drift codecs (none/fp32, bf16, int8/int4/int2 blockwise absmax) and error feedback, optax-shaped.
 
 The math is jax.numpy, so ``Codec.encode``/``decode``, ``encode_tree``/``decode_tree`` and the
 error-feedback ``init``/``update`` can run inside a jitted train step on the accelerator
@@ -13,6 +13,12 @@ flattened tensor (the tail block padded with zeros):
 ``A_b = max|x_b|``, ``q = round_half_even(x / A_b · L) ∈ [−L, L]``, ``decode = q · A_b / L``.
 ``scales`` stores ``A_b`` itself (the step is ``A_b / L``), so the largest element of every block,
 and hence a constant tensor, decodes exactly; a block of zeros has ``A_b = 0`` and decodes to zeros.
+
+int2 (four values per byte) has no zero level: the four levels ``(2k − 3)·A_b/3``, k ∈ {0, 1, 2, 3},
+i.e. ``{−A, −A/3, A/3, A}``, split ``[−A, A]`` evenly (step ``2A/3``), ``k = round_half_even(1.5·x/A
++ 1.5)``. Error bounds per element (what ``max_abs_error`` states and tests/unit/test_codec.py
+checks): none 0; bf16 ≤ 2⁻⁸·|x|; intN ≤ half a step, ``A_b/(2L)`` (int8 A/254, int4 A/14) and
+int2 ``A_b/3``.
 
 >>> code, rel = make_codec("int4", block_size=4).encode(np.array([0.7, -1.4, 0.1, 0.0], np.float32))
 >>> to_numpy(code).payload, wire_bytes(code), round(float(rel), 3)
@@ -34,6 +40,30 @@ from .codec_kinds import DEFAULT_BLOCK_SIZE, KINDS  # noqa: E402,F401
 
 LEVELS: dict[str, int] = {"int8": 127, "int4": 7}  # symmetric: q ∈ [−L, L]
 _INT4_ZERO = 8  # int4 nibbles are offset binary: q + 8 ∈ [1, 15], 8 means 0
+BLOCK_KINDS = ("int8", "int4", "int2")  # the kinds with a float32 scale per block
+
+
+def max_abs_error(kind: str, x: Any, absmax: Any) -> np.ndarray:
+    """The largest ``|decode(encode(x)) − x|`` a codec allows per element (its stated bound).
+
+    Args:
+      kind: one of ``KINDS``.
+      x: the encoded values (float32 array).
+      absmax: each element's block absmax ``A_b``, broadcast to x's shape (ignored by none/bf16).
+
+    >>> float(max_abs_error("int2", np.float32(0.5), np.float32(0.75)))
+    0.25
+    """
+    x, absmax = np.asarray(x, np.float64), np.asarray(absmax, np.float64)
+    if kind == "none":
+        return np.zeros_like(x)
+    if kind == "bf16":
+        return np.abs(x) * 2.0 ** -8
+    if kind == "int2":
+        return absmax / 3.0
+    if kind in LEVELS:
+        return absmax / (2 * LEVELS[kind])
+    raise _unknown_kind(kind)
 
 
 def _unknown_kind(kind: Any) -> ValueError:
@@ -50,9 +80,9 @@ class Code:
     Attributes:
       kind: one of ``KINDS``.
       payload: float32 (none), bfloat16 (bf16), int8 (int8, one per element) or uint8 (int4, two per
-        byte, the first element in the low nibble); exactly the tensor's elements, no padding.
-      scales: float32 absmax of each block for int8/int4 (quantization step = scales / L); empty
-        for none and bf16.
+        byte, the first element in the low nibble; int2, four per byte, the first in the lowest
+        two bits); exactly the tensor's elements, no padding.
+      scales: float32 absmax of each block for int8/int4/int2; empty for none and bf16.
       shape: the original tensor's shape.
       dtype: the original tensor's dtype name; decoding gives it back.
       block_size: elements per block (int kinds).
@@ -103,6 +133,13 @@ def _dequantize(q: jax.Array, absmax: jax.Array, levels: int) -> jax.Array:
     return jnp.where(jnp.abs(q) == levels, jnp.sign(q) * absmax, q * (absmax / levels))
 
 
+def _dequantize2(k: jax.Array, absmax: jax.Array) -> jax.Array:
+    """int2 levels k ∈ {0..3} (n_blocks, block_size) back to ``(2k − 3)·A/3``; ±A exactly."""
+    absmax = absmax.astype(jnp.float32)[:, None]
+    inner = (2.0 * k - 3.0) * (absmax / 3.0)
+    return jnp.where(k == 0, -absmax, jnp.where(k == 3, absmax, inner))
+
+
 def _quantize(x: jax.Array, kind: str, block_size: int) -> tuple[Code, jax.Array]:
     """``(code, decoded)``: decoded (float32, x's shape) is ``decode(code)`` before the cast to x's
     dtype, computed from the codes before packing."""
@@ -115,10 +152,17 @@ def _quantize(x: jax.Array, kind: str, block_size: int) -> tuple[Code, jax.Array
     if kind == "bf16":  # round to nearest even
         payload = flat.astype(jnp.bfloat16).reshape(shape)
         return Code(kind, payload, no_scales, shape, dtype, block_size), payload.astype(jnp.float32)
-    levels = LEVELS[kind]
     blocks = _blocks(flat, block_size)
     absmax = jnp.max(jnp.abs(blocks), axis=1)
     safe = jnp.where(absmax > 0, absmax, 1.0)[:, None]  # an all-zero block: 0/1 → q = 0
+    if kind == "int2":
+        k_blocks = jnp.clip(jnp.round(blocks / safe * 1.5 + 1.5), 0, 3)
+        decoded = _dequantize2(k_blocks, absmax).reshape(-1)[:flat.size].reshape(shape)
+        k = jnp.pad(k_blocks.reshape(-1)[:flat.size].astype(jnp.uint8), (0, (-flat.size) % 4))
+        k = k.reshape(-1, 4)
+        packed = k[:, 0] | (k[:, 1] << 2) | (k[:, 2] << 4) | (k[:, 3] << 6)
+        return Code(kind, packed, absmax, shape, dtype, block_size), decoded
+    levels = LEVELS[kind]
     # x/A is exactly ±1 at the absmax, so |q| ≤ L; the clip only tames non-finite input (whose
     # non-finite scale still makes the decoded drift non-finite, for the syncer to refuse).
     q_blocks = jnp.clip(jnp.round(blocks / safe * levels), -levels, levels)  # round half to even
@@ -142,6 +186,8 @@ def _expected_payload(code: Code) -> tuple[tuple[int, ...], str]:
         return (size,), "int8"
     if code.kind == "int4":
         return ((size + 1) // 2,), "uint8"
+    if code.kind == "int2":
+        return ((size + 3) // 4,), "uint8"
     raise _unknown_kind(code.kind)
 
 
@@ -159,6 +205,10 @@ def _decode(code: Code) -> jax.Array:
     if tuple(scales.shape) != (n_blocks,):
         raise ValueError(f"{code.kind} has {scales.size} scales, shape {list(code.shape)} with "
                          f"block_size {code.block_size} needs {n_blocks}")
+    if code.kind == "int2":
+        k = jnp.stack([(payload >> s) & 0x03 for s in (0, 2, 4, 6)], axis=-1).reshape(-1)[:size]
+        values = _dequantize2(_blocks(k.astype(jnp.float32), code.block_size), scales)
+        return values.reshape(-1)[:size].reshape(code.shape).astype(code.dtype)
     levels = LEVELS[code.kind]
     if code.kind == "int8":
         q = payload.astype(jnp.float32)
@@ -180,6 +230,56 @@ def decode(code: Code) -> jax.Array:
       ValueError: unknown kind, or payload/scales that do not fit the shape and block size.
     """
     return _decode(code)
+
+
+def decode_host(code: Code) -> np.ndarray:
+    """Decodes one code in numpy, on the host, float32 (the downlink's decoder).
+
+    Both ends of the downlink apply an update with this one function, so the learner's copy and
+    the syncer's record of it agree bit for bit whatever device the learner trains on (a jitted
+    decode may fuse ``base + q·step`` into a fused multiply-add on one side and not the other).
+    The same validation as ``decode``; the values are those of ``decode`` up to float rounding.
+
+    >>> x = np.array([0.75, -0.25, 0.2, 0.0], np.float32)  # A = 0.75: levels ±0.75, ±0.25
+    >>> decode_host(to_numpy(make_codec("int2", block_size=4).encode(x)[0]))
+    array([ 0.75, -0.25,  0.25,  0.25], dtype=float32)
+    """
+    want_shape, want_dtype = _expected_payload(code)
+    payload, scales = np.asarray(code.payload), np.asarray(code.scales)
+    if tuple(payload.shape) != want_shape or np.dtype(payload.dtype).name != want_dtype:
+        got = f"{np.dtype(payload.dtype).name}{list(payload.shape)}"
+        raise ValueError(f"{code.kind} payload is {got}, shape {list(code.shape)} needs "
+                         f"{want_dtype}{list(want_shape)}")
+    if code.kind in ("none", "bf16"):
+        return payload.astype(np.float32)
+    size = math.prod(code.shape)
+    n_blocks = -(-size // code.block_size)
+    if tuple(scales.shape) != (n_blocks,):
+        raise ValueError(f"{code.kind} has {scales.size} scales, shape {list(code.shape)} with "
+                         f"block_size {code.block_size} needs {n_blocks}")
+    absmax = scales.astype(np.float32)
+    if code.kind == "int2":
+        k = np.stack([(payload >> s) & 0x03 for s in (0, 2, 4, 6)], axis=-1).reshape(-1)[:size]
+        values = np.zeros(n_blocks * code.block_size, np.float32)
+        values[:size] = k
+        k_blocks = values.reshape(n_blocks, code.block_size)
+        step = (absmax / np.float32(3.0))[:, None]
+        out = (np.float32(2.0) * k_blocks - np.float32(3.0)) * step
+        out = np.where(k_blocks == 0, -absmax[:, None], np.where(k_blocks == 3, absmax[:, None], out))
+    else:
+        levels = LEVELS[code.kind]
+        if code.kind == "int8":
+            q = payload.astype(np.float32)
+        else:
+            nibbles = np.stack([payload & 0x0F, payload >> 4], axis=-1).reshape(-1)[:size]
+            q = nibbles.astype(np.float32) - np.float32(_INT4_ZERO)
+        values = np.zeros(n_blocks * code.block_size, np.float32)
+        values[:size] = q
+        q_blocks = values.reshape(n_blocks, code.block_size)
+        step = (absmax / np.float32(levels))[:, None]
+        out = np.where(np.abs(q_blocks) == levels, np.sign(q_blocks) * absmax[:, None],
+                       q_blocks * step)
+    return out.reshape(-1)[:size].reshape(code.shape).astype(np.float32)
 
 
 def _relative_error(x: jax.Array, decoded: jax.Array) -> jax.Array:
@@ -211,8 +311,8 @@ class Codec:
     """One compression setting; hashable, so it can be a static argument of a jitted function.
 
     Attributes:
-      kind: one of ``KINDS``: ``none`` (fp32), ``bf16``, ``int8``, ``int4``.
-      block_size: elements per float32 scale for int8/int4 (ignored by none and bf16).
+      kind: one of ``KINDS``: ``none`` (fp32), ``bf16``, ``int8``, ``int4``, ``int2``.
+      block_size: elements per float32 scale for int8/int4/int2 (ignored by none and bf16).
     """
 
     kind: str = "int4"
@@ -263,7 +363,7 @@ def decode_tree(codec: Optional[Codec], codes: Any) -> Any:
         for code in jax.tree_util.tree_leaves(codes, is_leaf=_is_code):
             if not _is_code(code):
                 raise ValueError(f"not a code: {type(code).__name__}")
-            if code.kind != codec.kind or (code.kind in LEVELS
+            if code.kind != codec.kind or (code.kind in BLOCK_KINDS
                                            and code.block_size != codec.block_size):
                 raise ValueError(f"a {code.kind} code (block {code.block_size}) where the job's "
                                  f"codec is {codec.kind} (block {codec.block_size})")

@@ -7,6 +7,7 @@ in as ``now_s``; the caller owns the clock.
 from __future__ import annotations
 
 import collections
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
@@ -14,8 +15,9 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import numpy as np
 import optax
 
+from . import downlink as downlink_lib
+from . import fused
 from . import merge as merge_lib
-from . import outer as outer_lib
 from .fragments import Fragment
 from .quorum import Decision, grace_window, merge_decision
 from .validate import (GARBAGE_REASONS, Accepted, Push, RejectReason, Rejected, check_counters,
@@ -54,12 +56,16 @@ class SyncerSettings:
 
 @dataclass
 class Contribution:
-    """An accepted push, reconstructed as the learner's fragment ``θ_m[p] = Θ[p](base) + δ``."""
+    """An accepted push, kept as its outer gradient ``g_m = Θ[p] − θ_m[p]`` where
+    ``θ_m[p] = base + δ`` is the learner's fragment (Θ[p] does not change while the round is open:
+    only this fragment's merge, which closes the round, replaces it)."""
 
     push: Push
-    theta: Fragment
+    outer_grad: Fragment
     staleness: int
     arrived_s: float
+    base: Optional[Fragment] = None   # exactly what the learner held (the downlink diffs from it)
+    grad_norms: Optional[dict] = None  # ‖g_m‖ per tensor
 
 
 @dataclass
@@ -132,6 +138,8 @@ class MergeResult:
     reason: str
     outer_grad_norm: float
     refused: bool = False    # the merged fragment failed its check: Θ and the version unchanged
+    # Per learner (aligned with ``learners``): (base id, base version, base) it pushed from.
+    bases: tuple = ()
 
 
 class SyncerCore:
@@ -141,8 +149,13 @@ class SyncerCore:
                  outer_optimizer: optax.GradientTransformation,
                  decode: Callable[[Mapping[str, Any]], Fragment],
                  is_embedding: Callable[[str], bool] = lambda path: False,
-                 epoch: int = 0):
+                 epoch: int = 0, downlink: Optional[downlink_lib.DownlinkSettings] = None):
         self.settings = settings
+        self.downlink = downlink or downlink_lib.DownlinkSettings()
+        # (learner, fragment) -> the Shadow of what it holds after its last encoded update.
+        self.shadows: dict[tuple[str, int], downlink_lib.Shadow] = {}
+        self._shadow_ids = itertools.count((epoch << 32) + 1)  # never 0, unique per epoch
+        self.pool = fused.BufferPool()   # outer-gradient buffers, reused round after round
         self.outer = outer_optimizer
         self.decode = decode
         self.is_embedding = is_embedding
@@ -177,6 +190,8 @@ class SyncerCore:
         previous = self.learners.get(learner)
         if previous is not None and incarnation < previous:
             raise ValueError(f"{learner}: incarnation {incarnation} is older than {previous}")
+        if previous != incarnation:
+            self._drop_shadows(learner)  # a new incarnation starts from the full fragments
         self.learners[learner] = incarnation
         if session is None:
             self.sessions.pop(learner, None)
@@ -203,7 +218,12 @@ class SyncerCore:
                 self._recount_quorum(slot)
         self.learners.pop(learner, None)
         self.sessions.pop(learner, None)
+        self._drop_shadows(learner)
         return dropped
+
+    def _drop_shadows(self, learner: str) -> None:
+        for key in [key for key in self.shadows if key[0] == learner]:
+            del self.shadows[key]
 
     def catch_up(self, learner: str, incarnation: int,
                  adopted: Sequence[tuple[int, Fragment]]) -> list[int]:
@@ -246,11 +266,12 @@ class SyncerCore:
         drift, norm = verdict.drift, verdict.norm
         slot.recent_norms.append(norm)  # accepted: part of what "normal" is
         self.garbage_streak.pop(push.learner, None)
-        base = slot.history[push.base_version]
-        theta = {path: base[path] + np.asarray(drift[path], np.float32) for path in base}
+        base = self._base_of(push)
+        grads, norms = fused.outer_gradient(slot.params, base, drift, self.pool)
         if not slot.round:
             slot.round_opened_at_s = now_s
-        slot.round[push.learner] = Contribution(push, theta, verdict.staleness, now_s)
+        slot.round[push.learner] = Contribution(push, grads, verdict.staleness, now_s, base,
+                                                norms)
         if slot.quorum_reached_at_s is None and len(slot.round) >= self.settings.min_learners:
             slot.quorum_reached_at_s = now_s
         return Accepted(verdict.staleness)
@@ -329,7 +350,15 @@ class SyncerCore:
         if push.learner in slot.round:
             return Rejected(RejectReason.DUPLICATE,
                             f"{push.learner} already pushed fragment {push.fragment} this round")
-        if push.base_version not in slot.history:
+        if push.base_shadow != downlink_lib.EXACT:
+            shadow = self.shadows.get((push.learner, push.fragment))
+            if shadow is None or (shadow.shadow_id, shadow.version) != (push.base_shadow,
+                                                                         push.base_version):
+                held = "none" if shadow is None else f"{shadow.shadow_id} (v{shadow.version})"
+                return Rejected(RejectReason.UNKNOWN_VERSION,
+                                f"base shadow {push.base_shadow} (v{push.base_version}) is not "
+                                f"the one recorded for {push.learner}: {held}")
+        elif push.base_version not in slot.history:
             return Rejected(RejectReason.UNKNOWN_VERSION,
                             f"base version {push.base_version} not in history "
                             f"[{min(slot.history)}, {max(slot.history)}]")
@@ -338,6 +367,12 @@ class SyncerCore:
         if limit is not None and staleness > limit:
             return Rejected(RejectReason.TOO_STALE, f"staleness {staleness} > {limit}")
         return Accepted(staleness)
+
+    def _base_of(self, push: Push) -> Fragment:
+        """What the pushing learner holds of the fragment (``_check`` made sure it is known)."""
+        if push.base_shadow != downlink_lib.EXACT:
+            return self.shadows[(push.learner, push.fragment)].params
+        return self.slots[push.fragment].history[push.base_version]
 
     def _recount_quorum(self, slot: FragmentSlot) -> None:
         if len(slot.round) < self.settings.min_learners:
@@ -384,20 +419,25 @@ class SyncerCore:
                    for c in contributions]
         if sum(weights) <= 0:  # every learner pushed with zero steps: nothing to learn from
             weights = [1.0] * len(contributions)
-        outer_grads = [{path: slot.params[path] - c.theta[path] for path in slot.params}
-                       for c in contributions]
-        merged = merge_lib.merge_outer_gradients(outer_grads, weights, self.settings.merge_rule,
-                                                 self.is_embedding)
+        share = 1.0
         if self.settings.participation_scale and live_count:
             # With K < M a round of M learners arrives as several merges; each full outer step
             # (Nesterov, lr 0.7) would then count M times per round and its momentum diverges in
             # a mixed fleet (measured: eval loss 3.0 -> 1e5). Scaling by the share n/M keeps one
             # round's total step the size of a synchronous one; with K = M it is exactly 1.
-            share = np.float32(min(1.0, len(contributions) / live_count))
-            merged = {path: share * g for path, g in merged.items()}
-        new_params, new_outer = outer_lib.outer_step(self.outer, merged, slot.outer_state,
-                                                     slot.params)
-        if not all(np.all(np.isfinite(v)) for v in new_params.values()):
+            share = min(1.0, len(contributions) / live_count)
+        rda_paths = frozenset(
+            path for path in slot.params
+            if self.settings.merge_rule == merge_lib.MergeRule.RDA and not self.is_embedding(path))
+        # In place, one pass per learner and a few for the step (syncer/fused.py).
+        new_params, new_outer, finite, grad_norm = fused.merge_and_step(
+            self.outer, rda_paths, [c.outer_grad for c in contributions],
+            [c.grad_norms for c in contributions], weights, share, slot.params,
+            slot.outer_state, self.pool)
+        for c in contributions:   # the round is closed: its buffers serve the next pushes
+            for g in c.outer_grad.values():
+                self.pool.give(g)
+        if not finite:
             # Θ is never replaced by garbage: the round is refused whole and Θ stays as it was.
             for c in contributions:
                 self._refused(c.push, Rejected(RejectReason.BAD_MERGE,
@@ -425,7 +465,27 @@ class SyncerCore:
             fragment=fragment, version=slot.version, params=slot.params,
             learners=tuple(c.push.learner for c in contributions),
             staleness=tuple(c.staleness for c in contributions), reason=reason,
-            outer_grad_norm=drift_norm(merged))
+            outer_grad_norm=grad_norm,
+            bases=tuple((c.push.base_shadow, c.push.base_version, c.base)
+                        for c in contributions))
+
+    def updates(self, result: MergeResult) -> dict[str, Any]:
+        """What each learner of a merge is sent back (``downlink.FullUpdate`` or ``DiffUpdate``);
+        records the shadow each encoded update leaves. Call once per merge, right after it."""
+        out = {}
+        history = self.slots[result.fragment].history
+        for name, (base_id, base_version, base) in zip(result.learners, result.bases,
+                                                       strict=True):
+            key = (name, result.fragment)
+            update, shadow = downlink_lib.make_update(
+                self.downlink, base, base_id, base_version, result.params, result.version,
+                next(self._shadow_ids), history.get(base_version))
+            if shadow is None:
+                self.shadows.pop(key, None)
+            else:
+                self.shadows[key] = shadow
+            out[name] = update
+        return out
 
     def _credit(self, push: Push) -> None:
         entry = self.ledger.setdefault(push.learner, LedgerEntry(incarnation=push.incarnation))

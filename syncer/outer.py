@@ -20,12 +20,24 @@ def build(kind: str = "nesterov", lr: float = DEFAULT_OUTER_LR,
       ValueError: for an unknown kind.
     """
     if kind == "nesterov":
-        return optax.sgd(lr, momentum=momentum, nesterov=True)
+        return _with_spec(optax.sgd(lr, momentum=momentum, nesterov=True), kind, lr, momentum)
     if kind == "sgd":
-        return optax.sgd(lr, momentum=momentum or None)
+        return _with_spec(optax.sgd(lr, momentum=momentum or None), kind, lr, momentum)
     if kind == "adam":
         return optax.adam(lr, **kwargs)
     raise ValueError(f"unknown outer optimizer {kind!r}; choose one of nesterov, sgd, adam")
+
+
+class OuterTransform(optax.GradientTransformation):
+    """An optax transform that also says what it is (``spec``: kind, lr, momentum), so the syncer
+    can run SGD and Nesterov in place (syncer/fused.py); equal and hashed as the plain one."""
+
+
+def _with_spec(tx: optax.GradientTransformation, kind: str, lr: float,
+               momentum: float) -> OuterTransform:
+    out = OuterTransform(tx.init, tx.update)
+    out.spec = (kind, float(lr), float(momentum or 0.0))
+    return out
 
 
 def _update_and_apply(optimizer: optax.GradientTransformation, merged_grad: dict, state: Any,

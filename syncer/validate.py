@@ -57,6 +57,9 @@ class Push:
         registers without one: the in-process drivers, which are trusted code).
       fates: the learner's token books (``IncarnationFates.to_json()``) as of this push, so the
         books of an incarnation that dies know what its newest push carried.
+      base_shadow: the id of the learner's base (``syncer/downlink.py``): 0, the exact global
+        fragment of ``base_version``; otherwise the shadow the syncer recorded when it sent the
+        encoded update the learner adopted.
     """
 
     learner: str
@@ -73,6 +76,7 @@ class Push:
     wire_bytes: int = 0
     session: str = ""
     fates: Optional[Mapping[str, Any]] = None
+    base_shadow: int = 0
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,8 @@ BASE = {
 }
 # The other variants of the unions (outer optimizer, codec).
 ALTERNATIVES = [
-    {**BASE, "syncer": {"outer_optimizer": {"type": "adam"}}, "compression": {"type": "int8"}},
+    {**BASE, "syncer": {"outer_optimizer": {"type": "adam"}}, "compression": {"type": "int8"},
+     "downlink_compression": {"type": "int2"}},
     {**BASE, "syncer": {"outer_optimizer": {"type": "sgd"}}, "compression": {"type": "bf16"}},
 ]
 
@@ -39,6 +40,7 @@ CHANGES = {
     "syncer.checkpoint_dir": "/somewhere/checkpoints",
     "syncer.outer_optimizer.type": None,   # changes with the variant: covered by ALTERNATIVES
     "compression.type": None,
+    "downlink_compression.type": None,
     "quorum.min_learners": 2,
     "regions.a.learners": 3,
     "regions.a.max_learners": 4,

@@ -1,0 +1,87 @@
+"""The syncer's in-place hot path gives the reference math (merge.py + optax) for every outer
+optimizer and merge rule, leaves Θ and the old state alone, and reuses its buffers."""
+
+import numpy as np
+import pytest
+
+from islands.syncer import fused, merge, outer
+
+
+def grads_and_norms(rng, m, pool=None):
+    params = {"w": rng.standard_normal((33, 7)).astype(np.float32),
+              "embed/tokens": rng.standard_normal(50).astype(np.float32)}
+    out = []
+    for _ in range(m):
+        base = {k: v + 0.1 * rng.standard_normal(v.shape).astype(np.float32)
+                for k, v in params.items()}
+        drift = {k: 0.05 * rng.standard_normal(v.shape).astype(np.float32)
+                 for k, v in params.items()}
+        g, n = fused.outer_gradient(params, base, drift, pool)
+        for k in params:
+            np.testing.assert_allclose(g[k], params[k] - (base[k] + drift[k]), atol=1e-6)
+            assert n[k] == pytest.approx(float(np.linalg.norm(g[k])), rel=1e-5)
+        out.append((g, n))
+    return params, out
+
+
+@pytest.mark.parametrize("kind, kwargs", [("nesterov", {}), ("sgd", {"lr": 1.0, "momentum": 0.0}),
+                                          ("sgd", {"lr": 0.5, "momentum": 0.8}),
+                                          ("adam", {"lr": 1e-2})])
+@pytest.mark.parametrize("rule", [merge.MergeRule.RDA, merge.MergeRule.MEAN])
+def test_in_place_merge_and_step_match_the_reference(kind, kwargs, rule):
+    rng = np.random.default_rng(0)
+    pool = fused.BufferPool()
+    params, gn = grads_and_norms(rng, 3, pool)
+    weights, share = [1e4, 3e4, 2e4], 0.75
+    optimizer = outer.build(kind, **kwargs)
+    state = optimizer.init(params)
+    rda = frozenset({"w"} if rule == merge.MergeRule.RDA else ())
+    before = {k: v.copy() for k, v in params.items()}
+    for _ in range(2):   # twice: the second step reads the first one's momentum
+        reference = merge.merge_outer_gradients([g for g, _ in gn], weights, rule,
+                                                lambda p: p.startswith("embed/"))
+        reference = {k: np.float32(share) * v for k, v in reference.items()}
+        want, want_state = outer.outer_step(optimizer, reference, state, params)
+        got, got_state, finite, norm = fused.merge_and_step(
+            optimizer, rda, [g for g, _ in gn], [n for _, n in gn], weights, share, params,
+            state, pool)
+        assert finite
+        assert norm == pytest.approx(float(np.sqrt(sum(np.sum(v.astype(np.float64) ** 2)
+                                                        for v in reference.values()))), rel=1e-5)
+        for k in params:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
+            np.testing.assert_array_equal(params[k], before[k])   # Θ itself is never written
+        params, state, before = got, got_state, {k: v.copy() for k, v in got.items()}
+        _, gn = grads_and_norms(rng, 3, pool)
+
+
+def test_rda_falls_back_to_the_mean_when_directions_cancel():
+    g = np.array([1.0, -2.0], np.float32)
+    out, norm = fused.combine([g, -g], [float(np.linalg.norm(g))] * 2, [1.0, 1.0], True,
+                              np.empty(2, np.float32))
+    np.testing.assert_array_equal(out, [0.0, 0.0])
+    assert norm is None
+    # hand-worked RDA: unit directions (1, 0) and (0, 1), norms 2 and 4, weights 1 and 3:
+    # mean norm (2 + 12)/4 = 3.5, direction (1, 3)/4 → φ = (1, 3)/√10, so 3.5·(1, 3)/√10.
+    out, norm = fused.combine([np.array([2.0, 0.0], np.float32), np.array([0.0, 4.0], np.float32)],
+                              [2.0, 4.0], [1.0, 3.0], True, np.empty(2, np.float32))
+    np.testing.assert_allclose(out, 3.5 * np.array([1.0, 3.0]) / np.sqrt(10), rtol=1e-6)
+    assert norm == pytest.approx(3.5)
+
+
+def test_a_non_finite_step_is_reported_and_the_state_kept():
+    optimizer = outer.build("nesterov")
+    params = {"w": np.array([3e38, 1.0], np.float32)}
+    state = optimizer.init(params)
+    g = {"w": np.array([-3e38, 0.0], np.float32)}
+    _, new_state, finite, _ = fused.merge_and_step(optimizer, frozenset(), [g],
+                                                   [{"w": 3e38}], [1.0], 1.0, params, state)
+    assert not finite
+    np.testing.assert_array_equal(np.asarray(state[0].trace["w"]), [0.0, 0.0])
+
+
+def test_buffers_come_back_to_the_pool():
+    pool = fused.BufferPool()
+    a = pool.take((4, 3))
+    pool.give(a)
+    assert pool.take((4, 3)) is a and pool.take((4, 3)) is not a
