@@ -22,7 +22,8 @@ from .health import RestartPolicy
 
 # Settings read by the job runner and the CLI rather than by a core object.
 CLI_ONLY = ("name", "run.duration_s", "run.run_dir", "run.progress_every_s", "run.dashboard",
-            "metrics.enabled", "metrics.port", "metrics.host", "metrics.snapshot_every_s")
+            "metrics.enabled", "metrics.port", "metrics.host", "metrics.snapshot_every_s",
+            "link.token_file")
 
 
 def codec_block_size(config) -> int:
@@ -81,7 +82,7 @@ def fleet_settings(config) -> FleetSettings:
         factors = (tuple(float(f) for f in factors) if isinstance(factors, list)
                    else (float(factors),) * region.learners)
         ceiling = region.max_learners if region.max_learners is not None else region.learners
-        regions[name] = RegionPlan(region.learners, ceiling, factors)
+        regions[name] = RegionPlan(region.learners, ceiling, factors, remote=region.remote)
     return FleetSettings(regions=regions, min_learners=config.quorum.min_learners,
                          policy=restart_policy(config),
                          heartbeat_timeout_s=config.health.timeout_s,
@@ -119,6 +120,20 @@ def learner_spec(config, training: TrainingSpec, launch, corpus_ref=None,
         bandwidth_gbps=region.bandwidth_gbps, heartbeat_s=config.health.heartbeat_s,
         peer=f"islands:{launch.peer}" if launch.peer else None, corpus_ref=corpus_ref,
         env=dict(env or {}))
+
+
+def link_server_settings(config, token: str):
+    """The home link server's settings (``link``); ``token`` is read by the caller (a file or
+    the environment, never the config itself)."""
+    from islands.link.server import ServerSettings
+
+    link, tls = config.link, config.link.tls
+    return ServerSettings(port=link.port or 0, host=link.host, token=token,
+                          cert_file=tls.cert_file if tls else None,
+                          key_file=tls.key_file if tls else None,
+                          client_ca_file=tls.client_ca_file if tls else None,
+                          chunk_bytes=link.chunk_bytes, max_total_bytes=link.max_message_bytes,
+                          keepalive_s=link.keepalive_s)
 
 
 def chaos_plan(config):

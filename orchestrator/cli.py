@@ -197,6 +197,32 @@ def main(argv=None) -> int:
                    help="chaos simulation of goodput at 150k-2.4M chips (docs/operations.md); "
                         "islands simulate --help")
 
+    region = sub.add_parser("region", help="run a region in its own Ray cluster, joined to a "
+                                           "home job over the link (docs/regions.md)")
+    region_sub = region.add_subparsers(dest="action", required=True)
+    join = region_sub.add_parser("join", help="join the home job at HOST:PORT as REGION")
+    join.add_argument("--home", required=True, metavar="HOST:PORT", help="the home's link")
+    join.add_argument("--region", required=True, help="a region the home config marks remote")
+    join.add_argument("--token-file", default=None,
+                      help="the link's bearer token (default: $ISLANDS_LINK_TOKEN)")
+    join.add_argument("--ca-cert", default=None, help="CA that signed the home's certificate "
+                                                      "(default: the system's roots)")
+    join.add_argument("--client-cert", default=None, help="this region's certificate (mTLS)")
+    join.add_argument("--client-key", default=None, help="its key (mTLS)")
+    join.add_argument("--server-name", default=None,
+                      help="the name in the home's certificate (default: HOST)")
+    join.add_argument("--insecure", action="store_true",
+                      help="plaintext link (loopback trials only; the token is still sent)")
+    join.add_argument("--latency-ms", type=non_negative_ms, default=0.0,
+                      help="emulated one-way WAN latency on the link")
+    join.add_argument("--bandwidth-gbps", type=positive_gbps, default=None,
+                      help="emulated WAN bandwidth of the link")
+    join.add_argument("--duration", type=positive_seconds, default=None,
+                      help="seconds (default: until Ctrl+C)")
+    join.add_argument("--run-dir", default=None)
+    join.add_argument("--address", default=None,
+                      help="the region's Ray cluster (default: start an embedded one)")
+
     report = sub.add_parser("report", help="plots and report.md from a run dir")
     report.add_argument("run_dir")
 
@@ -248,6 +274,8 @@ def main(argv=None) -> int:
                 "initial_eval_loss", "final_eval_loss", "wire_bytes")
         print(json.dumps({k: summary.get(k) for k in keys}))
         return 0
+    if args.command == "region":
+        return _region_join(args)
     if args.command == "report":
         from .report import write_report
 
@@ -285,6 +313,34 @@ def main(argv=None) -> int:
         cause = exc.cause if getattr(exc, "cause", None) else exc
         print(f"islands: {cause}", file=sys.stderr)
         return 2
+    return 0
+
+
+def _region_join(args) -> int:
+    from islands.link.client import ClientSettings, LinkRefused
+    from islands.link.region import join
+    from islands.link.security import read_token
+
+    try:
+        settings = ClientSettings(
+            home=args.home, region=args.region, token=read_token(args.token_file),
+            ca_file=args.ca_cert, cert_file=args.client_cert, key_file=args.client_key,
+            tls=not args.insecure, server_name=args.server_name, latency_ms=args.latency_ms,
+            bandwidth_gbps=args.bandwidth_gbps)
+        settings.host_port  # noqa: B018 - validates HOST:PORT now
+    except (ValueError, OSError) as exc:
+        print(f"islands region: {exc}", file=sys.stderr)
+        return 2
+    try:
+        summary = join(settings, args.duration, args.run_dir, args.address)
+    except LinkRefused as exc:
+        print(f"islands region: the home refused {args.region}: {exc}", file=sys.stderr)
+        return 2
+    except ValueError as exc:
+        print(f"islands region: {exc}", file=sys.stderr)
+        return 2
+    print(json.dumps({k: summary.get(k) for k in ("tokens_applied", "learner_restarts",
+                                                   "link")}, default=str))
     return 0
 
 

@@ -157,6 +157,9 @@ class RegionSection(_Section):
     speed_factors: Union[float, list[float]] = 1.0
     bandwidth_gbps: float = Field(10.0, gt=0)
     latency_ms: float = Field(0.0, ge=0)
+    # The region runs in its own Ray cluster and joins over the link (docs/regions.md): its
+    # agent (`islands region join`) launches and restarts its learners; needs `link.port`.
+    remote: bool = False
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -303,6 +306,37 @@ class ChaosSection(_Section):
         return plan.sorted()
 
 
+class LinkTlsSection(_Section):
+    """The link server's TLS: its certificate and key (PEM files); with ``client_ca_file``,
+    region agents must present a certificate signed by that CA (mutual TLS)."""
+
+    cert_file: str = Field(min_length=1)
+    key_file: str = Field(min_length=1)
+    client_ca_file: Optional[str] = Field(None, min_length=1)
+
+
+class LinkSection(_Section):
+    """The home side of the gRPC link that regions in their own Ray clusters join
+    (docs/regions.md). Off unless ``port`` is set."""
+
+    port: Optional[int] = Field(None, ge=0, le=65535)   # None: no link server; 0 picks a free port
+    host: str = Field("127.0.0.1", min_length=1)        # the address it binds
+    # The bearer token every call must carry: this file's contents, else $ISLANDS_LINK_TOKEN.
+    token_file: Optional[str] = Field(None, min_length=1)
+    tls: Optional[LinkTlsSection] = None                # required unless host is loopback
+    chunk_bytes: int = Field(1 << 20, ge=4096, le=16 << 20)     # one gRPC message's data
+    max_message_bytes: int = Field(1 << 30, ge=4096)    # one push, reply or registration, chunked
+    keepalive_s: float = Field(10.0, gt=0)              # HTTP/2 pings; a silent peer is dropped
+
+    @model_validator(mode="after")
+    def _secure_off_loopback(self):
+        if self.port is not None and self.tls is None and self.host not in (
+                "127.0.0.1", "localhost", "::1"):
+            raise ValueError(f"tls: the link binds {self.host}, not loopback, so it needs "
+                             "tls.cert_file and tls.key_file")
+        return self
+
+
 class RunSection(_Section):
     duration_s: float = Field(120.0, gt=0)
     run_dir: str = "runs/{name}"
@@ -325,6 +359,7 @@ class JobConfig(_Section):
     metrics: MetricsSection = MetricsSection()
     chaos: Optional[ChaosSection] = None
     run: RunSection = RunSection()
+    link: LinkSection = LinkSection()
 
     @field_validator("regions")
     @classmethod
@@ -343,6 +378,10 @@ class JobConfig(_Section):
         if self.quorum.min_learners > total:
             raise _FieldError("quorum.min_learners",
                               f"quorum ({self.quorum.min_learners}) exceeds learners ({total})")
+        remote = sorted(name for name, region in self.regions.items() if region.remote)
+        if remote and self.link.port is None:
+            raise _FieldError("link.port", f"regions {remote} are remote (they join over the "
+                              "link) but link.port is not set")
         if self.chaos is not None:
             learners, regions = set(self.learner_ids()), set(self.regions)
             allowed = {"kill": learners | {"syncer"}, "slowdown": learners | regions,
@@ -365,7 +404,7 @@ class JobConfig(_Section):
 
     def region_resources(self) -> dict[str, float]:
         return {f"region:{name}": float(max(region.learners, region.max_learners or 0))
-                for name, region in self.regions.items()}
+                for name, region in self.regions.items() if not region.remote}
 
     def speed_factor(self, learner_id: str) -> float:
         region_name, index = learner_id.rsplit(":", 1)

@@ -223,6 +223,25 @@ FIELD_NOTES: dict[str, str] = {
     "run.run_dir": "The run directory; `{name}` becomes the job name (`--run-dir` overrides it).",
     "run.progress_every_s": "Seconds between progress lines on the console.",
     "run.dashboard": "Start the Ray dashboard with an embedded cluster (bound to 127.0.0.1).",
+    # link (docs/regions.md)
+    "regions.<name>.remote": "The region runs in its own Ray cluster and joins over the link "
+                             "(`islands region join`); its agent launches and restarts its "
+                             "learners. Needs `link.port`.",
+    "link": "The gRPC link that regions in their own Ray clusters join (docs/regions.md).",
+    "link.port": "Port of the link server; null: no link (default); 0 picks a free port "
+                 "(printed at start).",
+    "link.host": "Address the link server binds; anything but loopback needs `link.tls`.",
+    "link.token_file": "File holding the bearer token every link call must carry; null: the "
+                       "`ISLANDS_LINK_TOKEN` environment variable.",
+    "link.tls": "TLS for the link server; null: plaintext (loopback only).",
+    "link.tls.cert_file": "The server's certificate (PEM).",
+    "link.tls.key_file": "Its private key (PEM).",
+    "link.tls.client_ca_file": "CA of the region agents' certificates; set: mutual TLS.",
+    "link.chunk_bytes": "Data bytes per gRPC message; larger pushes, replies and registrations "
+                        "are streamed in chunks of this size.",
+    "link.max_message_bytes": "Largest push, reply or registration accepted (after chunking); "
+                              "larger ones are refused with RESOURCE_EXHAUSTED.",
+    "link.keepalive_s": "HTTP/2 keepalive ping interval and timeout of the server, seconds.",
 }
 
 # Rules that validators (or the job's start) enforce beyond a single field's bounds.
@@ -242,6 +261,8 @@ RULES: dict[str, str] = {
     "regions.<name>.max_learners": "≥ `learners`",
     "regions.<name>.speed_factors": "each > 0; a list has one entry per learner",
     "health.timeout_s": "> `health.heartbeat_s`",
+    "link.port": "set when any region is `remote`",
+    "link.tls": "required when `link.host` is not loopback and `link.port` is set",
     "chaos.events[].target@kill": "a configured learner, or `syncer`",
     "chaos.events[].target@region_loss": "a configured region",
     "chaos.events[].target@slowdown": "a configured learner or region",

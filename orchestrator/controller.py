@@ -43,6 +43,7 @@ class Incarnation:
     handle: Any
     run_ref: Any
     beat: dict = dataclasses.field(default_factory=dict)   # its last heartbeat
+    remote: bool = False   # in a region's own cluster: known from its agent's reports (link/)
 
 
 class Controller:
@@ -84,6 +85,8 @@ class Controller:
         self.goodput_history: list = []
         self.metrics_server = None
         self.ray_metrics = None
+        self.link_regions: dict[str, dict] = {}   # per remote region: its link's last report
+        self.remote_beats: dict[tuple, dict] = {}  # (learner, incarnation) -> newest beat
         self.settings = build.controller_settings(config)
         self.chaos_plan = build.chaos_plan(config)
         self.state_path = os.path.join(run_dir, "controller_state.json")
@@ -297,7 +300,7 @@ class Controller:
                     self._last_error = repr(exc)
                     self.emit("monitor_error", error=repr(exc)[:300],
                               where=traceback.format_exc(limit=3)[-600:])
-            refs = [inc.run_ref for inc in self.running.values()]
+            refs = [inc.run_ref for inc in self.running.values() if not inc.remote]
             refs += [self.syncer_ref] if self.syncer_ref is not None else []
             if refs:  # wake on a run ending (a real event) or after a short tick
                 ray.wait(refs, num_returns=1, timeout=0.2)
@@ -342,6 +345,12 @@ class Controller:
         now = time.time()
         if t.name in ("learner_launched", "learner_restarted"):
             self.books.allocate(t.learner, now)
+            if t.fields.get("remote"):  # its agent launched it: home keeps its books
+                self._close(t.learner)  # the previous incarnation's newest beat stays in closed
+                number = int(t.fields["incarnation"])
+                self.running[t.learner] = Incarnation(
+                    number, None, None, self.remote_beats.pop((t.learner, number), {}),
+                    remote=True)
         elif t.name == "learner_retired":
             self.books.release(t.learner, now)
         elif t.name == "learner_recovered":
@@ -368,9 +377,9 @@ class Controller:
     def _ended_runs(self) -> list:
         import ray
 
-        if not self.running:
+        if not any(not inc.remote for inc in self.running.values()):
             return []
-        refs = {inc.run_ref: name for name, inc in self.running.items()}
+        refs = {inc.run_ref: name for name, inc in self.running.items() if not inc.remote}
         ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
         out = []
         for ref in ready:
@@ -388,7 +397,8 @@ class Controller:
                 self.emit("learner_error", learner=name, error=error)
             inc.run_ref = None
             out.append(fleet_lib.RunEnded(name, inc.number, error, preempted, crashed))
-        for name in [n for n, inc in self.running.items() if inc.run_ref is None]:
+        for name in [n for n, inc in self.running.items()
+                     if inc.run_ref is None and not inc.remote]:
             self._close(name)
         return out
 
@@ -477,8 +487,8 @@ class Controller:
         """Unregisters it at the syncer and settles the incarnation's tokens."""
         import ray
 
-        try:
-            ray.get(self.syncer.forget.remote(a.learner), timeout=10)
+        try:  # only this incarnation: a newer one may have registered meanwhile (a remote region)
+            ray.get(self.syncer.forget.remote(a.learner, a.incarnation, a.reason), timeout=10)
         except Exception:
             pass
         self._refresh_syncer_status()
@@ -498,6 +508,8 @@ class Controller:
                         } if same else {}
         self.books.close_incarnation(a.learner, fates, merged_steps, a.reason)
         closed["settled"] = a.incarnation
+        if inc is not None and inc.remote and inc.number == a.incarnation:
+            self._close(a.learner)
 
     def _close(self, learner: str) -> None:
         """Folds an ended incarnation's counters into the slot's totals (they never go back)."""
@@ -520,7 +532,9 @@ class Controller:
         self._handle(a.learner).drain.remote()
 
     def _do_pauselearner(self, a) -> None:
-        self._handle(a.learner).pause.remote(a.paused)
+        handle = self._handle(a.learner)
+        if handle is not None:
+            handle.pause.remote(a.paused)
 
     def _do_slowdown(self, a) -> None:
         for learner in a.learners:
@@ -539,6 +553,38 @@ class Controller:
         import ray
 
         ray.kill(self.syncer, no_restart=True)
+
+    # -- regions in their own clusters (link/) --------------------------------------------------
+    def link_report(self, report: dict) -> dict:
+        """A remote region's report, relayed by the home's link server: its learners' states
+        become ``RemoteReport`` observations and their heartbeats (books included) are kept as
+        a local learner's are. Returns the home syncer's view of the region's learners."""
+        region, now = report["region"], time.time()
+        beats = {b.get("learner"): b for b in report.get("beats", []) if isinstance(b, dict)}
+        with self.lock:
+            self.link_regions[region] = {"bytes": dict(report.get("link_bytes") or {}),
+                                         "reconnects": int(report.get("reconnects") or 0),
+                                         "last_report_s": now}
+        for learner, beat in beats.items():
+            inc = self.running.get(learner)
+            number = int(beat.get("incarnation", -1))
+            if inc is not None and inc.remote and inc.number == number:
+                inc.beat = beat
+            else:  # its incarnation is not known here yet: kept for when it is
+                self.remote_beats[(learner, number)] = beat
+        for s in report.get("slots", []):
+            beat = beats.get(s["learner"], {})
+            self.inbox.put((fleet_lib.RemoteReport(
+                s["learner"], region, int(s["incarnation"]), s["state"], int(s.get("shard", 0)),
+                beat.get("step_time_s"), s.get("last_cause") or ""), None))
+        with self.lock:
+            status = dict(self.syncer_status)
+        mine = lambda table: {k: v for k, v in (table or {}).items()  # noqa: E731
+                              if k.rsplit(":", 1)[0] == region}
+        return {"epoch": status.get("epoch"), "versions": status.get("versions"),
+                "merges": status.get("merges"), "ledger": mine(status.get("ledger")),
+                "registered": mine(status.get("registered")),
+                "quarantined": mine(status.get("quarantined"))}
 
     # -- the syncer -----------------------------------------------------------------------------
     def _check_syncer(self) -> None:

@@ -51,6 +51,9 @@ class RegionPlan:
     max_learners: int                   # ceiling for scale commands and node joins
     speed_factors: tuple[float, ...] = ()  # of the initial learners (emulated hardware speed)
     names: tuple[str, ...] = ()           # ids of the initial learners (default "<region>:<i>")
+    # In its own Ray cluster, joined over the link: its agent launches, checks and restarts its
+    # learners; this fleet mirrors their states from the agent's reports (``RemoteReport``).
+    remote: bool = False
 
 
 @dataclass(frozen=True)
@@ -64,6 +67,8 @@ class FleetSettings:
     startup_timeout_s: float = 120.0
     straggler_factor: float = 4.0
     restart_retry_s: float = 0.2        # a launch that failed (name not released yet) retries
+    first_shard: int = 0                # a region agent's fleet: its region's first data shard
+    num_shards: Optional[int] = None    # ... and the job's shard count (None: count the slots)
 
 
 @dataclass(frozen=True)
@@ -86,6 +91,7 @@ class Slot:
     start_step: int = 0
     recovery: Optional[tuple[tuple[str, float], ...]] = None  # phase timestamps in progress
     restart_postponed: bool = False
+    remote: bool = False                 # mirrored from a region agent (never launched here)
 
     @property
     def restart_counts(self) -> dict[Cause, int]:
@@ -122,7 +128,8 @@ class FleetState:
 def initial(settings: FleetSettings) -> FleetState:
     """The configured slots, all PENDING (the first ``step`` launches them)."""
     fleet = FleetState(settings, targets={r: p.learners for r, p in settings.regions.items()},
-                       next_index={r: 0 for r in settings.regions})
+                       next_index={r: 0 for r in settings.regions},
+                       next_shard=settings.first_shard)
     slots = dict(fleet.slots)
     for region, plan in settings.regions.items():
         for i in range(plan.learners):
@@ -130,6 +137,7 @@ def initial(settings: FleetSettings) -> FleetState:
                 plan.speed_factors) else 1.0)
             if i < len(plan.names):
                 slot = dataclasses.replace(slot, learner=plan.names[i])
+            slot = dataclasses.replace(slot, remote=plan.remote)
             slots[slot.learner] = slot
             fleet = dataclasses.replace(fleet, slots=dict(slots))
     return fleet
@@ -209,6 +217,20 @@ class Applied:
 
 
 @dataclass(frozen=True)
+class RemoteReport:
+    """A learner of a region in its own Ray cluster, as its agent reports it over the link: the
+    agent's fleet decided its state; this fleet mirrors it (and settles what ended)."""
+
+    learner: str
+    region: str
+    incarnation: int
+    state: str                          # a SlotState value
+    shard: int = 0
+    step_time_s: Optional[float] = None
+    last_cause: str = ""                # why its previous incarnation ended, if it did
+
+
+@dataclass(frozen=True)
 class Scale:
     region: str
     n: int
@@ -242,7 +264,7 @@ class Stop:
 
 
 Observation = Union[Beat, RunEnded, Quarantine, LaunchFailed, Cluster, Applied, Scale, Drain,
-                    Chaos, HangCommand, Stop]
+                    Chaos, HangCommand, Stop, RemoteReport]
 
 
 # -- actions: what a body must do -----------------------------------------------------------------
@@ -384,6 +406,8 @@ class _Machine:
         return self.put(dataclasses.replace(slot, state=state))
 
     def num_shards(self) -> int:
+        if self.settings.num_shards is not None:
+            return self.settings.num_shards
         total = sum(p.learners for p in self.settings.regions.values())
         return max(total, len(self.fleet.slots), 1)
 
@@ -468,6 +492,8 @@ class _Machine:
                  alive_nodes=obs.alive_nodes if obs.alive_nodes is not None
                  else self.fleet.alive_nodes)
         for region, plan in self.settings.regions.items():
+            if plan.remote:  # its nodes are in its own cluster; its agent follows them
+                continue
             capacity = obs.capacity.get(region, 0.0)
             target = grown_target(capacity, previous.get(region), self.fleet.targets[region],
                                   plan.max_learners)
@@ -493,6 +519,9 @@ class _Machine:
         if plan is None:
             raise CommandError(f"unknown region {obs.region!r}; regions are "
                                f"{sorted(self.settings.regions)}")
+        if plan.remote:
+            raise CommandError(f"region {obs.region} runs in its own Ray cluster: scale it there "
+                               "(islands scale with that cluster's address)")
         if obs.n < 0:
             raise CommandError(f"learner count must be >= 0, got {obs.n}")
         if obs.n > plan.max_learners:
@@ -522,6 +551,9 @@ class _Machine:
             slot = self.fleet.slots.get(fault.target)
             if slot is None or slot.state not in LIVE:
                 raise CommandError(f"no running learner {fault.target!r}")
+            if slot.remote:
+                raise CommandError(f"{fault.target} runs in its region's own Ray cluster: kill "
+                                   "it there (islands chaos kill with that cluster's address)")
             mode = obs.mode if kind == FaultKind.KILL else "exit"
             self.note("chaos", fault.target, action="kill", target=fault.target, mode=mode,
                       repair_s=fault.duration_s)
@@ -552,6 +584,45 @@ class _Machine:
             self.actions.append(KillSyncer())
         else:  # pragma: no cover - FaultKind is closed
             raise CommandError(f"unknown fault kind {kind!r}")
+
+    def on_remotereport(self, r: RemoteReport) -> None:
+        plan = self.settings.regions.get(r.region)
+        if plan is None or not plan.remote:
+            return  # not a region this job expects over the link (the server refuses those)
+        try:
+            state = SlotState(r.state)
+        except ValueError:
+            return
+        slot = self.fleet.slots.get(r.learner)
+        if slot is None:  # scaled up in its own cluster
+            index = int(r.learner.rsplit(":", 1)[1]) if r.learner.rsplit(":", 1)[1].isdigit() else 0
+            slot = self.put(Slot(learner=r.learner, region=r.region, index=index, shard=r.shard,
+                                 remote=True, incarnation=r.incarnation))
+            self.set(next_index={**self.fleet.next_index,
+                                 r.region: max(self.fleet.next_index[r.region], index + 1)})
+        if not slot.remote or slot.state in GONE:
+            return
+        new_incarnation = r.incarnation != slot.incarnation
+        if slot.state in LIVE and (new_incarnation or state not in LIVE):
+            # The incarnation this fleet knew ended in the region: settle its books here.
+            cause = r.last_cause or ("stopped" if self.fleet.stopping else "crash")
+            self.actions.append(Forget(slot.learner, slot.incarnation, cause))
+            if state not in GONE:
+                self.note("learner_failed", slot.learner, cause=cause,
+                          incarnation=slot.incarnation, detail="reported by its region agent",
+                          **{"from": slot.state.value})
+        slot = self.put(dataclasses.replace(
+            slot, incarnation=r.incarnation, shard=r.shard,
+            last_beat_s=self.now, step_time_s=r.step_time_s or slot.step_time_s))
+        if state in LIVE and (new_incarnation or slot.state not in LIVE):
+            first = slot.launched_s is None
+            slot = self.put(dataclasses.replace(slot, launched_s=self.now))
+            self.note("learner_launched" if first else "learner_restarted", slot.learner,
+                      incarnation=r.incarnation, remote=True)
+        if state in GONE:
+            self.move(slot, state, "learner_retired", reason=r.last_cause or "left its region")
+        elif state != slot.state:
+            self.move(slot, state, "learner_state", remote=True)
 
     def on_hangcommand(self, obs: HangCommand) -> None:
         slot = self.fleet.slots.get(obs.learner)
@@ -672,14 +743,15 @@ class _Machine:
     def launch_pending(self) -> None:
         """Launches new slots: at step 0, or where a resumed job's ledger says they were."""
         for slot in list(self.fleet.slots.values()):
-            if slot.state == SlotState.PENDING:
+            if slot.state == SlotState.PENDING and not slot.remote:
                 applied = self.fleet.applied_steps.get(slot.learner)
                 self.launch(slot, applied[1] if applied is not None else 0)
 
     def check_health(self) -> None:
         s = self.settings
+        # A remote slot's health is its region agent's to check (the same rules, there).
         running = [x for x in self.fleet.slots.values()
-                   if x.state in (SlotState.TRAINING, SlotState.STARTING)]
+                   if x.state in (SlotState.TRAINING, SlotState.STARTING) and not x.remote]
         step_times = {x.learner: x.step_time_s for x in running
                       if x.state == SlotState.TRAINING and x.step_time_s}
         for slot in running:
@@ -701,7 +773,7 @@ class _Machine:
     def start_due_restarts(self) -> None:
         for slot in list(self.fleet.slots.values()):
             if (slot.state != SlotState.RESTARTING or slot.restart_at_s is None
-                    or self.now < slot.restart_at_s):
+                    or self.now < slot.restart_at_s or slot.remote):
                 continue
             applied = self.fleet.applied_steps.get(slot.learner)
             start_step = applied[1] if applied is not None else slot.start_step
@@ -723,6 +795,8 @@ class _Machine:
             self.set(paused_reason=reason)
             self.note("training_paused", None, reason=reason)
             for slot in live:
+                if slot.remote:  # counted, but its agent runs it (the pause stays home)
+                    continue
                 if slot.state == SlotState.TRAINING:
                     self.put(dataclasses.replace(slot, state=SlotState.PAUSED))
                 self.actions.append(PauseLearner(slot.learner, True))
@@ -730,6 +804,8 @@ class _Machine:
             self.set(paused_reason=None)
             self.note("training_resumed", None, live=len(live))
             for slot in live:
+                if slot.remote:
+                    continue
                 self.put(dataclasses.replace(slot, state=SlotState.TRAINING))
                 self.actions.append(PauseLearner(slot.learner, False))
 

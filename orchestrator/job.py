@@ -249,6 +249,8 @@ def check_capacity(config) -> None:
     total = ray.cluster_resources()
     short = []
     for name, region in config.regions.items():
+        if region.remote:  # its nodes are in its own cluster
+            continue
         have = total.get(f"region:{name}", 0.0)
         if have < region.learners:
             short.append(f"region {name!r} needs {region.learners} 'region:{name}' resources, "
@@ -354,6 +356,11 @@ def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] =
                 config, os.path.abspath(run_dir), resume=resume)
         ray.get(controller.start.remote())
         metrics_port = _serve_metrics(controller, config, embedded=started_cluster)
+        link_address = _serve_link(config)
+        if link_address and not quiet:
+            print(f"islands: link on {link_address} (regions "
+                  f"{sorted(n for n, r in config.regions.items() if r.remote)} join there)",
+                  flush=True)
         if not quiet:
             print(f"islands: job {config.name!r} running for {duration_s:.0f}s, run dir {run_dir}"
                   + (f", metrics on :{metrics_port}/metrics" if metrics_port else ""), flush=True)
@@ -409,6 +416,28 @@ def _serve_metrics(controller, config, embedded: bool = False) -> Optional[int]:
     except Exception as exc:  # metrics must never stop training
         log.warning("metrics endpoint not started: %s", exc)
         return None
+
+
+def _serve_link(config) -> Optional[str]:
+    """Starts the link server (``islands:link``) when ``link.port`` is set; its bound address.
+
+    Raises:
+      ValueError: no token (``link.token_file`` or $ISLANDS_LINK_TOKEN).
+    """
+    import ray
+
+    if config.link.port is None:
+        return None
+    from islands.link.security import read_token
+    from islands.link.server import LINK_SERVER_NAME, LinkServer
+
+    from . import build
+
+    settings = build.link_server_settings(config, read_token(config.link.token_file))
+    server = ray.remote(LinkServer).options(
+        name=LINK_SERVER_NAME, namespace=NAMESPACE, num_cpus=0.1, max_concurrency=4,
+        lifetime="detached").remote(config.model_dump_json(), settings)
+    return ray.get(server.address.remote(), timeout=60)
 
 
 def _actor_node_ip(actor) -> Optional[str]:

@@ -70,6 +70,13 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("islands_learners", "gauge", ("state", "region"), "Learners by state and region"),
     MetricSpec("islands_train_loss", "gauge", (), "Mean training loss of the training learners"),
     MetricSpec("islands_eval_loss", "gauge", (), "Held-out loss of the global parameters"),
+    MetricSpec("islands_link_wire_bytes", "counter", ("direction", "region"),
+               "Bytes on a remote region's gRPC link as its sockets counted them (TLS, HTTP/2 "
+               "and keepalive included), region->home (up) and home->region (down)"),
+    MetricSpec("islands_link_reconnects", "counter", ("region",),
+               "Times a remote region's link connected again after losing its connection"),
+    MetricSpec("islands_link_report_age_seconds", "gauge", ("region",),
+               "Seconds since a remote region's agent last reported over the link"),
 )
 
 METRIC_NAMES: frozenset[str] = frozenset(spec.name for spec in METRICS)
@@ -204,6 +211,16 @@ def families(snap: Mapping[str, Any]) -> list:
         for direction in ("up", "down"):
             wire.add_metric([direction, region], float(by_direction[direction]))
     out.append(wire)
+
+    link_bytes, reconnects = counter("islands_link_wire_bytes"), counter("islands_link_reconnects")
+    age = gauge("islands_link_report_age_seconds")
+    for region, row in sorted((snap.get("link") or {}).items()):
+        for direction in ("up", "down"):
+            link_bytes.add_metric([direction, region], float(row[direction]))
+        reconnects.add_metric([region], float(row["reconnects"]))
+        if row.get("report_age_s") is not None:
+            age.add_metric([region], float(row["report_age_s"]))
+    out += [link_bytes, reconnects, age]
 
     recovery = HistogramMetricFamily("islands_recovery_seconds",
                                      spec["islands_recovery_seconds"].help, labels=["phase"])

@@ -53,6 +53,7 @@ class JobSnapshot:
     rejected_total: dict
     staleness_counts: dict
     extra: dict = field(default_factory=dict)
+    link: dict = field(default_factory=dict)   # per remote region: link bytes, reconnects, age
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -148,4 +149,21 @@ def job_snapshot(controller: Any) -> JobSnapshot:
         initial_eval_loss=initial_eval_loss, syncer={k: status.get(k) for k in SYNCER_KEYS},
         syncer_restarts=controller.syncer_restarts, learner_restarts=dict(restarts),
         recoveries=recoveries, paused_reason=fleet.paused_reason, wire_bytes=wire,
-        rejected_total=dict(rejected), staleness_counts=dict(staleness))
+        rejected_total=dict(rejected), staleness_counts=dict(staleness),
+        link=_link_rows(controller, now))
+
+
+def _link_rows(controller: Any, now: float) -> dict:
+    """Every remote region of the job, with what its link last reported (zeros until then)."""
+    reports = dict(getattr(controller, "link_regions", {}) or {})
+    out = {}
+    for name, region in controller.config.regions.items():
+        if not getattr(region, "remote", False):
+            continue
+        r = reports.get(name, {})
+        last = r.get("last_report_s")
+        out[name] = {"up": int((r.get("bytes") or {}).get("up", 0)),
+                     "down": int((r.get("bytes") or {}).get("down", 0)),
+                     "reconnects": int(r.get("reconnects", 0)),
+                     "report_age_s": None if last is None else now - last}
+    return out

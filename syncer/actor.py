@@ -200,8 +200,16 @@ class Syncer:
         return await future
 
     # -- control --------------------------------------------------------------------------------
-    async def forget(self, learner: str) -> int:
-        """Unregisters a learner; its unmerged pushes are dropped. Returns how many."""
+    async def forget(self, learner: str, incarnation: Optional[int] = None,
+                     reason: str = "") -> int:
+        """Unregisters a learner; its unmerged pushes are dropped. Returns how many.
+
+        With ``incarnation``, only that incarnation: a forget that arrives late over a region's
+        link must not unregister the learner's next incarnation. ``reason`` is logged."""
+        if incarnation is not None and self.core.learners.get(learner) != incarnation:
+            return 0
+        if reason:
+            log.info("forget %s (incarnation %s): %s", learner, incarnation, reason)
         dropped = self.core.forget(learner)
         for waiters in self.waiters.values():
             future = waiters.pop(learner, None)

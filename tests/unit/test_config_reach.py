@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 BASE = {
     "regions": {"a": {"learners": 2, "max_learners": 3}},
+    "link": {"port": 7000},
     "chaos": {"mtbf_s": 60, "region_mtbf_s": 200, "slowdown_mtbf_s": 60, "network_mtbf_s": 60,
               "syncer_mtbf_s": 100},
 }
@@ -51,6 +52,9 @@ CHANGES = {
     "run.run_dir": "elsewhere/{name}",
     "metrics.host": "10.1.2.3",
     "health.restart.max_preemption_restarts": 7,
+    "link.host": "localhost",
+    "link.token_file": "/run/secrets/link-token",
+    "link.tls": {"cert_file": "server.pem", "key_file": "server-key.pem"},
 }
 
 
@@ -88,13 +92,15 @@ def changed(path, value):
 def observed(config):
     """Everything build hands the parts, as comparable values."""
     fleet = fleet_lib.initial(build.fleet_settings(config))
-    first = fleet_lib.step(fleet, [], 0.0).actions[0]
+    launches = fleet_lib.step(fleet, [], 0.0).actions   # none when every region is remote
+    first = launches[0] if launches else None
     training = build.training_spec(config)
     plan = build.chaos_plan(config)
     outer = config.syncer.outer_optimizer.model_dump()
     return (training, build.syncer_settings(config), build.fleet_settings(config),
-            build.controller_settings(config), build.learner_spec(config, training, first),
+            build.controller_settings(config), build.learner_spec(config, training, first) if first else None,
             build.syncer_options(config, "/runs/x"), outer,
+            build.link_server_settings(config, "token"),
             tuple(plan) if plan is not None else None)
 
 

@@ -322,3 +322,49 @@ def test_a_resumed_job_launches_its_learners_at_their_applied_steps():
     result = F.step(fleet, [F.Applied({"a:0": (3, 120, 0), "b:0": (0, 40, 0)})], 0.0)
     assert [(a.learner, a.start_step) for a in result.actions] == [("a:0", 120), ("a:1", 0),
                                                                    ("b:0", 40)]
+
+
+# -- remote regions (a region in its own Ray cluster, mirrored from its agent's reports) ----------
+def remote_settings(**overrides):
+    return settings(regions={"a": F.RegionPlan(2, 3), "r": F.RegionPlan(2, 2, remote=True)},
+                    **overrides)
+
+
+def test_remote_slots_are_never_launched_here_and_keep_their_shards():
+    result = F.step(F.initial(remote_settings()), [], 0.0)
+    assert [(a.learner, a.shard, a.num_shards) for a in result.actions] == [("a:0", 0, 4),
+                                                                         ("a:1", 1, 4)]
+    assert states(result.fleet)["r:0"] == "pending" and result.fleet.slots["r:1"].shard == 3
+    # Silent for an hour: the agent checks their health, not this fleet.
+    assert names(F.step(result.fleet, [], 3600.0)).count("learner_failed") == 2  # only a:0, a:1
+
+
+def test_a_remote_report_mirrors_the_agents_decisions_and_settles_what_ended():
+    fleet = F.step(F.initial(remote_settings()), [], 0.0).fleet
+    fleet = F.step(fleet, [F.Beat(n, 0, True, 0.1) for n in ("a:0", "a:1")], 0.5).fleet
+    up = F.step(fleet, [F.RemoteReport("r:0", "r", 0, "training", 2, 0.1)], 1.0)
+    assert names(up) == ["learner_launched", "learner_state"] and not up.actions
+    assert up.fleet.slots["r:0"].state == SlotState.TRAINING
+    # The agent restarted it (a crash): the old incarnation is forgotten here with its cause.
+    again = F.step(up.fleet, [F.RemoteReport("r:0", "r", 1, "starting", 2, None, "crash")], 2.0)
+    assert [(type(a).__name__, a.incarnation, a.reason) for a in again.actions] == [
+        ("Forget", 0, "crash")]
+    assert names(again) == ["learner_failed", "learner_restarted", "learner_state"]
+    assert again.fleet.slots["r:0"].incarnation == 1
+    gone = F.step(again.fleet, [F.RemoteReport("r:0", "r", 1, "retired", 2, None, "drained")], 3)
+    assert names(gone) == ["learner_retired"] and kinds(gone) == ["Forget"]
+
+
+def test_remote_regions_refuse_home_scale_and_kill_commands():
+    fleet = F.step(F.initial(remote_settings()), [F.RemoteReport("r:0", "r", 0, "training")],
+                   1.0).fleet
+    with pytest.raises(F.CommandError, match="own Ray cluster"):
+        F.check_command(fleet, F.Scale("r", 1))
+    with pytest.raises(F.CommandError, match="own Ray cluster"):
+        F.check_command(fleet, F.Chaos(Fault(1.0, FaultKind.KILL, "r:0")))
+
+
+def test_an_agents_fleet_numbers_shards_from_its_regions_first_shard():
+    s = settings(regions={"r": F.RegionPlan(2, 2)}, first_shard=3, num_shards=5)
+    assert [(a.shard, a.num_shards) for a in F.step(F.initial(s), [], 0.0).actions] == [
+        (3, 5), (4, 5)]

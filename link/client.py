@@ -1,0 +1,335 @@
+"""The region side of the link: ``LinkClient``, the region cluster's stand-in for the home syncer.
+
+In a region's own Ray cluster this actor is named ``islands:syncer``: the region's learners
+register and push to it exactly as they would to the syncer, and the region agent (the controller
+in region mode, ``region.py``) forgets, reads status and forwards heartbeats through it. Every call
+leaves over one gRPC channel (one HTTP/2 connection, calls multiplexed on it) through the region's
+``Relay``, with a deadline, keepalive and reconnection with backoff. While the link is down calls
+wait (up to their deadline) and the learners keep training: a push that cannot leave in time is
+answered as refused, and the learner's own rules take it from there.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+import random
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Optional
+
+import grpc
+
+from . import link_pb2 as pb
+from . import link_pb2_grpc as pb_grpc
+from . import wire
+from .relay import Relay
+from .security import channel_credentials, token_metadata
+
+log = logging.getLogger("islands.link")
+
+# Refusal reasons of the link itself (the syncer's are syncer/validate.py: RejectReason).
+class LinkRefused(RuntimeError):
+    """The home refused the region: the message has the gRPC status and the home's reason."""
+
+
+LINK_DOWN = "syncer_down"  # the learner keeps its drift and pushes it again (learners/core.py)
+
+
+@dataclass(frozen=True)
+class ClientSettings:
+    """How a region reaches home (``islands region join`` flags)."""
+
+    home: str                         # HOST:PORT of the home's link server
+    region: str
+    token: str
+    ca_file: Optional[str] = None     # None with tls: the system roots
+    cert_file: Optional[str] = None   # mutual TLS
+    key_file: Optional[str] = None
+    tls: bool = True
+    server_name: Optional[str] = None  # the name in the home's certificate (default: HOST)
+    call_timeout_s: float = 10.0      # every unary call's deadline
+    register_timeout_s: float = 120.0
+    push_timeout_s: float = 300.0     # a push's deadline, waiting for its round's merge included
+    keepalive_s: float = 2.0
+    backoff_initial_s: float = 0.25
+    backoff_max_s: float = 4.0
+    report_every_s: float = 1.0
+    latency_ms: float = 0.0           # the emulated WAN on the relay
+    bandwidth_gbps: Optional[float] = None
+
+    @property
+    def host_port(self) -> tuple[str, int]:
+        host, _, port = self.home.rpartition(":")
+        if not host or not port.isdigit():
+            raise ValueError(f"--home must be HOST:PORT, got {self.home!r}")
+        return host.strip("[]"), int(port)
+
+
+def backoff_s(attempt: int, initial_s: float, max_s: float, jitter: float = 0.0) -> float:
+    """Exponential backoff before retry ``attempt`` (0-based): initial·2^attempt, capped, with
+    ``jitter`` ∈ [0, 1) taking up to that fraction off.
+
+    >>> [backoff_s(a, 0.25, 4.0) for a in range(7)]
+    [0.25, 0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    """
+    return min(max_s, initial_s * 2 ** attempt) * (1.0 - jitter)
+
+
+def open_channel(settings: ClientSettings, target: str, chunk_bytes: int) -> grpc.Channel:
+    host, _ = settings.host_port
+    options = [("grpc.max_receive_message_length", chunk_bytes + wire.CHUNK_OVERHEAD_BYTES),
+               ("grpc.max_send_message_length", chunk_bytes + wire.CHUNK_OVERHEAD_BYTES),
+               ("grpc.keepalive_time_ms", int(settings.keepalive_s * 1000)),
+               ("grpc.keepalive_timeout_ms", int(settings.keepalive_s * 1000)),
+               ("grpc.keepalive_permit_without_calls", 1),
+               ("grpc.http2.max_pings_without_data", 0),
+               ("grpc.initial_reconnect_backoff_ms", int(settings.backoff_initial_s * 1000)),
+               ("grpc.min_reconnect_backoff_ms", int(settings.backoff_initial_s * 1000)),
+               ("grpc.max_reconnect_backoff_ms", int(settings.backoff_max_s * 1000)),
+               # one connection for every call of the region, not one per stub
+               ("grpc.use_local_subchannel_pool", 1)]
+    if not settings.tls:
+        return grpc.insecure_channel(target, options=options)
+    options.append(("grpc.ssl_target_name_override", settings.server_name or host))
+    return grpc.secure_channel(target, channel_credentials(settings.ca_file, settings.cert_file,
+                                                           settings.key_file), options=options)
+
+
+class LinkClient:
+    """Create in the region cluster with ``ray.remote(LinkClient).options(name="islands:syncer",
+    max_concurrency=...)``; ``hello()`` first (the agent needs the job's config)."""
+
+    def __init__(self, settings: ClientSettings):
+        self.settings = settings
+        bandwidth = (settings.bandwidth_gbps * 1e9 / 8 if settings.bandwidth_gbps
+                     else float("inf"))
+        self.relay = Relay(settings.host_port, settings.region, settings.latency_ms / 1e3,
+                           bandwidth)
+        self.chunk_bytes = wire.DEFAULT_CHUNK_BYTES
+        self.max_total_bytes = wire.DEFAULT_MAX_TOTAL_BYTES
+        self.channel = open_channel(settings, f"127.0.0.1:{self.relay.port}", self.chunk_bytes)
+        self.stub = pb_grpc.LinkStub(self.channel)
+        self.metadata = token_metadata(settings.token)
+        self.lock = threading.Lock()
+        self.epoch = -1
+        self.beats: dict[str, dict] = {}
+        self.slots: list[dict] = []
+        self.status_cache: dict = {"epoch": None, "versions": [], "merges": 0, "ledger": {},
+                                   "registered": {}, "quarantined": {}, "rejected": {},
+                                   "staleness_counts": {}}
+        self.counts = collections.Counter()   # calls, retries, refusals by kind
+        self.connected = False
+        self.reconnects = 0
+        self.last_ok_s: Optional[float] = None
+        self.last_merged_s: Optional[float] = None
+        self.closed = threading.Event()
+        self.channel.subscribe(self._on_state, try_to_connect=True)
+        self.reporter = threading.Thread(target=self._report_loop, daemon=True,
+                                         name="islands-link-report")
+        self.reporter.start()
+
+    # -- the channel ----------------------------------------------------------------------------
+    def _on_state(self, state: grpc.ChannelConnectivity) -> None:
+        ready = state == grpc.ChannelConnectivity.READY
+        with self.lock:
+            if ready and not self.connected and self.last_ok_s is not None:
+                self.reconnects += 1
+            self.connected = ready
+
+    def _retrying(self, what: str, fn, deadline_s: float):
+        """Calls ``fn(timeout_s)`` until it succeeds or ``deadline_s`` (absolute) passes;
+        retries UNAVAILABLE and DEADLINE_EXCEEDED with backoff, raises anything else."""
+        attempt = 0
+        while True:
+            left = deadline_s - time.time()
+            if left <= 0:
+                raise TimeoutError(f"link call {what}: no answer from home before its deadline")
+            try:
+                result = fn(left)
+                self.last_ok_s = time.time()
+                return result
+            except grpc.RpcError as exc:
+                code = exc.code()
+                if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                                grpc.StatusCode.CANCELLED):
+                    raise
+                self.counts[f"{what}_retries"] += 1
+                pause = backoff_s(attempt, self.settings.backoff_initial_s,
+                                  self.settings.backoff_max_s, random.random() * 0.2)
+                attempt += 1
+                if self.closed.wait(min(pause, max(0.0, deadline_s - time.time()))):
+                    raise TimeoutError(f"link call {what}: the link is closing") from exc
+
+    def _unary(self, method: str, request, timeout_s: float):
+        call = getattr(self.stub, method)
+        return self._retrying(method, lambda left: call(
+            request, timeout=min(left, self.settings.call_timeout_s),
+            metadata=self.metadata, wait_for_ready=True), time.time() + timeout_s)
+
+    def _streamed(self, method: str, request, reply_type, timeout_s: float):
+        call = getattr(self.stub, method)
+
+        def once(left):
+            replies = call(wire.chunks(request, self.chunk_bytes, self.max_total_bytes),
+                           timeout=left, metadata=self.metadata, wait_for_ready=True)
+            return wire.assemble(replies, reply_type, self.max_total_bytes)
+
+        return self._retrying(method, once, time.time() + timeout_s)
+
+    # -- joining --------------------------------------------------------------------------------
+    def hello(self) -> dict:
+        """Joins the job: {epoch, config (a dict), shard_base, num_shards}.
+
+        Raises:
+          LinkRefused: refused (a wrong token: UNAUTHENTICATED; not a remote region of the
+            job: FAILED_PRECONDITION), with the home's message.
+        """
+        try:
+            reply = self._unary("Hello", pb.HelloRequest(region=self.settings.region,
+                                                         agent=socket.gethostname(),
+                                                         protocol=wire.PROTOCOL),
+                                self.settings.register_timeout_s)
+        except grpc.RpcError as exc:
+            raise LinkRefused(f"{exc.code().name}: {exc.details()}") from None
+        self.chunk_bytes, self.max_total_bytes = int(reply.chunk_bytes), int(reply.max_total_bytes)
+        self.epoch = int(reply.epoch)
+        return {"epoch": self.epoch, "config": json.loads(reply.config_json),
+                "shard_base": int(reply.shard_base), "num_shards": int(reply.num_shards)}
+
+    # -- the syncer's interface, for the region's learners and agent -----------------------------
+    def ready(self) -> dict:
+        return {"epoch": self.epoch, "versions": self.status_cache.get("versions"),
+                "restored_from": None}
+
+    def register(self, learner: str, incarnation: int, adopted: Optional[list] = None) -> dict:
+        reply = self._streamed("Register", wire.register_to_pb(learner, incarnation, adopted),
+                               pb.RegisterReply, self.settings.register_timeout_s)
+        reg = wire.registration_from_pb(reply)
+        self.epoch = reg["epoch"]
+        return reg
+
+    def push(self, push):
+        """Sends a push and returns the home's reply when its round merged (or the refusal)."""
+        from islands.syncer import codec as codec_lib
+        from islands.syncer.actor import Reply
+
+        push = _numpy_push(push, codec_lib)
+        self.counts["pushes"] += 1
+        try:
+            reply = self._streamed("Push", wire.push_to_pb(push), pb.PushReply,
+                                   self.settings.push_timeout_s)
+        except (TimeoutError, grpc.RpcError) as exc:
+            self.counts["pushes_lost"] += 1
+            detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+            # Nothing to start over from: the learner keeps its drift for the next push.
+            return Reply("rejected", push.fragment, push.epoch, reason=LINK_DOWN,
+                         detail=f"the push could not reach home: {detail}"[:300])
+        reply = wire.reply_from_pb(reply)
+        self.counts[f"pushes_{reply.status}"] += 1
+        if reply.status == "merged":
+            self.last_merged_s = time.time()
+        return reply
+
+    def forget(self, learner: str, incarnation: Optional[int] = None, reason: str = "") -> int:
+        reply = self._unary("Forget", pb.ForgetRequest(learner=learner,
+                                                       incarnation=-1 if incarnation is None
+                                                       else incarnation, reason=reason),
+                            self.settings.push_timeout_s)
+        return int(reply.dropped)
+
+    def set_fleet(self, slowest_step_s: float, paused: bool = False) -> None:
+        """The home syncer's pace is the home controller's to set."""
+
+    def status(self) -> dict:
+        with self.lock:
+            return dict(self.status_cache)
+
+    def refusals_since(self, total: int) -> tuple[list, int]:
+        return [], total  # refusals are the home's events
+
+    def global_params(self):
+        """The global parameters now, fetched over the link (a fallback: the agent evaluates
+        nothing, and learners start from their registration)."""
+        reply = self._streamed("Fetch", pb.FetchRequest(), pb.FetchReply,
+                               self.settings.register_timeout_s)
+        flat = {}
+        for fragment in reply.fragments:
+            flat.update(wire.fragment_from_pb(fragment))
+        return flat, [int(v) for v in reply.versions]
+
+    def fragment_at(self, p: int, version: int):
+        return None
+
+    def snapshot_now(self):
+        return None
+
+    def ping(self) -> str:
+        return "ok"
+
+    def wait_closed(self) -> None:
+        self.closed.wait()
+
+    # -- the agent's side -----------------------------------------------------------------------
+    def beat(self, beat: dict) -> None:
+        with self.lock:
+            self.beats[beat["learner"]] = beat
+
+    def set_slots(self, slots: list) -> None:
+        with self.lock:
+            self.slots = list(slots)
+
+    def link_fault(self, fault) -> None:
+        """Chaos on this region's link (a partition resets the connection; see ``Relay``)."""
+        self.relay.add_fault(fault)
+
+    def link_status(self) -> dict:
+        with self.lock:
+            return {"region": self.settings.region, "connected": self.connected,
+                    "reconnects": self.reconnects, "epoch": self.epoch,
+                    "last_ok_s": self.last_ok_s, "last_merged_s": self.last_merged_s,
+                    "bytes": self.relay.counters(),
+                    "counts": dict(self.counts)}
+
+    def close(self) -> None:
+        self.closed.set()
+        self.channel.close()
+        self.relay.close()
+
+    def _report_loop(self) -> None:
+        while not self.closed.wait(self.settings.report_every_s):
+            with self.lock:
+                beats, self.beats = list(self.beats.values()), {}
+                slots = list(self.slots)
+            counters = self.relay.counters()
+            request = pb.ReportRequest(
+                region=self.settings.region,
+                slots=[pb.SlotReport(**s) for s in slots],
+                beats_json=[json.dumps(b, default=str) for b in beats],
+                link_bytes_up=counters["up"], link_bytes_down=counters["down"],
+                link_reconnects=self.reconnects)
+            try:
+                reply = self.stub.Report(request, timeout=self.settings.call_timeout_s,
+                                         metadata=self.metadata)
+                status = json.loads(reply.status_json)
+                self.last_ok_s = time.time()
+            except grpc.RpcError as exc:
+                self.counts["report_failures"] += 1
+                with self.lock:  # the beats go with the next report
+                    for b in beats:
+                        self.beats.setdefault(b["learner"], b)
+                if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
+                    log.error("link: home refused the token: %s", exc.details())
+                continue
+            with self.lock:
+                self.status_cache = {**self.status_cache, **status}
+
+
+def _numpy_push(push, codec_lib):
+    """The push with numpy codes (a learner may hand over device arrays)."""
+    import dataclasses
+
+    return dataclasses.replace(push, codes=codec_lib.to_numpy(push.codes))

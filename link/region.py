@@ -1,0 +1,191 @@
+"""A region in its own Ray cluster: ``islands region join --home HOST:PORT --region NAME``.
+
+The region agent is the job's controller in region mode (``RegionController``, named
+``islands:controller`` in the region's cluster): the same fleet state machine and health rules
+launch, check, restart and reintegrate the region's learners locally, from a local peer, so a
+restart crosses the WAN only for the parameters the new incarnation registers with. Its syncer is
+the link (``LinkClient``, named ``islands:syncer`` there): learners push to it unchanged, and the
+agent forwards their heartbeats and its slots' states over the same channel.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import time
+from typing import Optional
+
+from islands.orchestrator import fleet as fleet_lib
+from islands.orchestrator.controller import Controller
+from islands.orchestrator.runtime import NAMESPACE, SYNCER_NAME, controller_options
+
+log = logging.getLogger("islands.link")
+
+
+def region_config(config: dict, region: str):
+    """The JobConfig the region's agent runs: the home job's, with only ``region`` (local to
+    this cluster, its WAN emulated on the link rather than in the learners), no chaos plan of
+    its own, no link server and no quorum (the home syncer's quorum is the one that counts).
+
+    Raises:
+      ValueError: ``region`` is not a remote region of the job.
+    """
+    from islands.orchestrator.config import JobConfig
+
+    regions = config["regions"]
+    if region not in regions or not regions[region].get("remote"):
+        remote = sorted(n for n, r in regions.items() if r.get("remote"))
+        raise ValueError(f"region {region!r} is not a remote region of job "
+                         f"{config.get('name')!r}; its remote regions are {remote}")
+    mine = {**regions[region], "remote": False, "latency_ms": 0.0, "bandwidth_gbps": 1e6}
+    metrics = {**config.get("metrics", {}), "enabled": False}
+    return JobConfig.model_validate({**config, "regions": {region: mine}, "chaos": None,
+                                     "link": {}, "metrics": metrics,
+                                     "quorum": {**config["quorum"], "min_learners": 1}})
+
+
+class RegionController(Controller):
+    """The region agent: the controller on the region's side of the link.
+
+    Create with ``ray.remote(RegionController).options(**controller_options(run_dir))`` after
+    the ``LinkClient`` is up under ``islands:syncer``.
+    """
+
+    def __init__(self, config, run_dir: str, region: str, shard_base: int, num_shards: int):
+        super().__init__(config, run_dir)
+        self.region = region
+        self.last_cause: dict[str, str] = {}
+        self.fleet = fleet_lib.initial(dataclasses.replace(
+            self.fleet.settings, first_shard=shard_base, num_shards=num_shards))
+
+    def _start_syncer(self, epoch: int, restore: bool) -> None:
+        import ray
+
+        self.syncer = ray.get_actor(SYNCER_NAME, namespace=NAMESPACE)
+        ready = ray.get(self.syncer.ready.remote(), timeout=self.settings.placement_timeout_s)
+        self.syncer_ref = self.syncer.wait_closed.remote()
+        self.emit("link_ready", region=self.region, epoch=ready["epoch"])
+
+    def evaluate_now(self) -> Optional[float]:
+        """The home evaluates the global parameters; the region fetches nothing for it."""
+        return None
+
+    def heartbeat(self, beat: dict) -> None:
+        super().heartbeat(beat)
+        if self.syncer is not None:
+            self.syncer.beat.remote(beat)
+
+    def _record(self, t) -> None:
+        super()._record(t)
+        if t.name == "learner_failed":
+            self.last_cause[t.learner] = str(t.fields.get("cause", ""))
+        elif t.name == "learner_retired":
+            self.last_cause[t.learner] = str(t.fields.get("reason", "")).split(" ")[0]
+
+    def _step(self, observations: list) -> None:
+        super()._step(observations)
+        if self.syncer is None:
+            return
+        slots = [{"learner": s.learner, "incarnation": s.incarnation, "state": s.state.value,
+                  "shard": s.shard, "last_cause": self.last_cause.get(s.learner, "")}
+                 for s in self.fleet.slots.values()]
+        self.syncer.set_slots.remote(slots)
+
+    def _do_linkfault(self, a) -> None:
+        """Chaos on the region's link acts on the real link (the relay), not in the learners."""
+        self.syncer.link_fault.remote(a.fault)
+
+    def link_status(self) -> dict:
+        import ray
+
+        return ray.get(self.syncer.link_status.remote(), timeout=10)
+
+
+def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = None,
+         address: Optional[str] = None, quiet: bool = False) -> dict:
+    """Joins the home job as ``settings.region`` and runs until ``duration_s`` (None: until
+    Ctrl+C); returns the region agent's summary.
+
+    Raises:
+      LinkRefused: the home refused the region (a wrong token, not a remote region).
+      ValueError: the job's config does not have this region as remote.
+    """
+    import ray
+
+    from .client import LinkClient
+
+    started = False
+    if not ray.is_initialized():
+        if address or os.environ.get("RAY_ADDRESS"):
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
+        else:
+            started = True
+    link = controller = None
+    summary: dict = {}
+    try:
+        if started:  # the link's config says how many region resources to declare
+            ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 2), namespace=NAMESPACE,
+                     include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
+                     resources={f"region:{settings.region}": 64})
+        link = ray.remote(LinkClient).options(
+            name=SYNCER_NAME, namespace=NAMESPACE, num_cpus=0.1, max_concurrency=128).remote(
+                settings)
+        try:
+            joined = ray.get(link.hello.remote())
+        except ray.exceptions.RayTaskError as exc:
+            raise (exc.cause if isinstance(getattr(exc, "cause", None), Exception) else exc)
+        config = region_config(joined["config"], settings.region)
+        run_dir = os.path.abspath(run_dir or os.path.join(
+            "runs", f"{config.name}-{settings.region}"))
+        os.makedirs(run_dir, exist_ok=True)
+        if not quiet:
+            print(f"islands region: {settings.region} joined job {config.name!r} at "
+                  f"{settings.home} (epoch {joined['epoch']}, shards {joined['shard_base']}.. of "
+                  f"{joined['num_shards']}); Ray cluster at "
+                  f"{ray.get_runtime_context().gcs_address}", flush=True)
+        controller = ray.remote(RegionController).options(
+            **{**controller_options(run_dir), "max_restarts": 0, "max_task_retries": 0}).remote(
+                config, run_dir, settings.region, joined["shard_base"], joined["num_shards"])
+        ray.get(controller.start.remote())
+        t0 = time.time()
+        index = 0
+        while duration_s is None or time.time() - t0 < duration_s:
+            events, index = ray.get(controller.events_since.remote(index))
+            for event in events:
+                if not quiet:
+                    print(f"  region event {event['event']} "
+                          + " ".join(f"{k}={v}" for k, v in event.items()
+                                     if k not in ("t", "event", "elapsed_s")), flush=True)
+            time.sleep(0.25)
+    except KeyboardInterrupt:
+        print("islands region: interrupted, leaving cleanly", flush=True)
+    finally:
+        if controller is not None:
+            try:
+                summary = ray.get(controller.shutdown.remote(), timeout=120)
+                summary["link"] = ray.get(link.link_status.remote(), timeout=10)
+                with open(os.path.join(run_dir, "summary.json"), "w") as f:
+                    json.dump(summary, f, indent=2, default=str)
+            except Exception as exc:
+                log.error("region agent shutdown failed: %s", exc)
+        _kill_region_actors()
+        if started:
+            ray.shutdown()
+    return summary
+
+
+def _kill_region_actors() -> None:
+    import ray
+
+    try:
+        names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                 if a.get("namespace") == NAMESPACE and a["name"].startswith("islands:")]
+    except Exception:
+        names = []
+    for name in names:
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE))
+        except Exception:
+            pass

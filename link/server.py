@@ -1,0 +1,298 @@
+"""The home side of the link: a gRPC server that admits a remote region's learners into the home
+syncer's rounds, quorum and books.
+
+``LinkServicer`` turns each call into one call on a ``home`` backend (``RayHome``: the job's
+syncer and controller actors by name); ``serve`` starts it with the token interceptor, TLS and the
+size limits; ``LinkServer`` is the thin Ray actor the job starts when ``link.port`` is set.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from concurrent import futures
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import grpc
+
+from . import link_pb2 as pb
+from . import link_pb2_grpc as pb_grpc
+from . import wire
+from .security import TokenInterceptor, server_credentials
+
+log = logging.getLogger("islands.link")
+
+LINK_SERVER_NAME = "islands:link"
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """What the link server is started with (built from JobConfig ``link``)."""
+
+    port: int
+    host: str = "127.0.0.1"
+    token: str = ""
+    cert_file: Optional[str] = None
+    key_file: Optional[str] = None
+    client_ca_file: Optional[str] = None
+    chunk_bytes: int = wire.DEFAULT_CHUNK_BYTES
+    max_total_bytes: int = wire.DEFAULT_MAX_TOTAL_BYTES
+    keepalive_s: float = 10.0
+    max_workers: int = 64          # concurrent calls (a push holds one until its round merges)
+
+    @property
+    def max_message_bytes(self) -> int:
+        return self.chunk_bytes + wire.CHUNK_OVERHEAD_BYTES
+
+
+def shard_plan(config: dict, region: str) -> tuple[int, int]:
+    """(first data shard of ``region``, shards in the job): regions take consecutive shards in
+    config order, as the home fleet numbers its slots. ``config`` is a JobConfig as a dict."""
+    base = 0
+    for name, section in config["regions"].items():
+        if name == region:
+            break
+        base += int(section["learners"])
+    return base, sum(int(s["learners"]) for s in config["regions"].values())
+
+
+class LinkServicer(pb_grpc.LinkServicer):
+    def __init__(self, home, config_json: str, settings: ServerSettings):
+        self.home, self.settings = home, settings
+        self.config_json = config_json
+        self.config = json.loads(config_json)
+        self.lock = threading.Lock()
+        self.regions: dict[str, dict] = {}   # per region: what its agent last reported
+
+    # -- helpers --------------------------------------------------------------------------------
+    def _read(self, stream, message_type, context):
+        try:
+            return wire.assemble(stream, message_type, self.settings.max_total_bytes)
+        except wire.WireError as exc:
+            context.abort(grpc.StatusCode[exc.code], str(exc))
+
+    def _send(self, msg, context):
+        try:
+            yield from wire.chunks(msg, self.settings.chunk_bytes, self.settings.max_total_bytes)
+        except wire.WireError as exc:
+            context.abort(grpc.StatusCode[exc.code], str(exc))
+
+    def _call(self, context, fn, *args):
+        try:
+            return fn(*args)
+        except wire.WireError as exc:
+            context.abort(grpc.StatusCode[exc.code], str(exc))
+        except Exception as exc:  # the syncer or controller is restarting: try again later
+            log.warning("link: home call %s failed: %r", getattr(fn, "__name__", fn), exc)
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"home syncer unavailable: {exc!r}"[:300])
+
+    def _remote_region(self, region: str, context) -> None:
+        regions = self.config["regions"]
+        remote = sorted(n for n, r in regions.items() if r.get("remote"))
+        if region not in regions or not regions[region].get("remote"):
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"region {region!r} is not a remote region of job "
+                          f"{self.config.get('name')!r}; its remote regions are {remote}")
+
+    # -- the calls ------------------------------------------------------------------------------
+    def Hello(self, request, context):
+        if request.protocol != wire.PROTOCOL:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                          f"link protocol {request.protocol} is not {wire.PROTOCOL}")
+        self._remote_region(request.region, context)
+        base, total = shard_plan(self.config, request.region)
+        epoch = self._call(context, self.home.epoch)
+        with self.lock:
+            self.regions.setdefault(request.region, {})["agent"] = request.agent
+        log.info("link: region %s joined from %s (epoch %d)", request.region, request.agent, epoch)
+        return pb.HelloReply(epoch=epoch, config_json=self.config_json, shard_base=base,
+                             num_shards=total, chunk_bytes=self.settings.chunk_bytes,
+                             max_total_bytes=self.settings.max_total_bytes)
+
+    def Register(self, request_iterator, context):
+        msg = self._read(request_iterator, pb.RegisterRequest, context)
+        learner, incarnation, adopted = wire.register_from_pb(msg)
+        self._remote_region(learner.rsplit(":", 1)[0], context)
+        reg = self._call(context, self.home.register, learner, incarnation, adopted)
+        yield from self._send(wire.registration_to_pb(reg), context)
+
+    def Push(self, request_iterator, context):
+        msg = self._read(request_iterator, pb.PushRequest, context)
+        try:
+            push = wire.push_from_pb(msg)
+        except wire.WireError as exc:
+            context.abort(grpc.StatusCode[exc.code], str(exc))
+        reply = self._call(context, self.home.push, push)
+        yield from self._send(wire.reply_to_pb(reply), context)
+
+    def Forget(self, request, context):
+        wire.check_known_fields(request)
+        dropped = self._call(context, self.home.forget, request.learner,
+                             int(request.incarnation), request.reason)
+        return pb.ForgetReply(dropped=int(dropped))
+
+    def Report(self, request, context):
+        try:
+            wire.check_known_fields(request)
+            beats = [wire._json(b, "beats_json") for b in request.beats_json]
+        except wire.WireError as exc:
+            context.abort(grpc.StatusCode[exc.code], str(exc))
+        self._remote_region(request.region, context)
+        report = {"region": request.region, "t": time.time(),
+                  "slots": [{"learner": s.learner, "incarnation": int(s.incarnation),
+                             "state": s.state, "shard": int(s.shard), "last_cause": s.last_cause}
+                            for s in request.slots],
+                  "beats": beats,
+                  "link_bytes": {"up": int(request.link_bytes_up),
+                                 "down": int(request.link_bytes_down)},
+                  "reconnects": int(request.link_reconnects)}
+        with self.lock:
+            self.regions.setdefault(request.region, {}).update(
+                last_report_s=report["t"], link_bytes=report["link_bytes"],
+                reconnects=report["reconnects"])
+        status = self._call(context, self.home.report, report)
+        return pb.ReportReply(status_json=json.dumps(status, default=str))
+
+    def Fetch(self, request_iterator, context):
+        msg = self._read(request_iterator, pb.FetchRequest, context)
+        flat, versions = self._call(context, self.home.global_params)
+        plan = self.home.fragment_paths()
+        wanted = list(msg.fragments) or list(range(len(plan)))
+        if any(p >= len(plan) for p in wanted):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"fragments {wanted}: the job has {len(plan)}")
+        reply = pb.FetchReply(versions=[int(versions[p]) for p in wanted], fragments=[
+            wire.fragment_to_pb({k: flat[k] for k in plan[p]}) for p in wanted])
+        yield from self._send(reply, context)
+
+
+def serve(home, config_json: str, settings: ServerSettings) -> tuple[grpc.Server, int]:
+    """Starts the link server; returns it and the bound port (``settings.port`` 0 picks one).
+
+    Without a certificate the server is plaintext (loopback trials and tests only; a job config
+    that binds another address must give one: checked in JobConfig).
+    """
+    options = [("grpc.max_receive_message_length", settings.max_message_bytes),
+               ("grpc.max_send_message_length", settings.max_message_bytes),
+               ("grpc.keepalive_time_ms", int(settings.keepalive_s * 1000)),
+               ("grpc.keepalive_timeout_ms", int(settings.keepalive_s * 1000)),
+               ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+               ("grpc.keepalive_permit_without_calls", 1),
+               ("grpc.http2.max_ping_strikes", 0)]
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.max_workers,
+                                                    thread_name_prefix="islands-link"),
+                         interceptors=[TokenInterceptor(settings.token)], options=options)
+    pb_grpc.add_LinkServicer_to_server(LinkServicer(home, config_json, settings), server)
+    address = f"{settings.host}:{settings.port}"
+    if settings.cert_file:
+        port = server.add_secure_port(address, server_credentials(
+            settings.cert_file, settings.key_file, settings.client_ca_file))
+    else:
+        port = server.add_insecure_port(address)
+    if port == 0:
+        raise OSError(f"link server could not bind {address}")
+    server.start()
+    return server, port
+
+
+class RayHome:
+    """The backend the link server calls in the home cluster: the syncer and controller actors."""
+
+    def __init__(self, namespace: str, syncer_name: str, controller_name: str, paths: list,
+                 timeout_s: float = 30.0):
+        self.namespace, self.syncer_name, self.controller_name = (namespace, syncer_name,
+                                                                  controller_name)
+        self.paths, self.timeout_s = paths, timeout_s
+        self._syncer = None
+
+    def _actor(self, name):
+        import ray
+
+        return ray.get_actor(name, namespace=self.namespace)
+
+    def _sync(self, method: str, *args, timeout_s: Optional[float] = None):
+        """Calls the syncer; after a syncer restart its new handle is looked up again."""
+        import ray
+
+        for attempt in range(2):
+            if self._syncer is None:
+                self._syncer = self._actor(self.syncer_name)
+            try:
+                return ray.get(getattr(self._syncer, method).remote(*args),
+                               timeout=timeout_s or self.timeout_s)
+            except ray.exceptions.RayActorError:
+                self._syncer = None
+                if attempt:
+                    raise
+        raise RuntimeError("unreachable")
+
+    def epoch(self) -> int:
+        return int(self._sync("ready")["epoch"])
+
+    def register(self, learner, incarnation, adopted):
+        return self._sync("register", learner, incarnation, adopted or None)
+
+    def push(self, push):
+        import ray
+
+        try:  # the reply comes when the round merges: no timeout of ours (the client's deadline)
+            return self._sync("push", push, timeout_s=3600.0)
+        except ray.exceptions.RayActorError:
+            from islands.syncer.actor import Reply
+
+            # The syncer died with the push: as a local learner sees it, re-register.
+            return Reply("rejected", push.fragment, -1, reason="stale_epoch",
+                         detail="the home syncer restarted")
+
+    def forget(self, learner, incarnation, reason):
+        return self._sync("forget", learner, incarnation, reason)
+
+    def report(self, report: dict) -> dict:
+        import ray
+
+        controller = self._actor(self.controller_name)
+        return ray.get(controller.link_report.remote(report), timeout=self.timeout_s)
+
+    def global_params(self):
+        return self._sync("global_params")
+
+    def fragment_paths(self) -> list:
+        return self.paths
+
+
+def fragment_paths(config: dict) -> list[list[str]]:
+    """Each fragment's parameter paths for a JobConfig (as a dict); shapes only, no values."""
+    from islands.orchestrator import build
+    from islands.orchestrator.config import JobConfig
+    from islands.learners.unit import build_training
+    from islands.syncer import fragments as fragments_lib
+
+    job = JobConfig.model_validate(config)
+    _, template, _, _ = build_training(build.training_spec(job), abstract=True)
+    plan = fragments_lib.partition(template, job.syncer.fragments)
+    return [sorted(fragments_lib.extract(template, plan, p)) for p in range(plan.num_fragments)]
+
+
+class LinkServer:
+    """The Ray actor that serves the link in the home cluster (named ``islands:link``)."""
+
+    def __init__(self, config_json: str, settings: ServerSettings,
+                 namespace: str = "islands", syncer_name: str = "islands:syncer",
+                 controller_name: str = "islands:controller"):
+        self.settings = settings
+        self.home = RayHome(namespace, syncer_name, controller_name,
+                            fragment_paths(json.loads(config_json)))
+        self.server, self.port = serve(self.home, config_json, settings)
+        self.servicer = None
+
+    def address(self) -> str:
+        return f"{self.settings.host}:{self.port}"
+
+    def stop(self) -> None:
+        self.server.stop(grace=1.0).wait(5)
+
+    def ping(self) -> str:
+        return "ok"

@@ -1,0 +1,223 @@
+"""A region in its own Ray cluster, joined to a home job over the gRPC link — on loopback.
+
+Two processes, two local Ray clusters: ``islands run`` (the home: the syncer, one local learner
+and the link server, TLS with a throwaway CA, mutual TLS, a bearer token) and
+``islands region join`` (the region agent and its learner). This test process talks gRPC to the
+home for the security checks and joins the region's cluster to drive its chaos commands.
+Asserted: the remote learner's merges reach the home syncer and its books; a 10 s partition of
+the link costs no restart and the region contributes again within seconds of its end; a killed
+remote learner is restarted by its agent while the home restarts nothing; a wrong token, a
+missing token and an oversized message are refused with their status.
+"""
+
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+import yaml
+
+from conftest import TINY_JOB
+
+ISLANDS = [sys.executable, "-m", "islands.orchestrator.cli"]
+
+
+def _reader(proc, lines: "queue.Queue"):
+    for line in proc.stdout:
+        lines.put(line)
+
+
+def _wait_line(lines, proc, needle, timeout_s):
+    deadline = time.time() + timeout_s
+    seen = []
+    while time.time() < deadline:
+        try:
+            line = lines.get(timeout=1.0)
+        except queue.Empty:
+            assert proc.poll() is None, f"exited {proc.returncode}: {''.join(seen[-20:])}"
+            continue
+        seen.append(line)
+        if needle in line:
+            return line
+    raise AssertionError(f"no {needle!r} in {timeout_s}s: {''.join(seen[-20:])}")
+
+
+def _wait(predicate, timeout_s, what):
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
+
+
+def _stop(proc):
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGINT)  # a clean stop: summary, then its own cluster's shutdown
+        try:
+            proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def two_clusters(tmp_path_factory):
+    from islands.link.security import throwaway_pki
+
+    tmp = tmp_path_factory.mktemp("link")
+    pki = throwaway_pki(str(tmp / "pki"))
+    token_file = tmp / "token"
+    token_file.write_text("the-right-token\n")
+    config = {**TINY_JOB, "name": "linktest",
+              "regions": {"home": {"learners": 1}, "far": {"learners": 1, "remote": True}},
+              "health": {"timeout_s": 30.0},  # two clusters on 2 cores: no false hangs
+              "link": {"port": 0, "token_file": str(token_file), "max_message_bytes": 8 << 20,
+                       "keepalive_s": 2.0,
+                       "tls": {"cert_file": pki.server_cert, "key_file": pki.server_key,
+                               "client_ca_file": pki.ca_cert}},
+              "run": {"dashboard": False, "run_dir": str(tmp / "home")}}
+    (tmp / "home.yaml").write_text(yaml.safe_dump(config))
+    # Loopback clusters without Ray's token auth, so this process can join the region's.
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1",
+           "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    home = subprocess.Popen(ISLANDS + ["run", str(tmp / "home.yaml"), "--duration", "900"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=str(tmp))
+    home_lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_reader, args=(home, home_lines), daemon=True).start()
+    region = None
+    try:
+        line = _wait_line(home_lines, home, "islands: link on", 240)
+        port = int(line.split("link on ", 1)[1].split()[0].rsplit(":", 1)[1])
+        region = subprocess.Popen(
+            ISLANDS + ["region", "join", "--home", f"127.0.0.1:{port}", "--region", "far",
+                       "--token-file", str(token_file), "--ca-cert", pki.ca_cert,
+                       "--client-cert", pki.client_cert, "--client-key", pki.client_key,
+                       "--server-name", "localhost", "--run-dir", str(tmp / "far")],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(tmp))
+        region_lines: queue.Queue = queue.Queue()
+        threading.Thread(target=_reader, args=(region, region_lines), daemon=True).start()
+        line = _wait_line(region_lines, region, "Ray cluster at", 240)
+        address = line.rsplit("Ray cluster at ", 1)[1].strip()
+        os.environ["RAY_AUTH_MODE"] = "disabled"
+        import ray
+
+        ray.init(address=address, namespace="islands", log_to_driver=False)
+        yield {"port": port, "pki": pki, "tmp": tmp, "home": home, "region": region,
+               "link": ray.get_actor("islands:syncer", namespace="islands"),
+               "agent": ray.get_actor("islands:controller", namespace="islands")}
+    finally:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        if region is not None:
+            _stop(region)
+        _stop(home)
+
+
+def _stub(ctx, token=None):
+    from islands.link import link_pb2_grpc
+    from islands.link.security import channel_credentials
+
+    pki = ctx["pki"]
+    creds = channel_credentials(pki.ca_cert, pki.client_cert, pki.client_key)
+    channel = grpc.secure_channel(f"127.0.0.1:{ctx['port']}", creds,
+                                  options=[("grpc.ssl_target_name_override", "localhost")])
+    return link_pb2_grpc.LinkStub(channel), (("authorization", f"Bearer {token}"),) if token else ()
+
+
+def test_a_wrong_or_missing_token_and_an_oversized_message_are_refused(two_clusters):
+    from islands.link import link_pb2 as pb
+
+    hello = pb.HelloRequest(region="far", protocol=1)
+    for token, words in (("not-the-token", "wrong bearer token"), (None, "without a bearer")):
+        stub, metadata = _stub(two_clusters, token)
+        with pytest.raises(grpc.RpcError) as refused:
+            stub.Hello(hello, timeout=30, metadata=metadata)
+        assert refused.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        assert words in refused.value.details()
+    stub, metadata = _stub(two_clusters, "the-right-token")
+    with pytest.raises(grpc.RpcError) as refused:  # a region the job does not have
+        stub.Hello(pb.HelloRequest(region="elsewhere", protocol=1), timeout=30,
+                   metadata=metadata)
+    assert refused.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "not a remote region" in refused.value.details()
+    with pytest.raises(grpc.RpcError) as refused:  # declares 1 GiB; the job allows 8 MiB
+        list(stub.Register(iter([pb.Chunk(total_bytes=1 << 30, data=b"x")]), timeout=30,
+                           metadata=metadata))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    with pytest.raises(grpc.RpcError) as refused:  # one message above the frame limit
+        list(stub.Register(iter([pb.Chunk(total_bytes=4 << 20, data=b"x" * (3 << 20))]),
+                           timeout=30, metadata=metadata))
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    # A push to an epoch the home syncer never had is refused by the syncer's fencing.
+    reply = stub.Hello(hello, timeout=30, metadata=metadata)
+    assert json.loads(reply.config_json)["name"] == "linktest" and reply.num_shards == 2
+
+
+def _events(agent, since=0):
+    import ray
+
+    events, _ = ray.get(agent.events_since.remote(since))
+    return events
+
+
+def test_remote_merges_partition_and_a_local_restart(two_clusters):
+    import ray
+
+    link, agent = two_clusters["link"], two_clusters["agent"]
+    status = lambda: ray.get(link.link_status.remote())  # noqa: E731
+    # 1. The remote learner's pushes merge at home.
+    _wait(lambda: status()["counts"].get("pushes_merged", 0) >= 3, 300, "3 remote merges")
+    first = status()
+    assert first["bytes"]["up"] > 0 and first["bytes"]["down"] > 0
+
+    # 2. A 10 s partition of the link: no restart; contributing again within seconds of its end.
+    before = len(_events(agent))
+    ray.get(agent.chaos_network.remote("far", 10.0, partition=True))
+    t_cut = time.time()
+    time.sleep(1.0)
+    assert not status()["connected"]
+    end = t_cut + 10.0
+    merged_after = _wait(lambda: (status()["last_merged_s"] or 0) > end
+                         and status()["last_merged_s"], 60, "a merge after the partition")
+    assert merged_after - end < 20.0, f"first merge {merged_after - end:.1f}s after the end"
+    after = status()
+    assert after["reconnects"] >= 1
+    kinds = [e["event"] for e in _events(agent)[before:]]
+    assert "learner_failed" not in kinds and "learner_restarted" not in kinds, kinds
+
+    # 3. A killed remote learner is restarted by its agent, and contributes again.
+    before = len(_events(agent))
+    ray.get(agent.chaos_kill.remote("far:0"))
+    t_kill = time.time()
+    _wait(lambda: any(e["event"] == "learner_ready" and e.get("incarnation") == 1
+                      for e in _events(agent)[before:]), 180, "far:0 incarnation 1 ready")
+    _wait(lambda: (status()["last_merged_s"] or 0) > t_kill + 1, 120, "merges from incarnation 1")
+
+    # 4. The home: its books hold the remote learner's incarnations; it restarted nothing.
+    home_dir = two_clusters["tmp"] / "home"
+    rows = _wait(lambda: [json.loads(line) for line in
+                          (home_dir / "metrics.jsonl").read_text().splitlines()
+                          if '"far:0"' in line and '"incarnation": 1' in line], 60,
+                 "the home's snapshot of far:0 incarnation 1")
+    last = rows[-1]
+    assert last["link"]["far"]["up"] > 0 and last["link"]["far"]["reconnects"] >= 1
+    assert last["tokens"]["balanced"]
+    home_events = [json.loads(line) for line in (home_dir / "events.jsonl").read_text().splitlines()]
+    restarted = [e.get("learner") for e in home_events if e["event"] == "learner_restarted"]
+    assert set(restarted) <= {"far:0"}, restarted  # mirrored from the agent, none of its own
+    assert not [e for e in home_events if e["event"] in ("syncer_failed", "learner_failed")
+                and e.get("learner") != "far:0"]
+    failed = [e for e in home_events if e["event"] == "learner_failed"]
+    assert failed and all(e["learner"] == "far:0" for e in failed)

@@ -1,0 +1,106 @@
+"""The link's wire format without a network: exact round trips, chunking and its limits, strict
+parsing, the generated code is current, and the backoff schedule."""
+
+import filecmp
+import os
+
+import numpy as np
+import pytest
+
+from islands.link import link_pb2 as pb
+from islands.link import wire
+from islands.link.client import backoff_s
+
+
+def _push():
+    import jax.numpy as jnp
+
+    from islands.syncer import codec as C
+    from islands.syncer.validate import Push
+
+    codec = C.make_codec("int4", 64)
+    drift = {"w": (jnp.arange(130, dtype=jnp.float32).reshape(10, 13) - 65) / 100}
+    codes = C.to_numpy(C.encode_tree(codec, drift))
+    return Push("far:0", 1, codes, base_version=3, epoch=2, c_tokens=1024, c_steps=4,
+                incarnation=1, step=9, tokens_done=4096, compute_s=1.25, wire_bytes=77,
+                session="abc", fates={"processed": [1, 2]}), codec
+
+
+def test_a_push_crosses_the_wire_exactly_in_small_chunks():
+    push, codec = _push()
+    stream = list(wire.chunks(wire.push_to_pb(push), chunk_bytes=32))
+    assert len(stream) > 3 and all(len(c.data) <= 32 for c in stream)
+    assert stream[0].total_bytes == sum(len(c.data) for c in stream)
+    back = wire.push_from_pb(wire.assemble(stream, pb.PushRequest))
+    code, original = back.codes["w"], push.codes["w"]
+    assert (code.kind, code.shape, code.dtype, code.block_size) == ("int4", (10, 13), "float32", 64)
+    # 130 int4 values in 65 bytes, 3 blocks of 64 -> 3 float32 scales
+    assert code.payload.dtype == np.uint8 and code.payload.shape == (65,)
+    np.testing.assert_array_equal(code.payload, original.payload)
+    np.testing.assert_array_equal(code.scales, original.scales)
+    assert (back.learner, back.fragment, back.base_version, back.epoch, back.c_tokens,
+            back.c_steps, back.incarnation, back.step, back.compute_s, back.session,
+            back.fates) == ("far:0", 1, 3, 2, 1024, 4, 1, 9, 1.25, "abc", {"processed": [1, 2]})
+
+
+def test_replies_and_registrations_keep_dtype_shape_and_values():
+    import ml_dtypes
+
+    from islands.syncer.actor import Reply
+
+    params = {"a": np.arange(6, dtype=np.float32).reshape(2, 3),
+              "b": np.array([1.5, -2.0], dtype=ml_dtypes.bfloat16)}
+    back = wire.reply_from_pb(wire.reply_to_pb(Reply("merged", 2, 5, params, 7)))
+    assert (back.status, back.fragment, back.epoch, back.version) == ("merged", 2, 5, 7)
+    assert back.params["b"].dtype == ml_dtypes.bfloat16 and back.params["a"].shape == (2, 3)
+    np.testing.assert_array_equal(back.params["a"], params["a"])
+    refused = wire.reply_from_pb(wire.reply_to_pb(Reply("rejected", 1, 5, None, -1, "too_stale")))
+    assert refused.params is None and refused.reason == "too_stale"
+    reg = {"epoch": 3, "fragments": [params], "versions": [4], "session": "s"}
+    again = wire.registration_from_pb(wire.registration_to_pb(reg))
+    assert again["versions"] == [4] and again["session"] == "s"
+    np.testing.assert_array_equal(again["fragments"][0]["a"], params["a"])
+
+
+def test_sizes_are_bounded_before_anything_is_buffered():
+    msg = pb.FetchRequest(fragments=list(range(100)))
+    with pytest.raises(wire.WireError, match="above the link's limit of 10") as err:
+        list(wire.chunks(msg, 16, max_total_bytes=10))
+    assert err.value.code == "RESOURCE_EXHAUSTED"
+    with pytest.raises(wire.WireError, match="declares 1073741824 bytes") as err:
+        wire.assemble([pb.Chunk(total_bytes=1 << 30, data=b"")], pb.FetchRequest, 1 << 20)
+    assert err.value.code == "RESOURCE_EXHAUSTED"
+    with pytest.raises(wire.WireError, match="more bytes than the 2 declared"):
+        wire.assemble([pb.Chunk(total_bytes=2, data=b"ab"), pb.Chunk(data=b"c")], pb.FetchRequest)
+    with pytest.raises(wire.WireError, match="1 bytes of the 2 declared"):
+        wire.assemble([pb.Chunk(total_bytes=2, data=b"a")], pb.FetchRequest)
+    with pytest.raises(wire.WireError, match="empty stream"):
+        wire.assemble([], pb.FetchRequest)
+
+
+def test_malformed_arrays_and_unknown_fields_are_refused():
+    with pytest.raises(wire.WireError, match=r"float32\[2, 2\] needs 16 bytes, got 4"):
+        wire.array_from_pb(pb.Array(dtype="float32", shape=[2, 2], data=b"abcd"))
+    with pytest.raises(wire.WireError, match="dtype 'object' is not allowed"):
+        wire.array_from_pb(pb.Array(dtype="object", shape=[1], data=b"x"))
+    # A field number this protocol does not have (99, varint 1), nested inside a Fragment.
+    nested = pb.Fragment(tensors=[pb.NamedArray(path="a")]).SerializeToString()
+    foreign = nested[:-0 or None] + bytes([0x98, 0x06, 0x01])
+    with pytest.raises(wire.WireError, match="unknown to link protocol"):
+        wire.parse(foreign, pb.Fragment)
+    assert wire.parse(nested, pb.Fragment).tensors[0].path == "a"
+
+
+def test_backoff_doubles_to_its_cap_and_jitter_only_shortens():
+    assert [backoff_s(a, 0.25, 4.0) for a in range(7)] == [0.25, 0.5, 1.0, 2.0, 4.0, 4.0, 4.0]
+    assert backoff_s(10, 0.25, 4.0, jitter=0.2) == pytest.approx(3.2)
+
+
+def test_the_checked_in_generated_code_is_current(tmp_path):
+    pytest.importorskip("grpc_tools")
+    from islands.link import codegen
+
+    codegen.generate(str(tmp_path))
+    for name in codegen.OUTPUTS:
+        assert filecmp.cmp(tmp_path / name, os.path.join(codegen.HERE, name), shallow=False), \
+            f"{name} is stale: run python -m islands.link.codegen"
