@@ -91,8 +91,12 @@ def build_task(spec: TrainingSpec, train_bytes=None):
     from .task import load_task
 
     args = dict(spec.task_args)
-    if train_bytes is not None and is_builtin(spec):
-        args["train_bytes"] = train_bytes
+    if is_builtin(spec):
+        if not args:  # a spec built by hand (benchmarks): the built-in task from its fields
+            args = dict(model=spec.model, corpus=spec.corpus, eval_fraction=spec.eval_fraction,
+                        max_bytes=spec.max_bytes, batch_size=spec.batch_size, seed=spec.seed)
+        if train_bytes is not None:
+            args["train_bytes"] = train_bytes
     return load_task(spec.task_path, args)
 
 
