@@ -188,3 +188,10 @@ def test_a_test_module_task_trains_in_process():
     print(f"regression eval MSE {start:.4f} -> {end:.4f}, merges {len(record.merges)}")
     assert start > 2.0 and end < 0.25
     assert record.steps == [200, 200] and len(record.merges) >= 2 * (200 // 8) - 2
+
+
+def test_islands_export_names_what_is_missing(tmp_path, capsys):
+    from islands.orchestrator.cli import main
+
+    assert main(["export", str(tmp_path)]) == 2
+    assert "job.json' not found" in capsys.readouterr().err
