@@ -22,6 +22,7 @@ Two modes:
 Both loops wait for the loss each step (``float(loss)``), as the learner does.
 
     python benchmarks/overhead.py --quick
+    python benchmarks/overhead.py --task flax        # the Flax + Grain task (docs/tasks.md)
     python benchmarks/overhead.py --mode inprocess --model tiny --quick
     JAX_PLATFORMS=cuda python benchmarks/overhead.py --mode inprocess --model gpu --steps 100
 
@@ -79,6 +80,15 @@ PRESETS = {
 }
 
 
+# --task: what the learner trains. The Flax task takes the tiny preset's sizes (--model is ignored).
+TASKS = {
+    "bytelm": None,   # the built-in byte LM with the --model preset
+    "flax": {"path": "islands.tasks.flax_lm:task",
+             "args": dict(max_bytes=300_000, batch_size=8, eval_batches=2, seq_len=64,
+                          d_model=64, n_layers=2, n_heads=4, d_ff=256)},
+}
+
+
 # -- small pure helpers ------------------------------------------------------------------------
 def ratio(service_steps_per_s: float, bare_steps_per_s: float) -> float:
     """Service throughput ÷ bare throughput (1.0 = no overhead).
@@ -127,13 +137,24 @@ def rate_from_samples(samples: list[tuple[float, int]]) -> Optional[float]:
 
 
 # -- the training pieces shared by both loops ----------------------------------------------------
-def training_spec(preset: Preset):
-    """The TrainingSpec a job with this preset gives its learners (stdlib corpus, 300 kB)."""
+def training_spec(preset: Preset, task: str = "bytelm"):
+    """The TrainingSpec a job with this preset (and task) gives its learners (300 kB of stdlib)."""
     from islands.learners.unit import TrainingSpec
 
+    named = TASKS[task]
+    extra = {} if named is None else {"task_path": named["path"], "task_args": named["args"]}
     return TrainingSpec(model=preset.model, batch_size=preset.batch_size, max_bytes=300_000,
                         fragments=preset.fragments, sync_every_steps=preset.sync_every_steps,
-                        overlap_steps=2)
+                        overlap_steps=2, **extra)
+
+
+def batch_stream(spec, corpus: str):
+    """(task, its shard-0-of-1 TaskStream): the built-in task reads ``train_bytes``."""
+    from islands.learners.task import TaskStream
+    from islands.learners.unit import build_task, is_builtin
+
+    task = build_task(spec, train_bytes(spec, corpus) if is_builtin(spec) else None)
+    return task, TaskStream(task, 0, 1)
 
 
 def train_bytes(spec, corpus: str):
@@ -279,10 +300,10 @@ class InprocessLearner:
         return time.perf_counter() - t0
 
 
-def _build(spec):
+def _build(spec, task=None):
     from islands.learners.unit import build_training
 
-    return build_training(spec)
+    return build_training(spec, task=task)
 
 
 def _build_abstract(spec):
@@ -306,8 +327,8 @@ def run_inprocess(preset_name: str, steps: int, chunk: int, corpus: str) -> dict
 
     preset = PRESETS[preset_name]
     spec = training_spec(preset)
-    cfg, params, optimizer, train_step = _build(spec)
-    sampler = data.ShardSampler(train_bytes(spec, corpus), spec.batch_size, cfg.seq_len, 0, 1)
+    task, sampler = batch_stream(spec, corpus)
+    _, params, optimizer, train_step = _build(spec, task)
     num_params = sum(int(x.size) for x in jax.tree_util.tree_leaves(params))
     learner = InprocessLearner(spec, params, optimizer, train_step, sampler)
     bare_params, bare_opt = params, optimizer.init(params)
@@ -362,16 +383,16 @@ def run_inprocess(preset_name: str, steps: int, chunk: int, corpus: str) -> dict
 
 
 # -- mode ray -------------------------------------------------------------------------------------
-def bare_worker(preset_name: str, duration_s: float, warmup_steps: int) -> dict:
-    """The bare loop alone, for ``--bare-worker`` (run in a subprocess with the learner's env)."""
+def bare_worker(preset_name: str, duration_s: float, warmup_steps: int,
+                task_name: str = "bytelm") -> dict:
+    """The bare loop alone, for ``--bare-worker`` (run in a subprocess with the learner's env):
+    the task's jitted step on its shard-0 batches, nothing else."""
     import jax
 
-    from islands.learners import data
-
     preset = PRESETS[preset_name]
-    spec = training_spec(preset)
-    cfg, params, optimizer, train_step = _build(spec)
-    sampler = data.ShardSampler(train_bytes(spec, "stdlib"), spec.batch_size, cfg.seq_len, 0, 1)
+    spec = training_spec(preset, task_name)
+    task, sampler = batch_stream(spec, "stdlib")
+    _, params, optimizer, train_step = _build(spec, task)
     opt_state = optimizer.init(params)
     params, opt_state, _ = bare_loop(train_step, params, opt_state, sampler, warmup_steps)
     step, t0, cpu0 = warmup_steps, time.perf_counter(), time.process_time()
@@ -385,18 +406,21 @@ def bare_worker(preset_name: str, duration_s: float, warmup_steps: int) -> dict:
             "xla_flags": os.environ.get("XLA_FLAGS"), "backend": jax.default_backend()}
 
 
-def run_bare_subprocess(preset_name: str, duration_s: float, env_vars: dict) -> dict:
+def run_bare_subprocess(preset_name: str, duration_s: float, env_vars: dict,
+                        task_name: str = "bytelm") -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--bare-worker", "--model", preset_name,
-           "--duration", str(duration_s)]
+           "--duration", str(duration_s), "--task", task_name]
     env = {**os.environ, **env_vars}
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True,
                          timeout=duration_s + 300)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def job_dict(preset: Preset, heartbeat_s: float) -> dict:
+def job_dict(preset: Preset, heartbeat_s: float, task_name: str = "bytelm") -> dict:
+    named = TASKS[task_name]
     return {
         "name": "bench-overhead",
+        **({} if named is None else {"task": named}),
         "model": preset.model,
         "data": {"max_bytes": 300_000, "batch_size": preset.batch_size, "eval_batches": 2},
         "learner": {"min_step_time_s": 0.0, "eval_every_s": 3600.0},
@@ -420,7 +444,8 @@ def wait_for(predicate, timeout_s: float, what: str, every_s: float = 0.2):
     raise TimeoutError(f"timed out after {timeout_s:.0f}s waiting for {what}")
 
 
-def service_rate_ray(preset_name: str, duration_s: float, warmup_s: float, run_dir: str) -> dict:
+def service_rate_ray(preset_name: str, duration_s: float, warmup_s: float, run_dir: str,
+                     task_name: str = "bytelm") -> dict:
     """Runs the one-learner job and returns its steady steps/s from heartbeat samples."""
     import ray
 
@@ -428,7 +453,7 @@ def service_rate_ray(preset_name: str, duration_s: float, warmup_s: float, run_d
     from islands.orchestrator.controller import NAMESPACE, Controller, controller_options
 
     preset = PRESETS[preset_name]
-    config = JobConfig.model_validate(job_dict(preset, heartbeat_s=0.5))
+    config = JobConfig.model_validate(job_dict(preset, heartbeat_s=0.5, task_name=task_name))
     # address="local": always a fresh cluster of our own, even when another one runs here.
     ray.init(address="local", num_cpus=2, resources={"region:a": 1}, namespace=NAMESPACE,
              include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
@@ -508,27 +533,29 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
     return out
 
 
-def run_ray(preset_name: str, duration_s: float, warmup_s: float) -> dict:
+def run_ray(preset_name: str, duration_s: float, warmup_s: float,
+            task_name: str = "bytelm") -> dict:
     from islands.orchestrator.runtime import single_thread_env
 
     run_dir = tempfile.mkdtemp(prefix="islands-overhead-")
     env_vars = single_thread_env(os.path.join(run_dir, "jax_cache"))
     runs = []
     try:
-        bare_before = run_bare_subprocess(preset_name, duration_s, env_vars)
+        bare_before = run_bare_subprocess(preset_name, duration_s, env_vars, task_name)
         runs.append({"run": "bare (before)", "loop": "bare", **_drop(bare_before, "xla_flags")})
-        service = service_rate_ray(preset_name, duration_s, warmup_s, run_dir)
+        service = service_rate_ray(preset_name, duration_s, warmup_s, run_dir, task_name)
         runs.append({"run": "service", "loop": "service",
                      **_drop(service, "samples", "timings", "cpu_ms_per_step_by_actor")})
-        bare_after = run_bare_subprocess(preset_name, duration_s, env_vars)
+        bare_after = run_bare_subprocess(preset_name, duration_s, env_vars, task_name)
         runs.append({"run": "bare (after)", "loop": "bare", **_drop(bare_after, "xla_flags")})
     finally:
         shutil.rmtree(run_dir, ignore_errors=True)  # syncer snapshots and the JAX cache
     bare_rate = statistics.fmean([bare_before["steps_per_s"], bare_after["steps_per_s"]])
     service_rate = service["steps_per_s"]
     preset = PRESETS[preset_name]
-    _, template, _, _ = _build_abstract(training_spec(preset))
-    return {"mode": "ray", "model": preset_name, "model_config": preset.model,
+    _, template, _, _ = _build_abstract(training_spec(preset, task_name))
+    return {"mode": "ray", "model": preset_name, "task": task_name,
+            "model_config": preset.model if TASKS[task_name] is None else TASKS[task_name],
             "num_params": sum(int(x.size) for x in jax_leaves(template)),
             "batch_size": preset.batch_size, "fragments": preset.fragments,
             "sync_every_steps": preset.sync_every_steps, "codec": "int4",
@@ -662,6 +689,8 @@ def parse_args(argv=None):
     parser.add_argument("--duration", type=float, default=None, help="ray: seconds per measurement")
     parser.add_argument("--corpus", choices=["synthetic", "stdlib"], default="synthetic",
                         help="inprocess: batch source")
+    parser.add_argument("--task", choices=sorted(TASKS), default="bytelm",
+                        help="ray: what the learner trains (flax: the Flax + Grain task)")
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default=os.path.join(BENCH_DIR, "out"))
     parser.add_argument("--bare-worker", action="store_true", help=argparse.SUPPRESS)
@@ -672,7 +701,8 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     ensure_islands_importable()
     if args.bare_worker:
-        result = bare_worker(args.model or "tiny", args.duration or 20.0, warmup_steps=20)
+        result = bare_worker(args.model or "tiny", args.duration or 20.0, warmup_steps=20,
+                             task_name=args.task)
         print(json.dumps(result))
         return result
     t_start = time.time()
@@ -683,7 +713,8 @@ def main(argv=None) -> dict:
     model = args.model or ("tiny" if on_cpu else "gpu")
     if mode == "ray":
         duration = args.duration or (20.0 if args.quick else 60.0)
-        result = run_ray(model, duration, warmup_s=5.0 if args.quick else 10.0)
+        result = run_ray(model, duration, warmup_s=5.0 if args.quick else 10.0,
+                         task_name=args.task)
     else:
         preset = PRESETS[model]
         steps = args.steps or (preset.quick_steps if args.quick else preset.steps)
@@ -692,7 +723,8 @@ def main(argv=None) -> dict:
     if on_cpu:  # on an accelerator the bare loop's host thread mostly waits: no CPU comparison
         result.update(cpu_ratio(result["runs"]))
     os.makedirs(args.out, exist_ok=True)
-    png = os.path.join(args.out, f"overhead_{mode}_{model}.png")
+    png = os.path.join(args.out, f"overhead_{mode}_{model}"
+                       + ("" if args.task == "bytelm" else f"_{args.task}") + ".png")
     plot(result, png)
     result.pop("service_samples", None)
     result.update(goal_ratio=GOAL_RATIO, meets_goal=result["ratio"] >= GOAL_RATIO, png=png,

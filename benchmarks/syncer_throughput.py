@@ -219,12 +219,14 @@ def tiny_step_s(steps: int = 60) -> tuple[float, int]:
     import numpy as np
 
     from islands.learners import data
-    from islands.learners.unit import TrainingSpec, build_training
+    from islands.learners.task import TaskStream
+    from islands.learners.unit import TrainingSpec, build_task, build_training
 
     spec = TrainingSpec(model=dict(vocab_size=256, d_model=64, n_layers=2, n_heads=4, d_ff=256,
                                    seq_len=64), batch_size=8)
-    cfg, params, optimizer, train_step = build_training(spec)
-    sampler = data.ShardSampler(data.synthetic_corpus(200_000).train, 8, cfg.seq_len, 0, 1)
+    task = build_task(spec, data.synthetic_corpus(200_000).train)
+    _, params, optimizer, train_step = build_training(spec, task=task)
+    sampler = TaskStream(task, 0, 1)
     opt_state = optimizer.init(params)
     for i in range(5):
         params, opt_state, loss = train_step(params, opt_state, sampler.batch_at(i))

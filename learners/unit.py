@@ -39,6 +39,9 @@ class TrainingSpec:
     codec_block_size: int = DEFAULT_BLOCK_SIZE
     error_feedback: bool = True
     seed: int = 0
+    # What is trained (learners/task.py): a factory's import path and its keyword arguments.
+    task_path: str = "islands.tasks.bytelm:task"
+    task_args: dict = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -67,56 +70,79 @@ class LearnerSpec:
     env: dict = field(default_factory=dict)
 
 
+BUILTIN_TASK = "islands.tasks.bytelm:task"
+
+
+def is_builtin(spec: TrainingSpec) -> bool:
+    """Whether the job trains the built-in byte LM (whose corpus the controller shares)."""
+    return spec.task_path == BUILTIN_TASK
+
+
 def load_corpus(spec: TrainingSpec):
-    from . import data
+    from islands.tasks import bytelm
 
-    if spec.corpus == "stdlib":
-        return data.load_stdlib_corpus(eval_fraction=spec.eval_fraction, max_bytes=spec.max_bytes)
-    return data.load_directory_corpus(spec.corpus, eval_fraction=spec.eval_fraction,
-                                      max_bytes=spec.max_bytes)
+    return bytelm.load_corpus(spec.corpus, spec.eval_fraction, spec.max_bytes)
 
 
-def build_training(spec: TrainingSpec, abstract: bool = False):
-    """(model config, initial params, inner optimizer, jitted train step) for a TrainingSpec.
+def build_task(spec: TrainingSpec, train_bytes=None):
+    """The job's Task, imported and built here (in the learner, so shipped user code is found).
 
-    With ``abstract`` the params are shapes only (``jax.eval_shape``): a learner takes its values
+    ``train_bytes``: the built-in task's train split, already loaded by the controller.
+    """
+    from .task import load_task
+
+    args = dict(spec.task_args)
+    if is_builtin(spec):
+        if not args:  # a spec built by hand (benchmarks): the built-in task from its fields
+            args = dict(model=spec.model, corpus=spec.corpus, eval_fraction=spec.eval_fraction,
+                        max_bytes=spec.max_bytes, batch_size=spec.batch_size, seed=spec.seed)
+        if train_bytes is not None:
+            args["train_bytes"] = train_bytes
+    return load_task(spec.task_path, args)
+
+
+def build_training(spec: TrainingSpec, abstract: bool = False, task=None):
+    """(task, initial params, inner optimizer, jitted train step) for a TrainingSpec.
+
+    The optimizer is ``learner.inner_optimizer`` unless the task brings its own. With
+    ``abstract`` the params are shapes only (``jax.eval_shape``): a learner takes its values
     from the syncer, and computing an init it throws away costs seconds of eager dispatch.
     """
     import jax
 
-    from . import inner, model
+    from . import inner
+    from .task import make_train_step
 
-    cfg = model.ModelConfig(**spec.model)
-    init = lambda: model.init_params(cfg, jax.random.PRNGKey(spec.seed))  # noqa: E731
+    task = task if task is not None else build_task(spec)
+    init = lambda: task.init_params(jax.random.PRNGKey(spec.seed))  # noqa: E731
     params = jax.eval_shape(init) if abstract else jax.jit(init)()
-    optimizer = inner.inner_optimizer(**spec.inner)
-    return cfg, params, optimizer, inner.make_train_step(cfg, optimizer)
+    optimizer = task.optimizer if task.optimizer is not None else inner.inner_optimizer(
+        **spec.inner)
+    return task, params, optimizer, make_train_step(task, optimizer, spec.seed)
 
 
-def eval_loss_fn(spec: TrainingSpec, template, eval_bytes, num_batches: int):
-    """``flat {path: array} -> float``: the eval loss of flat global parameters on the held-out
-    split (fixed batches, so every evaluation of a job is comparable)."""
+def eval_loss_fn(spec: TrainingSpec, template, task=None):
+    """``flat {path: array} -> float``: the eval loss of flat global parameters on the task's
+    fixed held-out batches (so every evaluation of a job is comparable)."""
     from islands.syncer.fragments import assembler
 
-    from . import data, inner, model
+    from .task import make_eval_fn
 
-    cfg = model.ModelConfig(**spec.model)
-    batches = data.eval_batches(eval_bytes, spec.batch_size, cfg.seq_len, num_batches)
-    evaluate, assemble = inner.make_eval_fn(cfg), assembler(template)
+    task = task if task is not None else build_task(spec)
+    batches = list(task.eval_batches())
+    evaluate, assemble = make_eval_fn(task), assembler(template)
     return lambda flat: float(evaluate(assemble(flat), batches))
 
 
-def warm_compile_cache(spec: TrainingSpec, params) -> None:
+def warm_compile_cache(spec: TrainingSpec, params, task=None) -> None:
     """Compiles the train step and every fragment's push encoder once, so learners load them
     from JAX's persistent cache instead of each compiling them at start (seconds on 2 cores,
     all learners at once)."""
-    import numpy as np
+    from .task import TaskStream
 
-    _, _, optimizer, train_step = build_training(spec, abstract=True)
-    seq_len = spec.model.get("seq_len", 64)
-    batch = np.zeros((spec.batch_size, seq_len + 1), np.int32)
+    task, _, optimizer, train_step = build_training(spec, abstract=True, task=task)
     opt_state = optimizer.init(params)
-    _, _, loss = train_step(params, opt_state, batch)
+    _, _, loss = train_step(params, opt_state, TaskStream(task, 0, 1).batch_at(0))
     float(loss)
     _learner_core(spec, "warmup", params, opt_state, [0] * spec.fragments).compile_pushes()
 
@@ -272,19 +298,20 @@ class LearnerUnit:
         import jax
         import ray
 
-        from . import data
+        from .task import TaskStream
 
         spec, tspec = self.spec, self.spec.training
         t_start = time.time()
         # Zero-copy from the object store when the controller shared the corpus.
-        train_bytes = (ray.get(spec.corpus_ref) if spec.corpus_ref is not None
-                       else load_corpus(tspec).train)
+        # Zero-copy from the object store when the controller shared the built-in corpus.
+        train_bytes = ray.get(spec.corpus_ref) if spec.corpus_ref is not None else None
         self.timings["corpus_s"] = time.time() - t_start
-        cfg, template, optimizer, train_step = build_training(tspec, abstract=True)
+        task = build_task(tspec, train_bytes)
+        task, template, optimizer, train_step = build_training(tspec, abstract=True, task=task)
         self.timings["model_s"] = time.time() - t_start
-        sampler = data.ShardSampler(train_bytes, tspec.batch_size, cfg.seq_len, spec.shard_index,
-                                    spec.num_shards, seed=tspec.seed)
-        tokens_per_batch = sampler.tokens_per_batch
+        stream = TaskStream(task, spec.shard_index, spec.num_shards)
+        # Exact resume: the first batch is the one at start_step (the stream opens there).
+        tokens_per_batch = int(task.tokens(stream.batch_at(spec.start_step).batch))
 
         self.syncer = ray.get_actor(spec.syncer_name, namespace=spec.namespace)
         self.controller = (ray.get_actor(spec.controller_name, namespace=spec.namespace)
@@ -314,7 +341,7 @@ class LearnerUnit:
         core = self.core
         from .loop import LearnerLoop
 
-        loop = LearnerLoop(core, train_step, sampler.batch_at, tokens_per_batch, tspec.fragments,
+        loop = LearnerLoop(core, train_step, stream.batch_at, tokens_per_batch, tspec.fragments,
                            tspec.sync_every_steps)
         t_compile = time.time()
         core.compile_pushes()

@@ -31,9 +31,22 @@ def codec_block_size(config) -> int:
     return getattr(config.compression, "block_size", DEFAULT_BLOCK_SIZE)
 
 
+def task_args(config) -> dict:
+    """The task factory's keyword arguments: ``task.args``, or for the built-in byte LM its
+    ``model:`` and ``data:`` sections and the job's seed."""
+    if not config.task.builtin:
+        return dict(config.task.args)
+    d = config.data
+    return dict(model=config.model.model_dump(), corpus=d.corpus, eval_fraction=d.eval_fraction,
+                max_bytes=d.max_bytes, batch_size=d.batch_size, eval_batches=d.eval_batches,
+                seed=config.seed)
+
+
 def training_spec(config) -> TrainingSpec:
     syncer = config.syncer
     return TrainingSpec(
+        task_path=config.task.path,
+        task_args=task_args(config),
         model=config.model.model_dump(),
         batch_size=config.data.batch_size,
         corpus=config.data.corpus,
@@ -60,7 +73,9 @@ def syncer_settings(config) -> SyncerSettings:
         staleness_discount=s.staleness_discount, merge_rule=MergeRule(s.merge_rule),
         participation_scale=s.participation_scale,
         inner_schedule=inner_schedule(config),
-        tokens_per_step=config.data.batch_size * config.model.seq_len)
+        # The built-in task's batches are B·L tokens; another task's size is its own (unchecked).
+        tokens_per_step=(config.data.batch_size * config.model.seq_len if config.task.builtin
+                         else None))
 
 
 def inner_schedule(config) -> tuple:
@@ -165,12 +180,18 @@ def syncer_options(config, run_dir: str) -> dict:
                 snapshot_every_merges=config.syncer.snapshot_every_merges)
 
 
-def syncer_spec(config, template, run_dir: str) -> SyncerSpec:
-    """The syncer's spec: the initial global fragments of ``template`` and ``syncer_options``."""
+def syncer_spec(config, template, run_dir: str, is_embedding=None) -> SyncerSpec:
+    """The syncer's spec: the initial global fragments of ``template`` and ``syncer_options``.
+
+    ``is_embedding``: the task's merge hint (``path -> bool``); None keeps the ``embed/`` prefix.
+    """
     plan = fragments_lib.partition(template, config.syncer.fragments)
     frags = [{k: _np(v) for k, v in fragments_lib.extract(template, plan, p).items()}
              for p in range(plan.num_fragments)]
-    return SyncerSpec(fragments=frags, **syncer_options(config, run_dir))
+    embeddings = (None if is_embedding is None
+                  else tuple(path for path in plan.paths if is_embedding(path)))
+    return SyncerSpec(fragments=frags, embedding_paths=embeddings,
+                      **syncer_options(config, run_dir))
 
 
 def _np(x):

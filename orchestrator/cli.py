@@ -1,4 +1,4 @@
-"""``islands`` command line: run, status, scale, drain, chaos, report, simulate, config."""
+"""``islands`` command line: run, status, scale, drain, chaos, report, export, simulate, config."""
 
 from __future__ import annotations
 
@@ -226,6 +226,11 @@ def main(argv=None) -> int:
     report = sub.add_parser("report", help="plots and report.md from a run dir")
     report.add_argument("run_dir")
 
+    export = sub.add_parser("export", help="the run's global parameters as an orbax checkpoint "
+                                           "(OUT/params) plus OUT/task.json (docs/tasks.md)")
+    export.add_argument("run_dir")
+    export.add_argument("--out", default=None, help="export directory (default: RUN_DIR/export)")
+
     config_cmd = sub.add_parser("config", help="the job config: JSON schema, or check a file",
                                 epilog="Every key is described in docs/config.md.")
     config_sub = config_cmd.add_subparsers(dest="action", required=True)
@@ -276,6 +281,17 @@ def main(argv=None) -> int:
         return 0
     if args.command == "region":
         return _region_join(args)
+    if args.command == "export":  # no Ray: it reads the run dir's snapshots
+        from .export import ExportError, export_run
+        from islands.learners.task import TaskError
+
+        try:
+            out = export_run(args.run_dir, args.out)
+        except (ExportError, TaskError, OSError) as exc:
+            print(f"islands: {exc}", file=sys.stderr)
+            return 2
+        print(os.path.join(out, "params"))
+        return 0
     if args.command == "report":
         from .report import write_report
 

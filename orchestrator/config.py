@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import math
 import re
-from typing import Annotated, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -49,6 +49,37 @@ class DataSection(_Section):
     max_bytes: Optional[int] = Field(2_000_000, gt=0)
     batch_size: int = Field(8, gt=0)
     eval_batches: int = Field(8, gt=0)
+
+
+BUILTIN_TASK = "islands.tasks.bytelm:task"
+TASK_PATH = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_][\w.]*$")
+
+
+class TaskSection(_Section):
+    """What the learners train (docs/tasks.md): a factory ``package.module:factory`` called with
+    ``args``. The default, the built-in byte LM, takes its arguments from ``model:`` and ``data:``
+    instead, so ``args`` must stay empty for it."""
+
+    path: str = BUILTIN_TASK
+    args: dict[str, Any] = {}
+
+    @field_validator("path")
+    @classmethod
+    def _path_shape(cls, path):
+        if not TASK_PATH.match(path):
+            raise ValueError(f"{path!r} must read 'package.module:factory'")
+        return path
+
+    @model_validator(mode="after")
+    def _builtin_takes_sections(self):
+        if self.path == BUILTIN_TASK and self.args:
+            raise ValueError(f"args: the built-in task takes its arguments from model: and data:, "
+                             f"not task.args (got {sorted(self.args)})")
+        return self
+
+    @property
+    def builtin(self) -> bool:
+        return self.path == BUILTIN_TASK
 
 
 class InnerOptimizer(_Section):
@@ -347,6 +378,7 @@ class RunSection(_Section):
 class JobConfig(_Section):
     name: str = "islands"
     seed: int = 0
+    task: TaskSection = TaskSection()
     model: ModelSection = ModelSection()
     data: DataSection = DataSection()
     learner: LearnerSection = LearnerSection()

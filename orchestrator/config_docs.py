@@ -30,8 +30,16 @@ GENERATE_COMMAND = "python -m islands.orchestrator.config_docs > docs/config.md"
 FIELD_NOTES: dict[str, str] = {
     "name": "Job name: fills `{name}` in `run.run_dir` and names the job in logs.",
     "seed": "Seed of the model's initial parameters and of every learner's batch order.",
-    "model": "The model every learner trains.",
-    "data": "Training and evaluation data.",
+    "task": "What the learners train: a task factory by import path (docs/tasks.md). The "
+            "default is the built-in byte LM, whose arguments are `model` and `data`.",
+    "task.path": "`package.module:factory`, imported inside each learner (ship your module with "
+                 "`ray job submit --working-dir` or `runtime_env: {py_modules: [...]}`). "
+                 "`islands.tasks.bytelm:task` is the built-in byte LM; "
+                 "`islands.tasks.flax_lm:task` the Flax + Grain reference task.",
+    "task.args": "Keyword arguments of the factory (any YAML values). Empty for the built-in "
+                 "task, which reads `model` and `data`.",
+    "model": "The built-in task's model (ignored by another `task.path`).",
+    "data": "The built-in task's data (ignored by another `task.path`).",
     "learner": "What every learner does between syncs.",
     "syncer": "Fragments, schedule, merge and outer optimizer.",
     "quorum": "When a fragment may merge.",
@@ -255,6 +263,8 @@ RULES: dict[str, str] = {
                                            "built)",
     "syncer.fragments": "≤ the model's parameter tensors (checked by `islands run` before it "
                         "starts Ray)",
+    "task.path": "imports, its factory builds a Task and its loss is a scalar (traced with "
+                 "abstract shapes by `islands run` before it starts Ray)",
     "syncer.overlap_steps": "< `syncer.sync_every_steps`",
     "quorum.min_learners": "≤ the learners of all regions together",
     "regions": f"at least one; names match `{REGION_NAME.pattern}`",
@@ -386,7 +396,7 @@ def _type_name(tp: Any, path: str) -> str:
     args = _union_args(tp)
     if args:
         return " or ".join(_type_name(a, path) for a in args) + suffix
-    names = {bool: "boolean", int: "integer", float: "number", str: "string"}
+    names = {bool: "boolean", int: "integer", float: "number", str: "string", Any: "any value"}
     if tp in names:
         return names[tp] + suffix
     raise TypeError(f"{path}: no documentation name for type {tp!r}")

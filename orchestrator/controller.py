@@ -115,18 +115,17 @@ class Controller:
         """Builds the model once, starts the syncer, launches the learners and the owner thread."""
         import ray
 
-        from islands.learners.unit import build_training, load_corpus, warm_compile_cache
+        from islands.learners.unit import warm_compile_cache
 
         from . import build
 
-        self.training = build.training_spec(self.config)
-        _, self.template, _, _ = build_training(self.training)
-        self.corpus = load_corpus(self.training)
-        self.corpus_ref = ray.put(self.corpus.train)  # every learner maps the same bytes
+        self._build_task()
         self.jax_cache_dir = os.path.join(self.run_dir, "jax_cache")
         enable_compile_cache(self.jax_cache_dir)
-        warm_compile_cache(self.training, self.template)  # restarts load it instead of compiling
-        self.syncer_spec = build.syncer_spec(self.config, self.template, self.run_dir)
+        # restarts load it instead of compiling
+        warm_compile_cache(self.training, self.template, self.task)
+        self.syncer_spec = build.syncer_spec(self.config, self.template, self.run_dir,
+                                             self.task.is_embedding)
         self._start_syncer(epoch=0, restore=self.resume)
         self._refresh_syncer_status()
         self._step([self._applied()])  # launches the configured learners (resumed: at their step)
@@ -138,6 +137,25 @@ class Controller:
         self.emit("job_started", learners=list(self.fleet.slots), regions=list(self.config.regions),
                   num_params=_num_params(self.template))
         return {"learners": list(self.fleet.slots)}
+
+    def _build_task(self) -> None:
+        """Builds the job's task once here: the initial params (the syncer's Θ) and, for the
+        built-in byte LM, its corpus, put in the object store so every learner maps the same
+        train bytes instead of reading them."""
+        import ray
+
+        from islands.learners.unit import build_task, build_training, is_builtin, load_corpus
+
+        from . import build
+
+        self.training = build.training_spec(self.config)
+        self.corpus_ref = None
+        train_bytes = None
+        if is_builtin(self.training):
+            train_bytes = load_corpus(self.training).train
+            self.corpus_ref = ray.put(train_bytes)
+        self.task = build_task(self.training, train_bytes)
+        _, self.template, _, _ = build_training(self.training, task=self.task)
 
     def _start_syncer(self, epoch: int, restore: bool) -> None:
         import ray
@@ -182,8 +200,6 @@ class Controller:
         is stopped. Learners that died while it was away are relaunched by the first step."""
         import ray
 
-        from islands.learners.unit import build_training, load_corpus
-
         from . import build
         from .health import Cause
 
@@ -199,13 +215,11 @@ class Controller:
         self.restarts = saved["restarts"] + 1
         if self.chaos_plan is not None and self.job_started_s is not None:
             self.chaos_plan.due(time.time() - self.job_started_s)  # fired before: not again
-        self.training = build.training_spec(self.config)
-        _, self.template, _, _ = build_training(self.training)
-        self.corpus = load_corpus(self.training)
-        self.corpus_ref = ray.put(self.corpus.train)
+        self._build_task()
         self.jax_cache_dir = os.path.join(self.run_dir, "jax_cache")
         enable_compile_cache(self.jax_cache_dir)
-        self.syncer_spec = build.syncer_spec(self.config, self.template, self.run_dir)
+        self.syncer_spec = build.syncer_spec(self.config, self.template, self.run_dir,
+                                             self.task.is_embedding)
         try:
             self.syncer = ray.get_actor(SYNCER_NAME, namespace=NAMESPACE)
             ray.get(self.syncer.ping.remote(), timeout=30)
@@ -637,8 +651,7 @@ class Controller:
         from islands.learners.unit import eval_loss_fn
 
         if not hasattr(self, "_evaluate"):
-            self._evaluate = eval_loss_fn(self.training, self.template, self.corpus.eval,
-                                          self.settings.eval_batches)
+            self._evaluate = eval_loss_fn(self.training, self.template, self.task)
         flat, _ = ray.get(self.syncer.global_params.remote(), timeout=30)
         loss = self._evaluate(flat)
         with self.lock:

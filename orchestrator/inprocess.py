@@ -728,3 +728,55 @@ def build_syncer_and_learners(*, params: Any, opt_init: Callable[[Any], Any], pl
                                  decode, overlap_steps=settings.overlap_steps,
                                  merge_alpha=merge_alpha))
     return syncer, cores
+
+
+def run_task(task, *, steps: int, optimizer, num_learners: int = 2, fragments: int = 2,
+             sync_every_steps: int = 8, overlap_steps: int = 2, min_learners: int = 1,
+             codec: str = "int4", seed: int = 0, fleet: Optional[Fleet] = None,
+             eval_every_steps: int = 0, faults: Optional[FaultPlan] = None,
+             outer_optimizer=None) -> RunRecord:
+    """Trains a :class:`~islands.learners.task.Task` with ``num_learners`` learners on the virtual
+    clock: init from ``PRNGKey(seed)``, shard i of ``num_learners`` through a ``TaskStream``
+    (a restarted learner reopens it at its applied step), the task's own eval batches.
+
+    Args:
+      task: what to train.
+      steps: inner steps per learner.
+      optimizer: the inner optax transformation (``task.optimizer`` wins when it has one).
+      num_learners, fragments, sync_every_steps, overlap_steps, min_learners: M, P, H, τ, K.
+      codec: outer-gradient codec kind, with error feedback.
+      seed: init and step rng seed.
+      fleet: speeds and links (default: equal speeds, instant links).
+      eval_every_steps: evaluate the global params every this many steps of learner 0.
+      faults: a fault plan (restarted learners take a peer's inner state or a fresh one).
+      outer_optimizer: default ``syncer.outer.build()`` (Nesterov).
+    """
+    import jax
+
+    from islands.learners.task import TaskStream, make_eval_fn, make_train_step
+    from islands.syncer import codec as codec_lib
+    from islands.syncer import outer as outer_lib
+    from islands.syncer.core import SyncerSettings
+
+    optimizer = task.optimizer if task.optimizer is not None else optimizer
+    params = jax.jit(task.init_params)(jax.random.PRNGKey(seed))
+    codec_obj = codec_lib.make_codec(codec)
+    syncer, learners = build_syncer_and_learners(
+        params=params, opt_init=optimizer.init, plan=fragments_lib.partition(params, fragments),
+        settings=SyncerSettings(min_learners=min_learners, overlap_steps=overlap_steps),
+        outer_optimizer=outer_optimizer if outer_optimizer is not None else outer_lib.build(),
+        error_feedback_factory=lambda: codec_lib.error_feedback(codec_obj),
+        decode=lambda c: codec_lib.decode_tree(codec_obj, c),
+        wire_bytes=codec_lib.tree_wire_bytes,
+        learner_ids=[f"local:{i}" for i in range(num_learners)], merge_alpha=0.0,
+        is_embedding=task.is_embedding)
+    streams = [TaskStream(task, i, num_learners) for i in range(num_learners)]
+    evaluate, eval_set = make_eval_fn(task), list(task.eval_batches())
+    return run_inprocess(
+        learners=learners, syncer=syncer, train_step=make_train_step(task, optimizer, seed),
+        batch_for=lambda i, k: streams[i].batch_at(k),
+        tokens_per_batch=int(task.tokens(streams[0].batch_at(0).batch)),
+        fleet=fleet if fleet is not None else Fleet(speed_factors=[1.0] * num_learners),
+        num_fragments=fragments, sync_every_steps=sync_every_steps, steps=steps,
+        evaluate=lambda p: evaluate(p, eval_set), eval_every_steps=eval_every_steps,
+        assemble=assemble_like(params), faults=faults, opt_init=optimizer.init)

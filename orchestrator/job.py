@@ -345,6 +345,9 @@ def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] =
     if run_dir != requested and not quiet:
         print(f"islands: {requested} holds an earlier run; this run writes to {run_dir}",
               flush=True)
+    from .export import write_job_file
+
+    write_job_file(run_dir, config)  # `islands export RUN_DIR` rebuilds the task from it
     started_cluster = start_ray(config, address)
     out = RunDir(run_dir, log_format)
     controller = None
@@ -397,11 +400,33 @@ def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] =
             if not quiet:
                 print(f"islands: summary written to {path}", flush=True)
             _kill_job_actors(controller)
+            exported = _auto_export(run_dir)
+            if exported:
+                summary["export_dir"] = exported
+                if not quiet:
+                    print(f"islands: global parameters exported to {exported}/params (orbax)",
+                          flush=True)
         out.close()
         if started_cluster:
             _forget_embedded_address()
             ray.shutdown()
     return summary
+
+
+def _auto_export(run_dir: str) -> Optional[str]:
+    """The job's end: the newest snapshot's global parameters to ``RUN_DIR/export`` (a resumed
+    run's next export goes to ``export.1``, …; nothing is overwritten). Never fails the job."""
+    from .export import EXPORT_DIR, export_run
+
+    out = os.path.join(run_dir, EXPORT_DIR)
+    n = 0
+    while os.path.exists(os.path.join(out if n == 0 else f"{out}.{n}", "params")):
+        n += 1
+    try:
+        return export_run(run_dir, out if n == 0 else f"{out}.{n}")
+    except Exception as exc:
+        log.warning("export of %s failed: %s", run_dir, exc)
+        return None
 
 
 def _serve_metrics(controller, config, embedded: bool = False) -> Optional[int]:

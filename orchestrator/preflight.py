@@ -1,5 +1,9 @@
 """Checks a JobConfig against the model and corpus it builds, before Ray or any actor starts.
 
+A job naming its own task (``task.path``) is imported and traced here once with abstract shapes:
+a path that does not import, a factory that raises or a loss that is not a scalar fails with
+``task.path`` named, before any actor starts.
+
 pydantic validates each field alone; some limits depend on what the config builds: the number of
 parameter tensors (counted with ``jax.eval_shape``, no real init), the size of the corpus's train
 and eval splits (file sizes only, nothing read), and a learner's memory for batch × model. A
@@ -117,6 +121,8 @@ def preflight(config, memory_limit_bytes: Optional[int] = None,
     Raises:
       ConfigError: every problem found, one ``field.path: message`` per line.
     """
+    if not config.task.builtin:
+        return _preflight_task(config, memory_limit_bytes)
     problems = []
     tensors, params = model_tensors(config)
     if config.syncer.fragments > tensors:
@@ -157,5 +163,40 @@ def preflight(config, memory_limit_bytes: Optional[int] = None,
                 f"data.batch_size: a learner needs about {need / GIB:.1f} GiB for a batch of {b} "
                 f"× seq_len {config.model.seq_len} on a model of {params:,d} parameters, over "
                 f"the {limit / GIB:.1f} GiB limit; lower data.batch_size or shrink the model")
+    if problems:
+        raise ConfigError("\n".join(problems))
+
+
+def task_summary(config) -> dict:
+    """Imports and builds the config's task on this machine and traces it with abstract shapes
+    (``jax.eval_shape``): ``{"tensors", "params", "tokens_per_batch"}``.
+
+    Raises:
+      ConfigError: naming ``task.path``: the path does not import, the factory raises, or the
+        loss is not a scalar.
+    """
+    from islands.learners.task import TaskError, check_task, load_task
+
+    try:
+        return check_task(load_task(config.task.path, config.task.args), config.task.path,
+                          config.seed)
+    except TaskError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _preflight_task(config, memory_limit_bytes: Optional[int]) -> None:
+    """The checks for a task named by ``task.path`` (its data is its own: only what the traced
+    task tells: tensors for the fragments, parameter copies for memory)."""
+    summary = task_summary(config)
+    problems = []
+    if config.syncer.fragments > summary["tensors"]:
+        problems.append(f"syncer.fragments: {config.syncer.fragments} fragments but the task "
+                        f"{config.task.path!r} has {summary['tensors']} parameter tensors (a "
+                        f"fragment would be empty); use at most {summary['tensors']}")
+    limit = memory_limit_bytes if memory_limit_bytes is not None else default_memory_limit_bytes()
+    need = FLOAT_BYTES * PARAM_COPIES * summary["params"]
+    if limit and need > limit:
+        problems.append(f"task.path: the task's {summary['params']:,d} parameters need about "
+                        f"{need / GIB:.1f} GiB per learner, over the {limit / GIB:.1f} GiB limit")
     if problems:
         raise ConfigError("\n".join(problems))

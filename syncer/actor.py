@@ -55,6 +55,7 @@ class SyncerSpec:
     downlink_block_size: int = 64
     downlink_error_feedback: bool = True
     downlink_full_after_versions: Optional[int] = 8
+    embedding_paths: Optional[tuple] = None   # the task's embedding tensors (else the prefix)
     checkpoint_dir: Optional[str] = None
     snapshot_every_merges: int = 10
 
@@ -80,11 +81,13 @@ class Syncer:
 
         self.spec = spec
         codec = codec_lib.make_codec(spec.codec_kind, block_size=spec.codec_block_size)
-        prefix = spec.embedding_prefix
+        prefix, paths = spec.embedding_prefix, spec.embedding_paths
+        is_embedding = ((lambda path: path.startswith(prefix)) if paths is None
+                        else frozenset(paths).__contains__)
         self.core = SyncerCore(spec.fragments, spec.settings,
                                outer_lib.build(spec.outer_kind, **spec.outer_kwargs),
                                lambda codes: codec_lib.decode_tree(codec, codes),
-                               is_embedding=lambda path: path.startswith(prefix), epoch=epoch,
+                               is_embedding=is_embedding, epoch=epoch,
                                downlink=downlink_settings(spec))
         self.store = None
         self.restored_from: Optional[int] = None

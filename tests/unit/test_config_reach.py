@@ -36,6 +36,8 @@ CHANGES = {
     "model.d_model": 128,      # n_heads must divide it
     "model.n_heads": 8,
     "data.corpus": "/some/corpus/dir",
+    "task.path": "my_pkg.tasks:make",
+    "task.args": None,         # only with another task.path: test_task_args_reach_the_learners
     "syncer.merge_rule": "mean",
     "syncer.max_staleness": 3,
     "syncer.checkpoint_dir": "/somewhere/checkpoints",
@@ -162,3 +164,10 @@ def test_the_syncer_decodes_with_the_jobs_codec_only():
         codec.decode_tree(job, foreign)
     own = codec.encode_tree(job, {"w": np.ones(8, np.float32)})
     assert np.asarray(codec.decode_tree(job, own)["w"]).shape == (8,)
+
+
+def test_task_args_reach_the_learners():
+    config = JobConfig.model_validate({"task": {"path": "my_pkg.tasks:make", "args": {"n": 3}}})
+    spec = build.training_spec(config)
+    assert (spec.task_path, spec.task_args) == ("my_pkg.tasks:make", {"n": 3})
+    assert build.syncer_settings(config).tokens_per_step is None  # the task's own batch size

@@ -1,0 +1,84 @@
+"""A task defined in this test module trains through the Ray service (imported inside the
+learners), and the job's export restores with plain orbax to the eval loss the job logged."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+pytest.importorskip("ray")
+pytestmark = pytest.mark.ray
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from islands.learners.task import Task  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def regression_task(dim: int = 4, batch_size: int = 16, seed: int = 0) -> Task:
+    """y = x·w* + 0.5; batch k of shard s is drawn from rng (seed, s, num_shards, k)."""
+    w_true = np.linspace(-1.0, 1.0, dim).astype(np.float32)
+
+    def make(rng):
+        x = rng.normal(size=(batch_size, dim)).astype(np.float32)
+        return {"x": x, "y": (x @ w_true + 0.5).astype(np.float32)}
+
+    def batches(shard, num_shards, start_step):
+        step = start_step
+        while True:
+            yield make(np.random.default_rng((seed, shard, num_shards, step)))
+            step += 1
+
+    def init_params(rng):
+        k1, k2 = jax.random.split(rng)
+        return {"hidden": {"w": jax.random.normal(k1, (dim, 16)) / np.sqrt(dim),
+                           "b": jnp.zeros((16,))},
+                "out": {"w": jax.random.normal(k2, (16,)) / 4.0, "b": jnp.zeros(())}}
+
+    def loss(params, batch, rng):
+        h = jax.nn.tanh(batch["x"] @ params["hidden"]["w"] + params["hidden"]["b"][None, :])
+        return jnp.mean((h @ params["out"]["w"] + params["out"]["b"] - batch["y"]) ** 2)
+
+    return Task(init_params=init_params, loss=loss, batches=batches,
+                eval_batches=lambda: [make(np.random.default_rng((seed, 99, i)))
+                                      for i in range(4)],
+                tokens=lambda batch: int(batch["x"].shape[0]))
+
+
+def test_a_test_module_task_trains_in_the_service_and_exports(tmp_path, monkeypatch):
+    from islands.orchestrator.config import parse
+    from islands.orchestrator.job import run_job
+
+    # The embedded cluster's workers inherit this environment: they import this module by name.
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    config = parse({
+        "name": "task-itest", "task": {"path": "test_task_service:regression_task",
+                                       "args": {"dim": 4}},
+        "learner": {"min_step_time_s": 0.02, "eval_every_s": 3.0,
+                    "inner_optimizer": {"lr": 3e-2, "warmup_steps": 5, "total_steps": 400,
+                                        "weight_decay": 0.0}},
+        "syncer": {"fragments": 2, "sync_every_steps": 8, "overlap_steps": 1},
+        "quorum": {"min_learners": 1, "grace_cap_s": 0.5},
+        "regions": {"a": {"learners": 2}}, "metrics": {"enabled": False},
+        "run": {"dashboard": False}})
+    run_dir = str(tmp_path / "run")
+    summary = run_job(config, duration_s=12, run_dir=run_dir, quiet=True)
+    print({k: summary.get(k) for k in ("merges", "initial_eval_loss", "final_eval_loss")})
+    assert summary["merges"] > 0 and summary["tokens_applied"] > 0
+    assert summary["final_eval_loss"] < 0.5 * summary["initial_eval_loss"]
+
+    # The export: plain orbax restores the params; the task's own loss gives the logged eval.
+    import orbax.checkpoint as ocp
+
+    out = summary["export_dir"]
+    meta = json.load(open(os.path.join(out, "task.json")))
+    assert meta["task"] == {"path": "test_task_service:regression_task", "args": {"dim": 4}}
+    params = ocp.StandardCheckpointer().restore(os.path.join(out, "params"))
+    task = regression_task(**meta["task"]["args"])
+    losses = [float(task.loss(params, b, None)) for b in task.eval_batches()]
+    assert np.mean(losses) == pytest.approx(summary["final_eval_loss"], rel=1e-5)
+    assert meta["eval_loss"] == summary["final_eval_loss"]
