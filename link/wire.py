@@ -115,12 +115,21 @@ def push_from_pb(msg: pb.PushRequest):
 
 
 def reply_to_pb(reply) -> pb.PushReply:
-    """A ``syncer.actor.Reply``."""
+    """A ``syncer.actor.Reply``. A merged fragment crosses as a full fp32 fragment (a
+    ``FullUpdate`` is unwrapped); encoded downlink updates do not cross the link (JobConfig
+    refuses a remote region with an encoded downlink)."""
+    from islands.syncer.downlink import FullUpdate
+
+    params = reply.params
+    if params is None and reply.update is not None:
+        if not isinstance(reply.update, FullUpdate):
+            raise WireError("an encoded downlink update cannot cross the link")
+        params = reply.update.params
     msg = pb.PushReply(status=reply.status, fragment=int(reply.fragment), epoch=int(reply.epoch),
                        version=int(reply.version), reason=reply.reason, detail=reply.detail,
-                       has_params=reply.params is not None)
-    if reply.params is not None:
-        msg.params.CopyFrom(fragment_to_pb(reply.params))
+                       has_params=params is not None)
+    if params is not None:
+        msg.params.CopyFrom(fragment_to_pb(params))
     return msg
 
 

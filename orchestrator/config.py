@@ -414,6 +414,9 @@ class JobConfig(_Section):
         if remote and self.link.port is None:
             raise _FieldError("link.port", f"regions {remote} are remote (they join over the "
                               "link) but link.port is not set")
+        if remote and self.downlink_compression.type != "none":
+            raise _FieldError("downlink_compression", f"regions {remote} are remote, and an "
+                              "encoded downlink does not cross the link yet: use type none")
         if self.chaos is not None:
             learners, regions = set(self.learner_ids()), set(self.regions)
             allowed = {"kill": learners | {"syncer"}, "slowdown": learners | regions,

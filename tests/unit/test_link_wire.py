@@ -104,3 +104,19 @@ def test_the_checked_in_generated_code_is_current(tmp_path):
     for name in codegen.OUTPUTS:
         assert filecmp.cmp(tmp_path / name, os.path.join(codegen.HERE, name), shallow=False), \
             f"{name} is stale: run python -m islands.link.codegen"
+
+
+def test_a_merged_full_update_crosses_as_its_fragment_and_a_diff_is_refused():
+    import numpy as np
+
+    from islands.link import wire
+    from islands.syncer.actor import Reply
+    from islands.syncer.downlink import DiffUpdate, FullUpdate
+
+    fragment = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
+    reply = Reply("merged", 1, 3, None, 7, update=FullUpdate(fragment, 7))
+    back = wire.reply_from_pb(wire.reply_to_pb(reply))
+    assert back.status == "merged" and back.version == 7
+    np.testing.assert_array_equal(back.params["w"], fragment["w"])
+    with pytest.raises(wire.WireError, match="encoded downlink"):
+        wire.reply_to_pb(Reply("merged", 1, 3, None, 7, update=DiffUpdate({}, 0, 1, 7)))
