@@ -127,3 +127,11 @@ def test_union_errors_name_the_yaml_path(raw, message):
     with pytest.raises(ConfigError) as info:
         parse(raw)
     assert message in str(info.value)
+
+
+def test_a_remote_region_with_an_encoded_downlink_is_refused():
+    from islands.orchestrator.config import ConfigError, parse
+
+    with pytest.raises(ConfigError, match="downlink_compression"):
+        parse({"regions": {"a": {"learners": 1, "remote": True}}, "link": {"port": 7000},
+               "downlink_compression": {"type": "int4"}})
