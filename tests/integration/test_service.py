@@ -193,7 +193,7 @@ def test_metrics_scrape_during_a_run(job):
     assert all(0.0 <= v <= 1.0 for v in goodput.values()), goodput
     before = wait_for(lambda: (lambda g: g if g > 0.3 else None)(
         {s.labels["window"]: s.value for s in scrape(port)["islands_goodput_ratio"].samples}
-        .get("10s", 0.0)), 30, "a healthy windowed goodput")
+        .get("10s", 0.0)), 90, "a healthy windowed goodput")
     # A killed learner's outage is allocated time without useful work: the window dips.
     ray.get(controller.chaos_kill.remote("eu-west:0", "ray_kill"))
     lowest = before
