@@ -108,6 +108,7 @@ def two_clusters(tmp_path_factory):
         threading.Thread(target=_reader, args=(region, region_lines), daemon=True).start()
         line = _wait_line(region_lines, region, "Ray cluster at", 240)
         address = line.rsplit("Ray cluster at ", 1)[1].strip()
+        saved_auth_mode = os.environ.get("RAY_AUTH_MODE")
         os.environ["RAY_AUTH_MODE"] = "disabled"
         import ray
 
@@ -120,6 +121,12 @@ def two_clusters(tmp_path_factory):
 
         if ray.is_initialized():
             ray.shutdown()
+        # Later test modules start their own clusters with Ray's defaults (token auth).
+        if "saved_auth_mode" in locals():
+            if saved_auth_mode is None:
+                os.environ.pop("RAY_AUTH_MODE", None)
+            else:
+                os.environ["RAY_AUTH_MODE"] = saved_auth_mode
         if region is not None:
             _stop(region)
         _stop(home)
