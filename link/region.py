@@ -140,15 +140,16 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
         run_dir = os.path.abspath(run_dir or os.path.join(
             "runs", f"{config.name}-{settings.region}"))
         os.makedirs(run_dir, exist_ok=True)
+        controller = ray.remote(RegionController).options(
+            **{**controller_options(run_dir), "max_restarts": 0, "max_task_retries": 0}).remote(
+                config, run_dir, settings.region, joined["shard_base"], joined["num_shards"])
+        ray.get(controller.start.remote())
+        # Printed once the agent is up: tools that wait for this line can look it up at once.
         if not quiet:
             print(f"islands region: {settings.region} joined job {config.name!r} at "
                   f"{settings.home} (epoch {joined['epoch']}, shards {joined['shard_base']}.. of "
                   f"{joined['num_shards']}); Ray cluster at "
                   f"{ray.get_runtime_context().gcs_address}", flush=True)
-        controller = ray.remote(RegionController).options(
-            **{**controller_options(run_dir), "max_restarts": 0, "max_task_retries": 0}).remote(
-                config, run_dir, settings.region, joined["shard_base"], joined["num_shards"])
-        ray.get(controller.start.remote())
         t0 = time.time()
         index = 0
         while duration_s is None or time.time() - t0 < duration_s:

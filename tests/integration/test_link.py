@@ -59,13 +59,23 @@ def _wait(predicate, timeout_s, what):
 
 
 def _stop(proc):
+    """SIGINT (a clean stop: summary, then its own cluster's shutdown), then the whole process
+    group, so no Ray daemon of that cluster outlives the module and loads later ones."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)  # a clean stop: summary, then its own cluster's shutdown
+        proc.send_signal(signal.SIGINT)
         try:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            pass
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            pass
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +101,7 @@ def two_clusters(tmp_path_factory):
     env.pop("RAY_ADDRESS", None)
     home = subprocess.Popen(ISLANDS + ["run", str(tmp / "home.yaml"), "--duration", "900"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=str(tmp))
+                            cwd=str(tmp), start_new_session=True)
     home_lines: queue.Queue = queue.Queue()
     threading.Thread(target=_reader, args=(home, home_lines), daemon=True).start()
     region = None
@@ -103,7 +113,8 @@ def two_clusters(tmp_path_factory):
                        "--token-file", str(token_file), "--ca-cert", pki.ca_cert,
                        "--client-cert", pki.client_cert, "--client-key", pki.client_key,
                        "--server-name", "localhost", "--run-dir", str(tmp / "far")],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(tmp))
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(tmp),
+            start_new_session=True)
         region_lines: queue.Queue = queue.Queue()
         threading.Thread(target=_reader, args=(region, region_lines), daemon=True).start()
         line = _wait_line(region_lines, region, "Ray cluster at", 240)
