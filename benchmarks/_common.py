@@ -159,7 +159,8 @@ def run_ours(setup: Setup, *, learner_ids: Sequence[str], fleet: inprocess.Fleet
              faults: Optional[FaultPlan] = None, restart: RestartCosts = RestartCosts(),
              eval_every_steps: int = 0, codec_block_size: int = codec_lib.DEFAULT_BLOCK_SIZE,
              downlink: str = "none",
-             downlink_block_size: int = codec_lib.DEFAULT_BLOCK_SIZE) -> inprocess.RunRecord:
+             downlink_block_size: int = codec_lib.DEFAULT_BLOCK_SIZE,
+             merge_alpha: float = 0.0, carry_overlap: bool = False) -> inprocess.RunRecord:
     """Decoupled DiLoCo in the in-process driver (docs/architecture.md#the-algorithm defaults: RDA merge, outer Nesterov
     0.7/0.9, α = 0, error feedback; ``outer_kind="sgd"`` is sgd(1.0), plain averaging;
     ``outer_kwargs`` sets the outer optimizer's lr and momentum). ``codec`` encodes the pushes,
@@ -181,7 +182,8 @@ def run_ours(setup: Setup, *, learner_ids: Sequence[str], fleet: inprocess.Fleet
                          else outer.build(outer_kind, lr=1.0, momentum=0.0)),
         error_feedback_factory=lambda: codec_lib.error_feedback(c),
         decode=lambda codes: codec_lib.decode_tree(c, codes),
-        wire_bytes=codec_lib.tree_wire_bytes, learner_ids=list(learner_ids), merge_alpha=0.0,
+        wire_bytes=codec_lib.tree_wire_bytes, learner_ids=list(learner_ids),
+        merge_alpha=merge_alpha, carry_overlap=carry_overlap,
         is_embedding=model.is_embedding_path, downlink=down)
     record = inprocess.run_inprocess(
         learners=learners, syncer=syncer, train_step=setup.train_step,

@@ -231,7 +231,8 @@ class InprocessLearner:
         self.epoch = epoch
         self.core = LearnerCore("bench:0", params, optimizer.init(params), plan,
                                 [v for _, v in registered], ef, codec_lib.tree_wire_bytes, decode,
-                                overlap_steps=spec.overlap_steps, merge_alpha=spec.merge_alpha)
+                                overlap_steps=spec.overlap_steps, merge_alpha=spec.merge_alpha,
+                                carry_overlap=spec.carry_overlap)
         self.arrived: list = []  # (p, fragment, version)
         self.stats = {"step": 0, "loss": None, "pushes": 0, "adopted": 0, "wire_bytes_up": 0}
 

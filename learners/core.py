@@ -50,6 +50,10 @@ class FragmentTrack:
     resend: bool = False           # re-based after a refusal: push again at the next step
     base_id: int = 0               # the syncer's id of this base (syncer/downlink.py; 0: exact)
     base_host: Optional[Fragment] = None   # the base as host arrays, once the learner has them
+    # Carry mode: the local fragment and counters at the open push, so adoption can keep the
+    # steps taken since (Θ_new + (θ_now − θ_at_push)) instead of overwriting them.
+    local_at_push: Optional[Fragment] = None
+    pushed_counts: tuple[int, int] = (0, 0)
 
 
 @dataclass
@@ -91,7 +95,9 @@ class LearnerCore:
       wire_bytes: counts the encoded bytes of a codes tree.
       decode: decodes a codes tree (for the relative-error metric).
       overlap_steps: τ, a reply is adopted no earlier than τ steps after its push.
-      merge_alpha: α of the blend.
+      merge_alpha: α of the blend (only without ``carry_overlap``).
+      carry_overlap: adopt ``Θ_new + (θ_now − θ_at_push)``: the τ steps between a push and the
+        adoption of its merge stay as drift for the next push instead of being overwritten.
       incarnation: restart count of this learner id.
       start_step: the step this incarnation resumes at (its shard resumes at the same batch).
     """
@@ -100,7 +106,7 @@ class LearnerCore:
                  versions: list[int], error_feedback: Any, wire_bytes: Callable[[Any], int],
                  decode: Callable[[Any], Fragment], overlap_steps: int = 2,
                  merge_alpha: float = 0.0, incarnation: int = 0, start_step: int = 0,
-                 session: str = ""):
+                 session: str = "", carry_overlap: bool = False):
         self.learner = learner
         self.params = params
         self.opt_state = opt_state
@@ -110,6 +116,7 @@ class LearnerCore:
         self.decode = decode
         self.overlap_steps = overlap_steps
         self.merge_alpha = merge_alpha
+        self.carry_overlap = carry_overlap
         self.incarnation = incarnation
         self.session = session     # the syncer's token for this incarnation ("" when unchecked)
         self.step = start_step
@@ -176,6 +183,9 @@ class LearnerCore:
         codes, new_ef_state, err = self._encode_drift(local, track.base, track.ef_state)
         track.pending_ef_state = new_ef_state
         track.in_flight_since_step = self.step
+        if self.carry_overlap:
+            track.local_at_push = local
+            track.pushed_counts = (track.c_tokens, track.c_steps)
         track.resend = False
         self.fates.pushed(p, self.step)
         nbytes = self.wire_bytes(codes)
@@ -196,6 +206,7 @@ class LearnerCore:
         track = self.tracks[p]
         track.in_flight_since_step = None
         track.pending_ef_state = None
+        track.local_at_push = None
         track.reply = None
         if fragment is not None and version is not None:
             self.fates.discarded(p, REFUSED)
@@ -231,6 +242,7 @@ class LearnerCore:
         track.base_id, track.base_host = downlink_lib.EXACT, None
         track.in_flight_since_step = None
         track.pending_ef_state = None
+        track.local_at_push = None
         track.reply = None
         track.resend = True
         self.fates.returned(p)
@@ -248,6 +260,7 @@ class LearnerCore:
             track.in_flight_since_step = None
             track.reply = None
             track.pending_ef_state = None
+            track.local_at_push = None
 
     # -- step 3: adopt a merged fragment ----------------------------------------------------------
     def offer_reply(self, p: int, fragment: Any, version: int) -> None:
@@ -265,17 +278,19 @@ class LearnerCore:
                 continue
             fragment, version = track.reply
             self.fates.merged(p)        # the merge included its push
-            self.fates.overwritten(p)   # the steps since the push are replaced
-            self.adopt(p, fragment, version)
+            if not self.carry_overlap:
+                self.fates.overwritten(p)   # the steps since the push are replaced
+            self.adopt(p, fragment, version, carry=self.carry_overlap)
             adopted.append(p)
         return adopted
 
-    def adopt(self, p: int, fragment: Any, version: int) -> None:
+    def adopt(self, p: int, fragment: Any, version: int, carry: bool = False) -> None:
         """Takes fragment p from the syncer: a merged fragment or a downlink update of it, which
         is applied on the host to this learner's base exactly as the syncer applied it to its
         shadow. An encoded update made for another base is not applied (it cannot be: the
         learner keeps its base, and the syncer refuses its next push and sends the full
-        fragment to re-base on)."""
+        fragment to re-base on). ``carry``: the answer to this learner's open push; the steps
+        taken since that push are kept on top of it (and stay in the drift and counters)."""
         track = self.tracks[p]
         host = track.base_host
         if isinstance(fragment, downlink_lib.DiffUpdate) and host is None:
@@ -289,7 +304,11 @@ class LearnerCore:
         track.base_id = base_id
         track.base_host = fragment if base_id != downlink_lib.EXACT else None
         base = on_device(fragment)  # one host-to-device copy, shared by base and parameters
-        if self.merge_alpha == 0.0:
+        carried = track.local_at_push if carry else None
+        if carried is not None:
+            local = fragments_lib.extract(self.params, self.plan, p)
+            new_local = _carry(base, local, carried)
+        elif self.merge_alpha == 0.0:
             new_local = base
         else:
             new_local = blend(fragments_lib.extract(self.params, self.plan, p), base,
@@ -300,14 +319,33 @@ class LearnerCore:
         if track.pending_ef_state is not None:
             track.ef_state = track.pending_ef_state
         track.pending_ef_state = None
-        track.c_tokens = 0
-        track.c_steps = 0
+        if carried is not None:   # the counters keep the steps since the push
+            track.c_tokens -= track.pushed_counts[0]
+            track.c_steps -= track.pushed_counts[1]
+        else:
+            track.c_tokens = 0
+            track.c_steps = 0
+        track.local_at_push = None
+        track.pushed_counts = (0, 0)
         track.in_flight_since_step = None
         track.reply = None
 
     @property
     def versions(self) -> list[int]:
         return [track.base_version for track in self.tracks]
+
+
+@jax.jit
+def _carry(merged: Fragment, local: Fragment, local_at_push: Fragment) -> Fragment:
+    """``Θ_new + (θ_now − θ_at_push)``: the merged fragment plus the steps taken since the push.
+
+    >>> np.asarray(_carry({"w": np.array([4.0])}, {"w": np.array([2.5])},
+    ...                   {"w": np.array([2.0])})["w"]).tolist()
+    [4.5]
+    """
+    return {path: merged[path] + (jnp.asarray(local[path], jnp.float32)
+                                  - jnp.asarray(local_at_push[path], jnp.float32))
+            for path in merged}
 
 
 def to_numpy(tree: Any) -> Any:

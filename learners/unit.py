@@ -35,6 +35,7 @@ class TrainingSpec:
     sync_every_steps: int = 8
     overlap_steps: int = 2
     merge_alpha: float = 0.0
+    carry_overlap: bool = False
     codec_kind: str = "int4"
     codec_block_size: int = DEFAULT_BLOCK_SIZE
     error_feedback: bool = True
@@ -161,7 +162,8 @@ def _learner_core(spec: TrainingSpec, learner: str, params, opt_state, versions,
                        versions, ef, codec_lib.tree_wire_bytes,
                        lambda codes: codec_lib.decode_tree(codec, codes),
                        overlap_steps=spec.overlap_steps, merge_alpha=spec.merge_alpha,
-                       incarnation=incarnation, start_step=start_step, session=session)
+                       incarnation=incarnation, start_step=start_step, session=session,
+                       carry_overlap=spec.carry_overlap)
 
 
 def make_error_feedback(spec: TrainingSpec):

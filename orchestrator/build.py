@@ -57,6 +57,7 @@ def training_spec(config) -> TrainingSpec:
         sync_every_steps=syncer.sync_every_steps,
         overlap_steps=syncer.overlap_steps,
         merge_alpha=config.learner.merge_alpha,
+        carry_overlap=config.learner.overlap == "carry",
         codec_kind=config.compression.type,
         codec_block_size=codec_block_size(config),
         error_feedback=config.compression.error_feedback,

@@ -94,10 +94,19 @@ class InnerOptimizer(_Section):
 
 class LearnerSection(_Section):
     inner_optimizer: InnerOptimizer = InnerOptimizer()
+    overlap: Literal["carry", "blend"] = "blend"
     merge_alpha: float = Field(0.0, ge=0, le=1)
     # Pads each step to at least this wall time (÷ speed factor): emulates slower hardware.
     min_step_time_s: float = Field(0.0, ge=0)
     eval_every_s: float = Field(10.0, gt=0)
+
+    @model_validator(mode="after")
+    def _alpha_only_blends(self):
+        if self.overlap == "carry" and self.merge_alpha != 0.0:
+            raise ValueError(f"merge_alpha: {self.merge_alpha} blends the merged fragment, which "
+                             "only applies with overlap: blend (carry keeps the local steps "
+                             "since the push on top of it)")
+        return self
 
 
 class NesterovOuter(_Section):

@@ -82,8 +82,12 @@ FIELD_NOTES: dict[str, str] = {
     "learner.inner_optimizer.b1": "Adam's first-moment decay rate.",
     "learner.inner_optimizer.b2": "Adam's second-moment decay rate.",
     "learner.inner_optimizer.clip_norm": "Gradients are rescaled to at most this global L2 norm.",
-    "learner.merge_alpha": "α of the blend when a merged fragment arrives: θ ← α·θ_local + "
-                           "(1 − α)·Θ; 0 adopts the merged fragment as it is (the paper).",
+    "learner.overlap": "What a learner does with the τ steps it took between a push and the "
+                       "adoption of its merge: `carry` keeps them (θ ← Θ + (θ_now − θ_at_push), "
+                       "they go out with the next push); `blend` mixes (see merge_alpha).",
+    "learner.merge_alpha": "With overlap: blend, α of the blend when a merged fragment arrives: "
+                           "θ ← α·θ_local + (1 − α)·Θ; 0 adopts the merged fragment as it is "
+                           "(the paper) and the τ steps are dropped.",
     "learner.min_step_time_s": "Pads every inner step to at least this many seconds divided by "
                                "the learner's speed factor: emulates slower hardware. 0: no "
                                "padding.",

@@ -567,7 +567,8 @@ class _Driver:
         core = LearnerCore(name, params, opt_state, old.plan, [v for _, v in frags],
                            old.error_feedback, old.wire_bytes, old.decode,
                            overlap_steps=old.overlap_steps, merge_alpha=old.merge_alpha,
-                           incarnation=incarnation, start_step=start_step)
+                           incarnation=incarnation, start_step=start_step,
+                           carry_overlap=old.carry_overlap)
         self.cores[i] = core
         self.loops[i] = self.loop_for(i, core)
         self.start_step[i] = start_step
@@ -712,7 +713,7 @@ def assemble_like(template: Any) -> Callable[[dict], Any]:
 def build_syncer_and_learners(*, params: Any, opt_init: Callable[[Any], Any], plan: FragmentPlan,
                               settings, outer_optimizer, error_feedback_factory: Callable[[], Any],
                               decode, wire_bytes, learner_ids: Sequence[str], merge_alpha: float,
-                              is_embedding=lambda path: False,
+                              is_embedding=lambda path: False, carry_overlap: bool = False,
                               downlink: Optional[downlink_lib.DownlinkSettings] = None,
                               ) -> tuple[SyncerCore, list[LearnerCore]]:
     """A syncer holding ``params`` and learners registered with it, all starting from ``params``.
@@ -726,7 +727,7 @@ def build_syncer_and_learners(*, params: Any, opt_init: Callable[[Any], Any], pl
         cores.append(LearnerCore(learner_id, params, opt_init(params), plan,
                                  [v for _, v in frags], error_feedback_factory(), wire_bytes,
                                  decode, overlap_steps=settings.overlap_steps,
-                                 merge_alpha=merge_alpha))
+                                 merge_alpha=merge_alpha, carry_overlap=carry_overlap))
     return syncer, cores
 
 

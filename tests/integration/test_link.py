@@ -78,6 +78,18 @@ def _stop(proc):
             pass
 
 
+def _token_auth_in_this_process():
+    """Ray's token auth, as every other module's cluster has it: one token (~/.ray/auth_token)
+    for the two clusters and this process. Ray caches the mode per process when it is first
+    read (here, maybe at collection), so it is set and refreshed the way ``ray.init`` does for a
+    new local cluster. Switching auth off instead would outlive the module and leave later
+    modules unable to reach their own clusters."""
+    from ray._private.authentication import authentication_token_setup as auth
+
+    auth._enable_token_auth()
+    auth.ensure_token_if_auth_enabled()
+
+
 @pytest.fixture(scope="module")
 def two_clusters(tmp_path_factory):
     from islands.link.security import throwaway_pki
@@ -95,9 +107,8 @@ def two_clusters(tmp_path_factory):
                                "client_ca_file": pki.ca_cert}},
               "run": {"dashboard": False, "run_dir": str(tmp / "home")}}
     (tmp / "home.yaml").write_text(yaml.safe_dump(config))
-    # Loopback clusters without Ray's token auth, so this process can join the region's.
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1",
-           "RAY_AUTH_MODE": "disabled"}
+    _token_auth_in_this_process()
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1"}
     env.pop("RAY_ADDRESS", None)
     home = subprocess.Popen(ISLANDS + ["run", str(tmp / "home.yaml"), "--duration", "900"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -119,8 +130,6 @@ def two_clusters(tmp_path_factory):
         threading.Thread(target=_reader, args=(region, region_lines), daemon=True).start()
         line = _wait_line(region_lines, region, "Ray cluster at", 240)
         address = line.rsplit("Ray cluster at ", 1)[1].strip()
-        saved_auth_mode = os.environ.get("RAY_AUTH_MODE")
-        os.environ["RAY_AUTH_MODE"] = "disabled"
         import ray
 
         ray.init(address=address, namespace="islands", log_to_driver=False)
@@ -132,12 +141,6 @@ def two_clusters(tmp_path_factory):
 
         if ray.is_initialized():
             ray.shutdown()
-        # Later test modules start their own clusters with Ray's defaults (token auth).
-        if "saved_auth_mode" in locals():
-            if saved_auth_mode is None:
-                os.environ.pop("RAY_AUTH_MODE", None)
-            else:
-                os.environ["RAY_AUTH_MODE"] = saved_auth_mode
         if region is not None:
             _stop(region)
         _stop(home)

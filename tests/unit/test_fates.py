@@ -104,3 +104,27 @@ def test_learner_core_moves_tokens_with_its_pushes_refusals_and_adoptions():
     # the merge weights' counters are exactly the fragment's tokens still in flight
     for track, f in zip(core.tracks, core.fates.fragments):
         assert track.c_tokens == f.drift.tokens + f.pushed.tokens
+
+
+def test_carry_overlap_keeps_the_steps_since_the_push_and_their_tokens():
+    """overlap: carry adopts Θ_new + (θ_now − θ_at_push), by hand on one fragment of 3 values:
+    base 0, pushed at θ = (1, 2, 3), one more step to θ = (1.5, 2, 2), merged Θ_new = (10, 20,
+    30) → θ = (10.5, 20, 29); the next drift is (0.5, 0, −1) with the one step's 8 tokens."""
+    core = _core(P=1)
+    core.carry_overlap = True
+    core.params = {"a": jnp.array([1.0, 2.0, 3.0]), "b": core.params["b"]}
+    core.tracks[0].base = {"a": jnp.zeros(3), "b": jnp.ones(2)}
+    core.record_step(8, 0.1)
+    pushed = core.make_push(0, epoch=0)
+    np.testing.assert_array_equal(np.asarray(pushed.push.codes["a"].payload), [1.0, 2.0, 3.0])
+    core.params = {"a": jnp.array([1.5, 2.0, 2.0]), "b": core.params["b"]}
+    core.record_step(8, 0.1)
+    core.offer_reply(0, {"a": np.array([10.0, 20.0, 30.0]), "b": np.array([1.0, 1.0])}, 1)
+    assert core.adopt_ready() == [0]
+    np.testing.assert_array_equal(np.asarray(core.params["a"]), [10.5, 20.0, 29.0])
+    np.testing.assert_array_equal(np.asarray(core.drift(0)["a"]), [0.5, 0.0, -1.0])
+    assert (core.tracks[0].c_tokens, core.tracks[0].c_steps) == (8, 1)
+    assert core.tracks[0].local_at_push is None
+    # nothing is dropped as overlap: 8 applied, the carried 8 still in flight
+    assert totals(core.fates) == (16, 8, 0, 8, {})
+    assert core.fates.balanced()
