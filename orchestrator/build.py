@@ -16,6 +16,7 @@ from islands.syncer.actor import SyncerSpec
 from islands.syncer.codec_kinds import DEFAULT_BLOCK_SIZE
 from islands.syncer.core import SyncerSettings
 from islands.syncer.merge import MergeRule
+from islands.syncer.outer import rule as outer_rule
 
 from .fleet import FleetSettings, RegionPlan
 from .health import RestartPolicy
@@ -169,6 +170,10 @@ def syncer_options(config, run_dir: str) -> dict:
 
     outer = config.syncer.outer_optimizer.model_dump()
     kind = outer.pop("type")
+    if kind == "nesterov":   # unset values come from the rule for this sync period
+        lr, momentum = outer_rule(config.syncer.sync_every_steps)
+        outer["lr"] = lr if outer["lr"] is None else outer["lr"]
+        outer["momentum"] = momentum if outer["momentum"] is None else outer["momentum"]
     return dict(settings=syncer_settings(config), outer_kind=kind, outer_kwargs=outer,
                 codec_kind=config.compression.type, codec_block_size=codec_block_size(config),
                 downlink_kind=config.downlink_compression.type,

@@ -111,8 +111,9 @@ class LearnerSection(_Section):
 
 class NesterovOuter(_Section):
     type: Literal["nesterov"] = "nesterov"
-    lr: float = Field(0.7, gt=0)
-    momentum: float = Field(0.9, ge=0, lt=1)
+    # None: by the rule for the job's sync period (syncer/outer.py, docs/tuning.md).
+    lr: Optional[float] = Field(None, gt=0)
+    momentum: Optional[float] = Field(None, ge=0, lt=1)
 
 
 class SgdOuter(_Section):

@@ -2,14 +2,47 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import jax
 import numpy as np
 import optax
 
-DEFAULT_OUTER_LR = 0.7        # DiLoCo's values; the Decoupled DiLoCo paper gives none
-DEFAULT_OUTER_MOMENTUM = 0.9
+DILOCO_OUTER_LR = 0.7         # DiLoCo's values, tuned for H in the hundreds; the Decoupled
+DILOCO_OUTER_MOMENTUM = 0.9   # DiLoCo paper gives none
+DEFAULT_OUTER_LR = DILOCO_OUTER_LR
+DEFAULT_OUTER_MOMENTUM = DILOCO_OUTER_MOMENTUM
+# The outer rule's ends (docs/tuning.md): plain averaging up to AVERAGING_UP_TO_H inner steps per
+# sync (measured best at H = 24: every larger effective outer step made the model worse),
+# DiLoCo's Nesterov 0.7 / 0.9 from DILOCO_FROM_H on, log-linear in H between.
+AVERAGING_UP_TO_H = 32
+DILOCO_FROM_H = 256
+
+
+def rule(sync_every_steps: int) -> tuple[float, float]:
+    """The default outer Nesterov ``(lr, momentum)`` for H = ``sync_every_steps``.
+
+    With x = clip(log(H / 32) / log(256 / 32), 0, 1): ``lr = 1 − 0.3·x``, ``momentum = 0.9·x``.
+    Short periods get plain averaging (Nesterov with momentum 0 and lr 1 is sgd(1.0): Θ becomes
+    the token-weighted mean of the learners); long ones DiLoCo's values. The number of learners
+    M enters through the participation scale of each merge (a merge of n of M learners takes
+    the share n/M of a step, ``syncer.participation_scale``), not through these two numbers.
+
+    >>> rule(24), rule(256)
+    ((1.0, 0.0), (0.7, 0.9))
+    >>> [round(v, 4) for v in rule(96)]
+    [0.8415, 0.4755]
+
+    Raises:
+      ValueError: H below 1.
+    """
+    if sync_every_steps < 1:
+        raise ValueError(f"sync_every_steps ({sync_every_steps}) must be >= 1")
+    x = math.log(sync_every_steps / AVERAGING_UP_TO_H) / math.log(DILOCO_FROM_H / AVERAGING_UP_TO_H)
+    x = min(max(x, 0.0), 1.0)
+    lr = 1.0 + (DILOCO_OUTER_LR - 1.0) * x
+    return lr, DILOCO_OUTER_MOMENTUM * x
 
 
 def build(kind: str = "nesterov", lr: float = DEFAULT_OUTER_LR,

@@ -5,6 +5,8 @@ import os
 
 import pytest
 
+from islands.orchestrator import build
+
 from islands.orchestrator.config import ConfigError, JobConfig, load_config, parse
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -27,7 +29,14 @@ def test_defaults_and_helpers():
     assert config.learner_ids() == ["us-east:0", "us-east:1", "eu-west:0"]
     assert config.region_resources() == {"region:us-east": 3.0, "region:eu-west": 1.0}
     assert config.speed_factor("us-east:1") == 0.5 and config.speed_factor("eu-west:0") == 1.0
-    assert config.compression.type == "int4" and config.syncer.outer_optimizer.lr == 0.7
+    assert config.compression.type == "int4" and config.syncer.outer_optimizer.lr is None
+    # unset outer values come from the rule for H (syncer/outer.py): averaging at the default H = 8
+    options = build.syncer_options(config, "/runs/x")
+    assert (options["outer_kind"], options["outer_kwargs"]) == ("nesterov", {"lr": 1.0,
+                                                                             "momentum": 0.0})
+    long = parse({"regions": {"a": {"learners": 1}}, "syncer": {
+        "sync_every_steps": 500, "outer_optimizer": {"type": "nesterov", "lr": 0.5}}})
+    assert build.syncer_options(long, "/runs/x")["outer_kwargs"] == {"lr": 0.5, "momentum": 0.9}
     with pytest.raises(Exception):
         config.seed = 3  # frozen
 

@@ -43,6 +43,8 @@ CHANGES = {
     "syncer.max_staleness": 3,
     "syncer.checkpoint_dir": "/somewhere/checkpoints",
     "syncer.outer_optimizer.type": None,   # changes with the variant: covered by ALTERNATIVES
+    "syncer.outer_optimizer.lr": 0.5,      # unset (by the rule) in the Nesterov default
+    "syncer.outer_optimizer.momentum": 0.5,
     "compression.type": None,
     "downlink_compression.type": None,
     "quorum.min_learners": 2,
