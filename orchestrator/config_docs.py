@@ -103,10 +103,10 @@ FIELD_NOTES: dict[str, str] = {
     "syncer.outer_optimizer.type": "Which outer optimizer.",
     "syncer.outer_optimizer.lr": "Outer learning rate.",
     "syncer.outer_optimizer.lr@nesterov": "Outer learning rate; unset: by the rule for H "
-                                          "(1.0 up to H = 32, DiLoCo's 0.7 from H = 256, "
+                                          "(1.0 up to H = 128, DiLoCo's 0.7 from H = 512, "
                                           "log-linear between; docs/tuning.md).",
     "syncer.outer_optimizer.momentum@nesterov": "Nesterov momentum; unset: by the rule for H (0 "
-                                                "up to H = 32, 0.9 from H = 256; "
+                                                "up to H = 128, 0.9 from H = 512; "
                                                 "docs/tuning.md).",
     "syncer.outer_optimizer.momentum@sgd": "Heavy-ball momentum; 0 is none. `{type: sgd, lr: "
                                            "1.0}` makes Θ the weighted mean of the learners.",

@@ -35,7 +35,7 @@ def test_defaults_and_helpers():
     assert (options["outer_kind"], options["outer_kwargs"]) == ("nesterov", {"lr": 1.0,
                                                                              "momentum": 0.0})
     long = parse({"regions": {"a": {"learners": 1}}, "syncer": {
-        "sync_every_steps": 500, "outer_optimizer": {"type": "nesterov", "lr": 0.5}}})
+        "sync_every_steps": 512, "outer_optimizer": {"type": "nesterov", "lr": 0.5}}})
     assert build.syncer_options(long, "/runs/x")["outer_kwargs"] == {"lr": 0.5, "momentum": 0.9}
     with pytest.raises(Exception):
         config.seed = 3  # frozen
