@@ -1036,7 +1036,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "job, seconds (default %(default)g)")
     parser.add_argument("--spare-scale", type=float, default=fm.spare_scale,
                         help="multiplies the spare pool (ceil(m + 3 sqrt m), m = slices in "
-                             "repair on average); 0 = no pool (default %(default)g)")
+                             "repair on average); 0 = no pool: a place waits for its own slice "
+                             "(default %(default)g)")
     parser.add_argument("--chip-mtbi-s", type=float, default=fm.chip_mtbi_s,
                         help="mean time between interruptions of one chip, seconds "
                              "(default one year, %(default)g)")
