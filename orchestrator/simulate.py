@@ -928,8 +928,8 @@ def sensitivity(study: Study, factors: Sequence[float] = SENSITIVITY_FACTORS,
                 value = getattr(study.calibration.timings, name) * f
                 timings = dataclasses.replace(study.calibration.timings, **{name: value})
                 rows_dp = [prepared_goodput(p, timings, ()) for p in prepared]
-                errs = [100.0 * (r[k] - t[i]) for k in ("dp", "dp_elastic")
-                        for i, (r, t) in enumerate(zip(rows_dp, [PAPER_TARGETS[k]] * len(chips)))]
+                errs = [100.0 * (row[k] - PAPER_TARGETS[k][i]) for k in ("dp", "dp_elastic")
+                        for i, row in enumerate(rows_dp)]
                 rmse = float(np.sqrt(np.mean(np.square(errs))))
             delta = {}
             for c, p in zip(chips, prepared):

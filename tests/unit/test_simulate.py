@@ -244,6 +244,19 @@ def test_no_spares_is_the_old_model_exactly():
     assert got["diloco_4"] == pytest.approx(sim.elastic_goodput(old, 10.0, 4), rel=1e-12)
 
 
+def test_instant_swaps_leave_places_empty_only_when_too_few_slices_are_healthy():
+    # With no reschedule delay a vacancy is filled the moment any slice is healthy and idle, so at
+    # every instant: empty places = max(0, places − healthy slices). Checked on a random trace
+    # with a pool small enough to run dry (4 spares for 20 places, 4 h repairs).
+    trace = _random_trace(chips=256 * 24, repair_s=4 * 3600.0, days=30.0)
+    places = sim.pool_position_trace(trace, 20, 0.0)
+    t = np.linspace(0, trace.horizon_s, 20_001)[:-1] + 0.37
+    down = ((trace.down_s[:, None] <= t) & (t < trace.up_s[:, None])).sum(axis=0)
+    empty = ((places.down_s[:, None] <= t) & (t < places.up_s[:, None])).sum(axis=0)
+    np.testing.assert_array_equal(empty, np.maximum(0, 20 - (trace.n_slices - down)))
+    assert empty.max() > 0          # the pool did run dry here, so the check means something
+
+
 def test_pool_holds_every_slice_in_repair_in_the_mean():
     # Little's law on a long random trace: with the ⌈m + 3√m⌉ pool and a 5 min reschedule, the
     # places are vacant about λ·D of the time (each failure of a place costs D), far below the
