@@ -1,49 +1,60 @@
-"""Scale simulator: discrete-event chaos model of slices, learners, failures and repairs.
+"""Scale simulator: discrete-event chaos model of slices, learners, failures, spares and repairs.
 
 The model, in one place (every time is in seconds):
 
 * **Fleet.** ``chips`` chips in slices of ``slice_chips`` (default 256, one TPU v5e/v6e pod: the
   ICI domain a chip failure breaks, so the whole slice goes down). Each chip is interrupted on
   average once per ``chip_mtbi_s`` (one year), so a healthy slice fails at rate
-  ``λ = slice_chips / chip_mtbi_s`` (exponential up times). A failed slice is out for an
+  ``λ = slice_chips / chip_mtbi_s`` (exponential up times). A failed slice is out of service for an
   exponential repair time of mean ``repair_mean_s`` (memoryless, so the trace starts in the
   stationary state: each slice is down at t = 0 with probability ``p = T_r / (1/λ + T_r)``).
+* **Spare pool.** Every system is allocated the same slices and holds the same pool of idle spares,
+  ``⌈m + z·√m⌉`` slices (``m = n·p`` slices in repair on average, Little's law; ``z = 3``); it trains
+  on the other places. When the slice in a place fails, a healthy spare takes the place
+  ``reschedule_s`` later (non-elastic DP swaps it inside its restart, so at once there); the failed
+  slice goes to repair and then back to the pool. With no healthy spare the place waits for one (or
+  for its own slice). ``pool_position_trace`` plays this on the trace once; the systems then see
+  only the vacancies of their places. Repair time, reschedule delay, pool rule and chip MTBI are
+  pinned to public figures (``FailureModel``, docs/operations.md#what-the-failure-model-rests-on).
 * **Trace.** One seeded list of outages ``(slice, down_s, up_s)`` drives every system, so the
   systems are compared on the same failures (common random numbers).
-* **Data-parallel, not elastic** (``dp``): one job of ``n − spares`` slices. The spares are hot,
-  allocated and idle: ``spares = ⌈m + z·√m⌉`` with ``m = n·p`` the mean number of slices in repair
-  (Little's law) and ``z = 3``, so the job rarely waits for a repair. Any member failure stops
-  everyone: a spare is swapped in (or the job waits for a repair when none is healthy), then a
-  ``restart_s`` pause, and the work since the last checkpoint (every ``checkpoint_interval_s`` of
-  progress; 0 = every step) is lost. Failures during the pause are handled by the same restart.
-* **Data-parallel, elastic** (``dp_elastic``): one job on every healthy slice. A failure pauses the
-  job for ``reconfig_s`` and it goes on without the slice; the slice's return pauses it again
+* **Data-parallel, not elastic** (``dp``): one job on every place. Any vacancy stops everyone: the
+  job waits until every place is filled, then pauses ``restart_s``, and the work since the last
+  checkpoint (every ``checkpoint_interval_s`` of progress; 0 = every step) is lost. Failures during
+  the pause are handled by the same restart.
+* **Data-parallel, elastic** (``dp_elastic``): one job on every filled place. A vacancy pauses the
+  job for ``reconfig_s`` and it goes on without the place; the spare's arrival pauses it again
   (re-grow). Events during a pause are folded into that reconfiguration; nothing rolls back.
-* **Decoupled DiLoCo, M learners** (``diloco_M``): the slices are split into M contiguous learners
-  (sizes differ by at most one slice). Each learner is an elastic job of its own: a failure pauses
-  only that learner for ``reconfig_s`` (and again on re-grow); the others never wait (docs/architecture.md#the-shape).
-  With M = 1 this is exactly ``dp_elastic`` on the same trace.
+* **Decoupled DiLoCo, M learners** (``diloco_M``): the places are split into M contiguous learners
+  (sizes differ by at most one place). Each learner is an elastic job of its own: a vacancy pauses
+  only that learner for ``reconfig_s`` (and again on re-grow); the others never wait
+  (docs/architecture.md#the-shape). With M = 1 this is exactly ``dp_elastic`` on the same trace.
 
-Goodput is docs/architecture.md#goodput: Σ useful (slice-)time ÷ Σ allocated (slice-)time, where every system is
-allocated all ``chips`` for the whole horizon. Only the times the paper does not publish
-(``Timings``) are calibrated, on the two data-parallel rows of docs/operations.md#scale-simulator; the DiLoCo rows are then
-predicted with the same times.
+Goodput is docs/architecture.md#goodput: Σ useful (slice-)time ÷ Σ allocated (slice-)time, where every
+system is allocated all ``chips`` (places and spares) for the whole horizon. Only the times no public
+report gives for this setting (``Timings``: restart pause, checkpoint interval, elastic
+reconfiguration) are calibrated, on the two data-parallel rows of docs/operations.md#scale-simulator;
+the DiLoCo rows are then predicted with the same times. ``sensitivity`` moves each assumption and
+reports how every DiLoCo cell moves.
 
 Nominal chip counts round to whole slices (150k → 586 × 256). Each simulated run holds about
 ``failures_per_run`` slice failures (default 20 000, at least 2 days): 49 days at 150k, 3 days at
-2.4M; two seeds. Seed-to-seed spread is about 0.3 percentage points at that size. The one
-sequential step is the dead-time walk over accepted pause starts (``_dead_time_starts``); the rest
-is numpy, so calibration and prediction take well under a minute on two cores.
+2.4M; two seeds. Seed-to-seed spread is about 0.3 percentage points at that size. The sequential
+steps are the spare pool (``pool_position_trace``, once per trace) and the dead-time walk over
+accepted pause starts (``_dead_time_starts``); the rest is numpy, so calibration and prediction
+take seconds on two cores.
 """
-
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import heapq
+import itertools
 import json
 import math
 import sys
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Mapping, NamedTuple, Optional, Sequence
 
@@ -123,24 +134,62 @@ class Fleet:
 
 @dataclass(frozen=True)
 class Timings:
-    """The times the paper does not publish; ``calibrate`` fits them on the data-parallel rows.
+    """The times no public report gives for this setting; ``calibrate`` fits them on the DP rows.
 
     Attributes:
-      restart_s: non-elastic DP pause after a failure: detect, swap a spare in, reload, recompile.
+      restart_s: non-elastic DP pause once it has all its slices again: reload, recompile.
       checkpoint_interval_s: non-elastic DP progress between two checkpoints; a failure loses the
         progress since the last one. 0 means a checkpoint every step (no loss).
       reconfig_s: elastic pause of one shrink or one re-grow (DP elastic and each DiLoCo learner).
-      repair_mean_s: mean time a failed slice is out of service (exponential).
     """
 
     restart_s: float
     checkpoint_interval_s: float
     reconfig_s: float
-    repair_mean_s: float
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             _check_nonnegative(f.name, getattr(self, f.name))
+
+
+# Pinned from public reports, not fitted (docs/operations.md#what-the-failure-model-rests-on).
+DEFAULT_REPAIR_MEAN_S = 3600.0   # slice rescheduled onto other hosts, "up to a few hours" (GCP TPU docs)
+DEFAULT_RESCHEDULE_S = 300.0     # failed node detected and replaced "in under 5 minutes" (Crusoe)
+
+
+@dataclass(frozen=True)
+class FailureModel:
+    """How slices fail, how long they are out and how a spare replaces one; pinned, not fitted.
+
+    Attributes:
+      chip_mtbi_s: mean time between interruptions of one chip, seconds (the paper's one year).
+      repair_mean_s: mean time a failed slice is out of service (exponential), seconds.
+      reschedule_s: time from taking a healthy spare from the pool to it training in the failed
+        slice's place, seconds.
+      spare_z: spare pool = ⌈m + z·√m⌉ slices, m = slices in repair on average (Little's law).
+      spare_scale: multiplies that pool size (rounded); 0 means no pool (a place waits for its own
+        slice's repair).
+    """
+
+    chip_mtbi_s: float = YEAR_S
+    repair_mean_s: float = DEFAULT_REPAIR_MEAN_S
+    reschedule_s: float = DEFAULT_RESCHEDULE_S
+    spare_z: float = DEFAULT_SPARE_Z
+    spare_scale: float = 1.0
+
+    def __post_init__(self):
+        _check_positive("chip_mtbi_s", self.chip_mtbi_s)
+        for name in ("repair_mean_s", "reschedule_s", "spare_z", "spare_scale"):
+            _check_nonnegative(name, getattr(self, name))
+
+    def pool_slices(self, fleet: "Fleet") -> int:
+        """Spare slices held by the job: spare_scale · ⌈m + z·√m⌉, at most slices − 1.
+
+        >>> FailureModel(repair_mean_s=3600.0).pool_slices(Fleet.nominal(150_000))  # m = 16.6
+        29
+        """
+        m = spare_slices(fleet.slices, down_fraction(fleet, self.repair_mean_s), self.spare_z)
+        return min(fleet.slices - 1, int(round(self.spare_scale * m)))
 
 
 @dataclass(frozen=True)
@@ -200,7 +249,7 @@ def down_fraction(fleet: Fleet, repair_mean_s: float) -> float:
 
 
 def spare_slices(n_slices: int, down_frac: float, z: float = DEFAULT_SPARE_Z) -> int:
-    """Hot spares for the non-elastic job: ⌈m + z·√m⌉, m = n·p slices in repair on average.
+    """Spare pool size: ⌈m + z·√m⌉, m = n·p slices in repair on average (at most n − 1).
 
     >>> spare_slices(586, 0.05)
     46
@@ -256,6 +305,110 @@ def generate_trace(fleet: Fleet, repair_mean_s: float, horizon_s: float, seed: i
     u = np.concatenate([np.zeros(len(pre)), member_u[inside]])
     order = np.argsort(down_s, kind="stable")
     return FailureTrace(n, float(horizon_s), slice_id[order], down_s[order], up_s[order], u[order])
+
+
+_BACK, _FAIL, _ARRIVE = 0, 1, 2  # event kinds of pool_position_trace; a tie plays a repair first
+
+
+def pool_position_trace(trace: FailureTrace, positions: int, reschedule_s: float) -> FailureTrace:
+    """Vacancies of the job's places when failed slices are swapped for spares from a shared pool.
+
+    Slices ``[0, positions)`` start in the job's places (slice k in place k); the other
+    ``n_slices − positions`` are the spare pool. When a slice in a place fails it goes to repair (until
+    its ``up_s``) and the place is vacant until a healthy spare arrives, ``reschedule_s`` after it is
+    taken from the pool: at once if one is idle, else when a slice comes back from repair (vacant
+    places are served first come, first served). A spare that fails on its way is replaced the same
+    way. A slice back from repair whose own place is still waiting (no spare on its way) returns to it
+    at once, with no reschedule, so with no spares this is exactly the trace without a pool.
+
+    Returns:
+      A FailureTrace over the ``positions`` places: one outage (place, vacated_s, filled_s) per
+      vacancy (filled_s = inf if never filled); member_u is 0. Events before t = 0 (slices already
+      down at the start) are played too, from a fleet with every slice healthy before them.
+    """
+    _check_int("positions", positions, 1, trace.n_slices)
+    _check_nonnegative("reschedule_s", reschedule_s)
+    horizon = trace.horizon_s
+    place = list(range(positions)) + [-1] * (trace.n_slices - positions)  # -1: pool or repair
+    idle = deque(range(positions, trace.n_slices))   # healthy spares in the pool
+    came_from = [-1] * trace.n_slices                # the place a slice in repair failed out of
+    in_transit = {}                                  # spare slice -> place it is on its way to
+    coming = [False] * positions                     # a spare is on its way to the place
+    waiting = deque()                                # vacant places with no spare on its way
+    vacated = [None] * positions
+    out_k, out_down, out_up = [], [], []
+    events = []                                      # heap of (time, kind, order, slice, place)
+    seq = itertools.count()
+    for s, d, u in zip(trace.slice_id.tolist(), trace.down_s.tolist(), trace.up_s.tolist()):
+        if d < horizon:
+            heapq.heappush(events, (d, _FAIL, next(seq), s, -1))
+            if u < horizon:
+                heapq.heappush(events, (u, _BACK, next(seq), s, -1))
+
+    def fill(k: int, t: float) -> None:
+        out_k.append(k)
+        out_down.append(vacated[k])
+        out_up.append(t)
+        vacated[k] = None
+
+    def send(k: int, t: float, first: bool = False) -> None:
+        """Takes an idle spare for place k, or queues k (at the head when ``first``)."""
+        if idle:
+            s = idle.popleft()
+            in_transit[s] = k
+            coming[k] = True
+            if reschedule_s == 0.0:
+                arrive(s, k, t)
+            else:
+                heapq.heappush(events, (t + reschedule_s, _ARRIVE, next(seq), s, k))
+        elif first:
+            waiting.appendleft(k)
+        else:
+            waiting.append(k)
+
+    def arrive(s: int, k: int, t: float) -> None:
+        del in_transit[s]
+        coming[k] = False
+        place[s] = k
+        fill(k, t)
+
+    while events:
+        t, kind, _, s, k = heapq.heappop(events)
+        if kind == _FAIL:
+            if place[s] >= 0:                        # a slice in a place: the place is vacant
+                k = place[s]
+                place[s], came_from[s], vacated[k] = -1, k, t
+                send(k, t)
+            elif s in in_transit:                    # a spare failed on its way: send another
+                k = in_transit.pop(s)
+                coming[k] = False
+                came_from[s] = -1
+                send(k, t, first=True)
+            else:                                    # an idle spare
+                idle.remove(s)
+                came_from[s] = -1
+        elif kind == _BACK:
+            k = came_from[s]
+            if k >= 0 and vacated[k] is not None and not coming[k]:
+                waiting.remove(k)                    # back to its own place, no reschedule
+                place[s] = k
+                fill(k, t)
+            elif waiting:
+                idle.append(s)
+                send(waiting.popleft(), t)
+            else:
+                idle.append(s)
+        elif in_transit.get(s) == k:                 # _ARRIVE of a spare still on its way
+            arrive(s, k, t)
+    for k in range(positions):
+        if vacated[k] is not None:
+            out_k.append(k)
+            out_down.append(vacated[k])
+            out_up.append(math.inf)
+    order = np.argsort(np.asarray(out_down, dtype=float), kind="stable")
+    return FailureTrace(positions, horizon, np.asarray(out_k, dtype=np.int64)[order],
+                        np.asarray(out_down, dtype=float)[order],
+                        np.asarray(out_up, dtype=float)[order], np.zeros(len(out_k)))
 
 
 def _dead_time_starts(keys: np.ndarray, dead_s: float) -> np.ndarray:
@@ -500,23 +653,23 @@ def data_parallel_goodput(trace: FailureTrace, restart_s: float, checkpoint_inte
 
 @dataclass(frozen=True)
 class SimConfig:
-    """How much to simulate.
+    """How much to simulate, and the pinned failure model.
 
     Attributes:
       failures_per_run: slice failures per simulated run; sets the horizon (horizon_for).
       min_horizon_s: shortest horizon, seconds.
       seeds: one trace per seed and fleet; goodputs are averaged over seeds.
       slice_chips: chips per slice.
-      spare_z: standard deviations of hot spares above the mean slices in repair (non-elastic DP).
       learners: DiLoCo learner counts M to predict.
+      failure: chip MTBI, repair time, reschedule delay and spare pool (FailureModel).
     """
 
     failures_per_run: int = 20_000
     min_horizon_s: float = 2 * DAY_S
     seeds: tuple = (0, 1)
     slice_chips: int = DEFAULT_SLICE_CHIPS
-    spare_z: float = DEFAULT_SPARE_Z
     learners: tuple = DILOCO_LEARNERS
+    failure: FailureModel = FailureModel()
 
     def __post_init__(self):
         _check_int("failures_per_run", self.failures_per_run, 1)
@@ -524,41 +677,77 @@ class SimConfig:
         if not self.seeds:
             raise ValueError("seeds must name at least one seed")
         _check_int("slice_chips", self.slice_chips, 1)
-        _check_nonnegative("spare_z", self.spare_z)
         for m in self.learners:
             _check_int("learners", m, 1)
+        if not isinstance(self.failure, FailureModel):
+            raise ValueError(f"failure ({self.failure!r}) must be a FailureModel")
 
 
 QUICK = SimConfig(failures_per_run=6_000, seeds=(0,))
 
 
-def _traces(chips: Sequence[int], repair_mean_s: float, config: SimConfig) -> list:
-    """[(fleet, [trace per seed])] for each nominal chip count."""
-    out = []
-    for c in chips:
-        fleet = Fleet.nominal(c, config.slice_chips)
-        horizon = horizon_for(fleet, config.failures_per_run, config.min_horizon_s)
-        out.append((fleet, [generate_trace(fleet, repair_mean_s, horizon, seed)
-                            for seed in config.seeds]))
-    return out
+class PreparedFleet(NamedTuple):
+    """One fleet's traces, already played through the spare pool; every fitted time reuses them.
+
+    Attributes:
+      fleet: the allocated slices (job places + spare pool).
+      pool: spare slices held by the job; the job trains on ``fleet.slices − pool`` places.
+      places: per seed, the FailureTrace of the job's places (pool_position_trace) when a spare
+        takes ``reschedule_s`` to join: the elastic systems, which add it to a running job.
+      dp_places: the same traces when a spare joins at once: non-elastic DP swaps it inside its
+        restart, whose cost is ``restart_s``.
+    """
+
+    fleet: Fleet
+    pool: int
+    places: list
+    dp_places: list
+
+    @property
+    def share(self) -> float:
+        """Places ÷ allocated slices: goodput on the places times this is goodput on the fleet."""
+        return (self.fleet.slices - self.pool) / self.fleet.slices
+
+
+def prepare_fleet(chips: int, config: SimConfig) -> PreparedFleet:
+    """Seeded traces of a nominal chip count, played through the pinned spare pool."""
+    fm = config.failure
+    fleet = Fleet.nominal(chips, config.slice_chips, fm.chip_mtbi_s)
+    horizon = horizon_for(fleet, config.failures_per_run, config.min_horizon_s)
+    pool = fm.pool_slices(fleet)
+    traces = [generate_trace(fleet, fm.repair_mean_s, horizon, seed) for seed in config.seeds]
+    places = [pool_position_trace(t, fleet.slices - pool, fm.reschedule_s) for t in traces]
+    dp_places = (places if fm.reschedule_s == 0 else
+                 [pool_position_trace(t, fleet.slices - pool, 0.0) for t in traces])
+    return PreparedFleet(fleet, pool, places, dp_places)
+
+
+def prepared_goodput(prepared: PreparedFleet, timings: Timings, learners: Sequence[int]) -> dict:
+    """Goodput of every system on one prepared fleet, averaged over its seeds.
+
+    Every system holds the same spare pool, allocated and idle: goodput on the places × share.
+    """
+    share = prepared.share
+    out = {"dp": np.mean([data_parallel_goodput(t, timings.restart_s,
+                                                timings.checkpoint_interval_s)
+                          for t in prepared.dp_places]),
+           "dp_elastic": np.mean([elastic_goodput(t, timings.reconfig_s)
+                                  for t in prepared.places])}
+    places = prepared.fleet.slices - prepared.pool
+    for m in learners:
+        _check_int("learners", m, 1, places)
+        out[f"diloco_{m}"] = np.mean([elastic_goodput(t, timings.reconfig_s, m)
+                                      for t in prepared.places])
+    return {k: float(v) * share for k, v in out.items()}
 
 
 def simulate_fleet(chips: int, timings: Timings, config: SimConfig = SimConfig()) -> dict:
     """Goodput of every system on the same traces of one fleet, averaged over the seeds.
 
     Returns:
-      {"dp": …, "dp_elastic": …, "diloco_2": …, …} for config.learners (M ≤ slices).
+      {"dp": …, "dp_elastic": …, "diloco_2": …, …} for config.learners (M ≤ places).
     """
-    ((fleet, traces),) = _traces([chips], timings.repair_mean_s, config)
-    spares = spare_slices(fleet.slices, down_fraction(fleet, timings.repair_mean_s), config.spare_z)
-    out = {"dp": np.mean([data_parallel_goodput(t, timings.restart_s,
-                                                timings.checkpoint_interval_s, spares)
-                          for t in traces]),
-           "dp_elastic": np.mean([elastic_goodput(t, timings.reconfig_s) for t in traces])}
-    for m in config.learners:
-        _check_int("learners", m, 1, fleet.slices)
-        out[f"diloco_{m}"] = np.mean([elastic_goodput(t, timings.reconfig_s, m) for t in traces])
-    return {k: float(v) for k, v in out.items()}
+    return prepared_goodput(prepare_fleet(chips, config), timings, config.learners)
 
 
 def _minimize_1d(f: Callable[[float], float], grid: Sequence[float], iters: int) -> tuple:
@@ -607,64 +796,53 @@ class Calibration:
 RECONFIG_GRID_S = (0.0, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
 RESTART_GRID_S = (0.0, 15.0, 30.0, 60.0, 90.0, 120.0, 240.0)
 CHECKPOINT_GRID_S = (0.0, 5.0, 10.0, 20.0, 30.0, 60.0)
-REPAIR_GRID_S = tuple(3600.0 * h for h in (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0))
-
-
-def _fit_given_repair(repair_mean_s: float, chips: Sequence[int], targets: Mapping[str, Sequence],
-                      config: SimConfig, iters: int) -> tuple:
-    """Best (reconfig_s, restart_s, checkpoint_interval_s, SSE) for one repair time."""
-    runs = _traces(chips, repair_mean_s, config)
-    el_target = np.asarray(targets["dp_elastic"])
-    dp_target = np.asarray(targets["dp"])
-
-    axes = [[elastic_axis(t) for t in traces] for _, traces in runs]
-    spares = [spare_slices(f.slices, down_fraction(f, repair_mean_s), config.spare_z)
-              for f, _ in runs]
-    stops = [[data_parallel_stops(t, s) for t in traces] for (_, traces), s in zip(runs, spares)]
-    best_c = {}
-
-    def elastic_sse(r: float) -> float:
-        g = [np.mean([elastic_axis_goodput(a, r) for a in per_fleet]) for per_fleet in axes]
-        return float(np.sum((np.asarray(g) - el_target) ** 2))
-
-    def dp_sse(r: float) -> float:
-        per_run = [[data_parallel_stops_runs(x, r) for x in per_fleet] for per_fleet in stops]
-        sse = {c: float(np.sum((np.asarray([np.mean([checkpointed_goodput(x, c) for x in rs])
-                                            for rs in per_run]) - dp_target) ** 2))
-               for c in CHECKPOINT_GRID_S}
-        c = min(sse, key=sse.get)
-        best_c[r] = c
-        return sse[c]
-
-    reconfig, el_sse = _minimize_1d(elastic_sse, RECONFIG_GRID_S, iters)
-    restart, dp_err = _minimize_1d(dp_sse, RESTART_GRID_S, iters)
-    return reconfig, restart, best_c[restart], el_sse + dp_err
 
 
 def calibrate(config: SimConfig = SimConfig(), chips: Sequence[int] = PAPER_CHIPS,
-              targets: Mapping[str, Sequence] = PAPER_TARGETS, iters: int = 10) -> Calibration:
-    """Fits the Timings on the data-parallel rows only (least squares over both rows).
+              targets: Mapping[str, Sequence] = PAPER_TARGETS, iters: int = 10,
+              prepared: Optional[Sequence[PreparedFleet]] = None) -> Calibration:
+    """Fits the Timings on the data-parallel rows only (least squares per row).
 
-    repair_mean_s: log grid then golden search in log time; for each repair time, reconfig_s is
-    fitted on the elastic row and (restart_s, checkpoint_interval_s) on the non-elastic row.
+    The failure model (config.failure) is pinned, not fitted. reconfig_s is fitted on the elastic
+    row; (restart_s, checkpoint_interval_s) on the non-elastic row; each by a grid, then golden
+    section. ``prepared`` (one PreparedFleet per chip count) saves replaying the traces.
     """
     for key in ("dp", "dp_elastic"):
         if key not in targets or len(targets[key]) != len(chips):
             raise ValueError(f"targets[{key!r}] must give one goodput per chip count "
                              f"({len(chips)})")
-    cache = {}
+    if prepared is None:
+        prepared = [prepare_fleet(c, config) for c in chips]
+    el_target = np.asarray(targets["dp_elastic"])
+    dp_target = np.asarray(targets["dp"])
+    axes = [[elastic_axis(t) for t in p.places] for p in prepared]
+    stops = [[data_parallel_stops(t) for t in p.dp_places] for p in prepared]
+    share = np.asarray([p.share for p in prepared])
+    best_c = {}
 
-    def total_sse(log_repair: float) -> float:
-        cache[log_repair] = _fit_given_repair(math.exp(log_repair), chips, targets, config, iters)
-        return cache[log_repair][3]
+    def elastic_rows(r: float) -> np.ndarray:
+        return share * np.asarray([np.mean([elastic_axis_goodput(a, r) for a in per_fleet])
+                                   for per_fleet in axes])
 
-    log_repair, _ = _minimize_1d(total_sse, [math.log(r) for r in REPAIR_GRID_S],
-                                 max(iters // 2, 1))
-    reconfig, restart, checkpoint, _ = cache[log_repair]
-    timings = Timings(restart_s=restart, checkpoint_interval_s=checkpoint, reconfig_s=reconfig,
-                      repair_mean_s=math.exp(log_repair))
-    rows = [simulate_fleet(c, timings, dataclasses.replace(config, learners=())) for c in chips]
-    fitted = {k: tuple(r[k] for r in rows) for k in ("dp", "dp_elastic")}
+    def dp_rows(r: float, c: float, runs=None) -> np.ndarray:
+        runs = runs or [[data_parallel_stops_runs(x, r) for x in per_fleet] for per_fleet in stops]
+        return share * np.asarray([np.mean([checkpointed_goodput(x, c) for x in rs])
+                                   for rs in runs])
+
+    def dp_sse(r: float) -> float:
+        runs = [[data_parallel_stops_runs(x, r) for x in per_fleet] for per_fleet in stops]
+        sse = {c: float(np.sum((dp_rows(r, c, runs) - dp_target) ** 2))
+               for c in CHECKPOINT_GRID_S}
+        best_c[r] = min(sse, key=sse.get)
+        return sse[best_c[r]]
+
+    reconfig, _ = _minimize_1d(lambda r: float(np.sum((elastic_rows(r) - el_target) ** 2)),
+                               RECONFIG_GRID_S, iters)
+    restart, _ = _minimize_1d(dp_sse, RESTART_GRID_S, iters)
+    timings = Timings(restart_s=restart, checkpoint_interval_s=best_c[restart],
+                      reconfig_s=reconfig)
+    fitted = {"dp": tuple(dp_rows(restart, best_c[restart]).tolist()),
+              "dp_elastic": tuple(elastic_rows(reconfig).tolist())}
     errors = {k: tuple(100.0 * (f - t) for f, t in zip(fitted[k], targets[k])) for k in fitted}
     flat = np.asarray(errors["dp"] + errors["dp_elastic"])
     return Calibration(timings, fitted, errors, float(np.sqrt(np.mean(flat ** 2))),
@@ -685,26 +863,126 @@ def run_study(config: SimConfig = SimConfig(), chips: Sequence[int] = PAPER_CHIP
               iters: int = 10) -> Study:
     """Calibrates on the data-parallel rows, then predicts every system at every chip count."""
     t0 = time.perf_counter()
-    calibration = calibrate(config, chips, iters=iters)
-    table = {c: simulate_fleet(c, calibration.timings, config) for c in chips}
+    prepared = [prepare_fleet(c, config) for c in chips]
+    calibration = calibrate(config, chips, iters=iters, prepared=prepared)
+    table = {c: prepared_goodput(p, calibration.timings, config.learners)
+             for c, p in zip(chips, prepared)}
     return Study(calibration, table, config, time.perf_counter() - t0)
 
 
+# The assumptions the sensitivity table moves: the pinned failure model (refitted after each move)
+# and the fitted times (moved alone, nothing refitted).
+PINNED_ASSUMPTIONS = ("repair_mean_s", "reschedule_s", "spare_scale", "chip_mtbi_s")
+FITTED_ASSUMPTIONS = ("reconfig_s", "restart_s")
+SENSITIVITY_FACTORS = (0.5, 2.0)
+
+
+class SensitivityRow(NamedTuple):
+    """How the Decoupled DiLoCo cells move when one assumption is scaled by ``factor``.
+
+    Attributes:
+      assumption: a FailureModel field (refitted) or a Timings field (held, not refitted).
+      factor: the multiplier; value: the assumption's moved value.
+      rmse_pp: the data-parallel fit error after the move (refitted or not).
+      delta_pp: {chips: {"diloco_M": moved − baseline goodput, percentage points}}.
+    """
+
+    assumption: str
+    factor: float
+    value: float
+    rmse_pp: float
+    delta_pp: Mapping[int, Mapping[str, float]]
+
+
+def sensitivity(study: Study, factors: Sequence[float] = SENSITIVITY_FACTORS,
+                assumptions: Sequence[str] = PINNED_ASSUMPTIONS + FITTED_ASSUMPTIONS,
+                iters: int = 10) -> list:
+    """Moves each assumption by each factor and reports how every DiLoCo cell moves (SensitivityRow).
+
+    A pinned assumption (PINNED_ASSUMPTIONS) is moved, the fitted times are refitted on the
+    data-parallel rows as the method would, and the DiLoCo rows are predicted again on the same
+    seeds. A fitted time (FITTED_ASSUMPTIONS) is moved alone: how much the prediction leans on it.
+    """
+    for f in factors:
+        _check_positive("factor", f)
+    cfg, chips = study.config, list(study.table)
+    diloco = [k for k in next(iter(study.table.values())) if k.startswith("diloco_")]
+    prepared_base = None
+    rows = []
+    for name in assumptions:
+        if name not in PINNED_ASSUMPTIONS + FITTED_ASSUMPTIONS:
+            raise ValueError(f"assumption ({name!r}) must be one of "
+                             f"{PINNED_ASSUMPTIONS + FITTED_ASSUMPTIONS}")
+        for f in factors:
+            if name in PINNED_ASSUMPTIONS:
+                value = getattr(cfg.failure, name) * f
+                moved = dataclasses.replace(cfg, failure=dataclasses.replace(
+                    cfg.failure, **{name: value}))
+                prepared = [prepare_fleet(c, moved) for c in chips]
+                cal = calibrate(moved, chips, iters=iters, prepared=prepared)
+                timings, rmse = cal.timings, cal.rmse_pp
+            else:
+                if prepared_base is None:
+                    prepared_base = [prepare_fleet(c, cfg) for c in chips]
+                prepared = prepared_base
+                value = getattr(study.calibration.timings, name) * f
+                timings = dataclasses.replace(study.calibration.timings, **{name: value})
+                rows_dp = [prepared_goodput(p, timings, ()) for p in prepared]
+                errs = [100.0 * (row[k] - PAPER_TARGETS[k][i]) for k in ("dp", "dp_elastic")
+                        for i, row in enumerate(rows_dp)]
+                rmse = float(np.sqrt(np.mean(np.square(errs))))
+            delta = {}
+            for c, p in zip(chips, prepared):
+                g = prepared_goodput(p, timings, [int(k.split("_")[1]) for k in diloco])
+                delta[c] = {k: 100.0 * (g[k] - study.table[c][k]) for k in diloco}
+            rows.append(SensitivityRow(name, float(f), float(value), rmse, delta))
+    return rows
+
+
+def sensitivity_json(rows: Sequence[SensitivityRow]) -> list:
+    """The sensitivity rows as JSON: deltas in percentage points, two decimals."""
+    return [{"assumption": r.assumption, "factor": r.factor, "value": r.value,
+             "rmse_pp": round(r.rmse_pp, 3),
+             "delta_pp": {str(c): {k: round(v, 2) for k, v in row.items()}
+                          for c, row in r.delta_pp.items()}} for r in rows]
+
+
+def _chips_label(c: int) -> str:
+    return f"{c / 1e6:g}M" if c >= 1e6 else f"{c // 1000}k"
+
+
+def format_sensitivity(rows: Sequence[SensitivityRow]) -> str:
+    """One line per (assumption, factor): DP fit error, then per chip count the moves of M = 2/4/8/16."""
+    if not rows:
+        return ""
+    chips = list(rows[0].delta_pp)
+    systems = list(rows[0].delta_pp[chips[0]])
+    width = 6 * len(systems)
+    head = (f"{'assumption':<15} {'x':>4} {'value':>10} {'fit pp':>6} "
+            + " ".join(_chips_label(c).rjust(width) for c in chips))
+    lines = [f"DiLoCo moves, pp, M = {'/'.join(s.split('_')[1] for s in systems)} per cell", head]
+    for r in rows:
+        cells = ["/".join(f"{r.delta_pp[c][s]:+.1f}" for s in systems).rjust(width)
+                 for c in chips]
+        lines.append(f"{r.assumption:<15} {r.factor:>4g} {r.value:>10.4g} {r.rmse_pp:>6.2f} "
+                     + " ".join(cells))
+    return "\n".join(lines)
+
+
 def study_json(study: Study) -> dict:
-    """The published record: calibrated parameters, predicted table, fit error, elapsed seconds."""
+    """The published record: fitted and pinned parameters, predicted table, fit error, seconds."""
     cal, cfg = study.calibration, study.config
-    tm = cal.timings
-    fleets = {c: Fleet.nominal(c, cfg.slice_chips) for c in study.table}
+    tm, fm = cal.timings, cfg.failure
+    fleets = {c: Fleet.nominal(c, cfg.slice_chips, fm.chip_mtbi_s) for c in study.table}
     return {
-        "calibrated": {**dataclasses.asdict(tm), "repair_mean_h": tm.repair_mean_s / 3600.0},
+        "calibrated": dataclasses.asdict(tm),
+        "pinned": {**dataclasses.asdict(fm), "repair_mean_h": fm.repair_mean_s / 3600.0},
         "model": {
-            "slice_chips": cfg.slice_chips, "chip_mtbi_s": YEAR_S, "spare_z": cfg.spare_z,
-            "repair": "exponential", "failures_per_run": cfg.failures_per_run,
-            "seeds": list(cfg.seeds),
+            "slice_chips": cfg.slice_chips, "repair": "exponential",
+            "failures_per_run": cfg.failures_per_run, "seeds": list(cfg.seeds),
             "slices": {str(c): f.slices for c, f in fleets.items()},
-            "spares": {str(c): spare_slices(f.slices, down_fraction(f, tm.repair_mean_s),
-                                            cfg.spare_z) for c, f in fleets.items()},
-            "slice_down_fraction": down_fraction(fleets[min(fleets)], tm.repair_mean_s),
+            "spares": {str(c): fm.pool_slices(f) for c, f in fleets.items()},
+            "slice_down_fraction": down_fraction(fleets[min(fleets)], fm.repair_mean_s),
             "horizon_days": {str(c): horizon_for(f, cfg.failures_per_run, cfg.min_horizon_s) / DAY_S
                              for c, f in fleets.items()},
         },
@@ -721,8 +999,7 @@ def format_table(study: Study) -> str:
     """Goodput table in percent, one row per system, paper targets in brackets."""
     chips = list(study.table)
     systems = list(next(iter(study.table.values())))
-    head = ["system".ljust(12)] + [f"{c / 1e6:g}M".rjust(11) if c >= 1e6 else
-                                   f"{c // 1000}k".rjust(11) for c in chips]
+    head = ["system".ljust(12)] + [_chips_label(c).rjust(11) for c in chips]
     lines = [" ".join(head)]
     for s in systems:
         cells = []
@@ -732,27 +1009,48 @@ def format_table(study: Study) -> str:
                 cell += f" ({100 * PAPER_TARGETS[s][i]:.0f})"
             cells.append(cell.rjust(11))
         lines.append(" ".join([s.ljust(12)] + cells))
-    tm = study.calibration.timings
-    lines.append(f"calibrated: restart {tm.restart_s:.1f} s, checkpoint every "
-                 f"{tm.checkpoint_interval_s:.0f} s, reconfig {tm.reconfig_s:.1f} s, repair "
-                 f"{tm.repair_mean_s / 3600:.2f} h; fit rmse {study.calibration.rmse_pp:.2f} pp, "
-                 f"max {study.calibration.max_abs_pp:.2f} pp; {study.elapsed_s:.1f} s")
+    tm, fm = study.calibration.timings, study.config.failure
+    lines.append(f"pinned: repair {fm.repair_mean_s / 3600:.2f} h, reschedule {fm.reschedule_s:.0f} s, "
+                 f"spare pool x{fm.spare_scale:g}, chip MTBI {fm.chip_mtbi_s / YEAR_S:.3g} y; "
+                 f"calibrated: restart {tm.restart_s:.1f} s, checkpoint every "
+                 f"{tm.checkpoint_interval_s:.0f} s, reconfig {tm.reconfig_s:.1f} s; fit rmse "
+                 f"{study.calibration.rmse_pp:.2f} pp, max {study.calibration.max_abs_pp:.2f} pp; "
+                 f"{study.elapsed_s:.1f} s")
     return "\n".join(lines)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The simulator's options, shared by ``islands simulate`` and benchmarks/scale.py."""
+    fm = FailureModel()
     parser.add_argument("--quick", action="store_true",
                         help=f"{QUICK.failures_per_run} failures per run, one seed")
     parser.add_argument("--failures-per-run", type=int, default=None,
                         help="slice failures per simulated run (sets the horizon)")
     parser.add_argument("--seeds", type=int, default=None, help="number of seeds (traces per size)")
     parser.add_argument("--slice-chips", type=int, default=DEFAULT_SLICE_CHIPS)
+    parser.add_argument("--repair-mean-s", type=float, default=fm.repair_mean_s,
+                        help="mean time a failed slice is out of service, seconds (pinned, "
+                             "not fitted; default %(default)g)")
+    parser.add_argument("--reschedule-s", type=float, default=fm.reschedule_s,
+                        help="time for a spare slice to take a failed one's place in an elastic "
+                             "job, seconds (default %(default)g)")
+    parser.add_argument("--spare-scale", type=float, default=fm.spare_scale,
+                        help="multiplies the spare pool (ceil(m + 3 sqrt m), m = slices in "
+                             "repair on average); 0 = no pool: a place waits for its own slice "
+                             "(default %(default)g)")
+    parser.add_argument("--chip-mtbi-s", type=float, default=fm.chip_mtbi_s,
+                        help="mean time between interruptions of one chip, seconds "
+                             "(default one year, %(default)g)")
+    parser.add_argument("--sensitivity", action="store_true",
+                        help="also move each assumption x0.5 and x2 and print how every "
+                             "Decoupled DiLoCo cell moves")
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
     base = QUICK if args.quick else SimConfig()
-    changes = {"slice_chips": args.slice_chips}
+    failure = FailureModel(chip_mtbi_s=args.chip_mtbi_s, repair_mean_s=args.repair_mean_s,
+                           reschedule_s=args.reschedule_s, spare_scale=args.spare_scale)
+    changes = {"slice_chips": args.slice_chips, "failure": failure}
     if args.failures_per_run is not None:
         changes["failures_per_run"] = args.failures_per_run
     if args.seeds is not None:
@@ -771,8 +1069,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except ValueError as e:
         parser.error(str(e))
     study = run_study(config)
+    record = study_json(study)
     print(format_table(study))
-    print(json.dumps(study_json(study)))
+    if args.sensitivity:
+        rows = sensitivity(study)
+        record["sensitivity"] = sensitivity_json(rows)
+        print(format_sensitivity(rows))
+    print(json.dumps(record))
     return 0
 
 

@@ -160,6 +160,119 @@ def test_spares_and_horizon_by_hand():
     assert Fleet.nominal(150_000).slices == 586
 
 
+
+# The spare pool. Three slices, two places (slices 0 and 1) and one spare (slice 2); a spare takes
+# 30 s to join. Slice 0 fails at 100 and is in repair until 400.
+POOL_ONE = FailureTrace.scripted(3, 1000.0, [(0, 100.0, 400.0)])
+
+
+def _outages(trace):
+    return [(int(k), d, u) for k, d, u in zip(trace.slice_id, trace.down_s, trace.up_s)]
+
+
+def test_one_failure_one_spare_by_hand():
+    places = sim.pool_position_trace(POOL_ONE, positions=2, reschedule_s=30.0)
+    # The spare is taken at 100 and trains in place 0 from 130: the place is vacant 30 s, not the
+    # 300 s repair; slice 0 comes back to the pool at 400 and nobody notices.
+    assert _outages(places) == [(0, 100.0, 130.0)]
+    # Elastic, 20 s pauses: [100, 120) on the failure and [130, 150) on the spare's arrival;
+    # 2 places until 100, 1 on [120, 130), 2 from 150: 200 + 10 + 1700 = 1910 place-s.
+    # Allocated: 3 slices (the idle spare included) · 1000 s → 1910 / 3000.
+    assert sim.elastic_goodput(places, 20.0) * 2 / 3 == pytest.approx(1910 / 3000)
+    # Without the pool the same failure keeps the slice out until 400: 300 s of vacancy.
+    assert _outages(sim.pool_position_trace(POOL_ONE, 3, 30.0)) == [(0, 100.0, 400.0)]
+    # Non-elastic DP swaps inside its restart (no reschedule): runs [0, 100) and [150, 1000)
+    # with a 50 s restart: 2 · 950 / 3000.
+    dp_places = sim.pool_position_trace(POOL_ONE, 2, 0.0)
+    assert _outages(dp_places) == [(0, 100.0, 100.0)]
+    assert sim.data_parallel_goodput(dp_places, 50.0, 0.0) * 2 / 3 == pytest.approx(1900 / 3000)
+
+
+def test_pool_runs_dry_then_a_slice_returns_home_or_is_rescheduled():
+    # Slice 1 fails at 200 while the only spare already holds place 0: place 1 waits.
+    # (a) Its own slice is back first (300): it returns at once, no reschedule.
+    a = FailureTrace.scripted(3, 1000.0, [(0, 100.0, 500.0), (1, 200.0, 300.0)])
+    assert _outages(sim.pool_position_trace(a, 2, 30.0)) == [(0, 100.0, 130.0), (1, 200.0, 300.0)]
+    # (b) Slice 0 is back first (250) and its place is taken: it joins the pool and goes to
+    # place 1, arriving 30 s later (280); slice 1, back at 300, becomes the idle spare.
+    b = FailureTrace.scripted(3, 1000.0, [(0, 100.0, 250.0), (1, 200.0, 300.0)])
+    assert _outages(sim.pool_position_trace(b, 2, 30.0)) == [(0, 100.0, 130.0), (1, 200.0, 280.0)]
+
+
+def test_spare_that_fails_on_its_way_is_replaced():
+    # Four slices, two places, spares 2 and 3. Slice 0 fails at 100; spare 2, due at 130, fails
+    # at 110; spare 3 is sent at 110 and arrives at 140.
+    trace = FailureTrace.scripted(4, 1000.0, [(0, 100.0, 900.0), (2, 110.0, 800.0)])
+    assert _outages(sim.pool_position_trace(trace, 2, 30.0)) == [(0, 100.0, 140.0)]
+
+
+def test_ample_pool_hides_the_repair_time():
+    # Four places and four spares; three failures of distinct slices. Whether repairs take 300 s
+    # or 30 000 s, the learners see the same vacancies: zero-length with no reschedule, 30 s with.
+    fails = [(0, 100.0), (5, 150.0), (2, 400.0)]
+    short = FailureTrace.scripted(8, 1000.0, [(s, d, d + 300.0) for s, d in fails])
+    long = FailureTrace.scripted(8, 1000.0, [(s, d, d + 30_000.0) for s, d in fails])
+    for reschedule_s in (0.0, 30.0):
+        a = sim.pool_position_trace(short, 4, reschedule_s)
+        b = sim.pool_position_trace(long, 4, reschedule_s)
+        assert _outages(a) == _outages(b)
+        np.testing.assert_allclose(a.up_s - a.down_s, reschedule_s)
+        for m in (1, 2, 4):
+            assert sim.elastic_goodput(a, 20.0, m) == sim.elastic_goodput(b, 20.0, m)
+    # Slice 5 was an idle spare: only the two failures in places (0 and 2) open vacancies.
+    assert [k for k, _, _ in _outages(a)] == [0, 2]
+
+
+def test_no_spares_is_the_old_model_exactly():
+    trace = _random_trace()
+    for reschedule_s in (0.0, 300.0):     # with nothing to swap in, the delay never applies
+        places = sim.pool_position_trace(trace, trace.n_slices, reschedule_s)
+        for m in (1, 4):
+            assert sim.elastic_goodput(places, 30.0, m) == pytest.approx(
+                sim.elastic_goodput(trace, 30.0, m), rel=1e-12)
+        assert sim.data_parallel_goodput(places, 60.0, 20.0) == pytest.approx(
+            sim.data_parallel_goodput(trace, 60.0, 20.0), rel=1e-12)
+    # And through the pipeline: spare_scale = 0 gives the old elastic table on the same seeds.
+    config = sim.SimConfig(failures_per_run=300, min_horizon_s=3600.0, seeds=(0,), learners=(4,),
+                           failure=sim.FailureModel(spare_scale=0.0))
+    prepared = sim.prepare_fleet(150_000, config)
+    assert prepared.pool == 0
+    fleet = Fleet.nominal(150_000)
+    old = sim.generate_trace(fleet, config.failure.repair_mean_s,
+                             sim.horizon_for(fleet, 300, 3600.0), 0)
+    got = sim.prepared_goodput(prepared, Timings(60.0, 0.0, 10.0), (4,))
+    assert got["diloco_4"] == pytest.approx(sim.elastic_goodput(old, 10.0, 4), rel=1e-12)
+
+
+def test_instant_swaps_leave_places_empty_only_when_too_few_slices_are_healthy():
+    # With no reschedule delay a vacancy is filled the moment any slice is healthy and idle, so at
+    # every instant: empty places = max(0, places − healthy slices). Checked on a random trace
+    # with a pool small enough to run dry (4 spares for 20 places, 4 h repairs).
+    trace = _random_trace(chips=256 * 24, repair_s=4 * 3600.0, days=30.0)
+    places = sim.pool_position_trace(trace, 20, 0.0)
+    t = np.linspace(0, trace.horizon_s, 20_001)[:-1] + 0.37
+    down = ((trace.down_s[:, None] <= t) & (t < trace.up_s[:, None])).sum(axis=0)
+    empty = ((places.down_s[:, None] <= t) & (t < places.up_s[:, None])).sum(axis=0)
+    np.testing.assert_array_equal(empty, np.maximum(0, 20 - (trace.n_slices - down)))
+    assert empty.max() > 0          # the pool did run dry here, so the check means something
+
+
+def test_pool_holds_every_slice_in_repair_in_the_mean():
+    # Little's law on a long random trace: with the ⌈m + 3√m⌉ pool and a 5 min reschedule, the
+    # places are vacant about λ·D of the time (each failure of a place costs D), far below the
+    # p = T_r/(1/λ + T_r) they would lose without the pool.
+    fleet = Fleet(256 * 200)
+    fm = sim.FailureModel(repair_mean_s=3600.0, reschedule_s=300.0)
+    trace = sim.generate_trace(fleet, fm.repair_mean_s, 20 * sim.DAY_S, seed=5)
+    pool = fm.pool_slices(fleet)
+    places = sim.pool_position_trace(trace, fleet.slices - pool, fm.reschedule_s)
+    h = trace.horizon_s
+    vacant = (np.clip(places.up_s, 0, h) - np.clip(places.down_s, 0, h)).sum() / (places.n_slices * h)
+    lam_d = fleet.slice_failure_rate_hz * fm.reschedule_s
+    assert vacant == pytest.approx(lam_d, rel=0.15)
+    assert vacant < sim.down_fraction(fleet, fm.repair_mean_s) / 5
+
+
 @pytest.mark.parametrize("build,name", [
     (lambda: Fleet(1000, 256), "chips"),
     (lambda: Fleet(0, 256), "chips"),
@@ -171,7 +284,15 @@ def test_spares_and_horizon_by_hand():
     (lambda: sim.data_parallel_goodput(ONE_FAILURE, -5.0, 0.0), "restart_s"),
     (lambda: sim.data_parallel_goodput(ONE_FAILURE, 5.0, float("nan")), "checkpoint_interval_s"),
     (lambda: sim.data_parallel_goodput(ONE_FAILURE, 5.0, 0.0, spares=4), "spares"),
-    (lambda: Timings(10.0, 0.0, 5.0, repair_mean_s=-1.0), "repair_mean_s"),
+    (lambda: Timings(10.0, 0.0, -5.0), "reconfig_s"),
+    (lambda: sim.FailureModel(repair_mean_s=-1.0), "repair_mean_s"),
+    (lambda: sim.FailureModel(reschedule_s=float("inf")), "reschedule_s"),
+    (lambda: sim.FailureModel(chip_mtbi_s=0.0), "chip_mtbi_s"),
+    (lambda: sim.FailureModel(spare_scale=-1.0), "spare_scale"),
+    (lambda: sim.SimConfig(failure=None), "failure"),
+    (lambda: sim.pool_position_trace(ONE_FAILURE, 0, 10.0), "positions"),
+    (lambda: sim.pool_position_trace(ONE_FAILURE, 5, 10.0), "positions"),
+    (lambda: sim.pool_position_trace(ONE_FAILURE, 3, -1.0), "reschedule_s"),
     (lambda: FailureTrace.scripted(4, 1000.0, [(0, 200.0, 100.0)]), "up_s"),
     (lambda: FailureTrace.scripted(4, 1000.0, [(4, 100.0, 200.0)]), "slice_id"),
     (lambda: FailureTrace.scripted(4, 1000.0, [(0, 100.0, 300.0), (0, 200.0, 400.0)]), "overlap"),
@@ -199,8 +320,44 @@ def test_study_is_deterministic_and_cli_prints_json_last(monkeypatch, capsys):
     assert sim.main(["--quick"]) == 0
     last = capsys.readouterr().out.strip().splitlines()[-1]
     record = json.loads(last)
-    assert set(record) >= {"calibrated", "table", "fit", "elapsed_s"}
+    assert set(record) >= {"calibrated", "pinned", "table", "fit", "elapsed_s"}
     assert record["calibrated"]["restart_s"] >= 0
+    assert record["pinned"]["repair_mean_s"] == sim.DEFAULT_REPAIR_MEAN_S
+    assert "sensitivity" not in record
+
+
+def test_sensitivity_moves_every_diloco_cell(monkeypatch, capsys):
+    study = sim.run_study(TINY, iters=2)
+    rows = sim.sensitivity(study, iters=2)
+    names = sim.PINNED_ASSUMPTIONS + sim.FITTED_ASSUMPTIONS
+    assert [(r.assumption, r.factor) for r in rows] == [(n, f) for n in names for f in (0.5, 2.0)]
+    by = {(r.assumption, r.factor): r for r in rows}
+    for r in rows:
+        assert set(r.delta_pp) == set(sim.PAPER_CHIPS)
+        assert all(set(cells) == {"diloco_2", "diloco_4", "diloco_8", "diloco_16"}
+                   for cells in r.delta_pp.values())
+    # The restart pause is the non-elastic job's alone: DiLoCo does not move at all.
+    for f in (0.5, 2.0):
+        assert all(v == 0.0 for cells in by["restart_s", f].delta_pp.values() for v in cells.values())
+    # Shorter reconfiguration pauses can only help a learner; longer ones only hurt.
+    assert all(v >= 0 for cells in by["reconfig_s", 0.5].delta_pp.values() for v in cells.values())
+    assert all(v <= 0 for cells in by["reconfig_s", 2.0].delta_pp.values() for v in cells.values())
+    assert by["repair_mean_s", 2.0].value == 2 * sim.DEFAULT_REPAIR_MEAN_S
+    # Moving nothing moves nothing: the baseline reproduces itself on the same seeds.
+    same = sim.sensitivity(study, factors=(1.0,), assumptions=("chip_mtbi_s",), iters=2)
+    assert all(abs(v) < 1e-9 for cells in same[0].delta_pp.values() for v in cells.values())
+    with pytest.raises(ValueError, match="assumption"):
+        sim.sensitivity(study, assumptions=("slice_chips",))
+    with pytest.raises(ValueError, match="factor"):
+        sim.sensitivity(study, factors=(0.0,))
+    text = sim.format_sensitivity(rows)
+    assert "repair_mean_s" in text and "+0.0/+0.0/+0.0/+0.0" in text
+    monkeypatch.setattr(sim, "QUICK", TINY)
+    monkeypatch.setattr(sim, "sensitivity", lambda s, **kw: rows)
+    assert sim.main(["--quick", "--sensitivity"]) == 0
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert len(record["sensitivity"]) == len(rows)
+    assert record["sensitivity"][0]["assumption"] == "repair_mean_s"
 
 
 def test_doctests():
