@@ -122,6 +122,22 @@ def versions_check(run_dir: str, events: list[dict]) -> tuple[bool, int]:
     return monotonic, lost
 
 
+def restart_to_ready(events: list[dict]) -> dict:
+    """Seconds from each learner failure to that learner's next ``learner_ready`` (the next
+    incarnation stepping again): how much of a fault-dense run goes to restarts."""
+    waits, failed_at = [], {}
+    for e in events:
+        who = e.get("learner")
+        if e["event"] == "learner_failed" and who is not None:
+            failed_at.setdefault(who, e["t"])
+        elif e["event"] == "learner_ready" and who in failed_at:
+            waits.append(e["t"] - failed_at.pop(who))
+    if not waits:
+        return {"n": 0}
+    return {"n": len(waits), "median_s": float(np.median(waits)),
+            "p90_s": float(np.percentile(waits, 90)), "mean_s": float(np.mean(waits))}
+
+
 def plot(run_dir: str, events: list[dict], out_dir: str) -> None:
     """Merges and cumulative learner failures over the run, syncer and controller restarts marked."""
     plt = C.pyplot()
@@ -221,6 +237,7 @@ def main(argv=None) -> dict:
         "initial_eval_loss": summary.get("initial_eval_loss"),
         "final_eval_loss": summary.get("final_eval_loss"),
         "merges": summary.get("merges"), "goodput": summary.get("goodput"),
+        "restart_to_ready": restart_to_ready(events),
     }
     result["predicted_goodput"] = predicted_goodput(plan, horizon, args.seed)
     result["wall_s"] = watch()
