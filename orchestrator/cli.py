@@ -103,6 +103,12 @@ def format_status(table: dict) -> str:
     s = table["syncer"]
     lines.append(f"syncer: epoch {s.get('epoch')}  merges {s.get('merges')}  "
                  f"versions {s.get('versions')}")
+    shards = s.get("shards") or []
+    if len(shards) > 1:  # one line per syncer shard: its fragments, epoch and merges
+        for row in shards:
+            lines.append(f"  syncer shard {row['shard']}: fragments {row['fragments']}  "
+                         f"epoch {row['epoch']}  merges {row['merges']}  "
+                         f"versions {row['versions']}")
     if table.get("paused_reason"):
         lines.append(f"PAUSED: {table['paused_reason']}")
     return "\n".join(lines)
