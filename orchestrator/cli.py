@@ -169,7 +169,8 @@ def main(argv=None) -> int:
 
     chaos = sub.add_parser("chaos", help="inject a fault on purpose")
     chaos_sub = chaos.add_subparsers(dest="action", required=True)
-    kill = chaos_sub.add_parser("kill", help="kill a learner (us-east:0) or the syncer")
+    kill = chaos_sub.add_parser("kill", help="kill a learner (us-east:0), the syncer, or one "
+                                "syncer shard (syncer:1)")
     kill.add_argument("target")
     kill.add_argument("--mode", choices=("ray_kill", "exit"), default="ray_kill")
     kill.add_argument("--address", default=None)
