@@ -24,8 +24,9 @@ processes, each a ``SyncerCore`` over one fragment of ``--shard-params`` paramet
 rounds at the same time after a barrier; merged GB/s is all the shards' fp32 bytes merged over
 the wall time, against S processes doing ``np.copyto`` of the same bytes. The model for larger S:
 
-    G(S) = min(S·g₁, ρ·B)     g₁: one shard's merged GB/s; B: the machine's copy bandwidth with
-                              every core copying; ρ: one shard's merge ÷ copy ratio
+    G(S) = min(S·g₁, ρ·B)     g₁: one shard's merged GB/s (pushes and merges); B: the machine's
+                              copy bandwidth with every core copying; ρ: one shard's merge +
+                              outer step ÷ copy ratio (its memory-bound part)
 
 and the largest model one job sustains at P = H with learners at ξ_step per step: the costs of a
 push, a merge and a reply are linear in the fragment's size N/P (per parameter: κ_push, κ_a,
@@ -343,8 +344,9 @@ def cpu_parallelism(processes: int, n: int = 5_000_000) -> float:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
+    alone = min(_spin(n) for _ in range(2))   # this process on its own
     with ctx.Pool(processes) as pool:
-        alone = min(pool.map(_spin, [n] * processes)[:1] + [_spin(n)])
+        pool.map(_spin, [1000] * processes)   # the workers are up before the clock starts
         t0 = time.perf_counter()
         pool.map(_spin, [n] * processes)
         wall = time.perf_counter() - t0
@@ -383,7 +385,8 @@ def measure_shards(shards: int, num_params: int, learners: int, rounds: int,
 def shard_model(g1_gbps: float, rho: float, copy_gbps: float, targets=(1, 2, 4, 8, 16)
                 ) -> list[dict]:
     """G(S) = min(S·g₁, ρ·B): S shards on S free cores, until their memory traffic fills the
-    machine's all-core copy bandwidth B (a shard moves 1/ρ times a copy's bytes per merged byte).
+    machine's all-core copy bandwidth B (a merge moves about 1/ρ times a copy's bytes per merged
+    byte, ρ = the merge's measured ratio to copy).
 
     >>> [round(r["model_gb_per_s"], 2) for r in shard_model(0.5, 0.1, 20.0, (1, 2, 8))]
     [0.5, 1.0, 2.0]
@@ -500,7 +503,11 @@ def main(argv=None) -> dict:
         here = max(r["copy_gb_per_s"] for r in shard_rows)
         for label, copy_gbps in ((f"this machine ({here:.3g} GB/s copy)", here),
                                  (f"{args.model_copy_gbps:g} GB/s copy", args.model_copy_gbps)):
-            models[label] = shard_model(one["merged_gb_per_s"], one["ratio_to_copy"], copy_gbps)
+            # ρ: the merge's own ratio (its in-place passes are memory-bound; the pushes' int4
+            # decode is compute-bound and adds little traffic), so the cap is the bytes a
+            # machine's memory can carry for merges.
+            models[label] = shard_model(one["merged_gb_per_s"], one["merge_ratio_to_copy"],
+                                        copy_gbps)
     # The largest model at P = H = 24, 72 ms per step, from the per-parameter costs measured at
     # the 124M scenario's own fragment size (124M / 24; costs are linear in the fragment size).
     big = scenarios[1]
