@@ -18,8 +18,28 @@ of 1 and M learners) and c_reply (one fragment copy per reply, estimated by the 
   best case, one merge per fragment round with all L in (learners in phase):
       L_max = ⌊ (1/r − a) / (c_push + b + c_reply) ⌋
 
-    python benchmarks/syncer_throughput.py --quick          # ~1 min, 2.7 GB peak
-    python benchmarks/syncer_throughput.py                  # 1M, 10M, 100M: ~2 min, 9 GB peak
+Syncer shards (``syncer.shards = S``): each shard is its own actor (process) merging its own
+fragments, so S shards run S merge loops at once. ``--shards 1,2`` measures that here: S worker
+processes, each a ``SyncerCore`` over one fragment of ``--shard-params`` parameters, run their
+rounds at the same time after a barrier; merged GB/s is all the shards' fp32 bytes merged over
+the wall time, against S processes doing ``np.copyto`` of the same bytes. The model for larger S:
+
+    G(S) = min(S·g₁, ρ·B)     g₁: one shard's merged GB/s (pushes and merges); B: the machine's
+                              copy bandwidth with every core copying; ρ: one shard's merge +
+                              outer step ÷ copy ratio (its memory-bound part)
+
+and the largest model one job sustains at P = H with learners at ξ_step per step: the costs of a
+push, a merge and a reply are linear in the fragment's size N/P (per parameter: κ_push, κ_a,
+κ_b, κ_reply from the measured rows), and each shard serves P/S fragments, so with L learners
+each push merged alone (worst case) a shard keeps up while
+
+    L · (P/S)/(H·ξ) · (N/P) · (κ_push + κ_a + κ_b + κ_reply) ≤ 1
+    ⇒ N_max = S·H·ξ / (L·(κ_push + κ_a + κ_b + κ_reply))
+
+(best case, one merge per round of L: N_max = S·H·ξ / (κ_a + L·(κ_push + κ_b + κ_reply))).
+
+    python benchmarks/syncer_throughput.py --quick          # ~2 min, 2.7 GB peak
+    python benchmarks/syncer_throughput.py                  # 1M, 10M, 100M: ~3 min, 9 GB peak
 
 Prints tables, then one JSON object as the last line; writes ``syncer_throughput.png``.
 """
@@ -257,6 +277,126 @@ def sustained(name: str, model_params: int, fragments: int, step_s: float, learn
             "max_learners_best": limits["best"]}
 
 
+# -- syncer shards ----------------------------------------------------------------------------
+def largest_model(kappa_s: dict, fragments: int, sync_every_steps: int, step_s: float,
+                  learners: int, shards: int) -> dict:
+    """N_max, the most parameters one job's S shards keep up with (see the module docstring).
+
+    ``kappa_s``: seconds per fragment parameter of ``push``, ``merge_a``, ``merge_b``, ``reply``.
+    Shards beyond P own no fragment (S is capped at P).
+
+    >>> k = {"push": 1e-9, "merge_a": 1e-9, "merge_b": 1e-9, "reply": 1e-9}
+    >>> largest_model(k, 24, 24, 0.072, 1, 1)["worst"] / 1e6   # 24·0.072 / 4e-9
+    432.0
+    >>> largest_model(k, 24, 24, 0.072, 1, 8)["worst"] / 1e6
+    3456.0
+    >>> largest_model(k, 24, 24, 0.072, 4, 1)["best"] / 1e6    # 1.728 / (1e-9 + 4·3e-9)
+    132.923077
+    """
+    s = min(shards, fragments)
+    budget_s = s * sync_every_steps * step_s
+    per_push = kappa_s["push"] + kappa_s["merge_b"] + kappa_s["reply"]
+    worst = budget_s / (learners * (per_push + kappa_s["merge_a"]))
+    best = budget_s / (kappa_s["merge_a"] + learners * per_push)
+    return {"worst": round(worst, 0 if worst > 1e6 else 6), "best": round(best, 0 if best > 1e6 else 6)}
+
+
+def _shard_worker(args) -> dict:
+    """One shard in its own process: build, warm up, wait at the barrier, run timed rounds."""
+    num_params, learners, rounds, codec_kind, barrier, copy_only = args
+    use_syncer_env()
+    ensure_islands_importable()
+    import numpy as np
+
+    nbytes = num_params * 4
+    if copy_only:
+        src = np.ones(num_params, np.float32)
+        dst = np.empty_like(src)
+        np.copyto(dst, src)
+        copies = max(rounds * learners, int(4e9 // nbytes))   # ≥ 4 GB: long enough to time
+        barrier.wait()
+        t0 = time.perf_counter()
+        for _ in range(copies):
+            np.copyto(dst, src)
+        t1 = time.perf_counter()
+        return {"t0": t0, "t1": t1, "bytes": copies * nbytes, "merge_s": 0.0}
+    bench = build_bench(num_params, learners, codec_kind)
+    one_round(bench, learners)   # warm
+    barrier.wait()
+    t0, merge_s = time.perf_counter(), 0.0
+    for _ in range(rounds):
+        merge_s += one_round(bench, learners)[1]
+    t1 = time.perf_counter()
+    return {"t0": t0, "t1": t1, "bytes": rounds * learners * nbytes, "merge_s": merge_s}
+
+
+def _spin(n: int) -> float:
+    t0, x = time.perf_counter(), 0
+    for i in range(n):
+        x += i
+    return time.perf_counter() - t0
+
+
+def cpu_parallelism(processes: int, n: int = 5_000_000) -> float:
+    """How many cores ``processes`` CPU-bound processes get at once here right now: their total
+    work over the wall time, in units of one process alone (2.0: two free cores; about 1.0 on a
+    machine whose cores other work holds)."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    alone = min(_spin(n) for _ in range(2))   # this process on its own
+    with ctx.Pool(processes) as pool:
+        pool.map(_spin, [1000] * processes)   # the workers are up before the clock starts
+        t0 = time.perf_counter()
+        pool.map(_spin, [n] * processes)
+        wall = time.perf_counter() - t0
+    return processes * alone / wall
+
+
+def measure_shards(shards: int, num_params: int, learners: int, rounds: int,
+                   codec_kind: str) -> dict:
+    """S shard processes at once: merged GB/s over the wall time, and S processes' copy rate."""
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")   # JAX is not fork-safe
+    out = {"shards": shards, "fragment_params": num_params, "learners": learners,
+           "rounds": rounds}
+    for copy_only in (False, True):
+        with ctx.Manager() as manager:
+            barrier = manager.Barrier(shards)
+            with ctx.Pool(shards) as pool:
+                parts = pool.map(_shard_worker, [(num_params, learners, rounds, codec_kind,
+                                                  barrier, copy_only)] * shards)
+        # perf_counter is CLOCK_MONOTONIC on Linux: comparable across processes.
+        wall = max(p["t1"] for p in parts) - min(p["t0"] for p in parts)
+        gbps = sum(p["bytes"] for p in parts) / wall / 1e9
+        if copy_only:
+            out["copy_gb_per_s"] = gbps
+        else:
+            out["merged_gb_per_s"] = gbps
+            out["merge_only_gb_per_s"] = sum(p["bytes"] / p["merge_s"] for p in parts) / 1e9
+            out["wall_s"] = wall
+    out["cores_available"] = cpu_parallelism(shards)
+    out["ratio_to_copy"] = out["merged_gb_per_s"] / out["copy_gb_per_s"]
+    out["merge_ratio_to_copy"] = out["merge_only_gb_per_s"] / out["copy_gb_per_s"]
+    return out
+
+
+def shard_model(g1_gbps: float, rho: float, copy_gbps: float, targets=(1, 2, 4, 8, 16)
+                ) -> list[dict]:
+    """G(S) = min(S·g₁, ρ·B): S shards on S free cores, until their memory traffic fills the
+    machine's all-core copy bandwidth B (a merge moves about 1/ρ times a copy's bytes per merged
+    byte, ρ = the merge's measured ratio to copy).
+
+    >>> [round(r["model_gb_per_s"], 2) for r in shard_model(0.5, 0.1, 20.0, (1, 2, 8))]
+    [0.5, 1.0, 2.0]
+    """
+    return [{"shards": s, "linear_gb_per_s": s * g1_gbps,
+             "model_gb_per_s": min(s * g1_gbps, rho * copy_gbps),
+             "bound": "cores" if s * g1_gbps <= rho * copy_gbps else "memory bandwidth"}
+            for s in targets]
+
+
 # -- plot -----------------------------------------------------------------------------------------
 def plot(rows: list[dict], path: str) -> None:
     import matplotlib
@@ -318,6 +458,13 @@ def parse_args(argv=None):
     parser.add_argument("--step-time-s", type=float, default=None,
                         help="tiny scenario's step time (default: measured here)")
     parser.add_argument("--fragments", type=int, default=4, help="P = H of the tiny scenario")
+    parser.add_argument("--shards", default="1,2",
+                        help="syncer shards S to measure at once (comma list; '' skips)")
+    parser.add_argument("--shard-params", type=int, default=10_000_000,
+                        help="fragment size of each shard in the shard measurement")
+    parser.add_argument("--model-copy-gbps", type=float, default=100.0,
+                        help="all-core np.copyto GB/s of the machine the S model assumes "
+                             "(a server socket; this machine's is measured)")
     parser.add_argument("--out", default=os.path.join(BENCH_DIR, "out"))
     return parser.parse_args(argv)
 
@@ -343,6 +490,33 @@ def main(argv=None) -> dict:
         sustained("124M model, 72 ms H100 step (docs/architecture.md#learners-on-accelerators)", 124_000_000, 24, 0.072,
                   args.learners, 3, args.codec),
     ]
+    shard_rows = []
+    for shards in [int(x) for x in args.shards.split(",") if x.strip()]:
+        shard_rows.append(measure_shards(shards, args.shard_params, args.learners,
+                                         args.rounds or 8, args.codec))
+        print(f"  measured {shards} shard(s) at once", file=sys.stderr, flush=True)
+    # The model: one shard's measured rate and ratio at --shard-params, and a machine's copy
+    # bandwidth (this one's, measured with the most shards; and a server's, assumed).
+    models = {}
+    one = next((r for r in shard_rows if r["shards"] == 1), None)
+    if one is not None:
+        here = max(r["copy_gb_per_s"] for r in shard_rows)
+        for label, copy_gbps in ((f"this machine ({here:.3g} GB/s copy)", here),
+                                 (f"{args.model_copy_gbps:g} GB/s copy", args.model_copy_gbps)):
+            # ρ: the merge's own ratio (its in-place passes are memory-bound; the pushes' int4
+            # decode is compute-bound and adds little traffic), so the cap is the bytes a
+            # machine's memory can carry for merges.
+            models[label] = shard_model(one["merged_gb_per_s"], one["merge_ratio_to_copy"],
+                                        copy_gbps)
+    # The largest model at P = H = 24, 72 ms per step, from the per-parameter costs measured at
+    # the 124M scenario's own fragment size (124M / 24; costs are linear in the fragment size).
+    big = scenarios[1]
+    kappa = {"push": big["push_ms"], "merge_a": big["merge_a_ms"], "merge_b": big["merge_b_ms"],
+             "reply": big["reply_ms"]}
+    kappa = {k: v / 1e3 / big["fragment_params"] for k, v in kappa.items()}
+    largest = [{"shards": s, "learners": l, **{f"n_max_{k}": v for k, v in
+                largest_model(kappa, 24, 24, 0.072, l, s).items()}}
+               for s in (1, 8) for l in (1, 4, 8)]
     os.makedirs(args.out, exist_ok=True)
     png = os.path.join(args.out, "syncer_throughput.png")
     plot(rows, png)
@@ -363,8 +537,24 @@ def main(argv=None) -> dict:
                                    "merge_b_ms", "reply_ms", "utilisation_1_learner",
                                    "max_learners_worst",
                                    "max_learners_best"]))
+    if shard_rows:
+        print(f"\nsyncer shards at once ({args.shard_params:,d}-parameter fragment each, "
+              f"{args.learners} learners per round; copy = as many processes doing np.copyto):")
+        print(format_table(shard_rows, ["shards", "cores_available", "merged_gb_per_s",
+                                        "merge_only_gb_per_s",
+                                        "copy_gb_per_s", "ratio_to_copy",
+                                        "merge_ratio_to_copy", "wall_s"]))
+        for label, model in models.items():
+            print(f"model G(S) = min(S·g₁, ρ·B), B = {label}:")
+            print(format_table(model, ["shards", "linear_gb_per_s", "model_gb_per_s", "bound"]))
+    print(f"\nlargest model sustained at P = H = 24, 72 ms per step (costs per parameter at "
+          f"{big['fragment_params']:,d}-parameter fragments; worst: each push merged alone, best: one "
+          "merge per round of L; S shards on S free cores):")
+    print(format_table(largest, ["shards", "learners", "n_max_worst", "n_max_best"]))
     result = {"benchmark": "syncer_throughput", "codec": args.codec, "learners": args.learners,
-              "sizes": rows, "sustained": scenarios, "thread_env": env, "png": png,
+              "sizes": rows, "sustained": scenarios, "shards": shard_rows,
+              "shard_model": models, "largest_model": largest, "kappa_s_per_param": kappa,
+              "thread_env": env, "png": png,
               "ray_confirmation": "not run (pure core only)", "command": command_line(),
               "machine": machine_info(), "elapsed_s": round(time.time() - t_start, 1)}
     with open(os.path.join(args.out, "syncer_throughput.json"), "w") as f:

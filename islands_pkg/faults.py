@@ -18,6 +18,21 @@ from typing import Optional, Sequence
 SYNCER_TARGET = "syncer"
 
 
+def syncer_shard_of(target: str) -> int:
+    """The syncer shard a kill target names: "syncer" (shard 0) or "syncer:<s>".
+
+    >>> syncer_shard_of("syncer"), syncer_shard_of("syncer:2")
+    (0, 2)
+    """
+    if target == SYNCER_TARGET:
+        return 0
+    head, _, tail = str(target).partition(":")
+    if head == SYNCER_TARGET and tail.isdigit():
+        return int(tail)
+    raise ValueError(f"target of a syncer_kill must be {SYNCER_TARGET!r} or "
+                     f"'{SYNCER_TARGET}:<shard>', got {target!r}")
+
+
 class FaultKind(str, enum.Enum):
     """What a fault does; the values are the ``kind`` field of chaos events and logs."""
 
@@ -94,9 +109,13 @@ class Fault:
                 and self.duration_s <= 0:
             raise ValueError(f"duration_s must be > 0 for a {self.kind.value} fault, "
                              f"got {self.duration_s}")
-        if self.kind == FaultKind.SYNCER_KILL and self.target != SYNCER_TARGET:
-            raise ValueError(f"target of a syncer_kill must be {SYNCER_TARGET!r}, "
-                             f"got {self.target!r}")
+        if self.kind == FaultKind.SYNCER_KILL:
+            syncer_shard_of(self.target)  # "syncer" or "syncer:<shard>"
+
+    @property
+    def syncer_shard(self) -> int:
+        """The syncer shard a ``syncer_kill`` hits ("syncer" is shard 0)."""
+        return syncer_shard_of(self.target)
 
     @property
     def end_s(self) -> float:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -175,7 +175,11 @@ class LearnerCore:
         return {path: np.asarray(jnp.asarray(local[path], jnp.float32) - base[path])
                 for path in base}
 
-    def make_push(self, p: int, epoch: int) -> PushPlan:
+    def make_push(self, p: int, epoch: int | Sequence[int]) -> PushPlan:
+        """``epoch``: the syncer's epoch, or per fragment the epoch of the syncer shard that owns
+        it (syncer/shards.py)."""
+        if not isinstance(epoch, int):
+            epoch = int(epoch[p])
         track = self.tracks[p]
         local = fragments_lib.extract(self.params, self.plan, p)
         # Dispatched, not waited for: the codes (and the error metric) reach the host when the
@@ -248,11 +252,15 @@ class LearnerCore:
         self.fates.returned(p)
 
     def reregistered(self, fragments: list[Fragment], versions: list[int],
-                     session: str = "") -> None:
+                     session: str = "", fragment_ids: Optional[Sequence[int]] = None) -> None:
         """Joined a restarted syncer (a new epoch): every fragment's anchor becomes the global
-        fragment it now holds; local progress stays as drift, unanswered pushes are void."""
+        fragment it now holds; local progress stays as drift, unanswered pushes are void.
+        ``fragment_ids``: the global ids of ``fragments`` when one syncer shard restarted (the
+        other shards' fragments are untouched); None: all fragments, in order."""
         self.session = session
-        for p, (track, fragment, version) in enumerate(zip(self.tracks, fragments, versions)):
+        ids = range(len(self.tracks)) if fragment_ids is None else fragment_ids
+        for p, fragment, version in zip(ids, fragments, versions):
+            track = self.tracks[p]
             self.fates.returned(p)
             track.base = on_device(fragment)
             track.base_version = version

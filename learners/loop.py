@@ -61,7 +61,7 @@ class LearnerLoop:
     def record(self, step_s: float) -> None:
         self.core.record_step(self.tokens_per_batch, step_s)
 
-    def pushes(self, epoch: int) -> list[PushPlan]:
+    def pushes(self, epoch: "int | list[int]") -> list[PushPlan]:
         core = self.core
         return [core.make_push(p, epoch)
                 for p in core.due(self.num_fragments, self.sync_every_steps)]

@@ -62,6 +62,8 @@ class LearnerSpec:
     heartbeat_s: float = 1.0
     namespace: str = "islands"
     syncer_name: str = "islands:syncer"
+    # Syncer shards (syncer/shards.py): shard s > 0 is named ``<syncer_name>-<s>``.
+    syncer_shards: int = 1
     controller_name: Optional[str] = "islands:controller"
     peer: Optional[str] = None        # a healthy learner's actor name for the inner state
     corpus_ref: Any = None            # the train bytes in Ray's object store (read once, shared)
@@ -315,11 +317,9 @@ class LearnerUnit:
         # Exact resume: the first batch is the one at start_step (the stream opens there).
         tokens_per_batch = int(task.tokens(stream.batch_at(spec.start_step).batch))
 
-        self.syncer = ray.get_actor(spec.syncer_name, namespace=spec.namespace)
         self.controller = (ray.get_actor(spec.controller_name, namespace=spec.namespace)
                            if spec.controller_name else None)
-        reg = ray.get(self.syncer.register.remote(spec.learner, spec.incarnation))
-        self.epoch = reg["epoch"]
+        reg = self._register_all()
         flat = {}
         for frag in reg["fragments"]:
             flat.update(frag)
@@ -408,7 +408,7 @@ class LearnerUnit:
                     loop.record(dt)
                 # The encodes are dispatched; the sender thread waits for the codes and sends them
                 # while the next inner step runs.
-                for push_plan in loop.pushes(self.epoch):
+                for push_plan in loop.pushes(self.fragment_epochs()):
                     sender.send(self.arrival_s(time.time(), push_plan.wire_bytes), push_plan)
                     with self.lock:
                         self.stats["pushes"] += 1
@@ -444,14 +444,15 @@ class LearnerUnit:
 
         for push in sender.take_failed():
             self.core.push_refused(push.fragment)
-            self._reregister()
+            self._reregister(self.shard_of[push.fragment])
         for ref, push in sender.finished():
             try:
                 reply = ray.get(ref)
             except ray.exceptions.RayActorError:
-                # The syncer died: this push is lost. Register with its successor (new epoch).
+                # The syncer (shard) died: this push is lost. Register with its successor (new
+                # epoch); the other shards' fragments go on as they were.
                 self.core.push_refused(push.fragment)
-                self._reregister()
+                self._reregister(self.shard_of[push.fragment])
                 continue
             if reply.status == "merged":
                 update = reply.update if reply.update is not None else reply.params
@@ -466,33 +467,82 @@ class LearnerUnit:
                     self.stats["refused"] += reply.status == "rejected"
                     self.core.refused(push.fragment, reason, reply.params, reply.version)
                 if reason in ("stale_epoch", "unknown_learner", "bad_session"):
-                    self._reregister()
+                    self._reregister(self.shard_of[push.fragment])
 
-    def _reregister(self) -> None:
-        """Joins a restarted syncer: new epoch, new bases; local progress is kept as drift."""
+    # -- the syncer shards ----------------------------------------------------------------------
+    def _shard_name(self, syncer_shard: int) -> str:
+        name = self.spec.syncer_name
+        return name if syncer_shard == 0 else f"{name}-{syncer_shard}"
+
+    def _register_all(self) -> dict:
+        """Registers with every syncer shard; returns the fragments and versions by global id.
+        Shard 0 hands out the session; the other shards take the same one, so a push carries one
+        session whatever shard it goes to."""
+        import ray
+
+        spec = self.spec
+        self.syncers, self.epochs, self.shard_of = [], [], {}
+        fragments, versions, session = {}, {}, None
+        for s in range(spec.syncer_shards):
+            handle = ray.get_actor(self._shard_name(s), namespace=spec.namespace)
+            # (a single syncer, or a region's link standing in for it, takes no session)
+            args = (spec.learner, spec.incarnation) + ((None, session) if session else ())
+            reg = ray.get(handle.register.remote(*args))
+            session = session or reg["session"]
+            self.syncers.append(handle)
+            self.epochs.append(reg["epoch"])
+            ids = reg.get("fragment_ids") or range(len(reg["fragments"]))
+            for p, fragment, version in zip(ids, reg["fragments"], reg["versions"]):
+                fragments[p], versions[p] = fragment, version
+                self.shard_of[p] = s
+        self.epoch = self.epochs[0]
+        order = sorted(fragments)
+        return {"fragments": [fragments[p] for p in order],
+                "versions": [versions[p] for p in order], "session": session}
+
+    def fragment_epochs(self) -> list[int]:
+        """Per fragment, the epoch of the syncer shard that owns it (what its pushes carry)."""
+        return [self.epochs[self.shard_of[p]] for p in range(len(self.shard_of))]
+
+    def syncer_for(self, p: int):
+        """The handle of the syncer shard that owns fragment p."""
+        return self.syncers[self.shard_of[p]]
+
+    def _reregister(self, syncer_shard: int = 0) -> None:
+        """Joins a restarted syncer shard: new epoch, new bases for its fragments; local progress
+        is kept as drift. The other shards' fragments are untouched."""
         import ray
 
         with self.lock:  # what this learner adopted: a restored syncer takes newer versions
             adopted = [(t.base_version, {k: np.asarray(v) for k, v in t.base.items()})
                        for t in self.core.tracks]
+            # One shard keeps the single syncer's fresh session per registration; with several,
+            # every shard shares the learner's one session.
+            session = self.core.session if self.spec.syncer_shards > 1 else None
         deadline = time.time() + 60
         while not self.stop_event.is_set() and time.time() < deadline:
             try:
-                self.syncer = ray.get_actor(self.spec.syncer_name, namespace=self.spec.namespace)
-                reg = ray.get(self.syncer.register.remote(self.spec.learner, self.spec.incarnation,
-                                                          adopted), timeout=10)
+                handle = ray.get_actor(self._shard_name(syncer_shard),
+                                       namespace=self.spec.namespace)
+                args = (self.spec.learner, self.spec.incarnation, adopted) + (
+                    (session,) if session else ())
+                reg = ray.get(handle.register.remote(*args), timeout=10)
+                self.syncers[syncer_shard] = handle
                 break
             except Exception:
                 time.sleep(0.5)
         else:
             return
-        if reg["epoch"] == self.epoch:  # same syncer, a new session: the drift stays as it is
+        if reg["epoch"] == self.epochs[syncer_shard]:
+            # Same syncer, a new session: the drift stays as it is.
             with self.lock:
                 self.core.session = reg["session"]
             return
-        self.epoch = reg["epoch"]
+        self.epochs[syncer_shard] = reg["epoch"]
+        self.epoch = self.epochs[0]
+        ids = reg.get("fragment_ids") if self.spec.syncer_shards > 1 else None
         with self.lock:
-            self.core.reregistered(reg["fragments"], reg["versions"], reg["session"])
+            self.core.reregistered(reg["fragments"], reg["versions"], reg["session"], ids)
             self.stats["reregistered"] += 1
 
     def _beat(self, core, step_time_ema) -> None:
@@ -563,7 +613,7 @@ class _Sender:
             if wait > 0 and self.closed.wait(wait):
                 return
             try:
-                ref = self.unit.syncer.push.remote(push)
+                ref = self.unit.syncer_for(push.fragment).push.remote(push)
             except Exception:  # the syncer handle is dead; the training loop re-registers
                 with self.lock:
                     self.failed.append(push)

@@ -60,12 +60,14 @@ class RegionController(Controller):
         self.fleet = fleet_lib.initial(dataclasses.replace(
             self.fleet.settings, first_shard=shard_base, num_shards=num_shards))
 
-    def _start_syncer(self, epoch: int, restore: bool) -> None:
+    def _start_syncer(self, epoch: int, restore: bool, syncer_shard: int = 0) -> None:
         import ray
 
         self.syncer = ray.get_actor(SYNCER_NAME, namespace=NAMESPACE)
         ready = ray.get(self.syncer.ready.remote(), timeout=self.settings.placement_timeout_s)
         self.syncer_ref = self.syncer.wait_closed.remote()
+        # The link is the region's one syncer (a job with remote regions has one shard).
+        self.syncers[0], self.syncer_refs[0] = self.syncer, self.syncer_ref
         self.emit("link_ready", region=self.region, epoch=ready["epoch"])
 
     def evaluate_now(self) -> Optional[float]:

@@ -103,7 +103,8 @@ def fleet_settings(config) -> FleetSettings:
     return FleetSettings(regions=regions, min_learners=config.quorum.min_learners,
                          policy=restart_policy(config),
                          heartbeat_timeout_s=config.health.timeout_s,
-                         straggler_factor=config.health.straggler_factor)
+                         straggler_factor=config.health.straggler_factor,
+                         syncer_shards=config.syncer.shards)
 
 
 @dataclass(frozen=True)
@@ -136,7 +137,7 @@ def learner_spec(config, training: TrainingSpec, launch, corpus_ref=None,
         min_step_time_s=config.learner.min_step_time_s, latency_ms=region.latency_ms,
         bandwidth_gbps=region.bandwidth_gbps, heartbeat_s=config.health.heartbeat_s,
         peer=f"islands:{launch.peer}" if launch.peer else None, corpus_ref=corpus_ref,
-        env=dict(env or {}))
+        env=dict(env or {}), syncer_shards=config.syncer.shards)
 
 
 def link_server_settings(config, token: str):

@@ -76,8 +76,9 @@ class FaultPlan:
         """No traffic in or out of ``region`` for ``duration_s``."""
         return self.add(Fault(at_s, FaultKind.PARTITION, region, duration_s=duration_s))
 
-    def kill_syncer(self, at_s: float) -> "FaultPlan":
-        return self.add(Fault(at_s, FaultKind.SYNCER_KILL, SYNCER_TARGET))
+    def kill_syncer(self, at_s: float, target: str = SYNCER_TARGET) -> "FaultPlan":
+        """``target``: "syncer" (shard 0) or "syncer:<s>", a syncer shard."""
+        return self.add(Fault(at_s, FaultKind.SYNCER_KILL, target))
 
     # -- replay ---------------------------------------------------------------------------------
     def sorted(self) -> "FaultPlan":

@@ -103,6 +103,12 @@ def format_status(table: dict) -> str:
     s = table["syncer"]
     lines.append(f"syncer: epoch {s.get('epoch')}  merges {s.get('merges')}  "
                  f"versions {s.get('versions')}")
+    shards = s.get("shards") or []
+    if len(shards) > 1:  # one line per syncer shard: its fragments, epoch and merges
+        for row in shards:
+            lines.append(f"  syncer shard {row['shard']}: fragments {row['fragments']}  "
+                         f"epoch {row['epoch']}  merges {row['merges']}  "
+                         f"versions {row['versions']}")
     if table.get("paused_reason"):
         lines.append(f"PAUSED: {table['paused_reason']}")
     return "\n".join(lines)
@@ -163,7 +169,8 @@ def main(argv=None) -> int:
 
     chaos = sub.add_parser("chaos", help="inject a fault on purpose")
     chaos_sub = chaos.add_subparsers(dest="action", required=True)
-    kill = chaos_sub.add_parser("kill", help="kill a learner (us-east:0) or the syncer")
+    kill = chaos_sub.add_parser("kill", help="kill a learner (us-east:0), the syncer, or one "
+                                "syncer shard (syncer:1)")
     kill.add_argument("target")
     kill.add_argument("--mode", choices=("ray_kill", "exit"), default="ray_kill")
     kill.add_argument("--address", default=None)

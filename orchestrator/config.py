@@ -146,12 +146,17 @@ class SyncerSection(_Section):
     snapshot_every_merges: int = Field(10, ge=1)
     checkpoint_dir: Optional[str] = None
     downlink_full_after_versions: Optional[int] = Field(8, ge=0)
+    shards: int = Field(1, ge=1, description="S: syncer actors, each merging its own fragments "
+                        "(balanced by parameter count); at most P")
 
     @model_validator(mode="after")
     def _overlap_below_period(self):
         if self.overlap_steps >= self.sync_every_steps:
             raise ValueError(f"overlap_steps: overlap_steps ({self.overlap_steps}) must be below "
                              f"sync_every_steps ({self.sync_every_steps})")
+        if self.shards > self.fragments:
+            raise ValueError(f"shards: syncer shards ({self.shards}) exceed fragments "
+                             f"({self.fragments}): a shard would own no fragment")
         return self
 
 
@@ -329,8 +334,8 @@ class ChaosSection(_Section):
                 network_mtbf_s=self.network_mtbf_s, network_s=self.network_s,
                 syncer_mtbf_s=self.syncer_mtbf_s)
         for event in self.events:
-            if event.type == "kill" and event.target == "syncer":
-                plan.kill_syncer(event.at_s)
+            if event.type == "kill" and event.target.split(":")[0] == "syncer":
+                plan.kill_syncer(event.at_s, event.target)
             elif event.type == "kill":
                 plan.crash(event.target, event.at_s, event.repair_s,
                            mode="kill" if event.mode == "ray_kill" else "exit")
@@ -427,9 +432,14 @@ class JobConfig(_Section):
         if remote and self.downlink_compression.type != "none":
             raise _FieldError("downlink_compression", f"regions {remote} are remote, and an "
                               "encoded downlink does not cross the link yet: use type none")
+        if remote and self.syncer.shards > 1:
+            raise _FieldError("syncer.shards", f"regions {remote} are remote, and the link "
+                              f"talks to one syncer: syncer.shards ({self.syncer.shards}) must "
+                              "be 1 with remote regions")
         if self.chaos is not None:
             learners, regions = set(self.learner_ids()), set(self.regions)
-            allowed = {"kill": learners | {"syncer"}, "slowdown": learners | regions,
+            syncers = {"syncer"} | {f"syncer:{s}" for s in range(self.syncer.shards)}
+            allowed = {"kill": learners | syncers, "slowdown": learners | regions,
                        "region_loss": regions, "network": regions, "partition": regions}
             for i, event in enumerate(self.chaos.events):
                 if event.target not in allowed[event.type]:

@@ -72,9 +72,14 @@ class Controller:
         self.job_started_s: Optional[float] = None
         self.stop_event = threading.Event()
         self.threads: list[threading.Thread] = []
-        self.syncer = None
+        self.syncer = None                   # shard 0 (the single syncer when S = 1)
         self.syncer_ref = None
-        self.syncer_status: dict = {}
+        self.syncer_status: dict = {}        # every shard's status as one (syncer/shards.py)
+        # Syncer shards (syncer.shards = S): per shard its handle, liveness probe and status.
+        self.syncers: list = []
+        self.syncer_refs: list = []
+        self.shard_status: list = []
+        self.shard_refusals_seen: list = []
         self.syncer_restarts = 0
         self.refusals_seen = 0               # the current syncer's refusals already emitted
         self.syncer_closed: dict = {"rejected": {}, "staleness_counts": {}}
@@ -126,7 +131,9 @@ class Controller:
         warm_compile_cache(self.training, self.template, self.task)
         self.syncer_spec = build.syncer_spec(self.config, self.template, self.run_dir,
                                              self.task.is_embedding)
-        self._start_syncer(epoch=0, restore=self.resume)
+        self._init_shards()
+        for s in range(len(self.shard_specs)):
+            self._start_syncer(epoch=0, restore=self.resume, syncer_shard=s)
         self._refresh_syncer_status()
         self._step([self._applied()])  # launches the configured learners (resumed: at their step)
         for target in (self._owner_loop, self._eval_loop):
@@ -157,17 +164,33 @@ class Controller:
         self.task = build_task(self.training, train_bytes)
         _, self.template, _, _ = build_training(self.training, task=self.task)
 
-    def _start_syncer(self, epoch: int, restore: bool) -> None:
+    def _init_shards(self) -> None:
+        """The syncer shards' specs (one: the single syncer) and their empty slots."""
+        from islands.syncer.shards import shard_specs
+
+        self.shard_specs = shard_specs(self.syncer_spec, self.config.syncer.shards)
+        n = len(self.shard_specs)
+        self.syncers, self.syncer_refs = [None] * n, [None] * n
+        self.shard_status, self.shard_refusals_seen = [{} for _ in range(n)], [0] * n
+
+    def _start_syncer(self, epoch: int, restore: bool, syncer_shard: int = 0) -> None:
+        """Starts one syncer shard (shard 0 keeps the name ``islands:syncer``)."""
         import ray
 
         from islands.syncer.actor import Syncer
+        from islands.syncer.shards import syncer_shard_name
 
-        self.syncer = ray.remote(Syncer).options(**syncer_options(self.jax_cache_dir)).remote(
-            self.syncer_spec, epoch, restore=restore)
-        ready = ray.get(self.syncer.ready.remote(), timeout=self.settings.placement_timeout_s)
-        self.syncer_ref = self.syncer.wait_closed.remote()
+        s = syncer_shard
+        options = dict(syncer_options(self.jax_cache_dir), name=syncer_shard_name(s))
+        handle = ray.remote(Syncer).options(**options).remote(self.shard_specs[s], epoch,
+                                                              restore=restore)
+        ready = ray.get(handle.ready.remote(), timeout=self.settings.placement_timeout_s)
+        self.syncers[s], self.syncer_refs[s] = handle, handle.wait_closed.remote()
+        if s == 0:
+            self.syncer, self.syncer_ref = handle, self.syncer_refs[0]
+        shard = {"shard": s} if len(self.syncers) > 1 else {}
         self.emit("syncer_started", epoch=ready["epoch"], versions=ready["versions"],
-                  restored_from=ready["restored_from"])
+                  restored_from=ready["restored_from"], **shard)
 
     # -- surviving a restart of this actor -------------------------------------------------------
     def _save_state(self) -> None:
@@ -187,7 +210,8 @@ class Controller:
             "syncer_restarts": self.syncer_restarts, "syncer_closed": self.syncer_closed,
             "chaos_fired": self.chaos_fired, "job_started_s": self.job_started_s,
             "started_s": self.started_s, "restarts": getattr(self, "restarts", 0),
-            "syncer_epoch": int(self.syncer_status.get("epoch") or 0)}
+            "syncer_epoch": int(self.syncer_status.get("epoch") or 0),
+            "syncer_epochs": [int(st.get("epoch") or 0) for st in self.shard_status]}
         os.makedirs(self.run_dir, exist_ok=True)
         tmp = self.state_path + ".tmp"
         with open(tmp, "w") as f:
@@ -220,13 +244,21 @@ class Controller:
         enable_compile_cache(self.jax_cache_dir)
         self.syncer_spec = build.syncer_spec(self.config, self.template, self.run_dir,
                                              self.task.is_embedding)
-        try:
-            self.syncer = ray.get_actor(SYNCER_NAME, namespace=NAMESPACE)
-            ray.get(self.syncer.ping.remote(), timeout=30)
-            self.syncer_ref = self.syncer.wait_closed.remote()
-        except Exception:  # it died too: the usual syncer restart
-            self.syncer_restarts += 1
-            self._start_syncer(epoch=saved["syncer_epoch"] + 1, restore=True)
+        self._init_shards()
+        epochs = saved.get("syncer_epochs") or [saved["syncer_epoch"]]
+        for s in range(len(self.shard_specs)):
+            from islands.syncer.shards import syncer_shard_name
+
+            try:
+                handle = ray.get_actor(syncer_shard_name(s), namespace=NAMESPACE)
+                ray.get(handle.ping.remote(), timeout=30)
+                self.syncers[s], self.syncer_refs[s] = handle, handle.wait_closed.remote()
+                if s == 0:
+                    self.syncer, self.syncer_ref = handle, self.syncer_refs[0]
+            except Exception:  # it died too: the usual syncer restart
+                self.syncer_restarts += 1
+                epoch = epochs[s] if s < len(epochs) else max(epochs)
+                self._start_syncer(epoch=epoch + 1, restore=True, syncer_shard=s)
         self._refresh_syncer_status()
         ledger = self.syncer_status.get("ledger", {})
         now = time.time()
@@ -315,7 +347,7 @@ class Controller:
                     self.emit("monitor_error", error=repr(exc)[:300],
                               where=traceback.format_exc(limit=3)[-600:])
             refs = [inc.run_ref for inc in self.running.values() if not inc.remote]
-            refs += [self.syncer_ref] if self.syncer_ref is not None else []
+            refs += [ref for ref in self.syncer_refs if ref is not None]
             if refs:  # wake on a run ending (a real event) or after a short tick
                 ray.wait(refs, num_returns=1, timeout=0.2)
             else:
@@ -435,11 +467,15 @@ class Controller:
         (its drifts kept being refused as garbage) becomes an observation."""
         import ray
 
-        try:
-            refusals, self.refusals_seen = ray.get(
-                self.syncer.refusals_since.remote(self.refusals_seen), timeout=10)
-        except Exception:
-            refusals = []
+        refusals = []
+        for s, handle in enumerate(self.syncers):
+            try:
+                new, self.shard_refusals_seen[s] = ray.get(
+                    handle.refusals_since.remote(self.shard_refusals_seen[s]), timeout=10)
+            except Exception:
+                continue
+            refusals += new
+        self.refusals_seen = sum(self.shard_refusals_seen)
         for refusal in refusals:
             self.emit("push_refused", **refusal)
         return [fleet_lib.Quarantine(name, incarnation, "drifts refused as garbage")
@@ -501,10 +537,14 @@ class Controller:
         """Unregisters it at the syncer and settles the incarnation's tokens."""
         import ray
 
-        try:  # only this incarnation: a newer one may have registered meanwhile (a remote region)
-            ray.get(self.syncer.forget.remote(a.learner, a.incarnation, a.reason), timeout=10)
-        except Exception:
-            pass
+        # Only this incarnation: a newer one may have registered meanwhile (a remote region).
+        refs = [handle.forget.remote(a.learner, a.incarnation, a.reason)
+                for handle in self.syncers]
+        for ref in refs:   # every shard forgets it (one that is down forgets at its restart)
+            try:
+                ray.get(ref, timeout=10)
+            except Exception:
+                pass
         self._refresh_syncer_status()
         closed = self.closed.setdefault(a.learner, {"steps": 0, "up": 0, "down": 0})
         if closed.get("settled") == a.incarnation:
@@ -563,10 +603,10 @@ class Controller:
             if handle is not None:
                 handle.link_fault.remote(a.fault)
 
-    def _do_killsyncer(self, _a) -> None:
+    def _do_killsyncer(self, a) -> None:
         import ray
 
-        ray.kill(self.syncer, no_restart=True)
+        ray.kill(self.syncers[a.syncer_shard], no_restart=True)
 
     # -- regions in their own clusters (link/) --------------------------------------------------
     def link_report(self, report: dict) -> dict:
@@ -602,38 +642,65 @@ class Controller:
 
     # -- the syncer -----------------------------------------------------------------------------
     def _check_syncer(self) -> None:
-        """A dead syncer restarts from its newest snapshot with the next epoch (fencing)."""
+        """A dead syncer shard restarts alone, from its newest snapshot with its next epoch
+        (fencing); the other shards keep merging meanwhile."""
         import ray
 
-        if self.syncer_ref is None or self.stop_event.is_set():
+        if self.stop_event.is_set():
             return
-        ready, _ = ray.wait([self.syncer_ref], timeout=0)
-        if not ready:
-            return
-        old_epoch = self.syncer_status.get("epoch", 0)
+        for s, ref in enumerate(self.syncer_refs):
+            if ref is None:
+                continue
+            ready, _ = ray.wait([ref], timeout=0)
+            if ready:
+                self._restart_syncer_shard(s)
+
+    def _restart_syncer_shard(self, s: int) -> None:
+        last = self.shard_status[s]
+        old_epoch = int(last.get("epoch") or 0)
         with self.lock:  # its counters die with it: keep what it last reported
             for key in ("rejected", "staleness_counts"):
-                for k, n in (self.syncer_status.get(key) or {}).items():
+                for k, n in (last.get(key) or {}).items():
                     self.syncer_closed[key][k] = self.syncer_closed[key].get(k, 0) + n
-            self.syncer_status = {**self.syncer_status, "rejected": {}, "staleness_counts": {}}
-        self.emit("syncer_failed", epoch=old_epoch)
+            self.shard_status[s] = {**last, "rejected": {}, "staleness_counts": {}}
+            self.syncer_status = self._combined_status()
+        shard = {"shard": s} if len(self.syncers) > 1 else {}
+        self.emit("syncer_failed", epoch=old_epoch, **shard)
         self.syncer_restarts += 1
-        self.refusals_seen = 0
-        self._start_syncer(epoch=old_epoch + 1, restore=True)
+        self.shard_refusals_seen[s] = 0
+        self.refusals_seen = sum(self.shard_refusals_seen)
+        self._start_syncer(epoch=old_epoch + 1, restore=True, syncer_shard=s)
         self._refresh_syncer_status()
+
+    def _combined_status(self) -> dict:
+        from islands.syncer.shards import combine_status
+
+        return combine_status(self.shard_status)
 
     def _refresh_syncer_status(self) -> None:
         import ray
 
         slowest = max((s.step_time_s or 0.0 for s in self.fleet.slots.values()
                        if s.state == SlotState.TRAINING), default=0.0) or 1.0
-        try:
-            self.syncer.set_fleet.remote(slowest, self.fleet.paused_reason is not None)
-            status = ray.get(self.syncer.status.remote(), timeout=10)
-        except Exception:
+        refs = {}
+        for s, handle in enumerate(self.syncers):
+            try:
+                handle.set_fleet.remote(slowest, self.fleet.paused_reason is not None)
+                refs[s] = handle.status.remote()
+            except Exception:
+                continue
+        statuses = {}
+        for s, ref in refs.items():
+            try:
+                statuses[s] = ray.get(ref, timeout=10)
+            except Exception:   # a shard that cannot answer keeps its last status
+                continue
+        if not statuses:
             return
         with self.lock:
-            self.syncer_status = status
+            for s, status in statuses.items():
+                self.shard_status[s] = status
+            self.syncer_status = self._combined_status()
 
     # -- evaluation -----------------------------------------------------------------------------
     def _eval_loop(self) -> None:
@@ -652,7 +719,9 @@ class Controller:
 
         if not hasattr(self, "_evaluate"):
             self._evaluate = eval_loss_fn(self.training, self.template, self.task)
-        flat, _ = ray.get(self.syncer.global_params.remote(), timeout=30)
+        flat = {}
+        for part, _ in ray.get([h.global_params.remote() for h in self.syncers], timeout=30):
+            flat.update(part)   # each shard holds its own fragments' tensors
         loss = self._evaluate(flat)
         with self.lock:
             if self.initial_eval_loss is None:
@@ -698,7 +767,8 @@ class Controller:
     def status_table(self) -> dict:
         snap = self.snapshot()
         return {"learners": snap["learners"],
-                "syncer": {k: snap["syncer"].get(k) for k in ("epoch", "versions", "merges")},
+                "syncer": {k: snap["syncer"].get(k)
+                           for k in ("epoch", "versions", "merges", "shards")},
                 "paused_reason": snap["paused_reason"]}
 
     # -- operator commands ----------------------------------------------------------------------
@@ -712,9 +782,9 @@ class Controller:
 
     def chaos_kill(self, target: str, mode: str = "ray_kill") -> str:
         """Kills a learner (``ray.kill`` or a hard exit inside it) or the syncer, on purpose."""
-        if target == "syncer":
-            self._command(fleet_lib.Chaos(Fault(time.time(), FaultKind.SYNCER_KILL, "syncer")))
-            return "killed syncer"
+        if target.split(":")[0] == "syncer":  # "syncer" (shard 0) or "syncer:<shard>"
+            self._command(fleet_lib.Chaos(Fault(time.time(), FaultKind.SYNCER_KILL, target)))
+            return f"killed {target}"
         if mode not in ("ray_kill", "exit"):
             raise ValueError(f"unknown kill mode {mode!r}; choose ray_kill or exit")
         kind = FaultKind.KILL if mode == "ray_kill" else FaultKind.EXIT
@@ -768,7 +838,7 @@ class Controller:
         self._step(self._ended_runs())
         self._refresh_syncer_status()
         try:  # the newest state on disk: `islands run --resume` continues from exactly here
-            ray.get(self.syncer.snapshot_now.remote(), timeout=60)
+            ray.get([h.snapshot_now.remote() for h in self.syncers], timeout=60)
         except Exception as exc:
             log.warning("final snapshot failed: %s", exc)
         try:

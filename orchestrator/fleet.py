@@ -69,6 +69,7 @@ class FleetSettings:
     restart_retry_s: float = 0.2        # a launch that failed (name not released yet) retries
     first_shard: int = 0                # a region agent's fleet: its region's first data shard
     num_shards: Optional[int] = None    # ... and the job's shard count (None: count the slots)
+    syncer_shards: int = 1              # syncer shards (members the fleet can kill and restart)
 
 
 @dataclass(frozen=True)
@@ -333,7 +334,7 @@ class LinkFault:
 
 @dataclass(frozen=True)
 class KillSyncer:
-    pass
+    syncer_shard: int = 0     # which syncer shard (syncer/shards.py); the others keep merging
 
 
 Action = Union[Launch, Kill, Forget, DrainLearner, PauseLearner, Slowdown, Hang, LinkFault,
@@ -580,8 +581,12 @@ class _Machine:
                              if s.state in LIVE)
             self.actions.append(LinkFault(learners, fault))
         elif kind == FaultKind.SYNCER_KILL:
-            self.note("chaos", None, action="kill", target="syncer", mode="ray_kill")
-            self.actions.append(KillSyncer())
+            shard = fault.syncer_shard
+            if shard >= self.settings.syncer_shards:
+                raise CommandError(f"syncer shard {shard} does not exist (syncer.shards = "
+                                   f"{self.settings.syncer_shards})")
+            self.note("chaos", None, action="kill", target=fault.target, mode="ray_kill")
+            self.actions.append(KillSyncer(shard))
         else:  # pragma: no cover - FaultKind is closed
             raise CommandError(f"unknown fault kind {kind!r}")
 

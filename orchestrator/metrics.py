@@ -67,6 +67,10 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("islands_compression_relative_error", "gauge", (),
                "Mean over live learners of the last push's ||decode(code) - drift|| / ||drift||"),
     MetricSpec("islands_syncer_epoch", "gauge", (), "Syncer incarnation (bumped on restart)"),
+    MetricSpec("islands_syncer_shard_epoch", "gauge", ("shard",),
+               "A syncer shard's incarnation (bumped when that shard restarts)"),
+    MetricSpec("islands_syncer_shard_merges", "counter", ("shard",),
+               "Merges of the fragments a syncer shard owns (the sum of their versions)"),
     MetricSpec("islands_learners", "gauge", ("state", "region"), "Learners by state and region"),
     MetricSpec("islands_train_loss", "gauge", (), "Mean training loss of the training learners"),
     MetricSpec("islands_eval_loss", "gauge", (), "Held-out loss of the global parameters"),
@@ -253,6 +257,13 @@ def families(snap: Mapping[str, Any]) -> list:
     epoch = gauge("islands_syncer_epoch")
     epoch.add_metric([], float(syncer.get("epoch") or 0))
     out.append(epoch)
+
+    shard_epoch, shard_merges = gauge("islands_syncer_shard_epoch"), counter(
+        "islands_syncer_shard_merges")
+    for row in syncer.get("shards") or []:
+        shard_epoch.add_metric([str(row["shard"])], float(row["epoch"]))
+        shard_merges.add_metric([str(row["shard"])], float(row["merges"]))
+    out += [shard_epoch, shard_merges]
 
     learners = gauge("islands_learners")
     regions = sorted(snap["wire_bytes"]) or sorted({l["region"] for l in snap["learners"].values()})

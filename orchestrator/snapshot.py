@@ -94,7 +94,7 @@ class JobSnapshot:
 
 SYNCER_KEYS = ("epoch", "versions", "merges", "merges_by_fragment", "quorum_size",
                "grace_window_s", "staleness_counts", "rejected", "wire_bytes_up",
-               "wire_bytes_down")
+               "wire_bytes_down", "shards")
 
 
 def job_snapshot(controller: Any) -> JobSnapshot:

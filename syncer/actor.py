@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from . import downlink as downlink_lib
+from . import shards as shards_lib
 from .core import SyncerCore, SyncerSettings
+from .shards import SYNCER_NAME  # noqa: F401  (shard 0's name; shards.syncer_shard_name)
 from .validate import Push
 
 log = logging.getLogger("islands.syncer")
-
-SYNCER_NAME = "islands:syncer"
 
 
 @dataclass(frozen=True)
@@ -58,6 +58,10 @@ class SyncerSpec:
     embedding_paths: Optional[tuple] = None   # the task's embedding tensors (else the prefix)
     checkpoint_dir: Optional[str] = None
     snapshot_every_merges: int = 10
+    # A syncer shard (syncer/shards.py): the global ids of ``fragments`` (None: all of them, in
+    # order: the single syncer) and which shard this is.
+    fragment_ids: Optional[tuple] = None
+    syncer_shard: int = 0
 
 
 def downlink_settings(spec: SyncerSpec) -> downlink_lib.DownlinkSettings:
@@ -116,7 +120,15 @@ class Syncer:
     async def ready(self) -> dict:
         self._ensure_loop()
         return {"epoch": self.core.epoch, "versions": list(self.core.versions),
-                "restored_from": self.restored_from}
+                "restored_from": self.restored_from, "syncer_shard": self.spec.syncer_shard,
+                "fragment_ids": self._ids()}
+
+    def _ids(self) -> list[int]:
+        """The global ids of this shard's fragments, in local order."""
+        return [self._global(i) for i in range(len(self.core.slots))]
+
+    def _global(self, i: int) -> int:
+        return shards_lib.globalize(self.spec.fragment_ids, i)
 
     def _ensure_loop(self) -> None:
         if self._loop_task is None:
@@ -149,53 +161,62 @@ class Syncer:
         t0 = time.monotonic()
         result = self.core.merge(p, reason, live_count=len(self.core.learners))
         self.sync_s = 0.8 * self.sync_s + 0.2 * (time.monotonic() - t0)
+        g = self._global(p)   # waiters are kept by local id; learners and books see global ids
         if result.refused:  # Θ kept: every waiting push is answered with the refusal
             for name in result.learners:
                 future = self.waiters[p].pop(name, None)
                 if future is not None and not future.done():
-                    future.set_result(Reply("rejected", p, self.core.epoch, result.params,
+                    future.set_result(Reply("rejected", g, self.core.epoch, result.params,
                                             result.version, result.reason,
                                             "the merged fragment was not finite"))
             return
-        self.merges_by_fragment[p] += 1
-        self.last_quorum[p] = len(result.learners)
+        self.merges_by_fragment[g] += 1
+        self.last_quorum[g] = len(result.learners)
         for s in result.staleness:
             self.staleness_counts[s] += 1
-        self.merge_events.append({"t": time.time(), "fragment": p, "version": result.version,
+        self.merge_events.append({"t": time.time(), "fragment": g, "version": result.version,
                                   "learners": list(result.learners), "reason": reason})
         waiters = self.waiters[p]
         for name, update in self.core.updates(result).items():
             future = waiters.pop(name, None)
             if future is not None and not future.done():
                 self.wire_bytes_down[name] += downlink_lib.update_bytes(update)
-                future.set_result(Reply("merged", p, self.core.epoch, version=result.version,
+                future.set_result(Reply("merged", g, self.core.epoch, version=result.version,
                                         update=update))
         if self.store and sum(self.core.versions) % self.spec.snapshot_every_merges == 0:
             self.store.save(self.core)
 
     # -- the data path --------------------------------------------------------------------------
     async def register(self, learner: str, incarnation: int,
-                       adopted: Optional[list] = None) -> dict:
+                       adopted: Optional[list] = None, session: Optional[str] = None) -> dict:
         """Admits a learner incarnation. ``adopted``: [(version, fragment)] the learner holds,
-        offered after a syncer restart so that merges newer than the snapshot are not lost."""
+        indexed by global fragment id, offered after a syncer restart so that merges newer than
+        the snapshot are not lost. ``session``: the token the learner already carries to the
+        other syncer shards (None: a fresh one). Returns this shard's fragments (global ids in
+        ``fragment_ids``), their versions, the epoch and the session."""
         self._ensure_loop()
+        adopted = shards_lib.localize_adopted(self.spec.fragment_ids, adopted)
         if adopted:
             self.core.catch_up(learner, incarnation, adopted)
-        session = secrets.token_hex(16)  # every push of this incarnation must carry it
+        # Every push of this incarnation must carry it.
+        session = session if session else secrets.token_hex(16)
         epoch, frags = self.core.register(learner, incarnation, session)
         self._wake.set()  # the live set changed
         return {"epoch": epoch, "fragments": [f for f, _ in frags],
-                "versions": [v for _, v in frags], "session": session}
+                "versions": [v for _, v in frags], "session": session,
+                "fragment_ids": self._ids(), "syncer_shard": self.spec.syncer_shard}
 
     async def push(self, push: Push) -> Reply:
         self._ensure_loop()
+        g = push.fragment
+        push = shards_lib.localize_push(self.spec.fragment_ids, push)
         verdict = self.core.accept_push(push, time.monotonic())
         self.wire_bytes_up[push.learner] += push.wire_bytes
         if not verdict.ok:  # logged (WARNING) and recorded by the core
             params, version = (self.core.fragment(push.fragment)
                                if 0 <= push.fragment < len(self.core.slots) else (None, -1))
             # The current fragment rides along so the learner can start over from it.
-            return Reply("rejected", push.fragment, self.core.epoch, params=params, version=version,
+            return Reply("rejected", g, self.core.epoch, params=params, version=version,
                          reason=verdict.reason.value, detail=verdict.detail)
         future = asyncio.get_event_loop().create_future()
         self.waiters[push.fragment][push.learner] = future
@@ -237,14 +258,14 @@ class Syncer:
                          "applied_compute_s": e.applied_compute_total_s,
                          "applied_compute_incarnation_s": e.applied_compute_s,
                          "applied_step": e.applied_step,
-                         "merged_steps": dict(e.merged_steps),
+                         "merged_steps": {self._global(p): v for p, v in e.merged_steps.items()},
                          "merged_tokens_total": e.merged_tokens_total, "fates": e.fates}
                   for name, e in self.core.ledger.items()}
         return {
             "epoch": self.core.epoch,
             "versions": list(self.core.versions),
             "merges": int(sum(self.core.versions)),  # survives restarts: versions are snapshotted
-            "merges_by_fragment": {p: v for p, v in enumerate(self.core.versions)},
+            "merges_by_fragment": {self._global(p): v for p, v in enumerate(self.core.versions)},
             "quorum_size": dict(self.last_quorum),
             "grace_window_s": self.last_grace_s,
             "staleness_counts": dict(self.staleness_counts),
@@ -256,22 +277,28 @@ class Syncer:
             "wire_bytes_up": dict(self.wire_bytes_up),
             "wire_bytes_down": dict(self.wire_bytes_down),
             "restored_from": self.restored_from,
+            "syncer_shard": self.spec.syncer_shard,
+            "fragment_ids": self._ids(),
         }
 
     async def fragment_at(self, p: int, version: int) -> Optional[dict]:
         """Fragment p at ``version`` if it is still in the history, else None."""
-        return self.core.slots[p].history.get(version)
+        i = shards_lib.localize(self.spec.fragment_ids, p)
+        return None if i < 0 else self.core.slots[i].history.get(version)
 
     async def shadow(self, learner: str, p: int) -> Optional[tuple]:
         """(shadow id, version, fragment) the syncer records for what ``learner`` holds of
         fragment p after its last encoded update, or None."""
-        shadow = self.core.shadows.get((learner, p))
+        shadow = self.core.shadows.get((learner, shards_lib.localize(self.spec.fragment_ids, p)))
         return None if shadow is None else (shadow.shadow_id, shadow.version, shadow.params)
 
     async def refusals_since(self, total: int) -> tuple[list[dict], int]:
         """Refusals after the first ``total`` this syncer made (the newest 10,000 are kept)."""
         new = self.core.refusals_total - total
         recent = list(self.core.refusals)[-new:] if new > 0 else []
+        if self.spec.fragment_ids is not None:
+            recent = [dict(r, fragment=self._global(r["fragment"])
+                           if isinstance(r["fragment"], int) else r["fragment"]) for r in recent]
         return recent, self.core.refusals_total
 
     async def recent_merges(self, since_s: float) -> list[dict]:

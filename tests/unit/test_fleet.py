@@ -182,6 +182,19 @@ def test_chaos_kill_with_repair_waits_for_the_repair_counted_from_detection():
     assert result.fleet.slots["a:0"].restart_at_s == pytest.approx(2.1 + 4.0)  # repair > 0.5
 
 
+def test_a_syncer_shard_kill_names_its_shard_and_an_unknown_shard_is_refused():
+    fleet = training(settings(syncer_shards=2))
+    result = F.step(fleet, [F.Chaos(Fault(2.0, FaultKind.SYNCER_KILL, "syncer:1"))], 2.0)
+    assert result.actions == (F.KillSyncer(1),)
+    assert result.transitions[0].fields["target"] == "syncer:1"
+    assert F.step(fleet, [F.Chaos(Fault(2.0, FaultKind.SYNCER_KILL, "syncer"))],
+                  2.0).actions == (F.KillSyncer(0),)
+    with pytest.raises(F.CommandError, match=r"syncer shard 2 does not exist \(syncer.shards = 2\)"):
+        F.check_command(fleet, F.Chaos(Fault(2.0, FaultKind.SYNCER_KILL, "syncer:2")))
+    with pytest.raises(ValueError, match="'syncer' or 'syncer:<shard>', got 'syncer:x'"):
+        Fault(2.0, FaultKind.SYNCER_KILL, "syncer:x")
+
+
 def test_chaos_region_loss_kills_every_running_learner_of_the_region():
     result = F.step(training(), [F.Chaos(Fault(2.0, FaultKind.REGION_LOSS, "a", 1.0))], 2.0)
     assert result.transitions[0].fields["action"] == "region_loss"
