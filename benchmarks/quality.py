@@ -24,8 +24,12 @@ The end points (data-parallel, streaming, product, mixed) run for every seed; th
 rows for the first seed only. Gaps are fractions of the data-parallel loss of the same seed; the
 JSON gives the mean and the spread (min, max) over seeds.
 
-    python benchmarks/quality.py --quick       # 240 steps per learner, 3 seeds, < 10 min here
-    python benchmarks/quality.py               # 1 500 steps per learner, 3 seeds
+    python benchmarks/quality.py --quick       # 240 steps per learner, 3 seeds, ~8–12 min here
+    python benchmarks/quality.py               # 600 steps per learner, 3 seeds, ~20 min here
+    python benchmarks/quality.py --steps 1500  # longer (about an hour here with 3 seeds)
+
+The full length was 1 500 steps when the benchmark had 5 single-seed runs; with 3 seeds for the
+end points (16 runs) it is 600 steps, so that it fits a working session on 2 cores.
 
 Prints a table, then one JSON object as the last line (``dp_loss``, ``product_loss``,
 ``product_gap``, ``streaming_gap``, ``decoupling_gap``, ``mixed_vs_uniform``, ...); writes
@@ -93,7 +97,7 @@ def main() -> None:
     p.add_argument("--seeds", type=int, default=3, help="seeds for the end points")
     args = p.parse_args()
     watch = C.Stopwatch()
-    steps = args.steps or (240 if args.quick else 1500)
+    steps = args.steps or (240 if args.quick else 600)
     ids = [f"{r}:{i}" for r in REGIONS for i in range(2)]
     m = len(ids)
     defaults = user_defaults(m)
