@@ -8,6 +8,7 @@ import glob
 import json
 import os
 import re
+import shlex
 
 import jsonschema
 import pytest
@@ -28,6 +29,10 @@ RAY_KINDS = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.
 # Objects of CRDs kubernetes-validate has no schema for; checked field by field below.
 MONITOR_KINDS = {"ServiceMonitor", "PodMonitor"}
 CASES = ["default"] + [os.path.basename(p) for p in EXAMPLES]
+# Region releases (`link.region.enabled`) render no JobConfig: their agent fetches the home's.
+REGION_CASES = [c for c in CASES if c != "default" and yaml.safe_load(
+    open(os.path.join(REPO, "deploy", "helm", c))).get("link", {}).get("region", {}).get("enabled")]
+HOME_CASES = [c for c in CASES if c not in REGION_CASES]
 
 
 @functools.lru_cache(maxsize=None)
@@ -109,7 +114,8 @@ def test_lint_passes(case):
     assert report["errors"] == [] and errors == [], report
 
 
-@pytest.mark.parametrize("case, extra", [(c, {}) for c in CASES] + [("default", {"mode": "cluster"})])
+@pytest.mark.parametrize("case, extra", [(c, {}) for c in CASES] + [
+    ("default", {"mode": "cluster"}), ("values-region.yaml", {"mode": "cluster"})])
 def test_ray_objects_match_kuberay_crds(case, extra):
     objs = objects({**example_values(case), **extra})
     ray = [o for o in objs if o["kind"] in RAY_KINDS]
@@ -131,7 +137,10 @@ def test_crd_validation_can_fail():
 def test_core_objects_match_kubernetes_schemas(case):
     core = [o for o in objects(example_values(case)) if o["kind"] not in set(RAY_KINDS) | MONITOR_KINDS]
     kinds = {o["kind"] for o in core}
-    assert {"ConfigMap", "Secret", "Service", "NetworkPolicy"} <= kinds, kinds
+    if case in REGION_CASES:   # no JobConfig, no controller /metrics: the home has both
+        assert {"Secret", "NetworkPolicy"} <= kinds and not kinds & {"ConfigMap", "Service"}, kinds
+    else:
+        assert {"ConfigMap", "Secret", "Service", "NetworkPolicy"} <= kinds, kinds
     for obj in core:
         kubernetes_validate.validate(obj, KUBE_VERSION, strict=True)
     with pytest.raises(kubernetes_validate.ValidationError):
@@ -139,7 +148,7 @@ def test_core_objects_match_kubernetes_schemas(case):
         kubernetes_validate.validate(broken, KUBE_VERSION, strict=True)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", HOME_CASES)
 def test_rendered_job_config_passes_islands_validation(case):
     values = example_values(case)
     objs = objects(values)
@@ -152,6 +161,11 @@ def test_rendered_job_config_passes_islands_validation(case):
     for name, region in enabled.items():
         assert config.regions[name].learners == region["learners"]
         assert config.regions[name].max_learners == (region.get("maxLearners") or region["learners"])
+        assert config.regions[name].remote is bool(region.get("remote"))
+    # One worker group per region of this cluster; none for a remote one.
+    groups = [g["groupName"] for g in cluster_spec(objs)["workerGroupSpecs"]]
+    assert sorted(groups) == sorted(n for n, r in enabled.items() if not r.get("remote"))
+    assert (config.link.port is not None) == merged["link"]["server"]["enabled"]
     assert config.metrics.host == "0.0.0.0" and config.metrics.port == merged["metrics"]["port"]
     # The entrypoint reads the file the head mounts.
     job = only(objs, "RayJob")
@@ -324,7 +338,26 @@ def test_grafana_dashboard_configmap_is_the_project_dashboard():
     ({"regions": {"local": {"replica": 3}}}, "additional properties 'replica' not allowed"),
     ({"regions": {"Us_East": {}}}, "/regions"),
     ({"regions": {"local": {"accelerator": {"type": "tpu", "topology": "2x2x1"}}}}, "/regions/local/accelerator"),
-    ({"link": {"enabled": True}}, "/link/enabled"),
+    ({"link": {"enabled": True}}, "additional properties 'enabled' not allowed"),
+    ({"link": {"server": {"enabled": True}}}, "/link/server/tokenSecret/name"),
+    ({"link": {"server": {"enabled": True, "tokenSecret": {"name": "t"}}}},
+     "/link/server/tlsSecret/name"),
+    ({"link": {"server": {"enabled": True, "tokenSecret": {"name": "t"}, "tlsSecret": {"name": "c"},
+                          "port": 70000}}}, "/link/server/port"),
+    ({"link": {"server": {"serviceType": "ExternalName"}}}, "/link/server/serviceType"),
+    ({"link": {"region": {"enabled": True, "name": "far", "tokenSecret": {"name": "t"}}}},
+     "/link/region/home"),
+    ({"link": {"region": {"enabled": True, "home": "home.example.com", "name": "far",
+                          "tokenSecret": {"name": "t"}}}}, "/link/region/home"),
+    ({"link": {"region": {"enabled": True, "home": "home.example.com:7443",
+                          "tokenSecret": {"name": "t"}}}}, "/link/region/name"),
+    ({"link": {"region": {"enabled": True, "home": "h:7443", "name": "far"}}},
+     "/link/region/tokenSecret/name"),
+    ({"link": {"region": {"token": "inline-secret"}}}, "additional properties 'token' not allowed"),
+    ({"link": {"server": {"enabled": True, "tokenSecret": {"name": "t"}, "tlsSecret": {"name": "c"}},
+               "region": {"enabled": True, "home": "h:7443", "name": "far",
+                          "tokenSecret": {"name": "t"}}}}, "/link"),
+    ({"regions": {"far": {"remote": False, "learners": 1}}}, "/regions/far': missing properties 'accelerator', 'resources'"),
     ({"jobConfig": {"regions": {}}}, "/jobConfig"),
 ])
 def test_schema_rejects(values, message):
@@ -372,3 +405,179 @@ def test_every_value_is_documented():
         readme = f.read()
     top = [k for k in chart().values if k != "global"]
     assert [k for k in top if f"`{k}" not in readme] == []
+
+
+# -- regions in their own clusters: the home's link server and region releases --------------------
+LINK_SECRETS = {"tokenSecret": {"name": "link-token"}, "tlsSecret": {"name": "link-tls"}}
+
+
+def head_pod(objs: list[dict]) -> dict:
+    return cluster_spec(objs)["headGroupSpec"]["template"]["spec"]
+
+
+def mounted_secrets(pod: dict) -> dict[str, tuple[str, list[str]]]:
+    """mount path -> (Secret name, its keys) of the head container's Secret volumes."""
+    volumes = {v["name"]: v["secret"] for v in pod["volumes"] if "secret" in v}
+    return {m["mountPath"]: (volumes[m["name"]]["secretName"],
+                             [i["key"] for i in volumes[m["name"]]["items"]])
+            for m in pod["containers"][0]["volumeMounts"] if m["name"] in volumes}
+
+
+def job_config(objs: list[dict]):
+    cm = next(o for o in objs if o["kind"] == "ConfigMap"
+              and o["metadata"]["name"] == "demo-islands-job")
+    return parse(yaml.safe_load(cm["data"]["job.yaml"]))
+
+
+def test_home_release_serves_the_link_and_leaves_remote_regions_out():
+    values = example_values("values-home-link.yaml")
+    objs = objects(values)
+    config = job_config(objs)
+    remote = [n for n, r in values["regions"].items() if r.get("remote")]
+    assert remote == ["europe-west4"] and config.regions["europe-west4"].remote is True
+    assert config.regions["us-east5"].remote is False
+    assert [g["groupName"] for g in cluster_spec(objs)["workerGroupSpecs"]] == ["us-east5"]
+    # JobConfig `link`: the port, every interface, and files where the Secrets are mounted.
+    assert (config.link.port, config.link.host) == (7443, "0.0.0.0")
+    pod = head_pod(objs)
+    secrets = mounted_secrets(pod)
+    token_dir, token_file = os.path.split(config.link.token_file)
+    assert secrets[token_dir] == ("islands-link-token", [token_file])
+    tls_dir = os.path.dirname(config.link.tls.cert_file)
+    name, keys = secrets[tls_dir]
+    assert name == "islands-link-tls"
+    assert sorted(os.path.basename(f) for f in (config.link.tls.cert_file, config.link.tls.key_file,
+                                                config.link.tls.client_ca_file)) == sorted(keys)
+    assert all(m["readOnly"] for m in pod["containers"][0]["volumeMounts"] if m["mountPath"] in secrets)
+    # The Service exposes the head's link port.
+    service = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "demo-islands-link")
+    (port,) = service["spec"]["ports"]
+    assert port["port"] == 7443 and service["spec"]["type"] == "LoadBalancer"
+    assert service["spec"]["loadBalancerSourceRanges"] == ["203.0.113.0/24"]
+    ports = {p["name"]: p["containerPort"] for p in pod["containers"][0]["ports"]}
+    assert ports[port["targetPort"]] == 7443
+    head_labels = cluster_spec(objs)["headGroupSpec"]["template"]["metadata"]["labels"]
+    assert service["spec"]["selector"].items() <= head_labels.items()
+    # The NetworkPolicy opens the link port to the configured sources only.
+    rules = only(objs, "NetworkPolicy")["spec"]["ingress"]
+    (link_rule,) = [r for r in rules if {"port": 7443, "protocol": "TCP"} in r.get("ports", [])]
+    assert link_rule["from"] == [{"ipBlock": {"cidr": "203.0.113.0/24"}}]
+    # Secrets are referenced, never inlined: the chart's only Secret is the Ray token.
+    assert [o["metadata"]["name"] for o in objs if o["kind"] == "Secret"] == ["demo-islands-ray-token"]
+
+
+def test_link_server_defaults_are_cluster_ip_and_open_to_any_source():
+    values = {"link": {"server": {"enabled": True, **LINK_SECRETS}},
+              "regions": {"far": {"learners": 2, "remote": True}}}
+    objs = objects(values)
+    service = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "demo-islands-link")
+    assert service["spec"]["type"] == "ClusterIP" and service["spec"]["ports"][0]["port"] == 7443
+    assert "loadBalancerSourceRanges" not in service["spec"]
+    kubernetes_validate.validate(service, KUBE_VERSION, strict=True)
+    rules = only(objs, "NetworkPolicy")["spec"]["ingress"]
+    assert {"ports": [{"port": 7443, "protocol": "TCP"}]} in rules   # no `from`: any source
+    config = job_config(objs)
+    assert config.link.tls.client_ca_file is None       # no mutual TLS unless clientCaKey is set
+    assert config.link.token_file == "/etc/islands-link/token/token"
+    assert sorted(config.regions) == ["far", "local"]
+    assert [g["groupName"] for g in cluster_spec(objs)["workerGroupSpecs"]] == ["local"]
+    # Off by default: no link Service, no link port, no link in the JobConfig.
+    objs = objects()
+    assert not [o for o in objs if o["metadata"]["name"].endswith("-link")]
+    assert job_config(objs).link.port is None
+    assert "islands-link" not in {p["name"] for p in head_pod(objs)["containers"][0]["ports"]}
+    assert all(r.get("ports") != [{"port": 7443, "protocol": "TCP"}]
+               for r in only(objs, "NetworkPolicy")["spec"]["ingress"])
+
+
+def test_only_remote_regions_render_an_empty_worker_list():
+    values = {"link": {"server": {"enabled": True, **LINK_SECRETS}},
+              "regions": {"local": {"disabled": True}, "far": {"learners": 2, "remote": True}}}
+    objs = objects(values)
+    assert cluster_spec(objs)["workerGroupSpecs"] == []
+    assert crd_errors(only(objs, "RayJob")) == []
+
+
+def test_region_release_renders_one_worker_group_and_the_agent():
+    values = example_values("values-region.yaml")
+    objs = objects(values)
+    job = only(objs, "RayJob")
+    (group,) = cluster_spec(objs)["workerGroupSpecs"]
+    assert group["groupName"] == "europe-west4"
+    assert region_resources(group) == {"region:europe-west4": 1}
+    limits = group["template"]["spec"]["containers"][0]["resources"]["limits"]
+    assert limits["nvidia.com/gpu"] == 1
+    assert group["template"]["spec"]["nodeSelector"] == {
+        "cloud.google.com/gke-accelerator": "nvidia-h100-80gb"}
+    # The agent: `islands region join` with the home, the region and files from the Secrets.
+    argv = shlex.split(job["spec"]["entrypoint"])
+    assert argv[:3] == ["islands", "region", "join"]
+    flags = dict(zip(argv[3::2], argv[4::2]))
+    assert flags["--home"] == "islands-link.example.com:7443"
+    assert flags["--region"] == "europe-west4" and flags["--address"] == "auto"
+    secrets = mounted_secrets(head_pod(objs))
+    token_dir, token_key = os.path.split(flags["--token-file"])
+    assert secrets[token_dir] == ("islands-link-token", [token_key])
+    tls_dir = os.path.dirname(flags["--ca-cert"])
+    assert secrets[tls_dir] == ("islands-link-client", ["ca.crt", "tls.crt", "tls.key"])
+    assert [os.path.basename(flags[f]) for f in ("--ca-cert", "--client-cert", "--client-key")] == [
+        "ca.crt", "tls.crt", "tls.key"]
+    # No JobConfig (the agent fetches the home's) and no controller /metrics objects.
+    assert not [o for o in objs if o["kind"] in ("ConfigMap", "Service")]
+    mounts = [m["mountPath"] for m in head_pod(objs)["containers"][0]["volumeMounts"]]
+    assert "/etc/islands" not in mounts
+    # It joins as the region the home example marks remote, with the same learner counts.
+    home = example_values("values-home-link.yaml")["regions"]["europe-west4"]
+    mine = values["regions"]["europe-west4"]
+    assert home["remote"] and (home["learners"], home["maxLearners"]) == (
+        mine["learners"], mine["maxLearners"])
+    assert (group["replicas"], group["maxReplicas"]) == (mine["learners"], mine["maxLearners"])
+
+
+def test_region_release_without_tls_secret_uses_system_roots():
+    values = {"regions": {"local": {"disabled": True}, "far": {
+        "learners": 1, "accelerator": {"type": "cpu"},
+        "resources": {"requests": {"cpu": "1"}, "limits": {"cpu": "1"}}}},
+        "job": {"extraArgs": ["--duration", "600"]},
+        "link": {"region": {"enabled": True, "name": "far", "home": "10.0.0.5:7443",
+                            "serverName": "link.example.com", "tokenSecret": {"name": "tok"}}}}
+    objs = objects(values)
+    argv = shlex.split(only(objs, "RayJob")["spec"]["entrypoint"])
+    assert "--ca-cert" not in argv and "--client-cert" not in argv
+    assert argv[argv.index("--server-name") + 1] == "link.example.com"
+    assert argv[-2:] == ["--duration", "600"]
+    pod = head_pod(objs)
+    assert [v["name"] for v in pod["volumes"] if "secret" in v] == ["link-token"]
+    # mode: cluster keeps the cluster up and prints the agent's submit command.
+    values["mode"] = "cluster"
+    notes = render(values)["islands/templates/NOTES.txt"]
+    assert "ray job submit --address http://127.0.0.1:8265 -- islands region join --home 10.0.0.5:7443" in notes
+    assert only(objects(values), "RayCluster")
+
+
+@pytest.mark.parametrize("values, message", [
+    ({"regions": {"far": {"learners": 2, "remote": True}}}, "regions.far.remote: a remote region joins"),
+    ({"link": {"server": {"enabled": True, **LINK_SECRETS}}, "jobConfig": {"link": {"port": 9000}}},
+     "jobConfig.link.port: set by the chart"),
+    ({"link": {"region": {"enabled": True, "name": "far", "home": "h:7443",
+                          "tokenSecret": {"name": "t"}}}}, 'link.region.name: "far" is not'),
+    ({"regions": {"far": {"learners": 1, "accelerator": {"type": "cpu"}, "resources": {
+        "requests": {"cpu": "1"}, "limits": {"cpu": "1"}}}},
+      "link": {"region": {"enabled": True, "name": "far", "home": "h:7443",
+                          "tokenSecret": {"name": "t"}}}}, "renders only regions.far; disable the others"),
+    ({"regions": {"local": {"remote": True}},
+      "link": {"region": {"enabled": True, "name": "local", "home": "h:7443",
+                          "tokenSecret": {"name": "t"}}}}, "regions.local.remote: only a home release"),
+])
+def test_link_misconfigurations_fail_with_the_key(values, message):
+    with pytest.raises(hp.HelmError, match=re.escape(message)):
+        render(values)
+
+
+def test_link_notes_say_how_to_join():
+    notes = render(example_values("values-home-link.yaml"))["islands/templates/NOTES.txt"]
+    assert "Service demo-islands-link (LoadBalancer)" in notes
+    assert "--set link.region.name=europe-west4" in notes
+    notes = render(example_values("values-region.yaml"))["islands/templates/NOTES.txt"]
+    assert "joins the home job at islands-link.example.com:7443" in notes
+    assert "islands region join --home islands-link.example.com:7443 --region europe-west4" in notes

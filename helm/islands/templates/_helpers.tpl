@@ -47,6 +47,73 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- toJson $out -}}
 {{- end -}}
 
+{{/* The regions that get a worker group in this release, as a dict name -> region: in a region
+     release (`link.region.enabled`) the one it joins as; otherwise every enabled region that is
+     not `remote` (a remote region runs in its own cluster). */}}
+{{- define "islands.workerRegions" -}}
+{{- $out := dict -}}
+{{- $all := include "islands.regions" . | fromJson -}}
+{{- if .Values.link.region.enabled -}}
+{{- $name := .Values.link.region.name -}}
+{{- if hasKey $all $name -}}{{- $_ := set $out $name (get $all $name) -}}{{- end -}}
+{{- else -}}
+{{- range $name, $region := $all -}}
+{{- if not $region.remote -}}{{- $_ := set $out $name $region -}}{{- end -}}
+{{- end -}}
+{{- end -}}
+{{- toJson $out -}}
+{{- end -}}
+
+{{/* Where the link's Secrets are mounted (head container only). */}}
+{{- define "islands.linkTokenDir" -}}/etc/islands-link/token{{- end -}}
+{{- define "islands.linkTlsDir" -}}/etc/islands-link/tls{{- end -}}
+
+{{/* The link's side in this release: the `link.server` or `link.region` block, or {} without one. */}}
+{{- define "islands.linkSide" -}}
+{{- if .Values.link.region.enabled -}}
+{{- toJson .Values.link.region -}}
+{{- else if .Values.link.server.enabled -}}
+{{- toJson .Values.link.server -}}
+{{- else -}}
+{}
+{{- end -}}
+{{- end -}}
+
+{{/* The TLS Secret's keys this side mounts, as a list (server: cert, key, client CA; region: CA,
+     client cert and key), skipping empty ones. */}}
+{{- define "islands.linkTlsKeys" -}}
+{{- $keys := list -}}
+{{- $tls := dict -}}
+{{- if .Values.link.region.enabled -}}
+{{- $tls = .Values.link.region.tlsSecret -}}
+{{- if $tls.name -}}{{- $keys = list $tls.caKey $tls.certKey $tls.keyKey -}}{{- end -}}
+{{- else if .Values.link.server.enabled -}}
+{{- $tls = .Values.link.server.tlsSecret -}}
+{{- $keys = list $tls.certKey $tls.keyKey $tls.clientCaKey -}}
+{{- end -}}
+{{- $out := list -}}
+{{- range $keys -}}{{- if . -}}{{- $out = append $out . -}}{{- end -}}{{- end -}}
+{{- toJson $out -}}
+{{- end -}}
+
+{{/* The region agent's command (a region release): `islands region join` against the home. */}}
+{{- define "islands.regionJoin" -}}
+{{- $r := .Values.link.region -}}
+{{- $args := list "islands" "region" "join" "--home" $r.home "--region" $r.name "--address" "auto" -}}
+{{- $args = concat $args (list "--token-file" (printf "%s/%s" (include "islands.linkTokenDir" .) $r.tokenSecret.key)) -}}
+{{- if $r.tlsSecret.name -}}
+{{- $dir := include "islands.linkTlsDir" . -}}
+{{- if $r.tlsSecret.caKey -}}{{- $args = concat $args (list "--ca-cert" (printf "%s/%s" $dir $r.tlsSecret.caKey)) -}}{{- end -}}
+{{- if and $r.tlsSecret.certKey $r.tlsSecret.keyKey -}}
+{{- $args = concat $args (list "--client-cert" (printf "%s/%s" $dir $r.tlsSecret.certKey) "--client-key" (printf "%s/%s" $dir $r.tlsSecret.keyKey)) -}}
+{{- end -}}
+{{- end -}}
+{{- with $r.serverName -}}{{- $args = concat $args (list "--server-name" .) -}}{{- end -}}
+{{- $args = concat $args (list "--run-dir" (printf "/var/lib/islands/runs/region-%s" $r.name)) -}}
+{{- $args = concat $args (.Values.job.extraArgs | default list) -}}
+{{- join " " $args -}}
+{{- end -}}
+
 {{/* Chips in a TPU topology ("2x2x1" -> 4). */}}
 {{- define "islands.topologyChips" -}}
 {{- $chips := 1 -}}
@@ -56,10 +123,11 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $chips -}}
 {{- end -}}
 
-{{/* Whether any enabled region has an accelerator (then JAX picks its platform per process). */}}
+{{/* Whether any region of this release's worker groups has an accelerator (then JAX picks its
+     platform per process). */}}
 {{- define "islands.anyAccelerator" -}}
 {{- $any := false -}}
-{{- range $name, $region := include "islands.regions" . | fromJson -}}
+{{- range $name, $region := include "islands.workerRegions" . | fromJson -}}
 {{- if ne $region.accelerator.type "cpu" -}}{{- $any = true -}}{{- end -}}
 {{- end -}}
 {{- $any -}}
@@ -73,9 +141,25 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $r := dict "learners" (int $region.learners) "max_learners" (int (default $region.learners (get $region "maxLearners"))) -}}
 {{- if hasKey $region "bandwidthGbps" -}}{{- $_ := set $r "bandwidth_gbps" $region.bandwidthGbps -}}{{- end -}}
 {{- if hasKey $region "latencyMs" -}}{{- $_ := set $r "latency_ms" $region.latencyMs -}}{{- end -}}
+{{- if $region.remote -}}{{- $_ := set $r "remote" true -}}{{- end -}}
 {{- $_ := set $regions $name $r -}}
 {{- end -}}
 {{- $_ := set $cfg "regions" $regions -}}
+{{- with .Values.link.server -}}
+{{- if .enabled -}}
+{{- $link := deepCopy (get $cfg "link" | default dict) -}}
+{{- $_ := set $link "port" (int .port) -}}
+{{- /* Every interface of the pod: the Service and far regions reach the pod address; TLS and the
+       token protect the link, the NetworkPolicy limits who may try. */ -}}
+{{- $_ := set $link "host" "0.0.0.0" -}}
+{{- $_ := set $link "token_file" (printf "%s/%s" (include "islands.linkTokenDir" $) .tokenSecret.key) -}}
+{{- $dir := include "islands.linkTlsDir" $ -}}
+{{- $tls := dict "cert_file" (printf "%s/%s" $dir .tlsSecret.certKey) "key_file" (printf "%s/%s" $dir .tlsSecret.keyKey) -}}
+{{- with .tlsSecret.clientCaKey -}}{{- $_ := set $tls "client_ca_file" (printf "%s/%s" $dir .) -}}{{- end -}}
+{{- $_ := set $link "tls" $tls -}}
+{{- $_ := set $cfg "link" $link -}}
+{{- end -}}
+{{- end -}}
 {{- $metrics := deepCopy (get $cfg "metrics" | default dict) -}}
 {{- $_ := set $metrics "port" (int .Values.metrics.port) -}}
 {{- /* The pod's every interface: Prometheus scrapes the pod address; the NetworkPolicy limits who may. */ -}}
@@ -100,6 +184,10 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "islands.rayClusterSpec" -}}
 {{- $root := . -}}
 {{- $fullname := include "islands.fullname" . -}}
+{{- $isRegion := .Values.link.region.enabled -}}
+{{- $side := include "islands.linkSide" . | fromJson -}}
+{{- $tlsKeys := include "islands.linkTlsKeys" . | fromJsonArray -}}
+{{- $workers := include "islands.workerRegions" . | fromJson -}}
 rayVersion: {{ .Values.rayVersion | quote }}
 enableInTreeAutoscaling: {{ .Values.autoscaler.enabled }}
 {{- if .Values.auth.enabled }}
@@ -152,14 +240,48 @@ headGroupSpec:
             - {containerPort: 8265, name: dashboard}
             - {containerPort: 10001, name: client}
             - {containerPort: 8080, name: metrics}
+            {{- if not $isRegion }}
             - {containerPort: {{ .Values.metrics.port }}, name: islands-metrics}
+            {{- end }}
+            {{- if .Values.link.server.enabled }}
+            - {containerPort: {{ .Values.link.server.port }}, name: islands-link}
+            {{- end }}
           volumeMounts:
+            {{- if not $isRegion }}
             - {name: job-config, mountPath: /etc/islands, readOnly: true}
+            {{- end }}
             - {name: islands-data, mountPath: /var/lib/islands}
+            {{- if $side }}
+            - {name: link-token, mountPath: {{ include "islands.linkTokenDir" . }}, readOnly: true}
+            {{- end }}
+            {{- if $tlsKeys }}
+            - {name: link-tls, mountPath: {{ include "islands.linkTlsDir" . }}, readOnly: true}
+            {{- end }}
       volumes:
+        {{- if not $isRegion }}
         - name: job-config
           configMap:
             name: {{ $fullname }}-job
+        {{- end }}
+        {{- if $side }}
+        # The link's bearer token, readable by the pod's group only (fsGroup).
+        - name: link-token
+          secret:
+            secretName: {{ $side.tokenSecret.name }}
+            defaultMode: 288   # 0440
+            items:
+              - {key: {{ $side.tokenSecret.key | quote }}, path: {{ $side.tokenSecret.key | quote }}}
+        {{- end }}
+        {{- if $tlsKeys }}
+        - name: link-tls
+          secret:
+            secretName: {{ $side.tlsSecret.name }}
+            defaultMode: 288   # 0440
+            items:
+              {{- range $tlsKeys }}
+              - {key: {{ . | quote }}, path: {{ . | quote }}}
+              {{- end }}
+        {{- end }}
         - name: islands-data
           {{- if .Values.storage.existingClaim }}
           persistentVolumeClaim:
@@ -167,8 +289,12 @@ headGroupSpec:
           {{- else }}
           emptyDir: {}
           {{- end }}
+{{- if not $workers }}
+workerGroupSpecs: []
+{{- else }}
 workerGroupSpecs:
-{{- range $name, $region := include "islands.regions" . | fromJson }}
+{{- end }}
+{{- range $name, $region := $workers }}
 {{- $acc := $region.accelerator }}
 {{- $hosts := int (dig "hostsPerLearner" 1 $region) }}
 {{- $learners := int $region.learners }}
