@@ -184,7 +184,8 @@ def syncer_options(config, run_dir: str) -> dict:
                 downlink_full_after_versions=config.syncer.downlink_full_after_versions,
                 checkpoint_dir=snapshot_directory(config.syncer.checkpoint_dir, run_dir,
                                                   config.name),
-                snapshot_every_merges=config.syncer.snapshot_every_merges)
+                snapshot_every_merges=config.syncer.snapshot_every_merges,
+                journal=config.syncer.journal)
 
 
 def syncer_spec(config, template, run_dir: str, is_embedding=None) -> SyncerSpec:

@@ -131,6 +131,10 @@ FIELD_NOTES: dict[str, str] = {
     "syncer.snapshot_every_merges": "Snapshot the syncer (Θ, outer state, versions, epoch, "
                                     "ledger) whenever its total merge count is a multiple of "
                                     "this.",
+    "syncer.journal": "Write each merged fragment (with its outer state and the ledger) to the "
+                      "snapshot directory before the merge is answered, so a restarted syncer "
+                      "loses no merged version between snapshots (one file per fragment, "
+                      "replaced in place).",
     "syncer.checkpoint_dir": "Where the syncer's snapshots go: `<checkpoint_dir>/<job name>`; "
                              "null: `<run dir>/syncer`. Nothing there is ever deleted: a new job "
                              "refuses a directory that already holds snapshots, `islands run "

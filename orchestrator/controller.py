@@ -190,7 +190,8 @@ class Controller:
             self.syncer, self.syncer_ref = handle, self.syncer_refs[0]
         shard = {"shard": s} if len(self.syncers) > 1 else {}
         self.emit("syncer_started", epoch=ready["epoch"], versions=ready["versions"],
-                  restored_from=ready["restored_from"], **shard)
+                  restored_from=ready["restored_from"], journaled=ready.get("journaled", []),
+                  **shard)
 
     # -- surviving a restart of this actor -------------------------------------------------------
     def _save_state(self) -> None:

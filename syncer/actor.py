@@ -58,6 +58,9 @@ class SyncerSpec:
     embedding_paths: Optional[tuple] = None   # the task's embedding tensors (else the prefix)
     checkpoint_dir: Optional[str] = None
     snapshot_every_merges: int = 10
+    # Write each merged fragment before answering its merge (syncer/state.py FragmentJournal), so
+    # a restart loses no merged version.
+    journal: bool = True
     # A syncer shard (syncer/shards.py): the global ids of ``fragments`` (None: all of them, in
     # order: the single syncer) and which shard this is.
     fragment_ids: Optional[tuple] = None
@@ -93,14 +96,20 @@ class Syncer:
                                lambda codes: codec_lib.decode_tree(codec, codes),
                                is_embedding=is_embedding, epoch=epoch,
                                downlink=downlink_settings(spec))
-        self.store = None
+        self.store = self.journal = None
         self.restored_from: Optional[int] = None
+        self.journaled: list[int] = []   # fragments the journal had newer than the snapshot
         if spec.checkpoint_dir:
-            from .state import SnapshotStore
+            from .state import FragmentJournal, SnapshotStore
 
             self.store = SnapshotStore(spec.checkpoint_dir, fresh=not restore)
+            if spec.journal:
+                self.journal = FragmentJournal(spec.checkpoint_dir)
             if restore:
                 self.restored_from = self.store.restore_latest(self.core, min_epoch=epoch)
+                if self.journal:
+                    self.journaled = [self._global(p) for p in self.journal.replay(
+                        self.core, self.restored_from or 0)]
         self.started_s = time.time()
         self.waiters: dict[int, dict[str, asyncio.Future]] = collections.defaultdict(dict)
         self.slowest_step_s = 1.0
@@ -120,7 +129,8 @@ class Syncer:
     async def ready(self) -> dict:
         self._ensure_loop()
         return {"epoch": self.core.epoch, "versions": list(self.core.versions),
-                "restored_from": self.restored_from, "syncer_shard": self.spec.syncer_shard,
+                "restored_from": self.restored_from, "journaled": self.journaled,
+                "syncer_shard": self.spec.syncer_shard,
                 "fragment_ids": self._ids()}
 
     def _ids(self) -> list[int]:
@@ -176,6 +186,8 @@ class Syncer:
             self.staleness_counts[s] += 1
         self.merge_events.append({"t": time.time(), "fragment": g, "version": result.version,
                                   "learners": list(result.learners), "reason": reason})
+        if self.journal:   # durable before any learner hears of it
+            self.journal.record(self.core, p)
         waiters = self.waiters[p]
         for name, update in self.core.updates(result).items():
             future = waiters.pop(name, None)

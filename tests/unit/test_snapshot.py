@@ -1,10 +1,11 @@
 """Syncer snapshots round-trip through orbax: Θ, outer momentum, versions, ledger; epoch fences."""
 
 import numpy as np
+import pytest
 
 from islands.syncer import outer
 from islands.syncer.core import SyncerCore, SyncerSettings
-from islands.syncer.state import SnapshotStore
+from islands.syncer.state import FragmentJournal, SnapshotDirError, SnapshotStore
 from islands.syncer.validate import Push, RejectReason
 
 
@@ -76,3 +77,111 @@ def test_a_restored_syncer_loses_no_merged_version_a_learner_adopted(tmp_path):
     assert fresh.versions == (3, 0)
     assert fresh.catch_up("a", 0, [(7, {"w": np.zeros(3, np.float32)})]) == []
     store.close()
+
+
+# -- the merge journal ----------------------------------------------------------------------------
+def _merge_once(core, epoch, step):
+    core.accept_push(Push("a", 0, {"w": np.full(3, -0.5, np.float32)}, core.versions[0], epoch,
+                          64, 2, step=step, tokens_done=64 * step), 0.0)
+    return core.merge(0)
+
+
+def test_the_journal_loses_no_merged_version_that_no_learner_holds(tmp_path):
+    """The full soak saw versions go back by up to 4: a syncer killed between snapshots restarted
+    from the older one when no live learner had adopted the newer merges. Every merge is now
+    journaled before it is answered."""
+    core = build()
+    core.register("a", 0)
+    store, journal = SnapshotStore(str(tmp_path / "snap")), FragmentJournal(str(tmp_path / "snap"))
+    _merge_once(core, 0, 2)
+    journal.record(core, 0)
+    store.save(core)                                      # snapshot at merge 1
+    for step in (4, 6):
+        _merge_once(core, 0, step)
+        journal.record(core, 0)                           # versions 2, 3: journaled only
+
+    fresh = build()
+    assert store.restore_latest(fresh) == 1 and fresh.versions == (1, 0)   # what it was before
+    assert journal.replay(fresh, snapshot_merges=1) == [0]
+    assert fresh.versions == (3, 0) and fresh.epoch == 1
+    np.testing.assert_array_equal(fresh.slots[0].params["w"], core.slots[0].params["w"])
+    assert fresh.ledger["a"].merged_steps == {0: 6} and fresh.ledger["a"].applied_tokens == 384
+    # The outer momentum is the journaled one: the same next merge lands on the same Θ.
+    for c, epoch in ((core, 0), (fresh, 1)):
+        c.register("a", 0)
+        _merge_once(c, epoch, 8)
+    np.testing.assert_array_equal(fresh.slots[0].params["w"], core.slots[0].params["w"])
+    # Replaying again takes nothing older than what the core now holds.
+    assert journal.replay(fresh, snapshot_merges=1) == [] and fresh.versions == (4, 0)
+    store.close()
+
+
+def test_a_journal_alone_restores_and_fences_the_epoch(tmp_path):
+    """A syncer killed before its first snapshot: the journal is all there is."""
+    core = build()
+    core.register("a", 0)
+    journal = FragmentJournal(str(tmp_path / "snap"))
+    core.epoch = 4
+    _merge_once(core, 4, 2)
+    journal.record(core, 0)
+    fresh = build()
+    assert journal.replay(fresh) == [0]
+    assert fresh.versions == (1, 0) and fresh.epoch == 5   # above every journaled epoch
+
+
+def test_a_corrupt_journal_entry_is_ignored_with_a_warning(tmp_path, caplog):
+    core = build()
+    core.register("a", 0)
+    journal = FragmentJournal(str(tmp_path / "snap"))
+    _merge_once(core, 0, 2)
+    journal.record(core, 0)
+    path = tmp_path / "snap" / "journal" / "fragment-0.npz"
+    path.write_bytes(path.read_bytes()[:100])              # torn
+    fresh = build()
+    assert journal.replay(fresh) == [] and fresh.versions == (0, 0)
+    assert "unreadable or corrupt" in caplog.text
+
+
+def test_a_new_job_refuses_a_directory_holding_a_journal_and_deletes_nothing(tmp_path):
+    core = build()
+    FragmentJournal(str(tmp_path / "snap")).record(core, 1)
+    before = sorted(p.name for p in (tmp_path / "snap" / "journal").iterdir())
+    with pytest.raises(SnapshotDirError, match="merge journal"):
+        SnapshotStore(str(tmp_path / "snap"), fresh=True)
+    assert sorted(p.name for p in (tmp_path / "snap" / "journal").iterdir()) == before
+
+
+def test_the_syncer_actor_journals_every_merge_and_a_restart_replays_it(tmp_path):
+    """The actor without Ray: merges, a 'kill' (the object is dropped), a restart with restore.
+    Snapshots every 10 merges, so only the journal holds merges 1-3."""
+    import asyncio
+
+    from islands.syncer import codec as codec_lib
+    from islands.syncer.actor import Syncer, SyncerSpec
+
+    codec = codec_lib.make_codec("none")
+    spec = SyncerSpec(fragments=[{"w": np.ones(4, np.float32)}],
+                      settings=SyncerSettings(outlier_norm_factor=None, grace_cap_s=0.0),
+                      outer_kind="nesterov", outer_kwargs={}, codec_kind="none",
+                      codec_block_size=64, checkpoint_dir=str(tmp_path / "syncer"))
+
+    async def run():
+        first = Syncer(spec)
+        reg = await first.register("a", 0)
+        for version in range(3):
+            drift = {"w": np.full(4, -0.25, np.float32)}
+            reply = await asyncio.wait_for(first.push(Push(
+                "a", 0, codec_lib.encode_tree(codec, drift), version, reg["epoch"], 64, 2,
+                step=2 * version + 2, tokens_done=128 * (version + 1), session=reg["session"])),
+                timeout=30)
+            assert (reply.status, reply.version) == ("merged", version + 1)
+        first._loop_task.cancel()
+        restarted = Syncer(spec, epoch=1, restore=True)
+        ready = await restarted.ready()
+        restarted._loop_task.cancel()
+        return reply, ready, restarted
+
+    reply, ready, restarted = asyncio.run(run())
+    assert ready["restored_from"] is None and ready["journaled"] == [0]
+    assert ready["versions"] == [3] and ready["epoch"] == 1
+    np.testing.assert_array_equal(restarted.core.slots[0].params["w"], reply.update.params["w"])

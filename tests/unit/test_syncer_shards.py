@@ -114,13 +114,14 @@ def test_combined_status_sums_counts_and_keeps_each_fragments_owner():
 CODEC = codec_lib.make_codec("none")
 
 
-def _spec(tmp_path, every=2):
+def _spec(tmp_path, every=2, journal=False):
     frags = [{"w0": np.ones(8, np.float32)}, {"w1": np.ones(6, np.float32)},
              {"w2": np.ones(4, np.float32)}, {"w3": np.ones(2, np.float32)}]
     settings = SyncerSettings(min_learners=2, outlier_norm_factor=None, grace_cap_s=0.0)
     return SyncerSpec(fragments=frags, settings=settings, outer_kind="nesterov", outer_kwargs={},
                       codec_kind="none", codec_block_size=64,
-                      checkpoint_dir=str(tmp_path / "syncer"), snapshot_every_merges=every)
+                      checkpoint_dir=str(tmp_path / "syncer"), snapshot_every_merges=every,
+                      journal=journal)   # off: these tests exercise the learners' catch-up
 
 
 def _push(learner, p, value, size, version, epoch, session, step):
