@@ -26,5 +26,6 @@ def test_quick_soak_keeps_the_books_and_the_model(tmp_path):
     assert result["syncer_kills"] >= 2 and result["controller_kills"] >= 1, result
     assert result["books_balanced"] and result["versions_monotonic"], result
     assert result["merged_versions_lost"] == 0 and result["leaked_actors"] == 0, result
+    assert result["leaked_processes"] == 0, result
     assert result["final_eval_loss"] < result["initial_eval_loss"], result
     assert os.path.exists(tmp_path / "soak.png")
