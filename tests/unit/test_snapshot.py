@@ -129,14 +129,21 @@ def test_a_journal_alone_restores_and_fences_the_epoch(tmp_path):
     assert fresh.versions == (1, 0) and fresh.epoch == 5   # above every journaled epoch
 
 
-def test_a_corrupt_journal_entry_is_ignored_with_a_warning(tmp_path, caplog):
+@pytest.mark.parametrize("damage", ["truncated", "bit flip"])
+def test_a_corrupt_journal_entry_is_ignored_with_a_warning(tmp_path, caplog, damage):
     core = build()
     core.register("a", 0)
     journal = FragmentJournal(str(tmp_path / "snap"))
     _merge_once(core, 0, 2)
     journal.record(core, 0)
     path = tmp_path / "snap" / "journal" / "fragment-0.npz"
-    path.write_bytes(path.read_bytes()[:100])              # torn
+    data = bytearray(path.read_bytes())
+    if damage == "truncated":
+        data = data[:100]
+    else:   # one bit of Θ's bytes (the zip member's CRC-32 no longer matches)
+        at = data.index(np.asarray(core.slots[0].params["w"]).tobytes())
+        data[at + 5] ^= 0x10
+    path.write_bytes(bytes(data))
     fresh = build()
     assert journal.replay(fresh) == [] and fresh.versions == (0, 0)
     assert "unreadable or corrupt" in caplog.text
