@@ -19,7 +19,7 @@ from typing import Optional
 
 from islands.orchestrator import fleet as fleet_lib
 from islands.orchestrator.controller import Controller
-from islands.orchestrator.runtime import NAMESPACE, SYNCER_NAME, controller_options
+from islands.orchestrator.runtime import NAMESPACE, ON_HEAD, SYNCER_NAME, controller_options
 
 log = logging.getLogger("islands.link")
 
@@ -132,7 +132,8 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
                      include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
                      resources={f"region:{settings.region}": 64})
         link = ray.remote(LinkClient).options(
-            name=SYNCER_NAME, namespace=NAMESPACE, num_cpus=0.1, max_concurrency=128).remote(
+            name=SYNCER_NAME, namespace=NAMESPACE, num_cpus=0.1, max_concurrency=128,
+            resources=dict(ON_HEAD)).remote(
                 settings)
         try:
             joined = ray.get(link.hello.remote())

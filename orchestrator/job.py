@@ -19,6 +19,7 @@ import time
 from typing import Optional
 
 from .controller import CONTROLLER_NAME, NAMESPACE, Controller, controller_options
+from .runtime import ON_HEAD
 
 log = logging.getLogger("islands.job")
 
@@ -461,7 +462,7 @@ def _serve_link(config) -> Optional[str]:
     settings = build.link_server_settings(config, read_token(config.link.token_file))
     server = ray.remote(LinkServer).options(
         name=LINK_SERVER_NAME, namespace=NAMESPACE, num_cpus=0.1, max_concurrency=4,
-        lifetime="detached").remote(config.model_dump_json(), settings)
+        resources=dict(ON_HEAD), lifetime="detached").remote(config.model_dump_json(), settings)
     return ray.get(server.address.remote(), timeout=60)
 
 

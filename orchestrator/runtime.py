@@ -10,6 +10,9 @@ CONTROLLER_NAME = "islands:controller"
 SYNCER_NAME = "islands:syncer"
 CPUS = {"controller": 0.1, "syncer": 0.2, "learner": 0.25}
 CONTROLLER_MAX_RESTARTS = 10
+# The controller, the syncer shards and the link's ends run on the head node: the metrics and
+# link Services of the Helm chart point at the head pod, and the link's Secrets are mounted there.
+ON_HEAD = {"node:__internal_head__": 0.001}
 
 
 def learner_actor_name(learner_id: str) -> str:
@@ -23,7 +26,7 @@ def controller_options(run_dir: str) -> dict:
     # It restarts (and rebuilds its state from its saved books, the syncer and the running
     # learners); calls made while it restarts wait for it instead of failing.
     return dict(name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=CPUS["controller"],
-                max_concurrency=16, max_restarts=CONTROLLER_MAX_RESTARTS, max_task_retries=-1,
+                resources=dict(ON_HEAD), max_concurrency=16, max_restarts=CONTROLLER_MAX_RESTARTS, max_task_retries=-1,
                 runtime_env={"env_vars": single_thread_env(os.path.join(run_dir, "jax_cache"))})
 
 
@@ -31,7 +34,7 @@ def controller_options(run_dir: str) -> dict:
 # actors must outlive a controller restart. The job runner kills them when the job ends.
 def syncer_options(jax_cache_dir: str) -> dict:
     return dict(name=SYNCER_NAME, namespace=NAMESPACE, num_cpus=CPUS["syncer"], max_restarts=0,
-                max_concurrency=1000, runtime_env={"env_vars": single_thread_env(jax_cache_dir)},
+                resources=dict(ON_HEAD), max_concurrency=1000, runtime_env={"env_vars": single_thread_env(jax_cache_dir)},
                 lifetime="detached")
 
 
