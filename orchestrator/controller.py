@@ -442,6 +442,11 @@ class Controller:
             except Exception as exc:  # the training loop raised: a crash of the learner
                 error, crashed = repr(exc)[:500], True
                 self.emit("learner_error", learner=name, error=error)
+            if error is None or crashed:
+                # Its run is over but its actor lives on and holds the learner's name: a
+                # restart could never take the name (the full soak saw one learner's relaunch
+                # postponed for 600 s). The fleet's Kill for it finds it closed below.
+                ray.kill(inc.handle, no_restart=True)
             inc.run_ref = None
             out.append(fleet_lib.RunEnded(name, inc.number, error, preempted, crashed))
         for name in [n for n, inc in self.running.items()

@@ -82,3 +82,50 @@ def test_a_test_module_task_trains_in_the_service_and_exports(tmp_path, monkeypa
     losses = [float(task.loss(params, b, None)) for b in task.eval_batches()]
     assert np.mean(losses) == pytest.approx(summary["final_eval_loss"], rel=1e-5)
     assert meta["eval_loss"] == summary["final_eval_loss"]
+
+
+def flaky_task(marker: str, fail_at_step: int = 3, **kwargs) -> Task:
+    """The regression task whose data reader raises once, at ``fail_at_step`` of whichever
+    learner gets there first (a user's bug): the learner's loop raises, its actor stays alive."""
+    task = regression_task(**kwargs)
+
+    def batches(shard, num_shards, start_step):
+        for step, batch in enumerate(task.batches(shard, num_shards, start_step), start_step):
+            if step == fail_at_step:
+                try:
+                    os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+                except FileExistsError:
+                    pass
+                else:
+                    raise RuntimeError("the user's data reader failed")
+            yield batch
+
+    return task._replace(batches=batches)
+
+
+def test_a_learner_whose_loop_raises_is_restarted_and_trains_again(tmp_path, monkeypatch):
+    """The loop raised but the actor lived on, holding the learner's name: every relaunch was
+    postponed ("name already taken") for the rest of the job. Now its actor is killed."""
+    from islands.orchestrator.config import parse
+    from islands.orchestrator.job import run_job
+
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        [HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    config = parse({
+        "name": "flaky-itest", "task": {"path": "test_task_service:flaky_task",
+                                        "args": {"marker": str(tmp_path / "failed-once")}},
+        "learner": {"min_step_time_s": 0.02, "eval_every_s": 3.0},
+        "syncer": {"fragments": 2, "sync_every_steps": 4, "overlap_steps": 1},
+        "quorum": {"min_learners": 1, "grace_cap_s": 0.5},
+        "health": {"restart": {"backoff_initial_s": 0.1}},
+        "regions": {"a": {"learners": 2}}, "metrics": {"enabled": False},
+        "run": {"dashboard": False}})
+    run_dir = str(tmp_path / "run")
+    run_job(config, duration_s=35, run_dir=run_dir, quiet=True)   # a restart takes ~10 s here
+    events = [json.loads(line) for line in open(os.path.join(run_dir, "events.jsonl"))]
+    failed = [e for e in events if e["event"] == "learner_failed"]
+    assert len(failed) == 1 and failed[0]["cause"] == "crash", failed
+    assert "data reader failed" in failed[0]["detail"]
+    who = failed[0]["learner"]
+    ready = [e for e in events if e["event"] == "learner_ready" and e["learner"] == who]
+    assert [e["incarnation"] for e in ready] == [0, 1], ready   # the restart trains again
