@@ -46,6 +46,19 @@ class Incarnation:
     remote: bool = False   # in a region's own cluster: known from its agent's reports (link/)
 
 
+def missed_restarts(saved_started: Optional[list], shard: int, live_epoch: int) -> int:
+    """Syncer restarts a restarted controller's saved state does not know of: each restart starts
+    the shard at the epoch after the dead one's, so the live shard's epoch less the one it was
+    last started with (as saved) counts them. No saved epoch (an older state file): none.
+
+    >>> missed_restarts([3, 5], 1, 6), missed_restarts([3], 0, 3), missed_restarts(None, 0, 9)
+    (1, 0, 0)
+    """
+    if not saved_started or shard >= len(saved_started):
+        return 0
+    return max(0, live_epoch - int(saved_started[shard]))
+
+
 class Controller:
     """Create with ``ray.remote(Controller).options(**controller_options(run_dir))``.
 
@@ -172,6 +185,7 @@ class Controller:
         n = len(self.shard_specs)
         self.syncers, self.syncer_refs = [None] * n, [None] * n
         self.shard_status, self.shard_refusals_seen = [{} for _ in range(n)], [0] * n
+        self.started_epochs = [0] * n     # the epoch each shard was last started with, here
 
     def _start_syncer(self, epoch: int, restore: bool, syncer_shard: int = 0) -> None:
         """Starts one syncer shard (shard 0 keeps the name ``islands:syncer``)."""
@@ -186,6 +200,7 @@ class Controller:
                                                               restore=restore)
         ready = ray.get(handle.ready.remote(), timeout=self.settings.placement_timeout_s)
         self.syncers[s], self.syncer_refs[s] = handle, handle.wait_closed.remote()
+        self.started_epochs[s] = int(ready["epoch"])
         if s == 0:
             self.syncer, self.syncer_ref = handle, self.syncer_refs[0]
         shard = {"shard": s} if len(self.syncers) > 1 else {}
@@ -212,7 +227,8 @@ class Controller:
             "chaos_fired": self.chaos_fired, "job_started_s": self.job_started_s,
             "started_s": self.started_s, "restarts": getattr(self, "restarts", 0),
             "syncer_epoch": int(self.syncer_status.get("epoch") or 0),
-            "syncer_epochs": [int(st.get("epoch") or 0) for st in self.shard_status]}
+            "syncer_epochs": [int(st.get("epoch") or 0) for st in self.shard_status],
+            "started_epochs": list(self.started_epochs)}
         os.makedirs(self.run_dir, exist_ok=True)
         tmp = self.state_path + ".tmp"
         with open(tmp, "w") as f:
@@ -252,7 +268,12 @@ class Controller:
 
             try:
                 handle = ray.get_actor(syncer_shard_name(s), namespace=NAMESPACE)
-                ray.get(handle.ping.remote(), timeout=30)
+                live_epoch = int(ray.get(handle.ready.remote(), timeout=30)["epoch"])
+                # A restart between the last save and this controller's death (the state is
+                # up to a second old) left the shard at a newer epoch than saved: count it.
+                self.syncer_restarts += missed_restarts(saved.get("started_epochs"), s,
+                                                        live_epoch)
+                self.started_epochs[s] = live_epoch
                 self.syncers[s], self.syncer_refs[s] = handle, handle.wait_closed.remote()
                 if s == 0:
                     self.syncer, self.syncer_ref = handle, self.syncer_refs[0]

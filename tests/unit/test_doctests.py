@@ -7,7 +7,7 @@ import pytest
 
 MODULES = ["islands.syncer.fragments", "islands.syncer.merge", "islands.syncer.quorum",
            "islands.learners.core", "islands.orchestrator.health", "islands.orchestrator.metrics",
-           "islands.orchestrator.chaos"]
+           "islands.orchestrator.chaos", "islands.orchestrator.controller"]
 
 
 @pytest.mark.parametrize("name", MODULES)
