@@ -19,6 +19,10 @@ the all-reduce within one step, ``ring bytes / Δ``.
 
     python benchmarks/bandwidth.py --quick     # 300 steps; H = 24 and 96
     python benchmarks/bandwidth.py             # 1 500 steps; H ∈ {8, 24, 96}
+    python benchmarks/bandwidth.py --quick --pairs nf2:128/nf2:128 --hs 24 96   # chosen rows
+
+``--pairs`` replaces the rows with ``up/down`` pairs (the uncompressed reference is added first,
+every H needs it); ``--hs`` chooses the H values.
 
 Prints a table, then one JSON object as the last line; writes bandwidth.png and bandwidth.json.
 """
@@ -40,9 +44,10 @@ GOAL_GAP = 0.01                          # eval loss above the same run uncompre
 REFERENCE = ("none", "none")             # the uncompressed run each H is compared with
 # (push codec, reply codec) per row; the reference first.
 PAIRS = [REFERENCE, ("int4", "none"), ("int4", "int4"), ("int2:128", "int2:128"),
-         ("int2:256", "int2:256")]
+         ("int2:256", "int2:256"), ("nf2:128", "nf2:128"), ("nf2:64", "nf2:256")]
 QUICK_PAIRS = {24: PAIRS, 96: [REFERENCE, ("int4", "int4"), ("int2:128", "int2:128"),
-                               ("int2:256", "int2:256")]}
+                               ("int2:256", "int2:256"), ("nf2:128", "nf2:128"),
+                               ("nf2:64", "nf2:256")]}
 REGIONS = ("us-east", "eu-west")
 TAU = 2
 
@@ -89,15 +94,35 @@ def fragment_bytes(setup, plan, up_spec: str, down_spec: str) -> tuple[list[int]
     return up, down
 
 
+def parse_pair(spec: str) -> tuple[str, str]:
+    """``"nf2:128/int4"`` -> ("nf2:128", "int4"); each side must name a known codec."""
+    up, sep, down = spec.partition("/")
+    if not sep:
+        raise ValueError(f"a pair is up/down, got {spec!r}")
+    for side in (up, down):
+        codec_lib.make_codec(*parse_codec(side))
+    return up, down
+
+
 def main() -> None:
     p = C.parser(__doc__)
     p.add_argument("--steps", type=int, default=None)
+    p.add_argument("--pairs", nargs="+", default=None, metavar="UP/DOWN",
+                   help="rows to run instead of the default ones, e.g. nf2:128/nf2:128 "
+                        "(none/none, the reference, is always run first)")
+    p.add_argument("--hs", nargs="+", type=int, default=None, metavar="H",
+                   help="sync periods to run (default 24 96 with --quick, else 8 24 96)")
     args = p.parse_args()
     watch = C.Stopwatch()
     steps = args.steps or (300 if args.quick else 1500)
-    hs = (24, 96) if args.quick else (8, 24, 96)
-    grid = [(up, down, h) for h in hs for up, down in (QUICK_PAIRS.get(h, PAIRS) if args.quick
-                                                      else PAIRS)]
+    hs = tuple(args.hs) if args.hs else ((24, 96) if args.quick else (8, 24, 96))
+    if args.pairs:
+        chosen = [parse_pair(s) for s in args.pairs]
+        chosen = [REFERENCE] + [pair for pair in dict.fromkeys(chosen) if pair != REFERENCE]
+        grid = [(up, down, h) for h in hs for up, down in chosen]
+    else:
+        grid = [(up, down, h) for h in hs for up, down in (QUICK_PAIRS.get(h, PAIRS)
+                                                          if args.quick else PAIRS)]
     ids = [f"{r}:{i}" for r in REGIONS for i in range(2)]
     m = len(ids)
     setup = C.make_setup(model_kwargs={}, num_learners=m, batch_size=8, total_steps=steps,

@@ -454,7 +454,9 @@ def parse_args(argv=None):
     parser.add_argument("--sizes", default=None, help="comma list of fragment sizes (parameters)")
     parser.add_argument("--learners", type=int, default=4, help="M: pushes per merge round")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per size")
-    parser.add_argument("--codec", default="int4", choices=["none", "bf16", "int8", "int4", "int2"])
+    from islands.syncer.codec_kinds import KINDS   # JAX-free
+
+    parser.add_argument("--codec", default="int4", choices=list(KINDS))
     parser.add_argument("--step-time-s", type=float, default=None,
                         help="tiny scenario's step time (default: measured here)")
     parser.add_argument("--fragments", type=int, default=4, help="P = H of the tiny scenario")

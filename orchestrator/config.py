@@ -194,7 +194,12 @@ class Int2Codec(_Codec):
     block_size: int = Field(codec_kinds.DEFAULT_BLOCK_SIZE, gt=0)
 
 
-Compression = Annotated[Union[NoneCodec, Bf16Codec, Int8Codec, Int4Codec, Int2Codec],
+class Nf2Codec(_Codec):
+    type: Literal["nf2"]
+    block_size: int = Field(codec_kinds.DEFAULT_BLOCK_SIZE, gt=0)
+
+
+Compression = Annotated[Union[NoneCodec, Bf16Codec, Int8Codec, Int4Codec, Int2Codec, Nf2Codec],
                         Field(discriminator="type")]
 
 

@@ -146,17 +146,20 @@ FIELD_NOTES: dict[str, str] = {
                           "(the grace window).",
     "quorum.grace_cap_s": "Upper bound of the grace window, seconds.",
     # compression
-    "compression.type": "Which codec: fp32 (`none`), bfloat16, or blockwise absmax "
-                        "int8/int4/int2 (int2: four levels ±A, ±A/3 per block of absmax A).",
+    "compression.type": "Which codec: fp32 (`none`), bfloat16, blockwise absmax "
+                        "int8/int4/int2 (int2: four levels ±A, ±A/3 per block of absmax A), or "
+                        "`nf2`: 2 bits with the Lloyd-Max levels of a normal, ±c, ±0.30c per "
+                        "block, c fitted to the block (≈ 1.5 × its RMS) and stored as bfloat16; "
+                        "values beyond ±c are clipped (error feedback carries the rest).",
     "compression.error_feedback": "Keep what each encoding left out and add it to the next push "
                                   "of the same fragment.",
-    "compression.block_size": "Elements per float32 scale.",
+    "compression.block_size": "Elements per scale (float32; bfloat16 for nf2).",
     "downlink_compression.type": "The downlink codec (the kinds of `compression.type`).",
     "downlink_compression.error_feedback": "Encode the difference to what the learner holds, so "
                                            "what one update left out goes with the next; false: "
                                            "the difference to the global fragment of the "
                                            "learner's version.",
-    "downlink_compression.block_size": "Elements per float32 scale.",
+    "downlink_compression.block_size": "Elements per scale (float32; bfloat16 for nf2).",
     "syncer.downlink_full_after_versions": "With an encoded downlink, a learner whose copy is "
                                            "more than this many versions behind the merge gets "
                                            "the full fragment instead; null: never for that "

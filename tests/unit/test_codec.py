@@ -132,7 +132,7 @@ def test_round_trip_shapes_and_dtypes(kind):
     # and an empty tensor matter for the blocked kinds only
     tensors = [rng.standard_normal((3, 7)).astype(np.float32),
                rng.standard_normal((3, 7)).astype(ml_dtypes.bfloat16)]
-    if kind in L:
+    if kind in L or kind == "nf2":
         tensors += [np.float32(3.0), np.zeros((0, 4), np.float32)]
     for x in tensors:
         code = codec_lib.to_numpy(c.encode(x)[0])
@@ -146,9 +146,12 @@ def test_round_trip_shapes_and_dtypes(kind):
 def test_zero_and_constant_tensors_exact(kind):
     # A zero block has scale 0 and decodes to 0 (no 0/0). A constant block is its own absmax and
     # q = ±L decodes to the stored absmax itself, so it is exact, including 1.9, where a stored
-    # step would not be: float32 (1.9/7)·7 ≠ 1.9. bf16 is exact for bf16 numbers (−2.5, 0).
+    # step would not be: float32 (1.9/7)·7 ≠ 1.9. bf16 is exact for bf16 numbers (−2.5, 0), and so
+    # is nf2, whose bfloat16 scale of a constant block is the constant rounded to bfloat16 (every
+    # value is beyond T·c₀ = 0.98·|v|, so all go to the outer level and the refit gives c = |v|).
     c = codec_lib.make_codec(kind, block_size=8)
-    constants = [0.0, -2.5] + ([] if kind == "bf16" else [1.9])
+    bf16_scaled = kind in ("bf16", "nf2")
+    constants = [0.0, -2.5] + ([] if bf16_scaled else [1.9])
     for value in constants:
         x = np.full((3, 7), value, np.float32)
         code, rel = encode_np(c, x)
@@ -160,14 +163,14 @@ def test_zero_and_constant_tensors_exact(kind):
     x = np.concatenate([np.zeros(8, np.float32), np.full(13, 1.9, np.float32)]).reshape(3, 7)
     code, _ = encode_np(c, x)
     np.testing.assert_array_equal(codec_lib.decode(code),
-                                  x if kind != "bf16" else x.astype(ml_dtypes.bfloat16))
+                                  x if not bf16_scaled else x.astype(ml_dtypes.bfloat16))
     assert codec_lib.relative_error(np.zeros((3, 7)), encode_np(c, np.zeros((3, 7)))[0]) == 0.0
 
 
 def test_non_finite_input_stays_non_finite():
     # so the syncer's NON_FINITE check still refuses the push after int quantization
     x = np.array([1.0, np.nan, 2.0, np.inf], np.float32)
-    for kind in ("int8", "int4"):  # (none and bf16 carry NaN and inf as they are)
+    for kind in ("int8", "int4", "int2", "nf2"):  # (none and bf16 carry NaN and inf as they are)
         out = np.asarray(codec_lib.decode(encode_np(codec_lib.make_codec(kind, 4), x)[0]))
         assert not np.all(np.isfinite(out)), kind
 
@@ -208,6 +211,96 @@ def test_hand_worked_int8():
     assert codec_lib.wire_bytes(code) == 8
 
 
+def test_hand_worked_nf2():
+    # x = [3, −1.5, 0.5, −0.5 | 0, 0, 0], blocks of 4 (the second: 3 values, padding not counted).
+    # Block 1: rms = √(11.75/4) = 1.71391, c₀ = 1.5104·rms = 2.58870, T = (1 + R)/2 = 0.649894
+    # with R = 0.4528/1.5104 = 0.299788, T·c₀ = 1.68238: only 3 goes to the outer level.
+    # Refit: c₁ = (3 + R·(1.5 + 0.5 + 0.5)) / (1 + 3R²) = 3.749470/1.269619 = 2.953225;
+    # bfloat16 (7 stored bits; step 2⁻⁶ = 0.015625 on [2, 4)): 2.953225/2⁻⁶ = 189.006 → 189,
+    # c = 2.953125. Final levels for that c: ±2.953125 and ±R·c = ±0.885312; T·c = 1.91921.
+    # k (0: −c, 1: −Rc, 2: +Rc, 3: +c) = [3 (3 is clipped to c), 1, 2, 1].
+    # Errors: 3 − c = 0.046875 (clipped: |x| − c); −1.5 → −0.885: 0.615, 0.5 → 0.885: 0.385,
+    # all within (1 − R)/2·c = 1.0339 for the values inside ±c.
+    # Block 2: zeros → rms 0, c = 0, every 0 ≥ T·0 goes to k = 3 (x ≥ 0), decoding +0·… = 0.
+    # Bytes: [3 | 1<<2 | 2<<4 | 1<<6, 3 | 3<<2 | 3<<4 | 0 (padding)] = [103, 63]; wire 2 + 2·2 = 6.
+    x = np.array([3.0, -1.5, 0.5, -0.5, 0.0, 0.0, 0.0], np.float32)
+    code, rel = encode_np(codec_lib.make_codec("nf2", block_size=4), x)
+    assert code.payload.tolist() == [103, 63]
+    assert code.scales.dtype == ml_dtypes.bfloat16 and code.scales.tolist() == [2.953125, 0.0]
+    assert codec_lib.wire_bytes(code) == 6
+    inner = float(np.float32(codec_lib.NF2_RATIO) * np.float32(2.953125))
+    assert inner == pytest.approx(0.885312, abs=1e-6)
+    want = np.array([2.953125, -inner, inner, -inner, 0, 0, 0], np.float32)
+    np.testing.assert_array_equal(codec_lib.decode_host(code), want)
+    np.testing.assert_array_equal(np.asarray(codec_lib.decode(code)), want)
+    err = np.abs(want.astype(np.float64) - x)
+    np.testing.assert_allclose(err[:4], [0.046875, 1.5 - inner, inner - 0.5, inner - 0.5],
+                               rtol=1e-6)
+    bound = codec_lib.max_abs_error("nf2", x, np.array([2.953125] * 4 + [0.0] * 3))
+    np.testing.assert_allclose(bound[:4], [0.046875] + [(1 - codec_lib.NF2_RATIO) / 2 * 2.953125]
+                               * 3, rtol=1e-6)
+    assert np.all(err <= bound * (1 + 1e-7))
+    assert rel == pytest.approx(math.sqrt(np.sum(err ** 2) / np.sum(x.astype(np.float64) ** 2)),
+                                rel=1e-5)
+
+
+def test_nf2_on_normals(gaussian):
+    # The 2-bit Lloyd-Max quantizer of N(0, 1) has MSE 0.1175σ², rel error √0.1175 = 0.343; the
+    # per-block refit of the scale does a little better (measured 0.337 with blocks of 64, 0.340
+    # with 128). int2 (absmax) on the same values: 0.48 (64), 0.55 (128). The outer level sits at
+    # ≈ 1.51σ (the refit moves it little on normals). Wire: 0.25 + 2/B bytes per value.
+    for block, want in ((64, 0.337), (128, 0.340)):
+        code, rel = encode_np(codec_lib.make_codec("nf2", block_size=block), gaussian)
+        assert rel == pytest.approx(want, abs=0.005)
+        int2_rel = encode_np(codec_lib.make_codec("int2", block_size=block), gaussian)[1]
+        assert rel < 0.75 * int2_rel
+        assert np.mean(code.scales.astype(np.float64)) == pytest.approx(1.51, abs=0.03)
+        assert codec_lib.wire_bytes(code) == 64_000 // 4 + 2 * 64_000 // block
+        scale = np.repeat(code.scales.astype(np.float64), block).reshape(gaussian.shape)
+        err = np.abs(codec_lib.decode_host(code).astype(np.float64) - gaussian)
+        inside = np.abs(gaussian) <= scale
+        # inside ±c: (1 − R)/2·c, reached (x halfway between R·c and c); outside: exactly |x| − c
+        assert np.all(err[inside] <= codec_lib.NF2_IN_RANGE_BOUND * scale[inside] * (1 + 1e-6))
+        assert np.max(err[inside] / scale[inside]) > 0.99 * codec_lib.NF2_IN_RANGE_BOUND
+        np.testing.assert_allclose(err[~inside], np.abs(gaussian[~inside]) - scale[~inside],
+                                   rtol=1e-5)
+        assert 0.05 < np.mean(~inside) < 0.2   # P(|x| > 1.51σ) = 0.13 for a normal
+
+
+def test_nf2_error_feedback_keeps_the_sum_over_many_rounds():
+    # nf2 clips, so one encoding's error is not bounded by the scale alone; error feedback still
+    # telescopes: Σ decode = Σ δ − r_n exactly (to float rounding), and r_n is the last encoding's
+    # error, within max_abs_error("nf2", t_n, c_n) of its target t_n = δ_n + r_{n−1} (what was
+    # clipped is carried, not lost). The residual does not grow: ‖r‖/‖δ‖ averages ≈ 0.6 over the
+    # first 100 rounds and ≈ 0.5–0.6 over the last 100 (measured; at most 1.47 in any round).
+    rng = np.random.default_rng(5)
+    c = codec_lib.make_codec("nf2", block_size=64)
+    ef = codec_lib.error_feedback(c)
+    shapes = {"w": (8, 64), "b": (100,)}
+    state = ef.init({p: np.zeros(s, np.float32) for p, s in shapes.items()})
+    true_sum = {p: np.zeros(s) for p, s in shapes.items()}
+    decoded_sum = {p: np.zeros(s) for p, s in shapes.items()}
+    ratios = []
+    for n in range(300):
+        # heavy-tailed drifts (Student t, 3 degrees of freedom) so that clipping happens a lot
+        d = {p: (0.01 * rng.standard_t(3, s)).astype(np.float32) for p, s in shapes.items()}
+        codes, state = ef.update(d, state)
+        codes = codec_lib.to_numpy(codes)
+        for p in shapes:
+            decoded = codec_lib.decode_host(codes[p]).astype(np.float64)
+            decoded_sum[p] += decoded
+            true_sum[p] += d[p]
+            r = np.asarray(state.residual[p], np.float64)
+            np.testing.assert_allclose(decoded_sum[p] + r, true_sum[p], rtol=0, atol=1e-5)
+            scale = np.repeat(codes[p].scales.astype(np.float64), 64)[:r.size].reshape(r.shape)
+            bound = codec_lib.max_abs_error("nf2", decoded + r, scale)
+            assert np.all(np.abs(r) <= bound * (1 + 1e-5) + 1e-8)
+            ratios.append(np.linalg.norm(r) / np.linalg.norm(d[p].astype(np.float64)))
+    ratios = np.array(ratios).reshape(300, 2)
+    assert np.max(ratios) < 2.0
+    assert np.mean(ratios[-100:]) < 0.8 and np.mean(ratios[-100:]) < 1.2 * np.mean(ratios[:100])
+
+
 # -- config and malformed codes --------------------------------------------------------------------
 def test_unknown_codec_and_bad_block():
     allowed = "unknown codec 'int3'; choose one of none, bf16, int8, int4"
@@ -226,15 +319,21 @@ def test_malformed_code_is_a_value_error():
     with pytest.raises(ValueError,
                        match=r"int8 has 1 scales, shape \[9\] with block_size 4 needs 3"):
         codec_lib.decode(code)
+    # nf2 scales are bfloat16 (2 wire bytes each): float32 ones are refused on both decoders
+    code = codec_lib.Code("nf2", np.zeros(1, np.uint8), np.ones(1, np.float32), (4,), "float32", 4)
+    for decoder in (codec_lib.decode, codec_lib.decode_host):
+        with pytest.raises(ValueError, match="nf2 scales are bfloat16, got float32"):
+            decoder(code)
 
 
 # -- purity: the same results under jit ------------------------------------------------------------
-def test_encode_and_error_feedback_jit():
+@pytest.mark.parametrize("kind", ["int4", "nf2"])
+def test_encode_and_error_feedback_jit(kind):
     # one jitted "train-step tail": encode a tensor, run error feedback on the fragment, decode
     rng = np.random.default_rng(3)
     fragment = {"w": rng.standard_normal((8, 64)).astype(np.float32),
                 "b": rng.standard_normal(100).astype(np.float32)}
-    c = codec_lib.make_codec("int4", block_size=64)
+    c = codec_lib.make_codec(kind, block_size=64)
     ef = codec_lib.error_feedback(c)
 
     def step(fragment, state):

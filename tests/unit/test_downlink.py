@@ -6,6 +6,7 @@ import doctest
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 
@@ -40,7 +41,8 @@ def test_int2_hand_worked_code():
 @pytest.mark.parametrize("kind", codec_lib.KINDS)
 def test_every_codec_keeps_its_stated_bound(kind):
     """|decode − x| ≤ max_abs_error per element, on 64×1000 normals with a 10³ spread of scales
-    and a constant block; the host decoder gives the device decoder's values."""
+    and a constant block; the host decoder gives the device decoder's values (for nf2, whose
+    decode is one float32 multiply, the very same bits)."""
     rng = np.random.default_rng(1)
     x = (rng.standard_normal((64, 1000)) * np.exp(rng.uniform(-3.5, 3.5, (64, 1)))).astype(
         np.float32)
@@ -48,16 +50,30 @@ def test_every_codec_keeps_its_stated_bound(kind):
     block = 64
     code = codec_lib.to_numpy(codec_lib.make_codec(kind, block_size=block).encode(x)[0])
     flat = x.reshape(-1)
-    absmax = np.repeat(np.abs(flat).reshape(-1, block).max(axis=1), block).reshape(x.shape)
+    if kind in codec_lib.BLOCK_KINDS:   # int kinds store the absmax, nf2 its fitted outer level
+        assert np.array_equal(code.scales.astype(np.float32),
+                              np.abs(flat).reshape(-1, block).max(axis=1)) == (kind != "nf2")
     decoded = codec_lib.decode_host(code)
     error = np.abs(decoded.astype(np.float64) - x)
-    bound = codec_lib.max_abs_error(kind, x, absmax)
+    bound = codec_lib.max_abs_error(kind, x, block_scale(code, x.shape))
     assert np.all(error <= bound * (1 + 1e-6) + 1e-30)
     if kind != "none":   # and the bound is nearly reached somewhere: it is the right one
         assert np.max(error / np.maximum(bound, 1e-30)) > 0.5
-    if kind in codec_lib.BLOCK_KINDS:
+    if kind == "nf2":    # a constant block decodes to its value rounded to bfloat16
+        np.testing.assert_array_equal(decoded[0, :64], np.float32(ml_dtypes.bfloat16(0.37)))
+        np.testing.assert_array_equal(decoded, np.asarray(codec_lib.decode(code)))
+    elif kind in codec_lib.BLOCK_KINDS:
         np.testing.assert_array_equal(decoded[0, :64], np.float32(0.37))
     np.testing.assert_allclose(decoded, np.asarray(codec_lib.decode(code)), rtol=1e-6, atol=0)
+
+
+def block_scale(code, shape):
+    """Each element's block scale as the code stores it (what max_abs_error takes); zeros for
+    the kinds without scales."""
+    size = int(np.prod(shape))
+    if code.scales.size == 0:
+        return np.zeros(shape)
+    return np.repeat(code.scales.astype(np.float64), code.block_size)[:size].reshape(shape)
 
 
 def test_int2_bytes_and_zero_blocks():
@@ -124,7 +140,8 @@ def host(tree):
     return {k: np.asarray(v) for k, v in tree.items()}
 
 
-@pytest.mark.parametrize("down, up", [("int2", "int2"), ("int4", "int4"), ("bf16", "int2")])
+@pytest.mark.parametrize("down, up", [("int2", "int2"), ("int4", "int4"), ("bf16", "int2"),
+                                      ("nf2", "nf2")])
 def test_learner_and_shadow_agree_bit_for_bit_over_many_rounds(down, up):
     """60 rounds, two learners taking turns on two fragments, error feedback both ways: after
     every adoption the learner's base is exactly the syncer's shadow, the syncer's reconstruction
@@ -158,8 +175,12 @@ def test_learner_and_shadow_agree_bit_for_bit_over_many_rounds(down, up):
             # Error feedback: Θ − S' is one code's error of the difference Θ − S it encoded
             # (which carried the previous error along), never a sum of them.
             theta = result.params[k].astype(np.float64)
+            # (nf2 clips: a value beyond its block's ±c errs by exactly |x| − c, carried onwards)
             diff = (result.params[k] - base[k]).reshape(-1)
-            bound = codec_lib.max_abs_error(down, diff, block_absmax(diff, 32)).reshape(theta.shape)
+            scale = block_scale(update.codes[k], theta.shape).reshape(-1)
+            if down != "nf2":   # the int kinds' scale is the difference's block absmax
+                np.testing.assert_array_equal(scale, block_absmax(diff, 32) * (down != "bf16"))
+            bound = codec_lib.max_abs_error(down, diff, scale).reshape(theta.shape)
             left = np.abs(theta - shadow.params[k])
             assert np.all(left <= bound * (1 + 1e-5) + 1e-6 * np.abs(theta))
         assert update_is_small(update, result.params, down_codec)
