@@ -24,6 +24,7 @@ import _common as C
 
 from islands.orchestrator import baseline, chaos, inprocess
 from islands.orchestrator.chaos import FaultKind, RestartCosts
+from islands.orchestrator.config import LearnerSection
 
 TARGET_BASELINE = 0.27
 GOAL_OURS, GOAL_RATIO = 0.92, 3.0
@@ -97,8 +98,10 @@ def main() -> None:
           f"{plan.count(FaultKind.KILL)} kills, {plan.count(FaultKind.REGION_LOSS)} region "
           f"losses in {horizon:.0f} s", flush=True)
 
+    carry = LearnerSection().overlap == "carry"   # the job default
     ours = C.run_ours(setup, learner_ids=ids, fleet=fleet, num_fragments=4, sync_every_steps=8,
                       overlap_steps=2, min_learners=1, codec="int4", until_s=horizon,
+                      carry_overlap=carry,
                       faults=plan, restart=restart, eval_every_steps=max(total_steps // 10, 1))
     ours_fired = list(plan.fired)
     t_ours = watch()
@@ -147,6 +150,7 @@ def main() -> None:
                   "same_plan_object_for_both": True, "same_faults_fired": same_faults},
         "islands": {"learners": m, "regions": len(REGIONS), "fragments": 4,
                     "sync_every_steps": 8, "overlap_steps": 2, "quorum": 1, "codec": "int4",
+                    "overlap": "carry" if carry else "blend",
                     "step_time_s": fleet.step_time_s, "restarts": len(ours.restarts),
                     "faults_skipped": len(ours.faults_skipped),
                     "tokens_applied": ours_tokens,

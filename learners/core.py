@@ -136,11 +136,14 @@ class LearnerCore:
         self._encode_drift = _compiled_encode_drift(error_feedback, decode)
 
     def compile_pushes(self) -> None:
-        """Compiles every fragment's encode now (before training), so the first pushes do not
-        stall steps (which a straggler check would see)."""
+        """Compiles every fragment's encode (and, with ``carry_overlap``, its adoption) now,
+        before training, so the first pushes and adoptions do not stall steps (a straggler check
+        would see them: a learner whose first carries compiled was restarted as a straggler)."""
         for p, track in enumerate(self.tracks):
             local = fragments_lib.extract(self.params, self.plan, p)
             jax.block_until_ready(self._encode_drift(local, track.base, track.ef_state))
+            if self.carry_overlap:
+                jax.block_until_ready(_carry(track.base, local, local))
 
     # -- step 1: after every inner step --------------------------------------------------------
     def record_step(self, tokens: int, step_s: float) -> None:

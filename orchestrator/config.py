@@ -94,7 +94,7 @@ class InnerOptimizer(_Section):
 
 class LearnerSection(_Section):
     inner_optimizer: InnerOptimizer = InnerOptimizer()
-    overlap: Literal["carry", "blend"] = "blend"
+    overlap: Literal["carry", "blend"] = "carry"
     merge_alpha: float = Field(0.0, ge=0, le=1)
     # Pads each step to at least this wall time (÷ speed factor): emulates slower hardware.
     min_step_time_s: float = Field(0.0, ge=0)

@@ -82,9 +82,11 @@ FIELD_NOTES: dict[str, str] = {
     "learner.inner_optimizer.b1": "Adam's first-moment decay rate.",
     "learner.inner_optimizer.b2": "Adam's second-moment decay rate.",
     "learner.inner_optimizer.clip_norm": "Gradients are rescaled to at most this global L2 norm.",
-    "learner.overlap": "What a learner does with the τ steps it took between a push and the "
-                       "adoption of its merge: `carry` keeps them (θ ← Θ + (θ_now − θ_at_push), "
-                       "they go out with the next push); `blend` mixes (see merge_alpha).",
+    "learner.overlap": "What a learner does with the steps it took between a push and the "
+                       "adoption of its merge (τ or more: a reply that arrives late is adopted "
+                       "late): `carry` keeps them (θ ← Θ + (θ_now − θ_at_push), they go out with "
+                       "the next push, no token is dropped); `blend` mixes (see merge_alpha; "
+                       "with α = 0 the merged fragment overwrites them: the paper's rule).",
     "learner.merge_alpha": "With overlap: blend, α of the blend when a merged fragment arrives: "
                            "θ ← α·θ_local + (1 − α)·Θ; 0 adopts the merged fragment as it is "
                            "(the paper) and the τ steps are dropped.",

@@ -116,7 +116,9 @@ def valid_raw(draw):
         "learner": {"inner_optimizer": {"lr": draw(pos_float),
                                         "warmup_steps": draw(st.integers(0, 100)),
                                         "b1": draw(unit_open)},
-                    "merge_alpha": draw(st.floats(0, 1, allow_nan=False))},
+                    **draw(st.sampled_from([{"overlap": "carry"}]) | st.builds(
+                        lambda a: {"overlap": "blend", "merge_alpha": a},
+                        st.floats(0, 1, allow_nan=False)))},
         "syncer": {"fragments": draw(st.integers(1, 8)), "sync_every_steps": sync_every,
                    "overlap_steps": draw(st.integers(0, sync_every - 1)),
                    "outer_optimizer": draw(outer_optimizers()),

@@ -19,6 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 BASE = {
     "regions": {"a": {"learners": 2, "max_learners": 3}},
+    "learner": {"overlap": "blend"},   # merge_alpha only applies with blend (carry is the default)
     "link": {"port": 7000},
     "chaos": {"mtbf_s": 60, "region_mtbf_s": 200, "slowdown_mtbf_s": 60, "network_mtbf_s": 60,
               "syncer_mtbf_s": 100},
