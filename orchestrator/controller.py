@@ -467,7 +467,10 @@ class Controller:
                 # Its run is over but its actor lives on and holds the learner's name: a
                 # restart could never take the name (the full soak saw one learner's relaunch
                 # postponed for 600 s). The fleet's Kill for it finds it closed below.
-                ray.kill(inc.handle, no_restart=True)
+                try:
+                    ray.kill(inc.handle, no_restart=True)
+                except Exception:  # already gone: its name is free anyway
+                    pass
             inc.run_ref = None
             out.append(fleet_lib.RunEnded(name, inc.number, error, preempted, crashed))
         for name in [n for n, inc in self.running.items()

@@ -84,7 +84,7 @@ def snapshot_tree(core: SyncerCore) -> tuple[dict, dict]:
     meta = {
         "epoch": core.epoch,
         "versions": list(core.versions),
-        "ledger": {name: dataclasses.asdict(entry) for name, entry in core.ledger.items()},
+        "ledger": _ledger_json(core),
         "merges": sum(core.versions),
     }
     return arrays, meta
