@@ -703,7 +703,12 @@ class _Machine:
         self.actions.append(DrainLearner(slot.learner))
 
     def launch(self, slot: Slot, start_step: int, name: str = "learner_launched") -> None:
-        peer = self.peer_for(slot.learner, slot.region)
+        # A peer's inner optimizer state reintegrates a learner that was training (its schedule
+        # position, the optimizer's step count, is then close to its own resume step). A new
+        # learner starts its own: copying a peer's count would run it at the peer's learning
+        # rate while its pushes' steps (from 0) say warm-up, and the syncer's outlier bound,
+        # which reads the schedule at those steps, refused its drifts until it was quarantined.
+        peer = self.peer_for(slot.learner, slot.region) if slot.incarnation > 0 else None
         faults = tuple(f for f in self.fleet.link_faults
                        if f.target == slot.region and f.end_s > self.now)
         recovery = slot.recovery
