@@ -519,17 +519,23 @@ class LearnerUnit:
             # One shard keeps the single syncer's fresh session per registration; with several,
             # every shard shares the learner's one session.
             session = self.core.session if self.spec.syncer_shards > 1 else None
-        deadline = time.time() + 60
-        while not self.stop_event.is_set() and time.time() < deadline:
+        # One syncer: wait for it (nothing can merge meanwhile). Several shards: one short try,
+        # so this learner keeps training and pushing the other shards' fragments while one
+        # restarts; its next failed push to that shard tries again.
+        sharded = self.spec.syncer_shards > 1
+        deadline = time.time() + (0.0 if sharded else 60.0)
+        while not self.stop_event.is_set():
             try:
                 handle = ray.get_actor(self._shard_name(syncer_shard),
                                        namespace=self.spec.namespace)
                 args = (self.spec.learner, self.spec.incarnation, adopted) + (
                     (session,) if session else ())
-                reg = ray.get(handle.register.remote(*args), timeout=10)
+                reg = ray.get(handle.register.remote(*args), timeout=1.0 if sharded else 10)
                 self.syncers[syncer_shard] = handle
                 break
             except Exception:
+                if time.time() >= deadline:
+                    return
                 time.sleep(0.5)
         else:
             return
