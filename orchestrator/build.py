@@ -104,6 +104,8 @@ def fleet_settings(config) -> FleetSettings:
                          policy=restart_policy(config),
                          heartbeat_timeout_s=config.health.timeout_s,
                          straggler_factor=config.health.straggler_factor,
+                         straggler_window_s=config.health.straggler_window_s,
+                         straggler_min_excess_s=config.health.straggler_min_excess_s,
                          syncer_shards=config.syncer.shards)
 
 

@@ -240,6 +240,8 @@ class HealthSection(_Section):
     heartbeat_s: float = Field(1.0, gt=0)
     timeout_s: float = Field(10.0, gt=0)
     straggler_factor: float = Field(4.0, gt=1)
+    straggler_window_s: float = Field(30.0, ge=0)
+    straggler_min_excess_s: float = Field(0.05, ge=0)
     restart: RestartSection = RestartSection()
     placement_timeout_s: float = Field(60.0, gt=0)
 

@@ -185,17 +185,23 @@ FIELD_NOTES: dict[str, str] = {
     "health.heartbeat_s": "Seconds between two heartbeats of a learner to the controller.",
     "health.timeout_s": "A learner with no heartbeat for this long is hung: it is killed and "
                         "restarted (cause `hang`).",
-    "health.straggler_factor": "A learner whose step time exceeds this × the median of its "
-                               "region's other learners is a straggler: it is killed and "
-                               "restarted (cause `straggler`).",
+    "health.straggler_factor": "A learner whose own step time (this incarnation's, after its "
+                               "first step) exceeds this × the median of its region's other "
+                               "learners (at least two) for `straggler_window_s` is a straggler: "
+                               "it is restarted once (cause `straggler`); slow again after that, "
+                               "it trains on at its pace (event `learner_slow_tolerated`).",
+    "health.straggler_window_s": "Seconds a learner must stay slow before it is called a "
+                                 "straggler (a moment of slowness is timing noise).",
+    "health.straggler_min_excess_s": "Slow also means at least this many seconds above the "
+                                     "peers' median step: 4× a millisecond step is noise.",
     "health.restart": "Restart policy: exponential backoff, a budget per cause.",
     "health.restart.backoff_initial_s": "Delay before a learner's first restart.",
     "health.restart.backoff_multiplier": "Growth of the delay: min(initial × multiplier^n, max) "
                                          "with n the learner's restarts so far (every cause).",
     "health.restart.backoff_max_s": "Upper bound of the delay.",
     "health.restart.max_crash_restarts": "Restarts per learner for crashes, hangs and "
-                                         "stragglers together; null: unlimited. Over budget the "
-                                         "learner is retired.",
+                                         "quarantines together; null: unlimited. Over budget the "
+                                         "learner is retired. Being slow never spends it.",
     "health.restart.max_preemption_restarts": "Restarts per learner after preemptions (its node "
                                               "went away); null: unlimited.",
     "health.placement_timeout_s": "Seconds to wait for the syncer to start (also after a syncer "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import statistics
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence, Union
 
@@ -66,6 +67,8 @@ class FleetSettings:
     heartbeat_timeout_s: float = 10.0
     startup_timeout_s: float = 120.0
     straggler_factor: float = 4.0
+    straggler_window_s: float = 30.0     # slow for this long (one incarnation) before a verdict
+    straggler_min_excess_s: float = 0.05  # and at least this much above its peers' median step
     restart_retry_s: float = 0.2        # a launch that failed (name not released yet) retries
     first_shard: int = 0                # a region agent's fleet: its region's first data shard
     num_shards: Optional[int] = None    # ... and the job's shard count (None: count the slots)
@@ -93,6 +96,9 @@ class Slot:
     recovery: Optional[tuple[tuple[str, float], ...]] = None  # phase timestamps in progress
     restart_postponed: bool = False
     remote: bool = False                 # mirrored from a region agent (never launched here)
+    slow_since_s: Optional[float] = None  # this incarnation has been slow since (None: it is not)
+    slow_tolerated: int = 0              # incarnations let train on at their slow pace
+    tolerated_incarnation: int = -1      # ... the newest of them (one event per incarnation)
 
     @property
     def restart_counts(self) -> dict[Cause, int]:
@@ -433,8 +439,11 @@ class _Machine:
         slot = self.current(beat.learner, beat.incarnation)
         if slot is None or slot.state in GONE or slot.state == SlotState.RESTARTING:
             return  # a beat from an incarnation already buried
+        # Only this incarnation's own pace (launch resets it): a new incarnation is never judged
+        # by its predecessor's step time.
         slot = self.put(dataclasses.replace(
-            slot, last_beat_s=self.now, step_time_s=beat.step_time_s or slot.step_time_s,
+            slot, last_beat_s=self.now,
+            step_time_s=beat.step_time_s if beat.step_time_s is not None else slot.step_time_s,
             node_id=beat.node_id or slot.node_id))
         if slot.state == SlotState.STARTING and beat.training:
             recovery = dict(slot.recovery or ())
@@ -715,8 +724,9 @@ class _Machine:
         if recovery is not None:
             recovery = tuple({**dict(recovery), "restarted_s": self.now,
                               "incarnation": slot.incarnation}.items())
-        slot = dataclasses.replace(slot, launched_s=self.now, last_beat_s=None,
-                                   start_step=start_step, restart_at_s=None, recovery=recovery)
+        slot = dataclasses.replace(slot, launched_s=self.now, last_beat_s=None, step_time_s=None,
+                                   slow_since_s=None, start_step=start_step, restart_at_s=None,
+                                   recovery=recovery)
         self.actions.append(Launch(slot.learner, slot.region, slot.incarnation, slot.shard,
                                    self.num_shards(), slot.speed_factor, peer, start_step,
                                    faults))
@@ -765,17 +775,36 @@ class _Machine:
         step_times = {x.learner: x.step_time_s for x in running
                       if x.state == SlotState.TRAINING and x.step_time_s}
         for slot in running:
-            # Its region's other learners; the whole fleet's when the region has fewer than two
-            # others (a region of two cannot say which of its pair is the slow one).
+            # Only its own region's other learners: a region is one kind of hardware, and a
+            # region of two cannot say which of its pair is the slow one (then nobody is).
             peers = [t for name, t in step_times.items()
                      if name != slot.learner and self.fleet.slots[name].region == slot.region]
-            if len(peers) < 2:
-                peers = [t for name, t in step_times.items() if name != slot.learner]
             cause = detect(self.now, slot.last_beat_s, _first(slot.launched_s, self.now),
                            step_times.get(slot.learner), peers, s.heartbeat_timeout_s,
-                           s.straggler_factor, s.startup_timeout_s)
-            if cause is None or (cause == Cause.STRAGGLER and slot.speed_factor < 1.0):
-                continue  # healthy, or slow by design (a mixed fleet)
+                           s.straggler_factor, s.startup_timeout_s, s.straggler_min_excess_s)
+            if cause == Cause.STRAGGLER and slot.speed_factor < 1.0:
+                cause = None  # slow by design (a mixed fleet)
+            if cause != Cause.STRAGGLER and slot.slow_since_s is not None:
+                slot = self.put(dataclasses.replace(slot, slow_since_s=None))
+            if cause == Cause.STRAGGLER:
+                if slot.slow_since_s is None:
+                    slot = self.put(dataclasses.replace(slot, slow_since_s=self.now))
+                if self.now - slot.slow_since_s < s.straggler_window_s:
+                    continue  # slow for a moment is timing noise; slow for a window is a pace
+                if slot.restart_counts.get(Cause.STRAGGLER, 0) >= 1:
+                    # Restarted once for it and as slow again: a restart does not help here.
+                    # It trains on at its pace; the grace window and K keep it from holding
+                    # anyone back, so it costs only its own tokens.
+                    if slot.tolerated_incarnation != slot.incarnation:
+                        self.put(dataclasses.replace(slot, slow_tolerated=slot.slow_tolerated + 1,
+                                                     tolerated_incarnation=slot.incarnation))
+                        self.note("learner_slow_tolerated", slot.learner,
+                                  incarnation=slot.incarnation,
+                                  step_time_s=step_times.get(slot.learner),
+                                  peers_median_s=statistics.median(peers))
+                    continue
+            if cause is None:
+                continue
             self.note("learner_unhealthy", slot.learner, cause=cause.value,
                       step_time_s=step_times.get(slot.learner))
             self.fail(slot, cause, detail=f"{cause.value} detected")

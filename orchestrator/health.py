@@ -14,7 +14,7 @@ class Cause(str, enum.Enum):
     CRASH = "crash"             # the actor process died on a live node
     PREEMPTION = "preemption"   # the node under it is gone
     HANG = "hang"               # alive but no heartbeat for timeout_s
-    STRAGGLER = "straggler"     # step time far above its region's median
+    STRAGGLER = "straggler"     # step time far above its region's median, for a whole window
     QUARANTINE = "quarantine"   # its drifts kept being refused as garbage: restart from a peer
 
 
@@ -47,6 +47,8 @@ class RestartPolicy:
     max_preemption_restarts: Optional[int] = None
 
     def budget_for(self, cause: Cause) -> Optional[int]:
+        if cause == Cause.STRAGGLER:
+            return None  # the fleet restarts a straggler once at most (then it trains on, slow)
         return self.max_preemption_restarts if cause == Cause.PREEMPTION else self.max_crash_restarts
 
     def decide(self, learner: str, cause: Cause, restarts: Mapping[Cause, int]) -> Verdict:
@@ -58,12 +60,14 @@ class RestartPolicy:
           restarts: restarts so far by cause (before this failure).
 
         The backoff grows with the learner's total restarts: delay = min(initial·mult^n, max).
+        Being slow never spends a budget: a straggler restart is neither limited by the crash
+        budget nor counted in it (in an asynchronous job a slow learner costs only its own
+        tokens, and retiring it would lose a learner for good).
         """
-        same_budget = sum(n for c, n in restarts.items()
-                          if (c == Cause.PREEMPTION) == (cause == Cause.PREEMPTION))
+        same_budget = sum(n for c, n in restarts.items() if _budget_kind(c) == _budget_kind(cause))
         budget = self.budget_for(cause)
         attempt = same_budget + 1
-        kind = "preemption" if cause == Cause.PREEMPTION else "crash"
+        kind = _budget_kind(cause)
         if budget is not None and attempt > budget:
             return Verdict(RestartDecision.RETIRE, 0.0, attempt, budget,
                            f"retire {learner}: {kind} budget of {budget} spent ({cause.value})")
@@ -74,23 +78,45 @@ class RestartPolicy:
                        f"restart {attempt} of {of} ({cause.value}) {learner} in {delay:.2f}s")
 
 
+def _budget_kind(cause: Cause) -> str:
+    """The budget a restart for ``cause`` is counted in."""
+    return {Cause.PREEMPTION: "preemption", Cause.STRAGGLER: "straggler"}.get(cause, "crash")
+
+
 def detect(now_s: float, last_beat_s: Optional[float], started_s: float, step_time_s: Optional[float],
            region_step_times_s: list[float], timeout_s: float, straggler_factor: float,
-           startup_timeout_s: float = 120.0) -> Optional[Cause]:
+           startup_timeout_s: float = 120.0, min_excess_s: float = 0.0) -> Optional[Cause]:
     """HANG when no heartbeat for ``timeout_s`` (or, before the first one, ``startup_timeout_s``
     after the start: importing JAX and compiling the step takes a while on a loaded machine);
-    STRAGGLER when its step time exceeds ``straggler_factor`` × the median of its region's peers
-    (needs at least two peers: a region of one has no median to be slow against).
+    STRAGGLER when it is slow now (``is_slow``). A caller decides how long slow must last.
     """
     if last_beat_s is None:
         return Cause.HANG if now_s - started_s > startup_timeout_s else None
     if now_s - last_beat_s > timeout_s:
         return Cause.HANG
-    if step_time_s is not None and len(region_step_times_s) >= 2:
-        median = statistics.median(region_step_times_s)
-        if median > 0 and step_time_s > straggler_factor * median:
-            return Cause.STRAGGLER
+    if step_time_s is not None and is_slow(step_time_s, region_step_times_s, straggler_factor,
+                                           min_excess_s):
+        return Cause.STRAGGLER
     return None
+
+
+def is_slow(step_time_s: float, peer_step_times_s: list[float], factor: float,
+            min_excess_s: float = 0.0) -> bool:
+    """Whether a step time is above ``factor`` × the median of its peers' AND at least
+    ``min_excess_s`` above that median: 4× of a 2 ms step is scheduling noise, not a slow machine.
+    Needs at least two peers (a pair cannot say which of them is the slow one); when the peers
+    are slow too, the median is, and nobody is a straggler (the machine is starved, not the
+    learner).
+
+    >>> is_slow(0.45, [0.1, 0.1], 4.0), is_slow(0.008, [0.002, 0.002], 4.0, 0.05)
+    (True, False)
+    >>> is_slow(0.45, [0.1], 4.0), is_slow(0.45, [0.4, 0.5, 0.1], 4.0)
+    (False, False)
+    """
+    if len(peer_step_times_s) < 2:
+        return False
+    median = statistics.median(peer_step_times_s)
+    return median > 0 and step_time_s > factor * median and step_time_s - median >= min_excess_s
 
 
 def death_cause(node_id: Optional[str], alive_node_ids: "set[str] | frozenset[str]",

@@ -63,6 +63,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "Seconds per recovery phase of a failed learner (detect, restart, restore, "
                "first_contribution, total)"),
     MetricSpec("islands_learner_restarts", "counter", ("reason",), "Learner restarts by cause"),
+    MetricSpec("islands_slow_learners_tolerated", "counter", ("region",),
+               "Incarnations found slow again after their one straggler restart, let train on at "
+               "their pace instead of being restarted"),
     MetricSpec("islands_rejected_pushes", "counter", ("reason",), "Refused pushes by reason"),
     MetricSpec("islands_compression_relative_error", "gauge", (),
                "Mean over live learners of the last push's ||decode(code) - drift|| / ||drift||"),
@@ -239,6 +242,14 @@ def families(snap: Mapping[str, Any]) -> list:
     for reason in RESTART_REASONS:
         restarts.add_metric([reason], float(by_reason.get(reason, 0)))
     out.append(restarts)
+
+    tolerated = counter("islands_slow_learners_tolerated")
+    for region in sorted(snap["wire_bytes"]) or sorted(
+            {l["region"] for l in snap["learners"].values()}):
+        tolerated.add_metric([region], float(sum(
+            int(l.get("slow_tolerated") or 0) for l in snap["learners"].values()
+            if l["region"] == region)))
+    out.append(tolerated)
 
     from islands.syncer.validate import REJECT_REASONS
 

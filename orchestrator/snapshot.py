@@ -29,6 +29,7 @@ class LearnerRow:
     steps_total: int
     wire_bytes_up_total: int
     wire_bytes_down_total: int
+    slow_tolerated: int = 0      # incarnations let train on slow (after one straggler restart)
 
 
 @dataclass(frozen=True)
@@ -127,7 +128,8 @@ def job_snapshot(controller: Any) -> JobSnapshot:
             compression_relative_error=beat.get("compression_relative_error"),
             timings=beat.get("timings"), steps_total=closed.get("steps", 0) + current_steps,
             wire_bytes_up_total=closed.get("up", 0) + up_now,
-            wire_bytes_down_total=closed.get("down", 0) + down_now)
+            wire_bytes_down_total=closed.get("down", 0) + down_now,
+            slow_tolerated=slot.slow_tolerated)
     states = collections.Counter(row.state for row in learners.values())
     wire = {region: {"up": 0, "down": 0} for region in controller.config.regions}
     restarts: collections.Counter = collections.Counter()

@@ -137,16 +137,88 @@ def test_a_learner_that_never_beats_hangs_after_the_startup_timeout():
     assert names(result).count("learner_unhealthy") == 3
 
 
-def test_straggler_against_its_peers_but_not_a_slow_by_design_learner():
-    s = settings(regions={"a": F.RegionPlan(3, 3), "b": F.RegionPlan(1, 1, (0.5,))})
+def unhealthy(result):
+    return [(t.learner, t.fields["cause"]) for t in result.transitions
+            if t.name == "learner_unhealthy"]
+
+
+def test_straggler_against_its_peers_for_a_window_but_not_a_slow_by_design_learner():
+    s = settings(regions={"a": F.RegionPlan(3, 3), "b": F.RegionPlan(1, 1, (0.5,))},
+                 straggler_window_s=30.0)
     fleet = F.step(F.initial(s), [], 0.0).fleet
     beats = [F.Beat("a:0", 0, True, 0.1), F.Beat("a:1", 0, True, 0.1),
              F.Beat("a:2", 0, True, 0.41), F.Beat("b:0", 0, True, 0.9)]
-    result = F.step(fleet, beats, 1.0)
-    unhealthy = [(t.learner, t.fields["cause"]) for t in result.transitions
-                 if t.name == "learner_unhealthy"]
-    # a:2 at 0.41 s > 4 × median(0.1, 0.1); b:0 is slower still but runs at speed 0.5 on purpose.
-    assert unhealthy == [("a:2", "straggler")]
+    first = F.step(fleet, beats, 1.0)
+    # Slow for a moment is not a verdict: the window starts now.
+    assert unhealthy(first) == [] and first.fleet.slots["a:2"].slow_since_s == 1.0
+    keep = [F.Beat(b.learner, 0, True, None) for b in beats]   # beats without a new pace
+    early = F.step(first.fleet, keep, 30.9)
+    assert unhealthy(early) == []
+    result = F.step(early.fleet, keep, 31.0)
+    # a:2 at 0.41 s > 4 × median(0.1, 0.1) for 30 s; b:0 is slower still but runs at speed 0.5
+    # on purpose.
+    assert unhealthy(result) == [("a:2", "straggler")]
+
+
+def test_a_learner_fast_again_within_the_window_starts_the_window_over():
+    s = settings(regions={"a": F.RegionPlan(3, 3)}, straggler_window_s=10.0)
+    fleet = F.step(F.initial(s), [], 0.0).fleet
+    pace = lambda t2: [F.Beat("a:0", 0, True, 0.1), F.Beat("a:1", 0, True, 0.1),  # noqa: E731
+                       F.Beat("a:2", 0, True, t2)]
+    fleet = F.step(fleet, pace(0.5), 1.0).fleet
+    fleet = F.step(fleet, pace(0.1), 8.0).fleet
+    assert fleet.slots["a:2"].slow_since_s is None
+    fleet = F.step(fleet, pace(0.5), 9.0).fleet
+    assert unhealthy(F.step(fleet, pace(0.5), 18.0)) == []        # 9 s slow, not 10
+    assert unhealthy(F.step(fleet, pace(0.5), 19.0)) == [("a:2", "straggler")]
+
+
+def test_a_straggler_restarted_once_and_slow_again_trains_on_and_is_never_retired():
+    """The loop seen in the README demo: each new incarnation was judged by its predecessor's
+    step time at the moment it became ready, until the crash budget retired the learner."""
+    policy = RestartPolicy(backoff_initial_s=0.5, backoff_multiplier=2.0, backoff_max_s=30.0,
+                           max_crash_restarts=1)
+    s = settings(regions={"a": F.RegionPlan(3, 3)}, policy=policy, straggler_window_s=5.0)
+    fleet = F.step(F.initial(s), [], 0.0).fleet
+    fast = [F.Beat("a:0", 0, True, 0.1), F.Beat("a:1", 0, True, 0.1)]
+    fleet = F.step(fleet, fast + [F.Beat("a:2", 0, True, 0.5)], 1.0).fleet
+    result = F.step(fleet, fast + [F.Beat("a:2", 0, True, 0.5)], 6.0)
+    assert unhealthy(result) == [("a:2", "straggler")]
+    fleet = F.step(result.fleet, [], 7.0).fleet                   # the restart is due (0.5 s)
+    assert fleet.slots["a:2"].incarnation == 1
+    assert fleet.slots["a:2"].step_time_s is None                 # its predecessor's pace is gone
+    # Ready, with no pace of its own yet (its first step is not a pace): not judged.
+    ready = F.step(fleet, fast + [F.Beat("a:2", 1, True, None)], 8.0)
+    assert unhealthy(ready) == [] and ready.fleet.slots["a:2"].state == SlotState.TRAINING
+    fleet = ready.fleet
+    for t in (9.0, 12.0, 15.0, 60.0, 600.0):                     # as slow again, for ever
+        result = F.step(fleet, fast + [F.Beat("a:2", 1, True, 0.5)], t)
+        assert unhealthy(result) == [], t
+        fleet = result.fleet
+        if t == 15.0:
+            assert names(result) == ["learner_slow_tolerated"]
+    slot = fleet.slots["a:2"]
+    assert slot.state == SlotState.TRAINING and slot.incarnation == 1
+    assert slot.slow_tolerated == 1 and slot.restart_counts == {Cause.STRAGGLER: 1}
+    # The one straggler restart spent nothing of the crash budget (1): a crash still restarts.
+    crashed = F.step(fleet, [F.RunEnded("a:2", 1, "boom", crashed=True)], 601.0)
+    assert "learner_restart_scheduled" in names(crashed)
+
+
+def test_millisecond_steps_and_a_region_of_two_are_not_stragglers():
+    s = settings(regions={"a": F.RegionPlan(3, 3), "b": F.RegionPlan(2, 2)},
+                 straggler_window_s=0.0, straggler_min_excess_s=0.05)
+    fleet = F.step(F.initial(s), [], 0.0).fleet
+    # a:2 at 5× its peers' 2 ms: 8 ms above them is timing noise, not a slow machine. b's pair
+    # is 5× slower than region a, but a region is its own hardware and a pair has no median.
+    beats = [F.Beat("a:0", 0, True, 0.002), F.Beat("a:1", 0, True, 0.002),
+             F.Beat("a:2", 0, True, 0.010), F.Beat("b:0", 0, True, 0.5),
+             F.Beat("b:1", 0, True, 0.5)]
+    fleet = F.step(fleet, beats, 1.0).fleet
+    assert unhealthy(F.step(fleet, beats, 2.0)) == []
+    # The machine starves a whole region: its median rises with it, so nobody is slow.
+    starved = [F.Beat(f"a:{i}", 0, True, 0.4) for i in range(3)]
+    assert unhealthy(F.step(fleet, starved, 3.0)) == []
 
 
 def test_launch_failure_postpones_and_retries_the_same_incarnation():

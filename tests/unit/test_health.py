@@ -88,3 +88,16 @@ def test_grown_target_first_and_last_step():
     assert grown_target(9, 3, 3, 4) == 4         # capped at max_learners
     assert grown_target(5, 4, 4, 4) is None      # at the cap already
     assert grown_target(1, 2, 2, 4) is None      # shrinking is handled as preemption, not here
+
+
+def test_being_slow_never_spends_the_crash_budget():
+    policy = RestartPolicy(backoff_initial_s=1.0, backoff_multiplier=2.0, backoff_max_s=30.0,
+                           max_crash_restarts=1)
+    # Three straggler restarts so far: the crash budget of 1 is still whole.
+    history = {Cause.STRAGGLER: 3}
+    crash = policy.decide("a:0", Cause.CRASH, history)
+    assert crash.decision == RestartDecision.RESTART and crash.attempt == 1
+    assert crash.delay_s == 8.0                   # backoff counts every restart: 1 · 2^3
+    slow = policy.decide("a:0", Cause.STRAGGLER, {Cause.CRASH: 1, Cause.STRAGGLER: 3})
+    assert slow.decision == RestartDecision.RESTART and slow.budget is None
+    assert slow.message == "restart 4 of unlimited (straggler) a:0 in 16.00s"
