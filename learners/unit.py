@@ -67,6 +67,9 @@ class LearnerSpec:
     controller_name: Optional[str] = "islands:controller"
     peer: Optional[str] = None        # a healthy learner's actor name for the inner state
     corpus_ref: Any = None            # the train bytes in Ray's object store (read once, shared)
+    # A warm spare (orchestrator/fleet.py): ``learner`` is the spare's name until ``promote``
+    # gives it a learner's identity; it prepares everything it can without one and waits.
+    spare: bool = False
     # XLA/JAX settings, applied in the actor before JAX loads. Set here rather than as a Ray
     # runtime_env, which would make Ray start a dedicated worker process for every restart
     # instead of taking a pre-started one (about a second of each recovery).
@@ -199,6 +202,9 @@ class LearnerUnit:
                                       "refused": 0, "adopted": 0, "reregistered": 0,
                                       "ready_at": None}
         self.core = None
+        self.prepared: Optional[dict] = None     # what ``prepare`` built (no learner identity)
+        self.prepare_lock = threading.Lock()
+        self.promoted = threading.Event()
         self.created_s = time.time()
         self.node_id = _node_id()
         self.timings: dict[str, float] = {}
@@ -284,6 +290,61 @@ class LearnerUnit:
                 return None
             return jax.tree_util.tree_map(np.asarray, self.core.opt_state)
 
+    # -- a warm spare ---------------------------------------------------------------------------
+    def prepare(self) -> dict:
+        """Everything a start does before it needs a learner identity: JAX imported, the task
+        built, the train step and every push encoder compiled (or loaded from the cache), the
+        controller and syncer shards found. A spare returns here and waits for ``promote``."""
+        with self.prepare_lock:
+            if self.prepared is None:
+                self.prepared = self._prepare()
+        return {"name": self.spec.learner, "prepare_s": self.timings.get("prepare_s"),
+                "node_id": self.node_id}
+
+    def promote(self, identity: dict) -> None:
+        """Takes a learner's identity (id, shard, incarnation, resume step, peer, speed): the
+        next ``run`` trains as that learner. Called once, on a prepared spare."""
+        import dataclasses
+
+        if not self.spec.spare or self.promoted.is_set():
+            raise RuntimeError(f"{self.spec.learner} is not a spare waiting for promotion")
+        self.spec = dataclasses.replace(self.spec, spare=False, **identity)
+        self.region = self.spec.learner.rsplit(":", 1)[0]
+        self.stats["step"] = self.spec.start_step
+        self.timings["promoted_at"] = time.time()
+        self.promoted.set()
+
+    def _prepare(self) -> dict:
+        import jax
+        import ray
+
+        from .task import TaskStream
+
+        spec, tspec = self.spec, self.spec.training
+        t_start = time.time()
+        # Zero-copy from the object store when the controller shared the built-in corpus.
+        train_bytes = ray.get(spec.corpus_ref) if spec.corpus_ref is not None else None
+        self.timings["corpus_s"] = time.time() - t_start
+        task = build_task(tspec, train_bytes)
+        task, template, optimizer, train_step = build_training(tspec, abstract=True, task=task)
+        self.timings["model_s"] = time.time() - t_start
+        controller = (ray.get_actor(spec.controller_name, namespace=spec.namespace)
+                      if spec.controller_name else None)
+        if spec.spare:
+            # Compile what a learner runs, on placeholder values of the right shapes (the values
+            # are thrown away; the compiled programs stay in this process and the cache).
+            params = jax.tree_util.tree_map(lambda x: jax.numpy.zeros(x.shape, x.dtype), template)
+            opt_state = optimizer.init(params)
+            _, _, loss = train_step(params, opt_state, TaskStream(task, 0, 1).batch_at(0))
+            float(loss)
+            _learner_core(tspec, spec.learner, params, opt_state,
+                          [0] * tspec.fragments).compile_pushes()
+            for s in range(spec.syncer_shards):   # found now, registered at promotion
+                ray.get_actor(self._shard_name(s), namespace=spec.namespace)
+        self.timings["prepare_s"] = time.time() - t_start
+        return {"task": task, "template": template, "optimizer": optimizer,
+                "train_step": train_step, "controller": controller}
+
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> dict:
         """Trains until stopped or drained; returns the final stats. Its future is the liveness probe."""
@@ -304,21 +365,20 @@ class LearnerUnit:
 
         from .task import TaskStream
 
-        spec, tspec = self.spec, self.spec.training
+        # A threaded actor may start ``run`` before the ``promote`` sent just ahead of it.
+        if self.spec.spare and not self.promoted.wait(timeout=60.0):
+            raise RuntimeError(f"{self.spec.learner} is a spare: promote it before run")
         t_start = time.time()
-        # Zero-copy from the object store when the controller shared the corpus.
-        # Zero-copy from the object store when the controller shared the built-in corpus.
-        train_bytes = ray.get(spec.corpus_ref) if spec.corpus_ref is not None else None
-        self.timings["corpus_s"] = time.time() - t_start
-        task = build_task(tspec, train_bytes)
-        task, template, optimizer, train_step = build_training(tspec, abstract=True, task=task)
-        self.timings["model_s"] = time.time() - t_start
+        if self.prepared is None:
+            self.prepare()
+        prepared = self.prepared
+        spec, tspec = self.spec, self.spec.training
+        task, template = prepared["task"], prepared["template"]
+        optimizer, train_step = prepared["optimizer"], prepared["train_step"]
         stream = TaskStream(task, spec.shard_index, spec.num_shards)
         # Exact resume: the first batch is the one at start_step (the stream opens there).
         tokens_per_batch = int(task.tokens(stream.batch_at(spec.start_step).batch))
-
-        self.controller = (ray.get_actor(spec.controller_name, namespace=spec.namespace)
-                           if spec.controller_name else None)
+        self.controller = prepared["controller"]
         reg = self._register_all()
         flat = {}
         for frag in reg["fragments"]:
@@ -327,7 +387,8 @@ class LearnerUnit:
 
         assemble = assembler(template)
         params = jax.tree_util.tree_map(lambda x: x, assemble(flat))
-        self.timings["restart_s"] = t_start - self.created_s
+        # (a promoted spare: from its promotion, not from its start as a spare)
+        self.timings["restart_s"] = t_start - self.timings.get("promoted_at", self.created_s)
         opt_state = None
         if spec.peer:
             try:

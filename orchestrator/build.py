@@ -99,7 +99,8 @@ def fleet_settings(config) -> FleetSettings:
         factors = (tuple(float(f) for f in factors) if isinstance(factors, list)
                    else (float(factors),) * region.learners)
         ceiling = region.max_learners if region.max_learners is not None else region.learners
-        regions[name] = RegionPlan(region.learners, ceiling, factors, remote=region.remote)
+        regions[name] = RegionPlan(region.learners, ceiling, factors, remote=region.remote,
+                                   spares=config.spares_of(name))
     return FleetSettings(regions=regions, min_learners=config.quorum.min_learners,
                          policy=restart_policy(config),
                          heartbeat_timeout_s=config.health.timeout_s,
@@ -138,8 +139,28 @@ def learner_spec(config, training: TrainingSpec, launch, corpus_ref=None,
         start_step=launch.start_step, speed_factor=launch.speed_factor,
         min_step_time_s=config.learner.min_step_time_s, latency_ms=region.latency_ms,
         bandwidth_gbps=region.bandwidth_gbps, heartbeat_s=config.health.heartbeat_s,
-        peer=f"islands:{launch.peer}" if launch.peer else None, corpus_ref=corpus_ref,
-        env=dict(env or {}), syncer_shards=config.syncer.shards)
+        peer=f"islands:{launch.peer_actor or launch.peer}" if launch.peer else None,
+        corpus_ref=corpus_ref, env=dict(env or {}), syncer_shards=config.syncer.shards)
+
+
+# What a promoted spare takes from the learner spec it stands in for (the rest is the job's).
+IDENTITY_FIELDS = ("learner", "shard_index", "num_shards", "incarnation", "start_step",
+                   "speed_factor", "latency_ms", "bandwidth_gbps", "peer")
+
+
+def identity(spec: LearnerSpec) -> dict:
+    return {f: getattr(spec, f) for f in IDENTITY_FIELDS}
+
+
+def spare_spec(config, training: TrainingSpec, name: str, region: str, corpus_ref=None,
+               env: Optional[dict] = None) -> LearnerSpec:
+    """A warm spare of ``region``: a learner spec with no identity yet (``spare``)."""
+    r = config.regions[region]
+    return LearnerSpec(learner=name, shard_index=0, num_shards=1, training=training,
+                       min_step_time_s=config.learner.min_step_time_s, latency_ms=r.latency_ms,
+                       bandwidth_gbps=r.bandwidth_gbps, heartbeat_s=config.health.heartbeat_s,
+                       corpus_ref=corpus_ref, env=dict(env or {}),
+                       syncer_shards=config.syncer.shards, spare=True)
 
 
 def link_server_settings(config, token: str):

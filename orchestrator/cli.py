@@ -109,6 +109,8 @@ def format_status(table: dict) -> str:
             lines.append(f"  syncer shard {row['shard']}: fragments {row['fragments']}  "
                          f"epoch {row['epoch']}  merges {row['merges']}  "
                          f"versions {row['versions']}")
+    for name, spare in sorted((table.get("spares") or {}).items()):
+        lines.append(f"spare {name}: region {spare['region']}  {spare['state']}")
     if table.get("paused_reason"):
         lines.append(f"PAUSED: {table['paused_reason']}")
     return "\n".join(lines)

@@ -242,6 +242,8 @@ class HealthSection(_Section):
     straggler_factor: float = Field(4.0, gt=1)
     straggler_window_s: float = Field(30.0, ge=0)
     straggler_min_excess_s: float = Field(0.05, ge=0)
+    # Warm spare learner processes per region: an int for every local region, or {region: n}.
+    spares: Union[int, dict[str, int]] = Field(0)
     restart: RestartSection = RestartSection()
     placement_timeout_s: float = Field(60.0, gt=0)
 
@@ -444,6 +446,19 @@ class JobConfig(_Section):
             raise _FieldError("syncer.shards", f"regions {remote} are remote, and the link "
                               f"talks to one syncer: syncer.shards ({self.syncer.shards}) must "
                               "be 1 with remote regions")
+        spares = self.health.spares
+        if isinstance(spares, dict):
+            for name, n in spares.items():
+                if name not in self.regions:
+                    raise _FieldError(f"health.spares.{name}", f"unknown region {name!r}; "
+                                      f"regions are {sorted(self.regions)}")
+                if n < 0:
+                    raise _FieldError(f"health.spares.{name}", f"must be >= 0, got {n}")
+                if self.regions[name].remote and n > 0:
+                    raise _FieldError(f"health.spares.{name}", f"region {name!r} is remote: its "
+                                      "agent starts its learners (spares are not supported there)")
+        elif spares < 0:
+            raise _FieldError("health.spares", f"must be >= 0, got {spares}")
         if self.chaos is not None:
             learners, regions = set(self.learner_ids()), set(self.regions)
             syncers = {"syncer"} | {f"syncer:{s}" for s in range(self.syncer.shards)}
@@ -465,8 +480,16 @@ class JobConfig(_Section):
         return [f"{name}:{i}" for name, region in self.regions.items()
                 for i in range(region.learners)]
 
+    def spares_of(self, region: str) -> int:
+        """Warm spares kept for ``region`` (none for a remote region: its agent runs it)."""
+        if self.regions[region].remote:
+            return 0
+        spares = self.health.spares
+        return int(spares.get(region, 0) if isinstance(spares, dict) else spares)
+
     def region_resources(self) -> dict[str, float]:
-        return {f"region:{name}": float(max(region.learners, region.max_learners or 0))
+        return {f"region:{name}": float(max(region.learners, region.max_learners or 0)
+                                        + self.spares_of(name))
                 for name, region in self.regions.items() if not region.remote}
 
     def speed_factor(self, learner_id: str) -> float:

@@ -190,6 +190,10 @@ FIELD_NOTES: dict[str, str] = {
                                "learners (at least two) for `straggler_window_s` is a straggler: "
                                "it is restarted once (cause `straggler`); slow again after that, "
                                "it trains on at its pace (event `learner_slow_tolerated`).",
+    "health.spares": "Warm spare learner processes kept per region (an int for every region, "
+                     "or {region: n}): each has imported JAX, built the task, compiled the step "
+                     "and found the syncer, and takes a failed (or new) learner's place at once. "
+                     "Each holds a learner's resources (its `region:<name>` unit and devices).",
     "health.straggler_window_s": "Seconds a learner must stay slow before it is called a "
                                  "straggler (a moment of slowness is timing noise).",
     "health.straggler_min_excess_s": "Slow also means at least this many seconds above the "

@@ -46,6 +46,24 @@ class Incarnation:
     remote: bool = False   # in a region's own cluster: known from its agent's reports (link/)
 
 
+@dataclasses.dataclass
+class SpareRun:
+    """The Ray side of a warm spare: its actor and its ``prepare`` call (None once returned)."""
+
+    handle: Any
+    prepare_ref: Any
+
+
+def _spare_actor_names() -> list[str]:
+    import ray
+
+    try:
+        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                if a.get("namespace") == NAMESPACE and a["name"].startswith("islands:spare:")]
+    except Exception:
+        return []
+
+
 def missed_restarts(saved_started: Optional[list], shard: int, live_epoch: int) -> int:
     """Syncer restarts a restarted controller's saved state does not know of: each restart starts
     the shard at the epoch after the dead one's, so the live shard's epoch less the one it was
@@ -78,6 +96,7 @@ class Controller:
         self.books = Books(config.syncer.fragments)
         self.inbox: "queue.Queue[tuple[Any, Optional[Future]]]" = queue.Queue()
         self.running: dict[str, Incarnation] = {}
+        self.spares: dict[str, SpareRun] = {}
         self.closed: dict[str, dict] = {}    # per learner: counters of ended incarnations
         self.lock = threading.Lock()         # guards events and the syncer status for readers
         self.events: list[dict] = []
@@ -218,10 +237,12 @@ class Controller:
             "slots": [{"learner": x.learner, "region": x.region, "index": x.index,
                        "shard": x.shard, "speed_factor": x.speed_factor, "state": x.state.value,
                        "incarnation": x.incarnation, "start_step": x.start_step,
-                       "restarts": {c.value: n for c, n in x.restarts}}
+                       "restarts": {c.value: n for c, n in x.restarts}, "actor": x.actor,
+                       "slow_tolerated": x.slow_tolerated}
                       for x in fleet.slots.values()],
             "targets": dict(fleet.targets), "next_index": dict(fleet.next_index),
-            "next_shard": fleet.next_shard, "recoveries": self.recoveries[-1000:],
+            "next_shard": fleet.next_shard, "next_spare": fleet.next_spare,
+            "recoveries": self.recoveries[-1000:],
             "eval_history": self.eval_history[-1000:], "initial_eval_loss": self.initial_eval_loss,
             "syncer_restarts": self.syncer_restarts, "syncer_closed": self.syncer_closed,
             "chaos_fired": self.chaos_fired, "job_started_s": self.job_started_s,
@@ -290,13 +311,15 @@ class Controller:
                 learner=row["learner"], region=row["region"], index=row["index"],
                 shard=row["shard"], speed_factor=row["speed_factor"],
                 state=fleet_lib.SlotState(row["state"]), incarnation=row["incarnation"],
-                start_step=row["start_step"],
+                start_step=row["start_step"], actor=row.get("actor"),
+                slow_tolerated=int(row.get("slow_tolerated", 0)),
                 restarts=tuple(sorted((Cause(c), n) for c, n in row["restarts"].items())))
             if slot.state in fleet_lib.GONE:
                 slots.append(slot)
                 continue
             try:  # still running? then it keeps training under the new controller
-                handle = ray.get_actor(learner_actor_name(slot.learner), namespace=NAMESPACE)
+                handle = ray.get_actor(learner_actor_name(slot.actor or slot.learner),
+                                       namespace=NAMESPACE)
                 info = ray.get(handle.ping.remote(), timeout=10)
             except Exception:
                 info = None
@@ -321,7 +344,17 @@ class Controller:
                                              incarnation=max(slot.incarnation, known),
                                              restart_at_s=now))
         self.fleet = fleet_lib.rebuilt(self.fleet.settings, slots, saved["targets"],
-                                       saved["next_index"], saved["next_shard"])
+                                       saved["next_index"], saved["next_shard"],
+                                       saved.get("next_spare", 0))
+        # Spares waiting for promotion are not worth a recovery: end them; the fleet starts
+        # new ones once nobody is starting.
+        hosting = {x.actor for x in slots if x.actor}
+        for name in _spare_actor_names():
+            if name.split("islands:", 1)[1] not in hosting:
+                try:
+                    ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+                except Exception:
+                    pass
         for target in (self._owner_loop, self._eval_loop):
             thread = threading.Thread(target=target, daemon=True, name=target.__name__)
             thread.start()
@@ -340,6 +373,7 @@ class Controller:
             try:
                 observations = self._drain_inbox()
                 observations += self._ended_runs()
+                observations += self._spare_observations()
                 self._check_syncer()
                 now = time.time()
                 if now - last["cluster"] >= 2.0:
@@ -370,6 +404,8 @@ class Controller:
                               where=traceback.format_exc(limit=3)[-600:])
             refs = [inc.run_ref for inc in self.running.values() if not inc.remote]
             refs += [ref for ref in self.syncer_refs if ref is not None]
+            refs += [spare.prepare_ref for spare in self.spares.values()
+                     if spare.prepare_ref is not None]
             if refs:  # wake on a run ending (a real event) or after a short tick
                 ray.wait(refs, num_returns=1, timeout=0.2)
             else:
@@ -538,16 +574,68 @@ class Controller:
 
         spec = build.learner_spec(self.config, self.training, a, self.corpus_ref,
                                   single_thread_env(self.jax_cache_dir))
-        try:
-            handle = ray.remote(LearnerUnit).options(
-                **learner_options(a.learner, a.region)).remote(spec)
-        except ValueError as exc:  # the dead actor's name is not released yet: retry soon
-            self.inbox.put((fleet_lib.LaunchFailed(a.learner, a.incarnation, str(exc)), None))
-            return
+        if a.spare is not None:
+            # A warm spare takes the learner's identity; its process, task and compiled step
+            # are ready. If it died meanwhile, its run fails and the fleet restarts the slot.
+            spare = self.spares.pop(a.spare)
+            handle = spare.handle
+            handle.promote.remote(build.identity(spec))
+        else:
+            try:
+                handle = ray.remote(LearnerUnit).options(
+                    **learner_options(a.learner, a.region)).remote(spec)
+            except ValueError as exc:  # the dead actor's name is not released yet: retry soon
+                self.inbox.put((fleet_lib.LaunchFailed(a.learner, a.incarnation, str(exc)),
+                                None))
+                return
         for fault in a.link_faults:
             handle.link_fault.remote(fault)
         self.running[a.learner] = Incarnation(a.incarnation, handle, handle.run.remote(),
                                               {"step": a.start_step})
+
+    def _do_launchspare(self, a: fleet_lib.LaunchSpare) -> None:
+        import ray
+
+        from islands.learners.unit import LearnerUnit
+
+        from . import build
+
+        spec = build.spare_spec(self.config, self.training, a.name, a.region, self.corpus_ref,
+                                single_thread_env(self.jax_cache_dir))
+        try:
+            handle = ray.remote(LearnerUnit).options(
+                **learner_options(a.name, a.region)).remote(spec)
+        except ValueError as exc:  # an earlier spare's name is not released yet
+            self.inbox.put((fleet_lib.SpareEnded(a.name, str(exc)), None))
+            return
+        self.spares[a.name] = SpareRun(handle, handle.prepare.remote())
+
+    def _do_killspare(self, a: fleet_lib.KillSpare) -> None:
+        import ray
+
+        spare = self.spares.pop(a.name, None)
+        if spare is not None:
+            ray.kill(spare.handle, no_restart=True)
+
+    def _spare_observations(self) -> list:
+        """A spare whose ``prepare`` returned is ready; one whose call failed has ended."""
+        import ray
+
+        pending = {spare.prepare_ref: name for name, spare in self.spares.items()
+                   if spare.prepare_ref is not None}
+        if not pending:
+            return []
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+        out = []
+        for ref in ready:
+            name = pending[ref]
+            self.spares[name].prepare_ref = None
+            try:
+                info = ray.get(ref)
+                out.append(fleet_lib.SpareReady(name, info.get("prepare_s")))
+            except Exception as exc:
+                out.append(fleet_lib.SpareEnded(name, repr(exc)[:300]))
+        return out
 
     def _do_kill(self, a: fleet_lib.Kill) -> None:
         import ray
@@ -799,7 +887,7 @@ class Controller:
         return {"learners": snap["learners"],
                 "syncer": {k: snap["syncer"].get(k)
                            for k in ("epoch", "versions", "merges", "shards")},
-                "paused_reason": snap["paused_reason"]}
+                "paused_reason": snap["paused_reason"], "spares": snap.get("spares") or {}}
 
     # -- operator commands ----------------------------------------------------------------------
     def scale(self, region: str, n: int) -> str:

@@ -16,6 +16,12 @@ A slot is one learner id (``us-east:0``) over its incarnations::
                          └──── failed ─────┴─▶ RESTARTING ─relaunch─▶ STARTING
                                                │ budget spent ─▶ FAILED
     TRAINING/STARTING/PAUSED ─drain─▶ DRAINING ─drained─▶ RETIRED
+
+A warm spare (``RegionPlan.spares``) is a learner process that did everything a restart does before
+its first step and holds no learner identity: ``STARTING ─ready─▶ READY``. A slot that launches
+(a restart, a scale-up) while its region has a READY spare takes the spare instead of a new
+process (``Launch.spare``), at once: no backoff, no repair wait (the spare is another process,
+on its own devices). A new spare starts behind it only when no slot is STARTING.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ class RegionPlan:
     # In its own Ray cluster, joined over the link: its agent launches, checks and restarts its
     # learners; this fleet mirrors their states from the agent's reports (``RemoteReport``).
     remote: bool = False
+    spares: int = 0                       # warm spare learner processes kept ready
 
 
 @dataclass(frozen=True)
@@ -96,6 +103,7 @@ class Slot:
     recovery: Optional[tuple[tuple[str, float], ...]] = None  # phase timestamps in progress
     restart_postponed: bool = False
     remote: bool = False                 # mirrored from a region agent (never launched here)
+    actor: Optional[str] = None          # the spare hosting this incarnation (None: its own actor)
     slow_since_s: Optional[float] = None  # this incarnation has been slow since (None: it is not)
     slow_tolerated: int = 0              # incarnations let train on at their slow pace
     tolerated_incarnation: int = -1      # ... the newest of them (one event per incarnation)
@@ -108,6 +116,20 @@ class Slot:
         counts = self.restart_counts
         counts[cause] = counts.get(cause, 0) + 1
         return dataclasses.replace(self, restarts=tuple(sorted(counts.items())))
+
+
+class SpareState(str, enum.Enum):
+    STARTING = "starting"        # launched: imports, the task built, the step compiled, handles
+    READY = "ready"              # waits to be promoted into a failed (or new) learner's place
+
+
+@dataclass(frozen=True)
+class Spare:
+    name: str                    # "spare:<region>:<n>", also its actor's name suffix
+    region: str
+    state: SpareState = SpareState.STARTING
+    launched_s: float = 0.0
+    ready_s: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -124,6 +146,8 @@ class FleetState:
     stopping: bool = False
     link_faults: tuple[Fault, ...] = ()    # network faults, for learners launched during them
     applied_steps: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # (inc, step)
+    spares: Mapping[str, Spare] = field(default_factory=dict)
+    next_spare: int = 0
 
     def live(self) -> list[Slot]:
         return [s for s in self.slots.values() if s.state in LIVE]
@@ -151,11 +175,13 @@ def initial(settings: FleetSettings) -> FleetState:
 
 
 def rebuilt(settings: FleetSettings, slots: Sequence[Slot], targets: Mapping[str, int],
-            next_index: Mapping[str, int], next_shard: int) -> FleetState:
+            next_index: Mapping[str, int], next_shard: int, next_spare: int = 0) -> FleetState:
     """The fleet a restarted controller rebuilds from what it saved and what it finds running
-    (the quorum was reached before, so the floor applies at once)."""
+    (the quorum was reached before, so the floor applies at once). Spares are not rebuilt: the
+    controller ends the unpromoted ones and this fleet starts new ones."""
     return FleetState(settings, slots={s.learner: s for s in slots}, targets=dict(targets),
-                      next_index=dict(next_index), next_shard=next_shard, quorum_seen=True)
+                      next_index=dict(next_index), next_shard=next_shard, quorum_seen=True,
+                      next_spare=next_spare)
 
 
 def _new_slot(fleet: FleetState, region: str, speed: float = 1.0) -> tuple[FleetState, Slot]:
@@ -238,6 +264,22 @@ class RemoteReport:
 
 
 @dataclass(frozen=True)
+class SpareReady:
+    """A spare finished preparing (its ``prepare`` returned)."""
+
+    name: str
+    ready_at_s: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class SpareEnded:
+    """A spare's process died (or its preparation raised) before it was promoted."""
+
+    name: str
+    error: str = ""
+
+
+@dataclass(frozen=True)
 class Scale:
     region: str
     n: int
@@ -271,7 +313,7 @@ class Stop:
 
 
 Observation = Union[Beat, RunEnded, Quarantine, LaunchFailed, Cluster, Applied, Scale, Drain,
-                    Chaos, HangCommand, Stop, RemoteReport]
+                    Chaos, HangCommand, Stop, RemoteReport, SpareReady, SpareEnded]
 
 
 # -- actions: what a body must do -----------------------------------------------------------------
@@ -286,6 +328,19 @@ class Launch:
     peer: Optional[str]        # a live learner to copy the inner optimizer state from
     start_step: int            # where its data shard resumes
     link_faults: tuple[Fault, ...] = ()
+    spare: Optional[str] = None    # promote this READY spare instead of starting a process
+    peer_actor: Optional[str] = None  # the spare hosting ``peer``, if one does (None: its own)
+
+
+@dataclass(frozen=True)
+class LaunchSpare:
+    name: str
+    region: str
+
+
+@dataclass(frozen=True)
+class KillSpare:
+    name: str
 
 
 @dataclass(frozen=True)
@@ -344,7 +399,7 @@ class KillSyncer:
 
 
 Action = Union[Launch, Kill, Forget, DrainLearner, PauseLearner, Slowdown, Hang, LinkFault,
-               KillSyncer]
+               KillSyncer, LaunchSpare, KillSpare]
 
 
 @dataclass(frozen=True)
@@ -524,6 +579,20 @@ class _Machine:
             self.put(dataclasses.replace(slot, recovery=None))
             self.note("learner_recovered", learner, **recovery_phases(rec))
 
+    def on_spareready(self, obs: SpareReady) -> None:
+        spare = self.fleet.spares.get(obs.name)
+        if spare is None or spare.state != SpareState.STARTING:
+            return
+        self.put_spare(dataclasses.replace(spare, state=SpareState.READY, ready_s=self.now))
+        self.note("spare_ready", None, spare=spare.name, region=spare.region,
+                  prepare_s=self.now - spare.launched_s)
+
+    def on_spareended(self, obs: SpareEnded) -> None:
+        spare = self.fleet.spares.get(obs.name)
+        if spare is None:
+            return  # promoted already (its run is a learner's now) or already buried
+        self.drop_spare(spare, obs.error or "ended")
+
     def on_scale(self, obs: Scale) -> None:
         plan = self.settings.regions.get(obs.region)
         if plan is None:
@@ -648,6 +717,8 @@ class _Machine:
 
     def on_stop(self, _obs: Stop) -> None:
         self.set(stopping=True)
+        for spare in list(self.fleet.spares.values()):
+            self.drop_spare(spare, "stopped")
         for slot in list(self.fleet.slots.values()):
             if slot.state in (SlotState.RESTARTING, SlotState.PENDING):
                 self.retire(slot, "stopped")
@@ -666,6 +737,43 @@ class _Machine:
         if target in self.settings.regions:
             return [s for s in self.fleet.in_region(target) if s.state == SlotState.TRAINING]
         raise CommandError(f"no running learner {target!r}")
+
+    # -- spares -----------------------------------------------------------------------------------
+    def put_spare(self, spare: Spare) -> None:
+        self.set(spares={**self.fleet.spares, spare.name: spare})
+
+    def drop_spare(self, spare: Spare, reason: str) -> None:
+        self.set(spares={k: v for k, v in self.fleet.spares.items() if k != spare.name})
+        self.actions.append(KillSpare(spare.name))
+        self.note("spare_ended", None, spare=spare.name, region=spare.region, reason=reason[:300])
+
+    def ready_spare(self, region: str) -> Optional[Spare]:
+        ready = [x for x in self.fleet.spares.values()
+                 if x.region == region and x.state == SpareState.READY]
+        return min(ready, key=lambda x: x.ready_s or 0.0) if ready else None
+
+    def maintain_spares(self) -> None:
+        """Keeps each region's spares: one that does not get ready within the start-up timeout
+        is replaced; a missing one is started only when no slot is STARTING (a promotion or a
+        start-up under way comes first: a spare competes with it for CPU and the cache)."""
+        s = self.settings
+        for spare in list(self.fleet.spares.values()):
+            if (spare.state == SpareState.STARTING
+                    and self.now - spare.launched_s > s.startup_timeout_s):
+                self.drop_spare(spare, f"not ready after {s.startup_timeout_s:g}s")
+        if any(x.state == SlotState.STARTING and not x.remote for x in self.fleet.slots.values()):
+            return
+        for region, plan in self.settings.regions.items():
+            if plan.remote or plan.spares <= 0:
+                continue
+            have = sum(1 for x in self.fleet.spares.values() if x.region == region)
+            if have < plan.spares:  # one at a time: low priority
+                name = f"spare:{region}:{self.fleet.next_spare}"
+                self.set(next_spare=self.fleet.next_spare + 1)
+                self.put_spare(Spare(name, region, launched_s=self.now))
+                self.actions.append(LaunchSpare(name, region))
+                self.note("spare_launched", None, spare=name, region=region)
+                return
 
     # -- decisions --------------------------------------------------------------------------------
     def kill(self, slot: Slot, mode: str, repair_s: float) -> None:
@@ -690,6 +798,13 @@ class _Machine:
         # The repair of a lost machine starts when the loss is seen.
         repair_s = max(0.0, slot.repair_until_s - died_s)
         restart_at = self.now + max(verdict.delay_s, repair_s)
+        spare = self.ready_spare(slot.region) if not slot.remote else None
+        if spare is not None:
+            # A warm spare is another process on its own devices: neither the backoff (which
+            # slows a crash loop of new processes) nor the repair of the lost one applies.
+            restart_at = self.now
+            verdict = dataclasses.replace(verdict, message=f"{verdict.message}: spare "
+                                          f"{spare.name} takes over now")
         slot = dataclasses.replace(
             slot, restart_at_s=restart_at, restart_postponed=False,
             recovery=(("failed_s", died_s), ("detected_s", self.now), ("cause", cause.value)))
@@ -720,18 +835,25 @@ class _Machine:
         peer = self.peer_for(slot.learner, slot.region) if slot.incarnation > 0 else None
         faults = tuple(f for f in self.fleet.link_faults
                        if f.target == slot.region and f.end_s > self.now)
+        spare = self.ready_spare(slot.region) if not slot.remote else None
+        if spare is not None:
+            self.set(spares={k: v for k, v in self.fleet.spares.items() if k != spare.name})
+            self.note("spare_promoted", slot.learner, spare=spare.name,
+                      incarnation=slot.incarnation, waited_s=self.now - (spare.ready_s or
+                                                                         self.now))
         recovery = slot.recovery
         if recovery is not None:
             recovery = tuple({**dict(recovery), "restarted_s": self.now,
                               "incarnation": slot.incarnation}.items())
         slot = dataclasses.replace(slot, launched_s=self.now, last_beat_s=None, step_time_s=None,
                                    slow_since_s=None, start_step=start_step, restart_at_s=None,
-                                   recovery=recovery)
+                                   recovery=recovery, actor=spare.name if spare else None)
+        peer_actor = self.fleet.slots[peer].actor if peer is not None else None
         self.actions.append(Launch(slot.learner, slot.region, slot.incarnation, slot.shard,
                                    self.num_shards(), slot.speed_factor, peer, start_step,
-                                   faults))
+                                   faults, spare.name if spare else None, peer_actor))
         self.move(slot, SlotState.STARTING, name, incarnation=slot.incarnation, peer=peer,
-                  resume_step=start_step)
+                  resume_step=start_step, **({"spare": spare.name} if spare else {}))
 
     def scale_to(self, region: str, n: int, reason: str) -> None:
         active = sorted((s for s in self.fleet.in_region(region)
@@ -758,6 +880,7 @@ class _Machine:
             self.launch_pending()
             self.check_health()
             self.start_due_restarts()
+            self.maintain_spares()
         self.quorum_floor()
 
     def launch_pending(self) -> None:

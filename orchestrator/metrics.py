@@ -74,7 +74,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "A syncer shard's incarnation (bumped when that shard restarts)"),
     MetricSpec("islands_syncer_shard_merges", "counter", ("shard",),
                "Merges of the fragments a syncer shard owns (the sum of their versions)"),
-    MetricSpec("islands_learners", "gauge", ("state", "region"), "Learners by state and region"),
+    MetricSpec("islands_learners", "gauge", ("state", "region"),
+               "Learners by state and region; state=\"spare\" counts warm spares"),
     MetricSpec("islands_train_loss", "gauge", (), "Mean training loss of the training learners"),
     MetricSpec("islands_eval_loss", "gauge", (), "Held-out loss of the global parameters"),
     MetricSpec("islands_link_wire_bytes", "counter", ("direction", "region"),
@@ -283,6 +284,8 @@ def families(snap: Mapping[str, Any]) -> list:
             n = sum(1 for l in snap["learners"].values()
                     if l["region"] == region and l["state"] == state)
             learners.add_metric([state, region], float(n))
+        learners.add_metric(["spare", region], float(sum(
+            1 for x in (snap.get("spares") or {}).values() if x["region"] == region)))
     out.append(learners)
 
     for name, key in (("islands_train_loss", "train_loss"), ("islands_eval_loss", "eval_loss")):

@@ -55,6 +55,7 @@ class JobSnapshot:
     staleness_counts: dict
     extra: dict = field(default_factory=dict)
     link: dict = field(default_factory=dict)   # per remote region: link bytes, reconnects, age
+    spares: dict = field(default_factory=dict)  # warm spares: name -> region, state
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -90,6 +91,7 @@ class JobSnapshot:
             "rejected_pushes": self.rejected_total,
             "goodput_window": self.goodput["window"],
             "chaos_fired": list(controller.chaos_fired),
+            "spares": self.spares,
         }
 
 
@@ -152,7 +154,9 @@ def job_snapshot(controller: Any) -> JobSnapshot:
         syncer_restarts=controller.syncer_restarts, learner_restarts=dict(restarts),
         recoveries=recoveries, paused_reason=fleet.paused_reason, wire_bytes=wire,
         rejected_total=dict(rejected), staleness_counts=dict(staleness),
-        link=_link_rows(controller, now))
+        link=_link_rows(controller, now),
+        spares={name: {"region": x.region, "state": x.state.value,
+                       "age_s": now - x.launched_s} for name, x in fleet.spares.items()})
 
 
 def _link_rows(controller: Any, now: float) -> dict:

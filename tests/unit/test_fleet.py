@@ -453,3 +453,93 @@ def test_an_agents_fleet_numbers_shards_from_its_regions_first_shard():
     s = settings(regions={"r": F.RegionPlan(2, 2)}, first_shard=3, num_shards=5)
     assert [(a.shard, a.num_shards) for a in F.step(F.initial(s), [], 0.0).actions] == [
         (3, 5), (4, 5)]
+
+
+# -- warm spares ----------------------------------------------------------------------------------
+def alive(fleet, *skip):
+    """Heartbeats of every live learner's current incarnation (so nobody hangs meanwhile)."""
+    return [F.Beat(n, x.incarnation, True) for n, x in fleet.slots.items()
+            if x.state in F.LIVE and n not in skip]
+
+
+def spare_fleet(spares=1):
+    """Region a: 3 learners training since t=1 (the step that saw them ready launched the first
+    spare) and ``spares`` READY spares."""
+    s = settings(regions={"a": F.RegionPlan(3, 4, spares=spares)})
+    fleet = training(s)
+    t = 2.0
+    while len(fleet.spares) < spares:
+        fleet = F.step(fleet, [], t).fleet
+        t += 1.0
+    return F.step(fleet, [F.SpareReady(n) for n in fleet.spares], t).fleet
+
+
+def test_spares_start_only_once_no_learner_is_starting_one_at_a_time():
+    s = settings(regions={"a": F.RegionPlan(2, 3, spares=2)})
+    launched = F.step(F.initial(s), [], 0.0)
+    assert kinds(launched) == ["Launch", "Launch"]               # learners first, no spare
+    one = F.step(launched.fleet, [F.Beat("a:0", 0, True)], 1.0)
+    assert "LaunchSpare" not in kinds(one)                       # a:1 is still starting
+    both = F.step(one.fleet, [F.Beat("a:1", 0, True)], 2.0)
+    assert [a for a in both.actions if isinstance(a, F.LaunchSpare)] == [
+        F.LaunchSpare("spare:a:0", "a")]
+    second = F.step(both.fleet, [], 3.0)
+    assert second.actions == (F.LaunchSpare("spare:a:1", "a"),)
+    assert F.step(second.fleet, [], 4.0).actions == ()            # two is the target
+    ready = F.step(second.fleet, [F.SpareReady("spare:a:0")], 5.0)
+    assert ready.fleet.spares["spare:a:0"].state == F.SpareState.READY
+    assert names(ready) == ["spare_ready"] and ready.transitions[0].fields["prepare_s"] == 3.0
+
+
+def test_a_crash_promotes_a_ready_spare_at_once_and_a_new_spare_follows_once_it_trains():
+    fleet = spare_fleet()
+    crashed = F.step(fleet, alive(fleet, "a:1") + [F.RunEnded("a:1", 0, "boom", crashed=True)],
+                     10.0)
+    launch = [a for a in crashed.actions if isinstance(a, F.Launch)]
+    # No backoff (0.5 s) and no new process: the spare takes a:1's id, shard and a new incarnation.
+    assert launch == [F.Launch("a:1", "a", 1, 1, 3, 1.0, "a:0", 0, (), "spare:a:0", None)]
+    assert names(crashed) == ["learner_failed", "learner_restart_scheduled", "spare_promoted",
+                              "learner_restarted"]
+    slot = crashed.fleet.slots["a:1"]
+    assert slot.state == SlotState.STARTING and slot.actor == "spare:a:0"
+    assert slot.restart_counts == {Cause.CRASH: 1}               # it is a restart all the same
+    assert crashed.fleet.spares == {}
+    # No new spare while the promotion is under way ...
+    assert "LaunchSpare" not in kinds(F.step(crashed.fleet, alive(crashed.fleet, "a:1"), 11.0))
+    # ... and one once the promoted learner trains.
+    ready = F.step(crashed.fleet, alive(crashed.fleet, "a:1") + [
+        F.Beat("a:1", 1, True, ready_at_s=11.2)], 11.5)
+    assert "LaunchSpare" in kinds(ready)
+    # A learner hosted by a spare is a peer like any other: its actor is the spare's.
+    again = F.step(ready.fleet, alive(ready.fleet, "a:0") + [
+        F.RunEnded("a:0", 0, "boom", crashed=True)], 20.0)
+    later = F.step(again.fleet, alive(again.fleet), 20.5)
+    relaunch = [a for a in later.actions if isinstance(a, F.Launch)][0]
+    assert relaunch.spare is None and relaunch.peer == "a:1"
+    assert relaunch.peer_actor == "spare:a:0"
+
+
+def test_a_spare_that_dies_or_never_gets_ready_is_replaced_and_stop_ends_the_spares():
+    s = settings(regions={"a": F.RegionPlan(3, 4, spares=1)}, startup_timeout_s=60.0)
+    fleet = training(s)                       # its learners' ready step launched the spare
+    assert list(fleet.spares) == ["spare:a:0"]
+    slow = F.step(fleet, alive(fleet), 61.5)                      # 60.5 s and not ready
+    assert F.KillSpare("spare:a:0") in slow.actions and names(slow)[0] == "spare_ended"
+    assert F.LaunchSpare("spare:a:1", "a") in slow.actions        # its replacement
+    died = F.step(slow.fleet, alive(slow.fleet) + [F.SpareEnded("spare:a:1", "actor died")],
+                  63.0)
+    assert F.KillSpare("spare:a:1") in died.actions
+    assert F.LaunchSpare("spare:a:2", "a") in died.actions
+    stopped = F.step(died.fleet, [F.Stop()], 64.0)
+    assert F.KillSpare("spare:a:2") in stopped.actions and stopped.fleet.spares == {}
+    # A crash with no READY spare waits for its backoff and starts a process, as before.
+    crash = F.step(died.fleet, [F.RunEnded("a:0", 0, "boom", crashed=True)], 65.0)
+    assert "Launch" not in kinds(crash)
+
+
+def test_a_scale_up_takes_a_ready_spare():
+    fleet = spare_fleet()
+    result = F.step(fleet, [F.Scale("a", 4)], 10.0)
+    launch = [a for a in result.actions if isinstance(a, F.Launch)]
+    # A new learner (incarnation 0) on the spare, with its own inner state (no peer).
+    assert launch == [F.Launch("a:3", "a", 0, 3, 4, 1.0, None, 0, (), "spare:a:0", None)]

@@ -1,0 +1,93 @@
+"""Warm spares on a real local Ray cluster: a killed learner's place is taken by a spare that
+had everything ready (process, task, compiled step), a new spare follows, the books balance.
+One cluster and one job for the module; every wait is on real state with a timeout.
+"""
+
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from islands.orchestrator.cli import format_status  # noqa: E402
+from islands.orchestrator.config import JobConfig  # noqa: E402
+from islands.orchestrator.controller import (NAMESPACE, Controller,  # noqa: E402
+                                             controller_options)
+
+
+
+def wait_for(predicate, timeout_s, what, every_s=0.2, describe=None):
+    """Polls real state until ``predicate()`` is truthy; fails naming ``what`` on timeout."""
+    deadline = time.time() + timeout_s
+    while time.time() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(every_s)
+    state = f"; state: {describe()}" if describe is not None else ""
+    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}{state}")
+
+pytestmark = pytest.mark.ray
+
+JOB = {
+    "name": "spares",
+    "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "seq_len": 32},
+    "data": {"max_bytes": 300_000, "batch_size": 4, "eval_batches": 2},
+    "learner": {"min_step_time_s": 0.05, "eval_every_s": 5.0},
+    "syncer": {"fragments": 2, "sync_every_steps": 4, "overlap_steps": 1},
+    "quorum": {"min_learners": 1, "grace_cap_s": 0.5},
+    "regions": {"a": {"learners": 2}},
+    # A backoff far longer than the test: only a promotion can bring the learner back in time.
+    "health": {"heartbeat_s": 0.5, "timeout_s": 8.0, "spares": 1,
+               "restart": {"backoff_initial_s": 120.0, "backoff_max_s": 120.0}},
+    "metrics": {"enabled": False},
+}
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    ray.init(address="local", num_cpus=3, resources={"region:a": 3}, namespace=NAMESPACE,
+             include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+    config = JobConfig.model_validate(JOB)
+    run_dir = tmp_path_factory.mktemp("run")
+    controller = ray.remote(Controller).options(**controller_options(str(run_dir))).remote(
+        config, str(run_dir))
+    ray.get(controller.start.remote())
+    snap = lambda: ray.get(controller.snapshot.remote())  # noqa: E731
+    yield controller, snap
+    ray.get(controller.shutdown.remote(), timeout=120)
+    ray.kill(controller)
+    ray.shutdown()
+
+
+def events(controller, kind):
+    found, _ = ray.get(controller.events_since.remote(0))
+    return [e for e in found if e["event"] == kind]
+
+
+def test_a_killed_learner_is_replaced_by_a_ready_spare_at_once(job):
+    controller, snap = job
+    wait_for(lambda: snap()["learner_states"].get("training") == 2, 180, "2 learners training")
+    ready = wait_for(lambda: [s for s in snap()["spares"].values() if s["state"] == "ready"],
+                     180, "a ready spare", describe=lambda: snap()["spares"])
+    assert len(ready) == 1
+    table = ray.get(controller.status_table.remote())
+    assert "spare spare:a:0: region a  ready" in format_status(table)
+    wait_for(lambda: (snap()["syncer"]["merges"] or 0) >= 2, 60, "first merges")
+
+    ray.get(controller.chaos_kill.remote("a:1"))
+    # The backoff is 120 s: training again well before it means the spare took over.
+    wait_for(lambda: snap()["learners"]["a:1"]["incarnation"] == 1
+             and snap()["learners"]["a:1"]["state"] == "training", 30,
+             "a:1 training again on the spare", describe=lambda: snap()["learners"]["a:1"])
+    promoted = events(controller, "spare_promoted")
+    assert [(e["learner"], e["spare"]) for e in promoted] == [("a:1", "spare:a:0")]
+    # Its first merged contribution closes the recovery, with its phases.
+    recovery = wait_for(lambda: snap()["recoveries"], 60, "a:1's recovery record")[0]
+    assert recovery["cause"] == "crash" and recovery["total_s"] < 30
+    # A new spare starts behind it once nobody is starting, and gets ready.
+    wait_for(lambda: any(n != "spare:a:0" and s["state"] == "ready"
+                         for n, s in snap()["spares"].items()), 180, "a new ready spare",
+             describe=lambda: snap()["spares"])
+    tokens = snap()["tokens"]
+    assert tokens["balanced"], tokens
