@@ -275,6 +275,10 @@ DEFAULT_DETECT_EXIT_S = 0.0
 DEFAULT_DETECT_LOST_S = 10.0
 DEFAULT_RESTART_S = 3.0
 DEFAULT_SYNCER_RESTART_S = 5.0
+# A warm spare's promotion: register, pull every fragment and a peer's inner state, build the
+# core (the process, the task and the compiled step are ready). Its preparation is a restart's.
+DEFAULT_PROMOTE_S = 0.3
+DEFAULT_SPARE_READY_S = DEFAULT_RESTART_S
 
 
 @dataclass(frozen=True)
@@ -287,6 +291,8 @@ class RestartCosts:
       detect_lost_s: detection of a ``region_loss`` (no heartbeat for the health timeout).
       restart_s: backoff + new process + restore, after detection and repair.
       syncer_restart_s: the syncer is unreachable this long after a ``syncer_kill``.
+      promote_s: a warm spare taking a failed learner's place (instead of ``restart_s``).
+      spare_ready_s: a new spare's preparation, from its launch to ready.
     """
 
     detect_kill_s: float = DEFAULT_DETECT_KILL_S
@@ -294,10 +300,12 @@ class RestartCosts:
     detect_lost_s: float = DEFAULT_DETECT_LOST_S
     restart_s: float = DEFAULT_RESTART_S
     syncer_restart_s: float = DEFAULT_SYNCER_RESTART_S
+    promote_s: float = DEFAULT_PROMOTE_S
+    spare_ready_s: float = DEFAULT_SPARE_READY_S
 
     def __post_init__(self):
         for name in ("detect_kill_s", "detect_exit_s", "detect_lost_s", "restart_s",
-                     "syncer_restart_s"):
+                     "syncer_restart_s", "promote_s", "spare_ready_s"):
             _check_time(name, getattr(self, name))
 
     def detect_s(self, kind: FaultKind) -> float:

@@ -58,6 +58,7 @@ class Fleet:
       seed: seed of the noise.
       regions: the region of each learner (network faults and region losses act per region);
         None: the learner id up to its last ":" ("us-east:0" is in "us-east").
+      spares: warm spares kept per region by the same fleet state machine as the service.
     """
 
     speed_factors: Sequence[float]
@@ -67,6 +68,7 @@ class Fleet:
     bandwidth_bytes_per_s: float = math.inf
     seed: int = 0
     regions: Optional[Sequence[str]] = None
+    spares: int = 0              # warm spares per region (RestartCosts.promote_s to take over)
 
     def transfer_s(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bandwidth_bytes_per_s
@@ -188,7 +190,7 @@ def series_from_intervals(useful: Sequence[tuple[float, float]], allocated_s: Se
 
 
 def fleet_settings(ids: Sequence[str], regions: Sequence[str], speed_factors: Sequence[float],
-                   min_learners: int) -> fleet_lib.FleetSettings:
+                   min_learners: int, spares: int = 0) -> fleet_lib.FleetSettings:
     """The fleet brain's settings for a virtual fleet: learners that cannot hang or straggle,
     restarts without a backoff of their own (``RestartCosts.restart_s`` holds it), no budget."""
     by_region: dict[str, list[int]] = {}
@@ -196,7 +198,7 @@ def fleet_settings(ids: Sequence[str], regions: Sequence[str], speed_factors: Se
         by_region.setdefault(region, []).append(i)
     plans = {region: fleet_lib.RegionPlan(len(idx), len(idx),
                                           tuple(float(speed_factors[i]) for i in idx),
-                                          tuple(ids[i] for i in idx))
+                                          tuple(ids[i] for i in idx), spares=spares)
              for region, idx in by_region.items()}
     return fleet_lib.FleetSettings(
         regions=plans, min_learners=min_learners,
@@ -234,7 +236,8 @@ class _Driver:
         self._check_plan()
         self.fleet_state = fleet_lib.initial(fleet_settings(self.ids, self.regions,
                                                             fleet.speed_factors,
-                                                            syncer.settings.min_learners))
+                                                            syncer.settings.min_learners,
+                                                            fleet.spares))
         self.books = Books(self.num_fragments)
         self.loops = [self.loop_for(i, core) for i, core in enumerate(self.cores)]
         self.paused = [False] * n
@@ -350,7 +353,8 @@ class _Driver:
         while self.events:
             now, _, _, kind, payload = heapq.heappop(self.events)
             getattr(self, "on_" + kind)(now, payload)
-            self.record.end_time_s = now
+            if kind != "spare":  # a spare getting ready after the last step ends no run
+                self.record.end_time_s = now
         return self.finish()
 
     def on_start(self, now: float, payload) -> None:
@@ -470,6 +474,11 @@ class _Driver:
     def on_fleet(self, now: float, observations) -> None:
         self.fleet_step(now, observations)
 
+    def on_spare(self, now: float, name: str) -> None:
+        if self.fleet_state.stopping or name not in self.fleet_state.spares:
+            return
+        self.fleet_step(now, [fleet_lib.SpareReady(name)])
+
     def on_fault(self, now: float, _payload) -> None:
         for fault in self.faults.due(now):
             if fault.kind in (FaultKind.KILL, FaultKind.EXIT):
@@ -492,8 +501,15 @@ class _Driver:
             return  # the initial learners exist already
         i = self.index_of[a.learner]
         self.restart_token[i] += 1
-        self.schedule(now + self.restart.restart_s, _RESTART, "restart",
-                      (i, a, self.restart_token[i]))
+        cost = self.restart.promote_s if a.spare is not None else self.restart.restart_s
+        self.schedule(now + cost, _RESTART, "restart", (i, a, self.restart_token[i]))
+
+    def do_launchspare(self, now: float, a: fleet_lib.LaunchSpare) -> None:
+        if self.until_s is None or now + self.restart.spare_ready_s < self.until_s:
+            self.schedule(now + self.restart.spare_ready_s, _FLEET, "spare", a.name)
+
+    def do_killspare(self, now: float, a: fleet_lib.KillSpare) -> None:
+        pass  # nothing runs for it here; the fleet forgot it, so its ready event is moot
 
     def do_kill(self, now: float, a: fleet_lib.Kill) -> None:
         """A chaos kill ends the incarnation now; the death is seen after the detection time."""

@@ -190,7 +190,7 @@ def batch_for(learner, index):
 
 
 def run(plan, *, M=2, P=1, H=1, tau=0, steps=6, latency_s=0.0, restart_s=1.5, K=1,
-        until_s=None, ids=None):
+        until_s=None, ids=None, spares=0, promote_s=0.3, spare_ready_s=3.0):
     params = init_params()
     settings = SyncerSettings(min_learners=K, grace_cap_s=0.0, overlap_steps=tau,
                               merge_rule=merge.MergeRule.MEAN, outlier_norm_factor=None)
@@ -209,9 +209,12 @@ def run(plan, *, M=2, P=1, H=1, tau=0, steps=6, latency_s=0.0, restart_s=1.5, K=
 
     record = inprocess.run_inprocess(
         learners=learners, syncer=syncer, train_step=train_step, batch_for=spy,
-        tokens_per_batch=TOKENS, fleet=inprocess.Fleet([1.0] * len(learners), latency_s=latency_s),
+        tokens_per_batch=TOKENS, fleet=inprocess.Fleet([1.0] * len(learners), latency_s=latency_s,
+                                                       spares=spares),
         num_fragments=P, sync_every_steps=H, steps=steps, faults=plan,
-        restart=RestartCosts(restart_s=restart_s), opt_init=INNER.init, until_s=until_s,
+        restart=RestartCosts(restart_s=restart_s, promote_s=promote_s,
+                             spare_ready_s=spare_ready_s),
+        opt_init=INNER.init, until_s=until_s,
         assemble=inprocess.assemble_like(params))
     return record, syncer, calls
 
@@ -260,6 +263,28 @@ def test_goodput_of_one_scripted_kill_by_hand():
     # [6, 8) has only r:1, which is allocated (r:0 finished at 6 s) and useful
     assert windowed.tolist() == pytest.approx([1.0, 0.5, 1.0, 1.0])
     assert cumulative[-1] == pytest.approx(12 / 14)
+
+
+def test_a_warm_spare_takes_over_through_the_same_fleet_state_machine_by_hand():
+    """The kill above with one warm spare: the fleet launches it once both learners train (t=0),
+    it is ready at 1.0 s; r:1 dies at 2.5 s and the spare is r:1 again at 2.5 + 0.25 s (a
+    promotion, not the 1.5 s restart), resumes at its applied step 2 and trains steps 3..6 on
+    [2.75, 6.75). Useful 6 + 6 = 12 s; allocated 6 + 6.75 = 12.75 s (the spare's own seconds are
+    reported apart, not as a learner's): goodput 12/12.75 = 0.941."""
+    plan = FaultPlan().crash("r:1", at_s=2.5)
+    record, syncer, calls = run(plan, spares=1, promote_s=0.25, spare_ready_s=1.0)
+    assert record.restarts == [{"learner": "r:1", "incarnation": 1, "cause": "kill",
+                                "failed_s": 2.5, "back_s": 2.75, "down_s": 0.25,
+                                "resume_step": 2, "peer": "r:0"}]
+    assert record.goodput == pytest.approx(12 / 12.75)
+    assert record.allocated_s == [6.0, 6.75] and record.end_time_s == 6.75
+    names = [(t, x.name) for t, x in record.transitions if x.name.startswith("spare_")]
+    # the first spare, its promotion, the next spare once r:1 trains again (ready at 3.75),
+    # ended with the run
+    assert names == [(0.0, "spare_launched"), (1.0, "spare_ready"), (2.5, "spare_promoted"),
+                     (2.75, "spare_launched"), (3.75, "spare_ready"), (6.75, "spare_ended")]
+    assert [k for i, k in calls if i == 1] == [0, 1, 2, 2, 3, 4, 5]
+    assert_ledger_balances(record, syncer)
 
 
 def test_a_kill_drops_unmerged_work_the_victim_resumes_and_the_others_never_wait():
