@@ -9,6 +9,7 @@ from __future__ import annotations
 import collections
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional, Sequence
 
@@ -21,6 +22,7 @@ from . import merge as merge_lib
 from .fragments import Fragment
 from .quorum import Decision, grace_window, merge_decision
 from .validate import (GARBAGE_REASONS, Accepted, Push, RejectReason, Rejected, check_counters,
+                       check_progress,
                        check_drift, drift_norm, outlier_limit, scaled_norm)
 
 log = logging.getLogger("islands.syncer")
@@ -178,6 +180,7 @@ class SyncerCore:
         # until the fragment's first merge, a re-registering learner's newer copy is taken.
         self.catching_up: set[int] = set()
         self.quarantined: dict[str, int] = {}  # learner -> incarnation, until it re-registers
+        self.registered_at: dict[str, tuple[int, float]] = {}  # learner -> (resume step, when)
 
     # -- membership -----------------------------------------------------------------------------
     def register(self, learner: str, incarnation: int, session: Optional[str] = None
@@ -193,6 +196,13 @@ class SyncerCore:
         if previous != incarnation:
             self._drop_shadows(learner)  # a new incarnation starts from the full fragments
         self.learners[learner] = incarnation
+        # A new incarnation's progress is bounded from here (wall clock on purpose, also under a
+        # virtual one: it bounds what a process can train). One the ledger knows already (a
+        # syncer restart, a re-registration) keeps its earlier anchor, or none after a restore.
+        known = self.ledger.get(learner)
+        if known is None or known.incarnation != incarnation:
+            resume = known.applied_step if known is not None else 0
+            self.registered_at[learner] = (resume, time.monotonic())
         if session is None:
             self.sessions.pop(learner, None)
         else:
@@ -281,6 +291,10 @@ class SyncerCore:
         if isinstance(verdict, Rejected):
             return verdict
         problem = check_counters(push.c_tokens, push.c_steps, self.settings.tokens_per_step)
+        if problem is None:
+            step, since_s = self.registered_at.get(push.learner, (None, 0.0))
+            problem = check_progress(push.step, push.tokens_done, step,
+                                     time.monotonic() - since_s, self.settings.tokens_per_step)
         if problem is not None:
             return problem
         slot = self.slots[push.fragment]

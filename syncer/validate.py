@@ -220,6 +220,39 @@ def check_counters(c_tokens: int, c_steps: int, tokens_per_step: Optional[int]) 
     return None
 
 
+# No inner step of any model runs faster than this (a JAX dispatch alone takes longer): the
+# bound on how many steps a learner can have taken since it registered.
+MIN_STEP_S = 1e-5
+
+
+def check_progress(step: int, tokens_done: int, registered_step: Optional[int], elapsed_s: float,
+                   tokens_per_step: Optional[int], min_step_s: float = MIN_STEP_S
+                   ) -> Optional[Rejected]:
+    """A push's cumulative counters move the learner's resume step and the books: refuse what
+    the incarnation cannot have trained since it registered. At most ``elapsed_s / min_step_s``
+    (+1) steps past ``registered_step`` (the syncer's resume step for it when it registered, at
+    or above where it started; None: no anchor, after a restore), and at most ``step`` full
+    batches of tokens in all.
+
+    >>> check_progress(110, 40, 100, 1.0, 4) is None
+    True
+    >>> check_progress(10**12, 0, 0, 60.0, 4).detail
+    'step 1000000000000 is 1000000000000 steps past the resume step 0 after 60s (at most 6000001)'
+    >>> check_progress(110, 10**15, 100, 1.0, 4).reason.value
+    'bad_counters'
+    """
+    most_steps = int(max(elapsed_s, 0.0) / min_step_s) + 1
+    if registered_step is not None and step - registered_step > most_steps:
+        return Rejected(RejectReason.BAD_COUNTERS,
+                        f"step {step} is {step - registered_step} steps past the resume step "
+                        f"{registered_step} after {elapsed_s:.0f}s (at most {most_steps})")
+    if tokens_done < 0 or (tokens_per_step is not None
+                           and tokens_done > max(step, 0) * tokens_per_step):
+        return Rejected(RejectReason.BAD_COUNTERS,
+                        f"{tokens_done} tokens done by step {step} of at most {tokens_per_step}")
+    return None
+
+
 def drift_norm(drift: Mapping[str, np.ndarray]) -> float:
     """Global L2 norm over every tensor of a fragment (float32 dot products, float64 sum)."""
     total = 0.0

@@ -160,3 +160,24 @@ def test_the_syncers_schedule_is_the_learners_schedule():
     expected = np.asarray(jax.vmap(inner_schedule(3e-3, 20, 300))(jnp.asarray(counts)))
     np.testing.assert_allclose(warmup_cosine(counts.astype(np.float64), 3e-3, 20, 300,
                                              END_LR_FRACTION), expected, rtol=1e-5, atol=1e-9)
+
+
+def test_a_first_push_with_impossible_cumulative_counters_is_refused_and_moves_nothing():
+    """Issue 21: a first push claiming step 10^12 and 10^15 tokens was accepted, moving the
+    learner's resume step and the books. It is garbage now (bad_counters), like other garbage."""
+    import dataclasses
+
+    core = syncer(tokens_per_step=8)
+    core.register("a:0", 0)
+    bogus = dataclasses.replace(push("a:0", [0.1] * 4), step=10**12, tokens_done=10**15)
+    verdict = core.accept_push(bogus, 0.0)
+    assert verdict.reason == RejectReason.BAD_COUNTERS and "10000000000" in verdict.detail
+    assert core.ledger["a:0"].applied_step == 0 and core.ledger["a:0"].applied_tokens_done == 0
+    # Tokens beyond what its steps can hold, at a plausible step: refused too.
+    greedy = dataclasses.replace(push("a:0", [0.1] * 4), step=1, tokens_done=9)
+    assert core.accept_push(greedy, 0.0).reason == RejectReason.BAD_COUNTERS
+    # The same push with honest counters (one step of 8 tokens) is taken and merged.
+    honest = dataclasses.replace(push("a:0", [0.1] * 4), step=1, tokens_done=8)
+    assert core.accept_push(honest, 0.0).ok
+    core.merge(0, "test")
+    assert core.ledger["a:0"].applied_step == 1
