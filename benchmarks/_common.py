@@ -20,6 +20,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
+from islands import CARRY_OVERLAP  # noqa: E402
 from islands.learners import data, inner, model  # noqa: E402
 from islands.orchestrator import baseline, inprocess  # noqa: E402
 from islands.orchestrator.chaos import FaultPlan, RestartCosts  # noqa: E402
@@ -160,7 +161,7 @@ def run_ours(setup: Setup, *, learner_ids: Sequence[str], fleet: inprocess.Fleet
              eval_every_steps: int = 0, codec_block_size: int = codec_lib.DEFAULT_BLOCK_SIZE,
              downlink: str = "none",
              downlink_block_size: int = codec_lib.DEFAULT_BLOCK_SIZE,
-             merge_alpha: float = 0.0, carry_overlap: bool = False) -> inprocess.RunRecord:
+             merge_alpha: float = 0.0, carry_overlap: bool = CARRY_OVERLAP) -> inprocess.RunRecord:
     """Decoupled DiLoCo in the in-process driver (docs/architecture.md#the-algorithm defaults: RDA merge, outer Nesterov
     0.7/0.9, α = 0, error feedback; ``outer_kind="sgd"`` is sgd(1.0), plain averaging;
     ``outer_kwargs`` sets the outer optimizer's lr and momentum). ``codec`` encodes the pushes,

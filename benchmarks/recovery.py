@@ -23,6 +23,8 @@ machine unpadded learners would measure only how the cores are shared. (The lear
 to the end of its train step; pushes and bookkeeping come on top, so CPU contention still shows.)
 
     python benchmarks/recovery.py --quick          # 3 kills (ray_kill), ~2–3 min
+    python benchmarks/recovery.py --quick --spares 1   # the same with a warm spare per region
+                                                   # (each kill waits for a ready spare)
     python benchmarks/recovery.py                  # 4 × ray_kill + 4 × exit
 
 Prints a table, then one JSON object as the last line; writes ``recovery.png`` to ``--out``.
@@ -52,7 +54,8 @@ BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 from _machine import machine_info, command_line, format_table  # noqa: E402
 
 
-def job_dict(min_step_time_s: float, heartbeat_s: float, backoff_s: float) -> dict:
+def job_dict(min_step_time_s: float, heartbeat_s: float, backoff_s: float,
+             spares: int = 0) -> dict:
     """The JobConfig mapping: tiny model, 2 regions × 2 learners, K = 1, a constant backoff."""
     return {
         "name": "bench-recovery",
@@ -64,7 +67,7 @@ def job_dict(min_step_time_s: float, heartbeat_s: float, backoff_s: float) -> di
         "quorum": {"min_learners": 1, "grace_cap_s": 0.5},
         "compression": {"type": "int4"},
         "regions": {"a": {"learners": 2}, "b": {"learners": 2}},
-        "health": {"heartbeat_s": heartbeat_s, "timeout_s": 8.0,
+        "health": {"heartbeat_s": heartbeat_s, "timeout_s": 8.0, "spares": spares,
                    "restart": {"backoff_initial_s": backoff_s, "backoff_multiplier": 1.0,
                                "max_crash_restarts": None}},
         "metrics": {"enabled": False},
@@ -195,7 +198,7 @@ def all_training(snap: dict) -> bool:
 
 
 def run_kills(controller, modes: list[str], before_s: float, learners: list[str],
-              recorder: Recorder) -> list[dict]:
+              recorder: Recorder, spares: int = 0) -> list[dict]:
     """Kills one learner per entry of ``modes`` and returns each recovery with its windows."""
     import ray
 
@@ -206,7 +209,8 @@ def run_kills(controller, modes: list[str], before_s: float, learners: list[str]
         # Steady state: every learner training for a full "before" window, outside any outage.
         def steady(snap):  # noqa: E306
             nonlocal steady_since
-            if not all_training(snap):
+            ready = sum(1 for x in (snap.get("spares") or {}).values() if x["state"] == "ready")
+            if not all_training(snap) or ready < spares * 2:   # 2 regions
                 steady_since = time.time()
                 return False
             return time.time() - steady_since >= before_s + 1.0
@@ -239,6 +243,8 @@ def analyse(kill: dict, series: dict, before_s: float) -> dict:
     setup_s = (timings.get("restart_s") or 0.0) + (timings.get("restore_s") or 0.0)
     return {"kill": kill["kill"], "victim": kill["victim"], "mode": kill["mode"],
             **{p: event[p] for p in PHASES}, "total_s": event["total_s"],
+            # kill -> training again (a step of the new incarnation), before its first merge
+            "training_again_s": event["total_s"] - event["first_contribution_s"],
             "spawn_s": max(event["restore_s"] - setup_s, 0.0) if timings else None,
             "setup_s": setup_s if timings else None,
             "survivors_ratio": survivor_ratio(before, during),
@@ -325,17 +331,17 @@ def plot(rows: list[dict], series: dict, t0: float, path: str) -> None:
 
 # -- main -----------------------------------------------------------------------------------------
 def run(modes: list[str], before_s: float, min_step_time_s: float, heartbeat_s: float,
-        backoff_s: float) -> tuple[list[dict], dict, float, dict]:
+        backoff_s: float, spares: int = 0) -> tuple[list[dict], dict, float, dict]:
     import ray
 
     from islands.orchestrator.config import JobConfig
     from islands.orchestrator.controller import NAMESPACE, Controller, controller_options
 
-    raw = job_dict(min_step_time_s, heartbeat_s, backoff_s)
+    raw = job_dict(min_step_time_s, heartbeat_s, backoff_s, spares)
     config = JobConfig.model_validate(raw)
     run_dir = tempfile.mkdtemp(prefix="islands-recovery-")
     # address="local": always a fresh cluster of our own, even when another one runs here.
-    ray.init(address="local", num_cpus=4, resources={"region:a": 2, "region:b": 2},
+    ray.init(address="local", num_cpus=4, resources=config.region_resources(),
              namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
              _node_ip_address="127.0.0.1")
     controller = None
@@ -348,7 +354,8 @@ def run(modes: list[str], before_s: float, min_step_time_s: float, heartbeat_s: 
                           "4 learners training")
         t0 = min(points[0][0] for points in recorder.series.values())
         recorder.wait_for(lambda snap: (snap["syncer"]["merges"] or 0) >= 4, 60, "first merges")
-        kills = run_kills(controller, modes, before_s, sorted(config.learner_ids()), recorder)
+        kills = run_kills(controller, modes, before_s, sorted(config.learner_ids()), recorder,
+                          spares)
         return kills, recorder.series, t0, raw
     finally:
         if controller is not None:
@@ -368,6 +375,8 @@ def print_report(rows: list[dict], summary: dict) -> None:
         print(f"{name:>6}: " + "  ".join(f"{p} {summary['phases'][p][name]:.3f}"
                                           for p in (*PHASES, "total_s")))
     s = summary
+    print(f"kill -> training again: median {s['phases']['training_again_s']['median']:.3f} s; "
+          f"kill -> first merged contribution: median {s['phases']['total_s']['median']:.3f} s")
     print(f"total: median {s['phases']['total_s']['median']:.2f} s, max "
           f"{s['phases']['total_s']['max']:.2f} s (goal < {GOAL_TOTAL_S:.0f} s: "
           f"{'met' if s['meets_total_goal'] else 'missed'}); survivors' ratio median "
@@ -386,6 +395,7 @@ def parse_args(argv=None):
     parser.add_argument("--min-step-time-s", type=float, default=0.1)
     parser.add_argument("--heartbeat-s", type=float, default=0.25)
     parser.add_argument("--backoff-s", type=float, default=0.1, help="restart backoff (constant)")
+    parser.add_argument("--spares", type=int, default=0, help="warm spares per region")
     parser.add_argument("--out", default=os.path.join(BENCH_DIR, "out"))
     return parser.parse_args(argv)
 
@@ -399,15 +409,17 @@ def main(argv=None) -> dict:
     modes = [m for m in modes_list for _ in range(kills_per_mode)]
     before_s = args.before_s or (5.0 if args.quick else 10.0)
     kills, series, t0, raw = run(modes, before_s, args.min_step_time_s, args.heartbeat_s,
-                                 args.backoff_s)
+                                 args.backoff_s, args.spares)
     rows = [analyse(k, series, before_s) for k in kills]
-    phases = {p: stats([r[p] for r in rows]) for p in (*PHASES, "total_s", "spawn_s", "setup_s")}
+    phases = {p: stats([r[p] for r in rows])
+              for p in (*PHASES, "training_again_s", "total_s", "spawn_s", "setup_s")}
     ratios = stats([r["survivors_ratio"] for r in rows])
     summary = {"phases": phases, "survivors_ratio": ratios,
                "meets_total_goal": phases["total_s"]["max"] < GOAL_TOTAL_S,
                "meets_survivor_goal": (ratios["min"] or 0.0) >= GOAL_SURVIVOR_RATIO}
     os.makedirs(args.out, exist_ok=True)
-    png = os.path.join(args.out, "recovery.png")
+    suffix = f"-spares{args.spares}" if args.spares else ""
+    png = os.path.join(args.out, f"recovery{suffix}.png")
     plot(rows, series, t0, png)
     print_report(rows, summary)
     result = {"benchmark": "recovery", "goal_total_s": GOAL_TOTAL_S,
@@ -416,7 +428,7 @@ def main(argv=None) -> dict:
                         for r in rows],
               "before_window_s": before_s, "job": raw, "png": png, "command": command_line(),
               "machine": machine_info(), "elapsed_s": round(time.time() - t_start, 1)}
-    with open(os.path.join(args.out, "recovery.json"), "w") as f:
+    with open(os.path.join(args.out, f"recovery{suffix}.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)
     print(json.dumps(result, default=str))
     return result

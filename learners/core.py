@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from islands import CARRY_OVERLAP
 from islands.learners.fates import REFUSED, IncarnationFates
 from islands.syncer import downlink as downlink_lib
 from islands.syncer import fragments as fragments_lib
@@ -107,7 +108,7 @@ class LearnerCore:
                  versions: list[int], error_feedback: Any, wire_bytes: Callable[[Any], int],
                  decode: Callable[[Any], Fragment], overlap_steps: int = 2,
                  merge_alpha: float = 0.0, incarnation: int = 0, start_step: int = 0,
-                 session: str = "", carry_overlap: bool = False):
+                 session: str = "", carry_overlap: bool = CARRY_OVERLAP):
         self.learner = learner
         self.params = params
         self.opt_state = opt_state

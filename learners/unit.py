@@ -15,6 +15,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from islands import CARRY_OVERLAP
 from islands.syncer import downlink as downlink_lib
 from islands.syncer.codec_kinds import DEFAULT_BLOCK_SIZE
 
@@ -35,7 +36,7 @@ class TrainingSpec:
     sync_every_steps: int = 8
     overlap_steps: int = 2
     merge_alpha: float = 0.0
-    carry_overlap: bool = False
+    carry_overlap: bool = CARRY_OVERLAP
     codec_kind: str = "int4"
     codec_block_size: int = DEFAULT_BLOCK_SIZE
     error_feedback: bool = True

@@ -13,6 +13,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from islands import DEFAULT_OVERLAP
 from islands.syncer import codec_kinds
 
 REGION_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
@@ -94,7 +95,7 @@ class InnerOptimizer(_Section):
 
 class LearnerSection(_Section):
     inner_optimizer: InnerOptimizer = InnerOptimizer()
-    overlap: Literal["carry", "blend"] = "carry"
+    overlap: Literal["carry", "blend"] = DEFAULT_OVERLAP
     merge_alpha: float = Field(0.0, ge=0, le=1)
     # Pads each step to at least this wall time (÷ speed factor): emulates slower hardware.
     min_step_time_s: float = Field(0.0, ge=0)

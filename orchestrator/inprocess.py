@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
+from islands import CARRY_OVERLAP
 from islands.faults import LEARNER_LOSS_KINDS, Fault, FaultKind, FaultWindows, Link
 from islands.learners.core import LearnerCore
 from islands.learners.loop import LearnerLoop
@@ -729,7 +730,7 @@ def assemble_like(template: Any) -> Callable[[dict], Any]:
 def build_syncer_and_learners(*, params: Any, opt_init: Callable[[Any], Any], plan: FragmentPlan,
                               settings, outer_optimizer, error_feedback_factory: Callable[[], Any],
                               decode, wire_bytes, learner_ids: Sequence[str], merge_alpha: float,
-                              is_embedding=lambda path: False, carry_overlap: bool = False,
+                              is_embedding=lambda path: False, carry_overlap: bool = CARRY_OVERLAP,
                               downlink: Optional[downlink_lib.DownlinkSettings] = None,
                               ) -> tuple[SyncerCore, list[LearnerCore]]:
     """A syncer holding ``params`` and learners registered with it, all starting from ``params``.

@@ -200,7 +200,8 @@ def run(plan, *, M=2, P=1, H=1, tau=0, steps=6, latency_s=0.0, restart_s=1.5, K=
         settings=settings, outer_optimizer=outer.build("sgd", lr=1.0, momentum=0.0),
         error_feedback_factory=lambda: codec_lib.error_feedback(codec),
         decode=lambda c: codec_lib.decode_tree(codec, c), wire_bytes=codec_lib.tree_wire_bytes,
-        learner_ids=ids or [f"r:{i}" for i in range(M)], merge_alpha=0.0)
+        learner_ids=ids or [f"r:{i}" for i in range(M)], merge_alpha=0.0,
+        carry_overlap=False)  # worked out by hand with overwrite (the τ steps are dropped)
     calls = []
 
     def spy(i, k):

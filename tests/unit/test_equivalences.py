@@ -64,7 +64,7 @@ def run_driver(P, H, tau, steps, outer_opt, K=M, alpha=0.0):
         outer_optimizer=outer_opt, error_feedback_factory=lambda: codec_lib.error_feedback(codec),
         decode=lambda codes: codec_lib.decode_tree(codec, codes),
         wire_bytes=codec_lib.tree_wire_bytes, learner_ids=[f"r:{i}" for i in range(M)],
-        merge_alpha=alpha)
+        merge_alpha=alpha, carry_overlap=False)  # the references blend (α = 0: overwrite)
     record = inprocess.run_inprocess(
         learners=learners, syncer=syncer, train_step=train_step, batch_for=batch_for,
         tokens_per_batch=TOKENS, fleet=inprocess.Fleet(speed_factors=[1.0] * M),

@@ -80,7 +80,7 @@ def _core(P=2):
     codec = codec_lib.make_codec("none")
     return LearnerCore("r:0", params, None, plan, [0] * P, codec_lib.error_feedback(codec),
                        codec_lib.tree_wire_bytes, lambda c: codec_lib.decode_tree(codec, c),
-                       overlap_steps=1)
+                       overlap_steps=1, carry_overlap=False)  # the overlap fate: overwrite
 
 
 def test_learner_core_moves_tokens_with_its_pushes_refusals_and_adoptions():
