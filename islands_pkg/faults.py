@@ -43,10 +43,12 @@ class FaultKind(str, enum.Enum):
     NETWORK = "network"            # target = region: extra latency and/or bandwidth cap for a while
     PARTITION = "partition"        # target = region: no traffic in or out for a while
     SYNCER_KILL = "syncer_kill"    # target = "syncer"
+    HANG = "hang"                  # target = learner: no steps, no heartbeats (found by timeout)
 
 
 # Faults after which a learner is gone until it is restarted.
-LEARNER_LOSS_KINDS = frozenset({FaultKind.KILL, FaultKind.EXIT, FaultKind.REGION_LOSS})
+LEARNER_LOSS_KINDS = frozenset({FaultKind.KILL, FaultKind.EXIT, FaultKind.REGION_LOSS,
+                                FaultKind.HANG})
 
 
 def _check_time(name: str, value: float, *, positive: bool = False) -> float:

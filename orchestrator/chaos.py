@@ -57,6 +57,11 @@ class FaultPlan:
         """A learner dies at ``at_s`` and may restart ``repair_s`` later (``mode`` kill or exit)."""
         return self.add(Fault(at_s, _kill_kind(mode), target, duration_s=repair_s))
 
+    def hang(self, target: str, at_s: float, duration_s: float) -> "FaultPlan":
+        """A learner wedges at ``at_s`` (no steps, no heartbeats) for ``duration_s``: the health
+        timeout finds it, and it is restarted like a dead one."""
+        return self.add(Fault(at_s, FaultKind.HANG, target, duration_s=duration_s))
+
     def lose_region(self, region: str, at_s: float, repair_s: float) -> "FaultPlan":
         """Every learner of ``region`` dies at ``at_s`` (a lost slice or node)."""
         return self.add(Fault(at_s, FaultKind.REGION_LOSS, region, duration_s=repair_s))
@@ -293,6 +298,12 @@ class RestartCosts:
       syncer_restart_s: the syncer is unreachable this long after a ``syncer_kill``.
       promote_s: a warm spare taking a failed learner's place (instead of ``restart_s``).
       spare_ready_s: a new spare's preparation, from its launch to ready.
+      detect_hang_s: detection of a ``hang`` (no heartbeat for the health timeout).
+      restart_samples_s, promote_samples_s: measured restart (promotion) seconds; when given,
+        each restart (promotion) draws one of them (seeded) instead of the flat figure.
+      survivor_slowdown_per_start: on shared cores, each process starting (a restart or a spare
+        preparing) makes every running learner's step this fraction slower.
+      seed: of the draws.
     """
 
     detect_kill_s: float = DEFAULT_DETECT_KILL_S
@@ -302,18 +313,43 @@ class RestartCosts:
     syncer_restart_s: float = DEFAULT_SYNCER_RESTART_S
     promote_s: float = DEFAULT_PROMOTE_S
     spare_ready_s: float = DEFAULT_SPARE_READY_S
+    detect_hang_s: float = DEFAULT_DETECT_LOST_S
+    restart_samples_s: tuple = ()
+    promote_samples_s: tuple = ()
+    survivor_slowdown_per_start: float = 0.0
+    seed: int = 0
 
     def __post_init__(self):
         for name in ("detect_kill_s", "detect_exit_s", "detect_lost_s", "restart_s",
-                     "syncer_restart_s", "promote_s", "spare_ready_s"):
+                     "syncer_restart_s", "promote_s", "spare_ready_s", "detect_hang_s",
+                     "survivor_slowdown_per_start"):
             _check_time(name, getattr(self, name))
+        for name in ("restart_samples_s", "promote_samples_s"):
+            for value in getattr(self, name):
+                _check_time(name, value)
 
     def detect_s(self, kind: FaultKind) -> float:
         return {FaultKind.KILL: self.detect_kill_s, FaultKind.EXIT: self.detect_exit_s,
-                FaultKind.REGION_LOSS: self.detect_lost_s}[FaultKind(kind)]
+                FaultKind.REGION_LOSS: self.detect_lost_s,
+                FaultKind.HANG: self.detect_hang_s}[FaultKind(kind)]
+
+    def sampler(self):
+        """``draw(promotion: bool) -> seconds``: a measured sample when there are any (seeded,
+        with replacement), else the flat ``promote_s`` / ``restart_s``."""
+        import numpy as np
+
+        rng = np.random.default_rng(self.seed)
+
+        def draw(promotion: bool) -> float:
+            samples = self.promote_samples_s if promotion else self.restart_samples_s
+            if samples:
+                return float(samples[int(rng.integers(len(samples)))])
+            return self.promote_s if promotion else self.restart_s
+        return draw
 
     def down_s(self, fault: Fault) -> float:
         """How long the learners a fault kills stay down: detect + repair (duration_s) + restart."""
         if fault.kind not in LEARNER_LOSS_KINDS:
             raise ValueError(f"a {fault.kind.value} fault does not take a learner down")
-        return self.detect_s(fault.kind) + fault.duration_s + self.restart_s
+        repair_s = 0.0 if fault.kind == FaultKind.HANG else fault.duration_s  # a hang's is its length
+        return self.detect_s(fault.kind) + repair_s + self.restart_s

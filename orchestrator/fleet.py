@@ -658,6 +658,13 @@ class _Machine:
             learners = tuple(s.learner for s in self.fleet.in_region(fault.target)
                              if s.state in LIVE)
             self.actions.append(LinkFault(learners, fault))
+        elif kind == FaultKind.HANG:
+            slot = self.fleet.slots.get(fault.target)
+            if slot is None or slot.state not in LIVE:
+                raise CommandError(f"no running learner {fault.target!r}")
+            self.note("chaos", fault.target, action="hang", target=fault.target,
+                      duration_s=fault.duration_s)
+            self.actions.append(Hang(fault.target, fault.duration_s))
         elif kind == FaultKind.SYNCER_KILL:
             shard = fault.syncer_shard
             if shard >= self.settings.syncer_shards:

@@ -223,6 +223,8 @@ class _Driver:
         self.evaluate, self.eval_every_steps, self.assemble = evaluate, eval_every_steps, assemble
         self.faults = faults if faults is not None else FaultPlan()
         self.restart, self.opt_init = restart, opt_init
+        self.restart_cost = restart.sampler()   # (promotion?) -> seconds: flat or measured
+        self.starting = 0                      # processes starting now (restarts, spares)
         n = len(self.cores)
         self.ids = [core.learner for core in self.cores]
         self.index_of = {name: i for i, name in enumerate(self.ids)}
@@ -267,7 +269,7 @@ class _Driver:
     def _check_plan(self) -> None:
         regions = set(self.regions)
         for fault in self.faults.faults:
-            if fault.kind in (FaultKind.KILL, FaultKind.EXIT):
+            if fault.kind in (FaultKind.KILL, FaultKind.EXIT, FaultKind.HANG):
                 ok = fault.target in self.index_of
             elif fault.kind == FaultKind.SLOWDOWN:
                 ok = fault.target in self.index_of or fault.target in regions
@@ -297,6 +299,8 @@ class _Driver:
         noise = (self.rngs[i].uniform(-self.fleet.step_noise, self.fleet.step_noise)
                  if self.fleet.step_noise else 0.0)
         factor = self.windows.slowdown(self.ids[i], self.regions[i], now)
+        # Processes starting on the same cores (restarts, spares preparing) take CPU from it.
+        factor *= 1.0 + self.restart.survivor_slowdown_per_start * self.starting
         return self.fleet.nominal_step_s(i) * (1.0 + noise) * factor
 
     def arrival(self, i: int, now: float, nbytes: int) -> float:
@@ -476,6 +480,7 @@ class _Driver:
         self.fleet_step(now, observations)
 
     def on_spare(self, now: float, name: str) -> None:
+        self.starting -= 1
         if self.fleet_state.stopping or name not in self.fleet_state.spares:
             return
         self.fleet_step(now, [fleet_lib.SpareReady(name)])
@@ -502,12 +507,26 @@ class _Driver:
             return  # the initial learners exist already
         i = self.index_of[a.learner]
         self.restart_token[i] += 1
-        cost = self.restart.promote_s if a.spare is not None else self.restart.restart_s
+        cost = self.restart_cost(a.spare is not None)
+        if a.spare is None:
+            self.starting += 1   # a new process: until it is back (on_restart)
         self.schedule(now + cost, _RESTART, "restart", (i, a, self.restart_token[i]))
 
     def do_launchspare(self, now: float, a: fleet_lib.LaunchSpare) -> None:
         if self.until_s is None or now + self.restart.spare_ready_s < self.until_s:
+            self.starting += 1
             self.schedule(now + self.restart.spare_ready_s, _FLEET, "spare", a.name)
+
+    def do_hang(self, now: float, a: fleet_lib.Hang) -> None:
+        """A wedged learner does nothing from now on; the health timeout finds it and it is
+        restarted like a dead one (its unmerged work is lost)."""
+        i = self.index_of[a.learner]
+        incarnation = self.cores[i].incarnation
+        if self.up[i]:
+            self.kill(i, now, "hang")
+        self.cause_of[i] = "hang"
+        self.schedule(now + self.restart.detect_hang_s, _FLEET, "fleet",
+                      [fleet_lib.RunEnded(a.learner, incarnation, "hang")])
 
     def do_killspare(self, now: float, a: fleet_lib.KillSpare) -> None:
         pass  # nothing runs for it here; the fleet forgot it, so its ready event is moot
@@ -562,6 +581,8 @@ class _Driver:
 
     def on_restart(self, now: float, payload) -> None:
         i, launch, token = payload
+        if launch.spare is None:
+            self.starting -= 1
         if token != self.restart_token[i]:
             return  # killed again while it was coming back
         if self.until_s is not None and now >= self.until_s:

@@ -190,7 +190,7 @@ def batch_for(learner, index):
 
 
 def run(plan, *, M=2, P=1, H=1, tau=0, steps=6, latency_s=0.0, restart_s=1.5, K=1,
-        until_s=None, ids=None, spares=0, promote_s=0.3, spare_ready_s=3.0):
+        until_s=None, ids=None, spares=0, promote_s=0.3, spare_ready_s=3.0, **costs):
     params = init_params()
     settings = SyncerSettings(min_learners=K, grace_cap_s=0.0, overlap_steps=tau,
                               merge_rule=merge.MergeRule.MEAN, outlier_norm_factor=None)
@@ -214,7 +214,7 @@ def run(plan, *, M=2, P=1, H=1, tau=0, steps=6, latency_s=0.0, restart_s=1.5, K=
                                                        spares=spares),
         num_fragments=P, sync_every_steps=H, steps=steps, faults=plan,
         restart=RestartCosts(restart_s=restart_s, promote_s=promote_s,
-                             spare_ready_s=spare_ready_s),
+                             spare_ready_s=spare_ready_s, **costs),
         opt_init=INNER.init, until_s=until_s,
         assemble=inprocess.assemble_like(params))
     return record, syncer, calls
@@ -286,6 +286,32 @@ def test_a_warm_spare_takes_over_through_the_same_fleet_state_machine_by_hand():
                      (2.75, "spare_launched"), (3.75, "spare_ready"), (6.75, "spare_ended")]
     assert [k for i, k in calls if i == 1] == [0, 1, 2, 2, 3, 4, 5]
     assert_ledger_balances(record, syncer)
+
+
+def test_a_hang_is_found_by_the_timeout_and_a_restart_takes_cpu_from_the_survivors():
+    """r:1 wedges at 2.5 s; the health timeout (detect_hang_s = 1) sees it at 3.5 s, and the new
+    process (restart 1.5 s) is back at 5.0 s. While that process starts (3.5 – 5.0 s) every
+    running learner's step is 1.5× (survivor_slowdown_per_start 0.5 × one start): r:0's step
+    that starts at 4.0 s ends at 5.5 s, the others take 1 s."""
+    plan = FaultPlan().hang("r:1", at_s=2.5, duration_s=30.0)
+    record, syncer, _ = run(plan, steps=8, detect_hang_s=1.0, survivor_slowdown_per_start=0.5)
+    assert [(r["cause"], r["failed_s"], r["back_s"]) for r in record.restarts] == [
+        ("hang", 2.5, 5.0)]
+    r0 = [(s.start_s, s.step_s) for s in record.step_log if s.learner == 0]
+    assert r0[:7] == [(0.0, 1.0), (1.0, 1.0), (2.0, 1.0), (3.0, 1.0), (4.0, 1.5), (5.5, 1.0),
+                      (6.5, 1.0)]
+    assert_ledger_balances(record, syncer)
+
+
+def test_measured_restart_and_promotion_samples_are_drawn_seeded():
+    costs = RestartCosts(restart_s=9.0, promote_s=9.0, restart_samples_s=(1.0, 2.0, 3.0),
+                         promote_samples_s=(0.25,), seed=3)
+    draw, again = costs.sampler(), costs.sampler()
+    restarts = [draw(False) for _ in range(20)]
+    assert set(restarts) <= {1.0, 2.0, 3.0} and len(set(restarts)) == 3
+    assert restarts == [again(False) for _ in range(20)]      # same seed, same draws
+    assert draw(True) == 0.25
+    assert RestartCosts(restart_s=2.5).sampler()(False) == 2.5  # no samples: the flat figure
 
 
 def test_a_kill_drops_unmerged_work_the_victim_resumes_and_the_others_never_wait():
