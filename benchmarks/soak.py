@@ -12,6 +12,13 @@ the hangs, which the in-process driver does not model) runs through the in-proce
 
     python benchmarks/soak.py --quick     # ≥ 100 learner failures, ≥ 2 syncer kills, 1 controller
     python benchmarks/soak.py             # ≥ 1,000 learner failures, ≥ 10 syncer kills, ≥ 3
+    python benchmarks/soak.py --quick --spares 2   # with warm spares (health.spares)
+
+The prediction models what the service pays (issue 21): the hangs (found after the health
+timeout), each restart's and each promotion's seconds drawn from what this run measured (failure
+→ the learner training again, from the events), and the CPU a starting process takes from the
+learners beside it on shared cores (``--survivor-slowdown``, measured by
+``benchmarks/recovery.py``).
 
 Prints a table, then one JSON object as the last line; writes soak.json (and soak.png).
 """
@@ -32,9 +39,11 @@ from islands.orchestrator.chaos import FaultKind, RestartCosts
 
 TINY = dict(d_model=32, n_layers=1, n_heads=2, d_ff=64, seq_len=32)
 REGIONS = {"a": 2, "b": 2}
+HANG_S = 6.0            # how long a fired hang wedges its learner
+TIMEOUT_S = 3.0         # health.timeout_s of job_config
 
 
-def job_config(seed: int) -> dict:
+def job_config(seed: int, spares: int = 0) -> dict:
     return {
         "name": "soak",
         "seed": seed,
@@ -45,7 +54,7 @@ def job_config(seed: int) -> dict:
                    "snapshot_every_merges": 10},
         "quorum": {"min_learners": 1, "grace_cap_s": 0.5},
         "regions": {r: {"learners": n} for r, n in REGIONS.items()},
-        "health": {"heartbeat_s": 0.5, "timeout_s": 3.0,
+        "health": {"heartbeat_s": 0.5, "timeout_s": TIMEOUT_S, "spares": spares,
                    "restart": {"backoff_initial_s": 0.1, "backoff_multiplier": 1.0,
                                "max_crash_restarts": None}},
         "metrics": {"enabled": False, "snapshot_every_s": 1.0},
@@ -85,7 +94,7 @@ def fire(items, controller, t0, stop, log):
                 ray.kill(ray.get_actor("islands:syncer", namespace="islands"))
                 log.append(("syncer_kill", None))
             elif kind == "hang":
-                ray.get(controller.chaos_hang.remote(what, 6.0), timeout=60)
+                ray.get(controller.chaos_hang.remote(what, HANG_S), timeout=60)
                 log.append(("hang", what))
             elif what.kind in (FaultKind.KILL, FaultKind.EXIT):
                 mode = "ray_kill" if what.kind == FaultKind.KILL else "exit"
@@ -194,18 +203,42 @@ def plot(run_dir: str, events: list[dict], out_dir: str) -> None:
     C.save_figure(fig, out_dir, "soak.png")
 
 
-def predicted_goodput(plan, horizon_s: float, seed: int) -> float:
-    """The same plan (no hangs) through the in-process driver on the same model and schedule."""
+def measured_costs(events: list[dict]) -> dict:
+    """Seconds from each learner failure (as detected) to its next ``learner_ready``, split by
+    whether a spare took over (the ``learner_restarted`` event names it) or a new process did."""
+    fresh, promoted, failed_at, by_spare = [], [], {}, {}
+    for e in events:
+        who = e.get("learner")
+        if who is None:
+            continue
+        if e["event"] == "learner_failed":
+            failed_at.setdefault(who, e["t"])
+        elif e["event"] == "learner_restarted":
+            by_spare[who] = bool(e.get("spare"))
+        elif e["event"] == "learner_ready" and who in failed_at:
+            (promoted if by_spare.get(who) else fresh).append(e["t"] - failed_at.pop(who))
+    return {"restart_samples_s": tuple(fresh), "promote_samples_s": tuple(promoted)}
+
+
+def predicted_goodput(plan, horizon_s: float, seed: int, hangs=(), spares: int = 0,
+                      costs: dict | None = None, survivor_slowdown: float = 0.0) -> float:
+    """The same plan, hangs included, through the in-process driver on the same model and
+    schedule, paying the restart and promotion seconds measured in the real run."""
     from islands.orchestrator import inprocess
 
     ids = [f"{r}:{i}" for r, n in REGIONS.items() for i in range(n)]
     setup = C.make_setup(model_kwargs=TINY, num_learners=len(ids), batch_size=4,
                          total_steps=int(horizon_s / 0.05), max_bytes=300_000, seed=seed)
     fleet = inprocess.Fleet([1.0] * len(ids), step_time_s=0.05, latency_s=0.001,
-                            regions=[i.split(":")[0] for i in ids], seed=seed)
+                            regions=[i.split(":")[0] for i in ids], seed=seed, spares=spares)
+    plan = chaos.FaultPlan(list(plan) + [chaos.Fault(t, FaultKind.HANG, who, duration_s=HANG_S)
+                                         for t, who in hangs]).sorted()
+    costs = dict(costs or {})
     record = C.run_ours(setup, learner_ids=ids, fleet=fleet, num_fragments=2,
                         sync_every_steps=4, overlap_steps=1, until_s=horizon_s,
-                        faults=plan, restart=RestartCosts(detect_lost_s=0.0, restart_s=2.5))
+                        faults=plan, restart=RestartCosts(
+                            detect_lost_s=0.0, detect_hang_s=TIMEOUT_S, restart_s=2.5,
+                            survivor_slowdown_per_start=survivor_slowdown, seed=seed, **costs))
     return record.goodput
 
 
@@ -215,6 +248,10 @@ def main(argv=None) -> dict:
                    "160 quick, 1100 full)")
     p.add_argument("--mtbf", type=float, default=None, help="per-learner MTBF of ray.kill "
                    "(exits at half that rate; default 6 s quick, 3.5 s full)")
+    p.add_argument("--spares", type=int, default=0, help="warm spares per region")
+    p.add_argument("--survivor-slowdown", type=float, default=0.04,
+                   help="step-time share a starting process takes from each running learner "
+                        "(recovery.py: survivors' ratio 0.96 during one restart)")
     args = p.parse_args(argv)
     import ray
 
@@ -229,7 +266,7 @@ def main(argv=None) -> dict:
     watch = C.Stopwatch()
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
-             resources={f"region:{r}": n for r, n in REGIONS.items()},
+             resources={f"region:{r}": n + args.spares for r, n in REGIONS.items()},
              _node_ip_address="127.0.0.1", namespace="islands")
     run_dir = os.path.join(tempfile.mkdtemp(prefix="islands-soak-"), "run")
     stop, log = threading.Event(), []
@@ -241,7 +278,8 @@ def main(argv=None) -> dict:
                              daemon=True).start()
 
     try:
-        summary = run_job(parse(job_config(args.seed)), duration_s=horizon + 10, run_dir=run_dir,
+        summary = run_job(parse(job_config(args.seed, args.spares)), duration_s=horizon + 10,
+                          run_dir=run_dir,
                           quiet=True, on_started=on_started)
     finally:
         stop.set()
@@ -278,7 +316,18 @@ def main(argv=None) -> dict:
         "merges": summary.get("merges"), "goodput": summary.get("goodput"),
         "restart_to_ready": restart_to_ready(events),
     }
-    result["predicted_goodput"] = predicted_goodput(plan, horizon, args.seed)
+    costs = measured_costs(events)
+    result["spares"] = args.spares
+    result["promotions"] = sum(e["event"] == "spare_promoted" for e in events)
+    result["measured_restart_s"] = {
+        k: ({"n": len(v), "median": float(np.median(v)), "p90": float(np.percentile(v, 90))}
+            if v else {"n": 0}) for k, v in costs.items()}
+    result["predicted_goodput_flat"] = predicted_goodput(plan, horizon, args.seed)
+    result["predicted_goodput"] = predicted_goodput(
+        plan, horizon, args.seed, hangs=hangs, spares=args.spares, costs=costs,
+        survivor_slowdown=args.survivor_slowdown)
+    result["goodput_gap"] = (None if result["goodput"] is None
+                             else result["goodput"] - result["predicted_goodput"])
     result["wall_s"] = watch()
     result["machine"] = C.machine()
     flat = {k: v for k, v in result.items() if not isinstance(v, (dict, list))}

@@ -21,7 +21,7 @@ A warm spare (``RegionPlan.spares``) is a learner process that did everything a 
 its first step and holds no learner identity: ``STARTING ─ready─▶ READY``. A slot that launches
 (a restart, a scale-up) while its region has a READY spare takes the spare instead of a new
 process (``Launch.spare``), at once: no backoff, no repair wait (the spare is another process,
-on its own devices). A new spare starts behind it only when no slot is STARTING.
+on its own devices). A new spare starts behind it once the promotion is done.
 """
 
 from __future__ import annotations
@@ -761,14 +761,19 @@ class _Machine:
 
     def maintain_spares(self) -> None:
         """Keeps each region's spares: one that does not get ready within the start-up timeout
-        is replaced; a missing one is started only when no slot is STARTING (a promotion or a
-        start-up under way comes first: a spare competes with it for CPU and the cache)."""
+        is replaced; a missing one is started one at a time, and not while a promotion or a new
+        learner's start is under way (a spare competes with it for CPU and the cache)."""
         s = self.settings
         for spare in list(self.fleet.spares.values()):
             if (spare.state == SpareState.STARTING
                     and self.now - spare.launched_s > s.startup_timeout_s):
                 self.drop_spare(spare, f"not ready after {s.startup_timeout_s:g}s")
-        if any(x.state == SlotState.STARTING and not x.remote for x in self.fleet.slots.values()):
+        # Low priority: never while a promotion is under way (a promoted learner not training
+        # yet), nor while new learners start (the job's start-up, a scale-up). A restart in a
+        # new process does not wait for it: under a burst of failures that is when spares pay.
+        if any(x.state == SlotState.STARTING and not x.remote
+               and (x.actor is not None or x.incarnation == 0)
+               for x in self.fleet.slots.values()):
             return
         for region, plan in self.settings.regions.items():
             if plan.remote or plan.spares <= 0:

@@ -543,3 +543,18 @@ def test_a_scale_up_takes_a_ready_spare():
     launch = [a for a in result.actions if isinstance(a, F.Launch)]
     # A new learner (incarnation 0) on the spare, with its own inner state (no peer).
     assert launch == [F.Launch("a:3", "a", 0, 3, 4, 1.0, None, 0, (), "spare:a:0", None)]
+
+
+def test_a_restart_in_a_new_process_does_not_hold_back_a_spare():
+    """Under a burst of failures spares pay: only a promotion (or a new learner's start) under
+    way holds a new spare back, not a restart in a fresh process."""
+    s = settings(regions={"a": F.RegionPlan(3, 4, spares=2)})
+    fleet = training(settings(regions={"a": F.RegionPlan(3, 4)}))   # no spare yet
+    fleet = dataclasses.replace(fleet, settings=s)
+    crashed = F.step(fleet, alive(fleet, "a:0") + [F.RunEnded("a:0", 0, "boom", crashed=True)],
+                     2.0)
+    assert F.LaunchSpare("spare:a:0", "a") in crashed.actions     # the first, one at a time
+    restarted = F.step(crashed.fleet, alive(crashed.fleet), 2.5)   # after its 0.5 s backoff
+    slot = restarted.fleet.slots["a:0"]
+    assert slot.state == SlotState.STARTING and slot.incarnation == 1 and slot.actor is None
+    assert F.LaunchSpare("spare:a:1", "a") in restarted.actions
