@@ -126,9 +126,17 @@ def controller_settings(config) -> ControllerSettings:
                               heartbeat_s=config.health.heartbeat_s)
 
 
+def learner_devices(config, region: str):
+    """What each learner of ``region`` runs on and asks Ray for (``accelerators.LearnerDevices``)."""
+    return config.regions[region].devices()
+
+
 def learner_spec(config, training: TrainingSpec, launch, corpus_ref=None,
                  env: Optional[dict] = None) -> LearnerSpec:
-    """The spec of one learner incarnation the fleet decided to launch (a ``fleet.Launch``)."""
+    """The spec of one learner incarnation the fleet decided to launch (a ``fleet.Launch``);
+    ``env`` (``runtime.single_thread_env``) gets the region's device platform and flags."""
+    from .runtime import learner_env
+
     region = config.regions[launch.region]
     return LearnerSpec(
         learner=launch.learner, shard_index=launch.shard % launch.num_shards,
@@ -137,7 +145,7 @@ def learner_spec(config, training: TrainingSpec, launch, corpus_ref=None,
         min_step_time_s=config.learner.min_step_time_s, latency_ms=region.latency_ms,
         bandwidth_gbps=region.bandwidth_gbps, heartbeat_s=config.health.heartbeat_s,
         peer=f"islands:{launch.peer}" if launch.peer else None, corpus_ref=corpus_ref,
-        env=dict(env or {}), syncer_shards=config.syncer.shards)
+        env=learner_env(env or {}, region.devices()), syncer_shards=config.syncer.shards)
 
 
 def link_server_settings(config, token: str):

@@ -540,7 +540,8 @@ class Controller:
                                   single_thread_env(self.jax_cache_dir))
         try:
             handle = ray.remote(LearnerUnit).options(
-                **learner_options(a.learner, a.region)).remote(spec)
+                **learner_options(a.learner, a.region,
+                                  build.learner_devices(self.config, a.region))).remote(spec)
         except ValueError as exc:  # the dead actor's name is not released yet: retry soon
             self.inbox.put((fleet_lib.LaunchFailed(a.learner, a.incarnation, str(exc)), None))
             return
