@@ -129,9 +129,17 @@ def controller_settings(config) -> ControllerSettings:
                               heartbeat_s=config.health.heartbeat_s)
 
 
+def learner_devices(config, region: str):
+    """What each learner of ``region`` runs on and asks Ray for (``accelerators.LearnerDevices``)."""
+    return config.regions[region].devices()
+
+
 def learner_spec(config, training: TrainingSpec, launch, corpus_ref=None,
                  env: Optional[dict] = None) -> LearnerSpec:
-    """The spec of one learner incarnation the fleet decided to launch (a ``fleet.Launch``)."""
+    """The spec of one learner incarnation the fleet decided to launch (a ``fleet.Launch``);
+    ``env`` (``runtime.single_thread_env``) gets the region's device platform and flags."""
+    from .runtime import learner_env
+
     region = config.regions[launch.region]
     return LearnerSpec(
         learner=launch.learner, shard_index=launch.shard % launch.num_shards,
@@ -140,7 +148,8 @@ def learner_spec(config, training: TrainingSpec, launch, corpus_ref=None,
         min_step_time_s=config.learner.min_step_time_s, latency_ms=region.latency_ms,
         bandwidth_gbps=region.bandwidth_gbps, heartbeat_s=config.health.heartbeat_s,
         peer=f"islands:{launch.peer_actor or launch.peer}" if launch.peer else None,
-        corpus_ref=corpus_ref, env=dict(env or {}), syncer_shards=config.syncer.shards)
+        corpus_ref=corpus_ref, env=learner_env(env or {}, region.devices()),
+        syncer_shards=config.syncer.shards)
 
 
 # What a promoted spare takes from the learner spec it stands in for (the rest is the job's).
@@ -154,12 +163,15 @@ def identity(spec: LearnerSpec) -> dict:
 
 def spare_spec(config, training: TrainingSpec, name: str, region: str, corpus_ref=None,
                env: Optional[dict] = None) -> LearnerSpec:
-    """A warm spare of ``region``: a learner spec with no identity yet (``spare``)."""
+    """A warm spare of ``region``: a learner spec with no identity yet (``spare``), on the
+    region's devices (its environment is set before JAX loads, so it is the learner's)."""
+    from .runtime import learner_env
+
     r = config.regions[region]
     return LearnerSpec(learner=name, shard_index=0, num_shards=1, training=training,
                        min_step_time_s=config.learner.min_step_time_s, latency_ms=r.latency_ms,
                        bandwidth_gbps=r.bandwidth_gbps, heartbeat_s=config.health.heartbeat_s,
-                       corpus_ref=corpus_ref, env=dict(env or {}),
+                       corpus_ref=corpus_ref, env=learner_env(env or {}, r.devices()),
                        syncer_shards=config.syncer.shards, spare=True)
 
 

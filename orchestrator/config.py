@@ -16,6 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from islands import DEFAULT_OVERLAP
 from islands.syncer import codec_kinds
 
+from . import accelerators
+
 REGION_NAME = re.compile(r"^[a-z0-9][a-z0-9-]*$")
 CODECS = codec_kinds.KINDS
 
@@ -213,6 +215,12 @@ class RegionSection(_Section):
     # The region runs in its own Ray cluster and joins over the link (docs/regions.md): its
     # agent (`islands region join`) launches and restarts its learners; needs `link.port`.
     remote: bool = False
+    # What each learner runs on (docs/accelerators.md); Ray reserves its devices.
+    accelerator: Literal["cpu", "gpu", "tpu"] = "cpu"
+    devices_per_host: Optional[float] = Field(None, gt=0)
+    hosts_per_learner: Optional[int] = Field(None, ge=1)
+    tpu_type: Optional[Literal[accelerators.TPU_TYPES]] = None
+    topology: Optional[str] = Field(None, pattern=accelerators.TOPOLOGY.pattern)
 
     @model_validator(mode="after")
     def _consistent(self):
@@ -226,7 +234,15 @@ class RegionSection(_Section):
                              "learners")
         if any(f <= 0 for f in factors):
             raise ValueError(f"speed_factors: each must be > 0, got {factors}")
+        problem = accelerators.multi_host_problem(self.devices())   # ValueError naming the key
+        if problem:
+            raise ValueError(f"hosts_per_learner: {problem}")
         return self
+
+    def devices(self) -> accelerators.LearnerDevices:
+        """What each of the region's learners runs on, defaults filled in."""
+        return accelerators.learner_devices(self.accelerator, self.devices_per_host,
+                                            self.hosts_per_learner, self.tpu_type, self.topology)
 
 
 class RestartSection(_Section):

@@ -181,6 +181,24 @@ FIELD_NOTES: dict[str, str] = {
     "regions.<name>.bandwidth_gbps": "Emulated bandwidth of the region's link to the syncer, "
                                      "Gbit/s: b bytes take latency + b / bandwidth.",
     "regions.<name>.latency_ms": "Emulated one-way latency of the region's link to the syncer.",
+    # a region's hardware (docs/accelerators.md)
+    "regions.<name>.accelerator": "What each learner runs on; Ray reserves its devices. `cpu` "
+                                  "learners run JAX on the CPU; `gpu` and `tpu` learners let "
+                                  "JAX pick the GPUs or TPU chips Ray assigned them "
+                                  "(docs/accelerators.md).",
+    "regions.<name>.devices_per_host": "Devices one learner uses: GPUs (below 1 shares a GPU, "
+                                       "e.g. 0.25 for four learners per GPU), TPU chips, or for "
+                                       "`cpu` N virtual CPU devices "
+                                       "(`--xla_force_host_platform_device_count`). null: 1, "
+                                       "or every chip of a TPU host.",
+    "regions.<name>.hosts_per_learner": "Hosts one learner spans. null: 1, or for `tpu` the "
+                                        "topology's hosts. Only 1 runs today: multi-host "
+                                        "learner units are not supported yet.",
+    "regions.<name>.tpu_type": "TPU generation of an `accelerator: tpu` region: `v4`, `v5e`, "
+                               "`v5p` or `v6e`.",
+    "regions.<name>.topology": "TPU slice topology of an `accelerator: tpu` region, e.g. "
+                               "`2x2x1` (v4, v5p) or `2x4` (v5e, v6e); its chips and hosts "
+                               "follow from the table in docs/accelerators.md.",
     # health
     "health.heartbeat_s": "Seconds between two heartbeats of a learner to the controller.",
     "health.timeout_s": "A learner with no heartbeat for this long is hung: it is killed and "
@@ -298,6 +316,14 @@ RULES: dict[str, str] = {
     "regions": f"at least one; names match `{REGION_NAME.pattern}`",
     "regions.<name>.max_learners": "≥ `learners`",
     "regions.<name>.speed_factors": "each > 0; a list has one entry per learner",
+    "regions.<name>.devices_per_host": "whole for `cpu`, for `tpu` (1, 2, 4 or 8, at most a "
+                                       "host's chips) and above 1 GPU; the region's nodes hold "
+                                       "them (checked by `islands run`)",
+    "regions.<name>.hosts_per_learner": "1 (multi-host learner units are not supported yet); "
+                                        "for `tpu`, the topology's hosts",
+    "regions.<name>.tpu_type": "required with `accelerator: tpu`, refused otherwise",
+    "regions.<name>.topology": "required with `accelerator: tpu`, refused otherwise; AxB for "
+                               "v5e and v6e, AxBxC for v4 and v5p, whole hosts",
     "health.timeout_s": "> `health.heartbeat_s`",
     "link.port": "set when any region is `remote`",
     "link.tls": "required when `link.host` is not loopback and `link.port` is set",

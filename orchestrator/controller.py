@@ -583,7 +583,8 @@ class Controller:
         else:
             try:
                 handle = ray.remote(LearnerUnit).options(
-                    **learner_options(a.learner, a.region)).remote(spec)
+                    **learner_options(a.learner, a.region,
+                                      build.learner_devices(self.config, a.region))).remote(spec)
             except ValueError as exc:  # the dead actor's name is not released yet: retry soon
                 self.inbox.put((fleet_lib.LaunchFailed(a.learner, a.incarnation, str(exc)),
                                 None))
@@ -603,8 +604,9 @@ class Controller:
         spec = build.spare_spec(self.config, self.training, a.name, a.region, self.corpus_ref,
                                 single_thread_env(self.jax_cache_dir))
         try:
-            handle = ray.remote(LearnerUnit).options(
-                **learner_options(a.name, a.region)).remote(spec)
+            handle = ray.remote(LearnerUnit).options(   # a learner's devices, held ready
+                **learner_options(a.name, a.region,
+                                  build.learner_devices(self.config, a.region))).remote(spec)
         except ValueError as exc:  # an earlier spare's name is not released yet
             self.inbox.put((fleet_lib.SpareEnded(a.name, str(exc)), None))
             return

@@ -244,21 +244,37 @@ def check_snapshot_dir(config, run_dir: str, resume: bool) -> None:
 
 
 def check_capacity(config) -> None:
-    """A learner asking for a region no node has would wait forever: say which region is short."""
+    """A learner asking for a region, or for devices, that no node has would wait forever: say
+    which region is short (``region:<name>`` units, then the GPUs or TPU chips on the nodes that
+    carry the region, from ``ray.nodes()``)."""
     import ray
 
+    from .accelerators import region_shortage
+
     total = ray.cluster_resources()
-    short = []
+    nodes = ray.nodes()
+    short, devices_short = [], []
     for name, region in config.regions.items():
         if region.remote:  # its nodes are in its own cluster
             continue
         have = total.get(f"region:{name}", 0.0)
-        if have < region.learners:
-            short.append(f"region {name!r} needs {region.learners} 'region:{name}' resources, "
+        spares = config.spares_of(name)   # a warm spare holds a learner's resources
+        need = region.learners + spares
+        if have < need:
+            of = f" ({region.learners} learners + {spares} spares)" if spares else ""
+            short.append(f"region {name!r} needs {need} 'region:{name}' resources{of}, "
                          f"the cluster has {have:g}")
+            continue
+        problem = region_shortage(name, need, region.devices(), nodes)
+        if problem:
+            devices_short.append(problem)
     if short:
-        raise RuntimeError("; ".join(short) + ". Start nodes with e.g. ray start --resources="
-                           + json.dumps({f"region:{n}": r.learners for n, r in config.regions.items()}))
+        raise RuntimeError("; ".join(short + devices_short) + ". Start nodes with e.g. ray start "
+                           "--resources=" + json.dumps({f"region:{n}": r.learners + config.spares_of(n)
+                                                       for n, r in config.regions.items()}))
+    if devices_short:
+        raise RuntimeError("; ".join(devices_short) + ". Add nodes with those devices and the "
+                           "region's resource, or ask for fewer learners or devices_per_host")
 
 
 def progress_line(snap: dict) -> str:

@@ -1,9 +1,11 @@
-"""How the job's actors run on Ray: names, CPU shares, the single-threaded XLA environment and
-the shared persistent compilation cache."""
+"""How the job's actors run on Ray: names, CPU shares, a learner's devices, the single-threaded
+XLA environment and the shared persistent compilation cache."""
 
 from __future__ import annotations
 
 import os
+
+from .accelerators import LearnerDevices, ray_request, xla_device_flags
 
 NAMESPACE = "islands"
 CONTROLLER_NAME = "islands:controller"
@@ -38,18 +40,40 @@ def syncer_options(jax_cache_dir: str) -> dict:
                 lifetime="detached")
 
 
-def learner_options(learner: str, region: str) -> dict:
+def learner_options(learner: str, region: str,
+                    devices: LearnerDevices = LearnerDevices()) -> dict:
+    """Ray options for a learner of ``region``: a unit of ``region:<name>``, its CPU share and its
+    devices (``build.learner_devices``), so Ray reserves them and sets what the learner sees."""
+    request = ray_request(devices)
+    resources = {f"region:{region}": 1, **request.pop("resources", {})}
     return dict(name=learner_actor_name(learner), namespace=NAMESPACE, num_cpus=CPUS["learner"],
-                max_restarts=0, max_concurrency=8, resources={f"region:{region}": 1},
-                lifetime="detached")
+                max_restarts=0, max_concurrency=8, resources=resources, lifetime="detached",
+                **request)
+
+
+def learner_env(base: dict, devices: LearnerDevices) -> dict:
+    """A learner's environment: ``base`` (``single_thread_env``) with its devices' platform and
+    flags. CPU learners stay pinned to the CPU (Ray does not hide a node's GPUs from an actor
+    that asked for none); GPU and TPU learners let JAX pick the devices Ray assigned them."""
+    env = dict(base)
+    env.pop("JAX_PLATFORMS", None)
+    if devices.jax_platform is not None:
+        env["JAX_PLATFORMS"] = devices.jax_platform
+    flags = xla_device_flags(devices)
+    if flags:
+        env["XLA_FLAGS"] = f"{flags} {env.get('XLA_FLAGS', '')}".strip()
+    return env
 
 
 def single_thread_env(jax_cache_dir: str) -> dict:
-    """Small CPU thread pools (several learners share a few cores) and the shared persistent
-    compilation cache (a restarted learner loads its step instead of compiling it)."""
-    return {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
+    """Small CPU thread pools (several learners share a few cores), JAX on the CPU, and the shared
+    persistent compilation cache (a restarted learner loads its step instead of compiling it).
+
+    The controller and the syncer run with it as is: they ask Ray for no accelerator, so they
+    must not open one. A learner's own devices replace the platform (``learner_env``)."""
+    return {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",
             "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "OMP_NUM_THREADS": "1",
-            "JAX_PLATFORMS": os.environ.get("ISLANDS_JAX_PLATFORMS", "cpu"),
+            "JAX_PLATFORMS": "cpu",
             "JAX_COMPILATION_CACHE_DIR": jax_cache_dir,
             "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}

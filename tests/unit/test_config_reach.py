@@ -52,6 +52,13 @@ CHANGES = {
     "regions.a.learners": 3,
     "regions.a.max_learners": 4,
     "regions.a.speed_factors": 0.5,
+    "regions.a.accelerator": "gpu",
+    "regions.a.devices_per_host": 2,
+    # Refused alone (more than one host, or TPU keys on a CPU region): test_accelerators.py
+    # shows a TPU region's type and topology reach the learner's Ray options.
+    "regions.a.hosts_per_learner": None,
+    "regions.a.tpu_type": None,
+    "regions.a.topology": None,
     "chaos.kill_mode": "exit",
     "chaos.events": [{"type": "kill", "target": "a:0", "at_s": 1.0}],
     "chaos.horizon_s": 30.0,

@@ -18,7 +18,8 @@ from islands.syncer.validate import REJECT_REASONS
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = os.path.join(REPO, "docs")
-PAGES = ("README.md", "architecture.md", "config.md", "metrics.md", "operations.md")
+PAGES = ("README.md", "architecture.md", "config.md", "metrics.md", "operations.md",
+         "accelerators.md")
 MARKDOWN = sorted(glob.glob(os.path.join(DOCS, "*.md"))) + [os.path.join(REPO, "README.md")]
 EXAMPLE = os.path.join(REPO, "deploy", "examples", "local.yaml")
 # What a user must never be sent to: the team's internal design notes and shared folder.

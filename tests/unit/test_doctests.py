@@ -7,7 +7,8 @@ import pytest
 
 MODULES = ["islands.syncer.fragments", "islands.syncer.merge", "islands.syncer.quorum",
            "islands.learners.core", "islands.orchestrator.health", "islands.orchestrator.metrics",
-           "islands.orchestrator.chaos", "islands.orchestrator.controller"]
+           "islands.orchestrator.chaos", "islands.orchestrator.controller",
+           "islands.orchestrator.accelerators"]
 
 
 @pytest.mark.parametrize("name", MODULES)

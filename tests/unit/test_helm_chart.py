@@ -212,17 +212,78 @@ def test_gpu_and_cpu_regions():
         assert set(limits) == {"cpu", "memory"}
 
 
+def tpu_region(tpu_type="tpu-v5p-slice", topology="2x4x4", **extra):
+    return {"regions": {"local": {"disabled": True}, "big": {
+        "learners": 2, "accelerator": {"type": "tpu", "tpuType": tpu_type, "topology": topology},
+        "resources": {"requests": {"cpu": "1"}, "limits": {"cpu": "1"}}, **extra}}}
+
+
 def test_multi_host_slices_split_chips_per_host():
-    values = {"regions": {"local": {"disabled": True}, "big": {
-        "learners": 1, "hostsPerLearner": 4, "accelerator": {"type": "tpu", "tpuType": "tpu-v5p-slice",
-                                                             "topology": "2x4x4"},
-        "resources": {"requests": {"cpu": "1"}, "limits": {"cpu": "1"}}}}}
-    (group,) = cluster_spec(objects(values))["workerGroupSpecs"]
-    assert group["numOfHosts"] == 4   # 32 chips on 4 hosts: 8 per pod
-    assert group["template"]["spec"]["containers"][0]["resources"]["limits"]["google.com/tpu"] == 8
-    values["regions"]["big"]["hostsPerLearner"] = 3
-    with pytest.raises(hp.HelmError, match="not divisible by hostsPerLearner"):
+    values = tpu_region(hostsPerLearner=8)
+    objs = objects(values)
+    (group,) = cluster_spec(objs)["workerGroupSpecs"]
+    # v5p 2x4x4 is 32 chips on 8 hosts of 4: replicas are learners, numOfHosts a learner's pods.
+    assert (group["replicas"], group["numOfHosts"]) == (2, 8)
+    assert group["template"]["spec"]["containers"][0]["resources"]["limits"]["google.com/tpu"] == 4
+    # The JobConfig says the same, and the job refuses it until multi-host units are built.
+    cm = next(o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "demo-islands-job")
+    raw = yaml.safe_load(cm["data"]["job.yaml"])
+    assert raw["regions"]["big"] == {"learners": 2, "max_learners": 2, "accelerator": "tpu",
+                                     "tpu_type": "v5p", "topology": "2x4x4"}
+    with pytest.raises(ValueError, match="regions.big.hosts_per_learner: tpu v5p 2x4x4 spans 8 "
+                                         "hosts: multi-host learner units are not supported yet"):
+        parse(raw)
+
+
+@pytest.mark.parametrize("values, message", [
+    # chips per host that do not match the TPU type (v5p hosts have 4 chips, not 8)
+    (tpu_region(hostsPerLearner=4), "regions.big.hostsPerLearner: tpu-v5p-slice 2x4x4 is 32 chips "
+                                    "on 8 host(s) of 4 chips; set hostsPerLearner: 8 (got 4)"),
+    # a multi-host topology without its hosts
+    (tpu_region("tpu-v6e-slice", "4x4"), "regions.big.hostsPerLearner: tpu-v6e-slice 4x4 is 16 "
+                                         "chips on 4 host(s) of 4 chips; set hostsPerLearner: 4 "
+                                         "(got 1)"),
+    (tpu_region("tpu-v6e-slice", "2x4", hostsPerLearner=2), "regions.big.hostsPerLearner: "
+                                                            "tpu-v6e-slice 2x4 is 8 chips on 1 host(s)"),
+    # not a GKE node label
+    (tpu_region("tpu-v5p", "2x2x1"), 'regions.big.accelerator.tpuType: "tpu-v5p" is not a GKE TPU '
+                                     "node label (cloud.google.com/gke-tpu-accelerator); use one of "
+                                     "tpu-v4-podslice, tpu-v5-lite-podslice, tpu-v5p-slice, "
+                                     "tpu-v6e-slice"),
+    (tpu_region("tpu-v5p-slice", "2x4"), "regions.big.accelerator.topology: tpu-v5p-slice "
+                                         "topologies are AxBxC, got 2x4"),
+    (tpu_region("tpu-v6e-slice", "2x2x1"), "regions.big.accelerator.topology: tpu-v6e-slice "
+                                           "topologies are AxB, got 2x2x1"),
+    (tpu_region("tpu-v4-podslice", "1x1x3"), "regions.big.accelerator.topology: 1x1x3 has 3 chips, "
+                                             "not a whole number of tpu-v4-podslice hosts of 4 chips"),
+])
+def test_unschedulable_accelerators_are_refused_naming_the_key(values, message):
+    with pytest.raises(hp.HelmError) as info:
         render(values)
+    assert message in str(info.value)
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("values-gke-4-regions.yaml", {"us-east5": ("tpu", 4, "v5p", "2x2x1"),
+                                   "europe-west4": ("tpu", 8, "v6e", "2x4")}),
+    ("values-gpu.yaml", {"us-west": ("gpu", 1, None, None), "us-east": ("gpu", 1, None, None)}),
+    ("default", {"local": ("cpu", 1, None, None)}),
+])
+def test_job_config_carries_each_regions_devices(case, expected):
+    config = job_config(objects(example_values(case)))
+    for name, (accelerator, devices, tpu_type, topology) in expected.items():
+        region = config.regions[name]
+        assert (region.accelerator, region.tpu_type, region.topology) == (accelerator, tpu_type,
+                                                                          topology)
+        assert region.devices().devices_per_host == devices and region.devices().hosts == 1
+
+
+def test_multi_host_gpu_groups_reach_the_job_as_hosts_per_learner():
+    values = {"regions": {"local": {"hostsPerLearner": 2, "accelerator": {"type": "gpu", "count": 2}}}}
+    objs = objects(values)
+    assert cluster_spec(objs)["workerGroupSpecs"][0]["numOfHosts"] == 2
+    with pytest.raises(ValueError, match="regions.local.hosts_per_learner: 2 hosts per learner"):
+        job_config(objs)
 
 
 def test_head_is_cpu_only_and_declares_no_region():

@@ -123,14 +123,49 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $chips -}}
 {{- end -}}
 
-{{/* Whether any region of this release's worker groups has an accelerator (then JAX picks its
-     platform per process). */}}
-{{- define "islands.anyAccelerator" -}}
-{{- $any := false -}}
-{{- range $name, $region := include "islands.workerRegions" . | fromJson -}}
-{{- if ne $region.accelerator.type "cpu" -}}{{- $any = true -}}{{- end -}}
+{{/* GKE's TPU node pools by their `cloud.google.com/gke-tpu-accelerator` label: the JobConfig's
+     tpu_type, the topology's dimensions, the chips of a multi-host slice's hosts, and the
+     topologies that are one host of all their chips (the table of docs/accelerators.md). */}}
+{{- define "islands.tpuTypes" -}}
+{{- toJson (dict
+  "tpu-v4-podslice" (dict "tpuType" "v4" "dims" 3 "chipsPerHost" 4 "singleHost" (list "2x2x1"))
+  "tpu-v5-lite-podslice" (dict "tpuType" "v5e" "dims" 2 "chipsPerHost" 4 "singleHost" (list "1x1" "2x2" "2x4"))
+  "tpu-v5p-slice" (dict "tpuType" "v5p" "dims" 3 "chipsPerHost" 4 "singleHost" (list "2x2x1"))
+  "tpu-v6e-slice" (dict "tpuType" "v6e" "dims" 2 "chipsPerHost" 4 "singleHost" (list "1x1" "2x2" "2x4"))) -}}
 {{- end -}}
-{{- $any -}}
+
+{{/* A region's learner shape as JSON {hosts, chipsPerHost, tpuType}: hosts is `hostsPerLearner`
+     (default 1) and must be a TPU topology's hosts. Fails naming the key that is wrong.
+     Argument: (list name region). */}}
+{{- define "islands.learnerShape" -}}
+{{- $name := index . 0 -}}
+{{- $region := index . 1 -}}
+{{- $acc := $region.accelerator | default dict -}}
+{{- $hosts := int (get $region "hostsPerLearner" | default 1) -}}
+{{- $out := dict "hosts" $hosts -}}
+{{- if eq ($acc.type | default "cpu") "tpu" -}}
+{{- $types := include "islands.tpuTypes" . | fromJson -}}
+{{- if not (hasKey $types $acc.tpuType) -}}
+{{- fail (printf "regions.%s.accelerator.tpuType: %q is not a GKE TPU node label (cloud.google.com/gke-tpu-accelerator); use one of %s" $name $acc.tpuType (keys $types | sortAlpha | join ", ")) -}}
+{{- end -}}
+{{- $tpu := get $types $acc.tpuType -}}
+{{- $chips := int (include "islands.topologyChips" $acc.topology) -}}
+{{- if ne (len (splitList "x" $acc.topology)) (int $tpu.dims) -}}
+{{- fail (printf "regions.%s.accelerator.topology: %s topologies are %s, got %s" $name $acc.tpuType (ternary "AxB" "AxBxC" (eq (int $tpu.dims) 2)) $acc.topology) -}}
+{{- end -}}
+{{- $perHost := int $tpu.chipsPerHost -}}
+{{- if has $acc.topology $tpu.singleHost -}}{{- $perHost = $chips -}}{{- end -}}
+{{- if mod $chips $perHost -}}
+{{- fail (printf "regions.%s.accelerator.topology: %s has %d chips, not a whole number of %s hosts of %d chips" $name $acc.topology $chips $acc.tpuType $perHost) -}}
+{{- end -}}
+{{- $slice := div $chips $perHost -}}
+{{- if ne $hosts (int $slice) -}}
+{{- fail (printf "regions.%s.hostsPerLearner: %s %s is %d chips on %d host(s) of %d chips; set hostsPerLearner: %d (got %d)" $name $acc.tpuType $acc.topology $chips $slice $perHost $slice $hosts) -}}
+{{- end -}}
+{{- $_ := set $out "chipsPerHost" $perHost -}}
+{{- $_ := set $out "tpuType" $tpu.tpuType -}}
+{{- end -}}
+{{- toJson $out -}}
 {{- end -}}
 
 {{/* The JobConfig: `jobConfig` plus the regions and the metrics endpoint the chart owns. */}}
@@ -142,6 +177,19 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- if hasKey $region "bandwidthGbps" -}}{{- $_ := set $r "bandwidth_gbps" $region.bandwidthGbps -}}{{- end -}}
 {{- if hasKey $region "latencyMs" -}}{{- $_ := set $r "latency_ms" $region.latencyMs -}}{{- end -}}
 {{- if $region.remote -}}{{- $_ := set $r "remote" true -}}{{- end -}}
+{{- /* The learners' hardware, so each asks Ray for its devices (docs/accelerators.md). */ -}}
+{{- with $region.accelerator -}}
+{{- $shape := include "islands.learnerShape" (list $name $region) | fromJson -}}
+{{- $_ := set $r "accelerator" .type -}}
+{{- if eq .type "gpu" -}}{{- $_ := set $r "devices_per_host" (int .count) -}}{{- end -}}
+{{- if eq .type "tpu" -}}
+{{- $_ := set $r "tpu_type" $shape.tpuType -}}
+{{- $_ := set $r "topology" .topology -}}
+{{- else if gt (int $shape.hosts) 1 -}}
+{{- /* Written so the job refuses it by name (multi-host learner units are not built yet). */ -}}
+{{- $_ := set $r "hosts_per_learner" (int $shape.hosts) -}}
+{{- end -}}
+{{- end -}}
 {{- $_ := set $regions $name $r -}}
 {{- end -}}
 {{- $_ := set $cfg "regions" $regions -}}
@@ -168,11 +216,9 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- toYaml $cfg -}}
 {{- end -}}
 
-{{/* Environment of every Ray container. */}}
+{{/* Environment of every Ray container. Each learner's JAX platform is its region's (set by the
+     service: CPU regions on the CPU, GPU and TPU regions on the devices Ray assigns). */}}
 {{- define "islands.env" -}}
-- name: ISLANDS_JAX_PLATFORMS
-  {{- /* Empty lets JAX choose per process (TPU/GPU on workers, CPU on the head). */}}
-  value: {{ if eq (include "islands.anyAccelerator" .) "true" }}""{{ else }}"cpu"{{ end }}
 - name: XLA_PYTHON_CLIENT_PREALLOCATE
   value: "false"
 {{- with .Values.env }}
@@ -296,7 +342,8 @@ workerGroupSpecs:
 {{- end }}
 {{- range $name, $region := $workers }}
 {{- $acc := $region.accelerator }}
-{{- $hosts := int (dig "hostsPerLearner" 1 $region) }}
+{{- $shape := include "islands.learnerShape" (list $name $region) | fromJson }}
+{{- $hosts := int $shape.hosts }}
 {{- $learners := int $region.learners }}
 {{- $max := int (default $region.learners (get $region "maxLearners")) }}
 {{- /* null keys vanish when Helm merges values, so an unset minLearners is simply absent */ -}}
@@ -309,12 +356,8 @@ workerGroupSpecs:
 {{- $selector := deepCopy (dig "nodeSelector" dict $region) }}
 {{- $tolerations := dig "tolerations" list $region }}
 {{- if eq $acc.type "tpu" }}
-{{- $chips := int (include "islands.topologyChips" $acc.topology) }}
-{{- if mod $chips $hosts }}
-{{- fail (printf "regions.%s: topology %s has %d chips, not divisible by hostsPerLearner (%d)" $name $acc.topology $chips $hosts) }}
-{{- end }}
-{{- $_ := set $limits "google.com/tpu" (div $chips $hosts) }}
-{{- $_ := set $requests "google.com/tpu" (div $chips $hosts) }}
+{{- $_ := set $limits "google.com/tpu" (int $shape.chipsPerHost) }}
+{{- $_ := set $requests "google.com/tpu" (int $shape.chipsPerHost) }}
 {{- $_ := set $selector "cloud.google.com/gke-tpu-accelerator" $acc.tpuType }}
 {{- $_ := set $selector "cloud.google.com/gke-tpu-topology" $acc.topology }}
 {{- $tolerations = append $tolerations (dict "key" "google.com/tpu" "operator" "Exists" "effect" "NoSchedule") }}
