@@ -65,7 +65,7 @@ MAX_TENSOR_ELEMS = 4 * 1024 * 1024  # ≈ a 2048 × 2048 matrix; larger fragment
 
 def use_syncer_env() -> dict:
     """The syncer actor's thread settings (before jax is imported): single-thread XLA and OpenMP."""
-    env = {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1",
+    env = {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",
            "OMP_NUM_THREADS": "1"}
     for key, value in env.items():
         os.environ.setdefault(key, value)
