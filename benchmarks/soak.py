@@ -204,20 +204,28 @@ def plot(run_dir: str, events: list[dict], out_dir: str) -> None:
 
 
 def measured_costs(events: list[dict]) -> dict:
-    """Seconds from each learner failure (as detected) to its next ``learner_ready``, split by
-    whether a spare took over (the ``learner_restarted`` event names it) or a new process did."""
-    fresh, promoted, failed_at, by_spare = [], [], {}, {}
+    """What each restart that got a learner training again cost in this run: from the failure
+    it answered (as detected) to that incarnation's ``learner_ready``, split by whether a spare
+    took over (its ``learner_restarted`` names it) or a new process did. An attempt killed before
+    it was ready is no sample: the prediction kills those attempts itself."""
+    fresh, promoted = [], []
+    last_failed, launched = {}, {}
     for e in events:
         who = e.get("learner")
         if who is None:
             continue
         if e["event"] == "learner_failed":
-            failed_at.setdefault(who, e["t"])
-        elif e["event"] == "learner_restarted":
-            by_spare[who] = bool(e.get("spare"))
-        elif e["event"] == "learner_ready" and who in failed_at:
-            (promoted if by_spare.get(who) else fresh).append(e["t"] - failed_at.pop(who))
-    return {"restart_samples_s": tuple(fresh), "promote_samples_s": tuple(promoted)}
+            last_failed[who] = e["t"]
+        elif e["event"] == "learner_restarted" and who in last_failed:
+            launched[(who, e.get("incarnation"))] = (last_failed[who], bool(e.get("spare")))
+        elif e["event"] == "learner_ready" and (who, e.get("incarnation")) in launched:
+            failed_t, spare = launched.pop((who, e.get("incarnation")))
+            (promoted if spare else fresh).append(e["t"] - failed_t)
+    prepare = [e["prepare_s"] for e in events if e["event"] == "spare_ready"]
+    costs = {"restart_samples_s": tuple(fresh), "promote_samples_s": tuple(promoted)}
+    if prepare:   # a spare's preparation, launch to ready
+        costs["spare_ready_s"] = float(np.median(prepare))
+    return costs
 
 
 def predicted_goodput(plan, horizon_s: float, seed: int, hangs=(), spares: int = 0,
@@ -321,7 +329,7 @@ def main(argv=None) -> dict:
     result["promotions"] = sum(e["event"] == "spare_promoted" for e in events)
     result["measured_restart_s"] = {
         k: ({"n": len(v), "median": float(np.median(v)), "p90": float(np.percentile(v, 90))}
-            if v else {"n": 0}) for k, v in costs.items()}
+            if v else {"n": 0}) if isinstance(v, tuple) else v for k, v in costs.items()}
     result["predicted_goodput_flat"] = predicted_goodput(plan, horizon, args.seed)
     result["predicted_goodput"] = predicted_goodput(
         plan, horizon, args.seed, hangs=hangs, spares=args.spares, costs=costs,
