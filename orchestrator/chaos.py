@@ -303,6 +303,9 @@ class RestartCosts:
         each restart (promotion) draws one of them (seeded) instead of the flat figure.
       survivor_slowdown_per_start: on shared cores, each process starting (a restart or a spare
         preparing) makes every running learner's step this fraction slower.
+      start_cpu_s: CPU seconds a new process needs to start (0: starts take their wall time,
+        ``restart_s`` / ``spare_ready_s``, however many there are at once).
+      start_cores: the cores all starts share when ``start_cpu_s`` is set (one at most each).
       seed: of the draws.
     """
 
@@ -317,13 +320,17 @@ class RestartCosts:
     restart_samples_s: tuple = ()
     promote_samples_s: tuple = ()
     survivor_slowdown_per_start: float = 0.0
+    start_cpu_s: float = 0.0
+    start_cores: float = 1.0
     seed: int = 0
 
     def __post_init__(self):
         for name in ("detect_kill_s", "detect_exit_s", "detect_lost_s", "restart_s",
                      "syncer_restart_s", "promote_s", "spare_ready_s", "detect_hang_s",
-                     "survivor_slowdown_per_start"):
+                     "survivor_slowdown_per_start", "start_cpu_s"):
             _check_time(name, getattr(self, name))
+        if self.start_cores <= 0:
+            raise ValueError(f"start_cores must be > 0, got {self.start_cores}")
         for name in ("restart_samples_s", "promote_samples_s"):
             for value in getattr(self, name):
                 _check_time(name, value)

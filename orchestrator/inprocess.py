@@ -225,6 +225,12 @@ class _Driver:
         self.restart, self.opt_init = restart, opt_init
         self.restart_cost = restart.sampler()   # (promotion?) -> seconds: flat or measured
         self.starting = 0                      # processes starting now (restarts, spares)
+        # Process starts in flight: key -> (what, payload, CPU seconds left). With
+        # RestartCosts.start_cpu_s they share start_cores (processor sharing), so a burst of
+        # failures makes every start slower, as on a machine whose cores they share.
+        self.starts: dict = {}
+        self.starts_at = 0.0
+        self.starts_version = 0
         n = len(self.cores)
         self.ids = [core.learner for core in self.cores]
         self.index_of = {name: i for i, name in enumerate(self.ids)}
@@ -479,8 +485,66 @@ class _Driver:
     def on_fleet(self, now: float, observations) -> None:
         self.fleet_step(now, observations)
 
-    def on_spare(self, now: float, name: str) -> None:
+    # -- process starts -----------------------------------------------------------------------
+    def begin_start(self, now: float, key, what: str, payload, wall_s: float) -> None:
+        """A new process starts (a restart's or a spare's): done after ``wall_s``, or, with
+        ``start_cpu_s``, once it had that much CPU out of ``start_cores`` shared by all starts."""
+        self.starting += 1
+        cpu_s = self.restart.start_cpu_s
+        if cpu_s <= 0:
+            self.starts[key] = (what, payload, None)
+            self.schedule(now + wall_s, _RESTART, "start_done", (key, None))
+            return
+        self.advance_starts(now)
+        self.starts[key] = (what, payload, cpu_s)
+        self.reschedule_starts(now)
+
+    def cancel_start(self, now: float, key) -> None:
+        """The starting process was killed: it needs no more CPU and never comes back."""
+        if key not in self.starts:
+            return
+        self.advance_starts(now)
+        del self.starts[key]
         self.starting -= 1
+        self.reschedule_starts(now)
+
+    def start_rate(self) -> float:
+        """CPU seconds per second each start gets (one core at most: a process is one thread)."""
+        n = sum(1 for _, _, left in self.starts.values() if left is not None)
+        return min(1.0, self.restart.start_cores / n) if n else 0.0
+
+    def advance_starts(self, now: float) -> None:
+        done = (now - self.starts_at) * self.start_rate()
+        for key, (what, payload, left) in list(self.starts.items()):
+            if left is not None:
+                self.starts[key] = (what, payload, left - done)
+        self.starts_at = now
+
+    def reschedule_starts(self, now: float) -> None:
+        self.starts_version += 1
+        left = [x for _, _, x in self.starts.values() if x is not None]
+        if left:
+            self.schedule(now + max(min(left), 0.0) / self.start_rate(), _RESTART, "start_done",
+                          (None, self.starts_version))
+
+    def on_start_done(self, now: float, payload) -> None:
+        key, version = payload
+        if key is not None:          # a flat start: this one is done, unless it was cancelled
+            finished = [key] if key in self.starts else []
+        else:                        # the CPU pool: whichever starts ran out of work
+            if version != self.starts_version:
+                return
+            self.advance_starts(now)
+            finished = [k for k, (_, _, left) in self.starts.items()
+                        if left is not None and left <= 1e-9]
+        done = [(k, self.starts.pop(k)) for k in finished]
+        self.starting -= len(done)
+        if key is None:
+            self.reschedule_starts(now)
+        for _, (what, item, _) in done:
+            (self.on_restart if what == "restart" else self.on_spare)(now, item)
+
+    def on_spare(self, now: float, name: str) -> None:
         if self.fleet_state.stopping or name not in self.fleet_state.spares:
             return
         self.fleet_step(now, [fleet_lib.SpareReady(name)])
@@ -507,15 +571,17 @@ class _Driver:
             return  # the initial learners exist already
         i = self.index_of[a.learner]
         self.restart_token[i] += 1
-        cost = self.restart_cost(a.spare is not None)
-        if a.spare is None:
-            self.starting += 1   # a new process: until it is back (on_restart)
-        self.schedule(now + cost, _RESTART, "restart", (i, a, self.restart_token[i]))
+        payload = (i, a, self.restart_token[i])
+        if a.spare is not None:   # a promotion: the process is there, its cost is flat
+            self.schedule(now + self.restart_cost(True), _RESTART, "restart", payload)
+        else:                     # a new process: until it is back (on_restart)
+            self.begin_start(now, ("restart", i, self.restart_token[i]), "restart", payload,
+                             self.restart_cost(False))
 
     def do_launchspare(self, now: float, a: fleet_lib.LaunchSpare) -> None:
         if self.until_s is None or now + self.restart.spare_ready_s < self.until_s:
-            self.starting += 1
-            self.schedule(now + self.restart.spare_ready_s, _FLEET, "spare", a.name)
+            self.begin_start(now, ("spare", a.name), "spare", a.name,
+                             self.restart.spare_ready_s)
 
     def do_hang(self, now: float, a: fleet_lib.Hang) -> None:
         """A wedged learner does nothing from now on; the health timeout finds it and it is
@@ -529,7 +595,7 @@ class _Driver:
                       [fleet_lib.RunEnded(a.learner, incarnation, "hang")])
 
     def do_killspare(self, now: float, a: fleet_lib.KillSpare) -> None:
-        pass  # nothing runs for it here; the fleet forgot it, so its ready event is moot
+        self.cancel_start(now, ("spare", a.name))   # one still preparing stops taking CPU
 
     def do_kill(self, now: float, a: fleet_lib.Kill) -> None:
         """A chaos kill ends the incarnation now; the death is seen after the detection time."""
@@ -542,7 +608,8 @@ class _Driver:
         fault = self.current_fault
         if self.up[i]:
             self.kill(i, now, fault.kind.value)
-        else:  # killed during its restart: that comeback is off
+        else:  # killed during its restart: that comeback is off, its process is gone
+            self.cancel_start(now, ("restart", i, self.restart_token[i]))
             self.restart_token[i] += 1
         self.cause_of[i] = fault.kind.value
         self.schedule(now + self.restart.detect_s(fault.kind), _FLEET, "fleet",
@@ -581,8 +648,6 @@ class _Driver:
 
     def on_restart(self, now: float, payload) -> None:
         i, launch, token = payload
-        if launch.spare is None:
-            self.starting -= 1
         if token != self.restart_token[i]:
             return  # killed again while it was coming back
         if self.until_s is not None and now >= self.until_s:

@@ -303,6 +303,23 @@ def test_a_hang_is_found_by_the_timeout_and_a_restart_takes_cpu_from_the_survivo
     assert_ledger_balances(record, syncer)
 
 
+def test_process_starts_share_the_cores_so_a_burst_makes_each_slower_by_hand():
+    """start_cpu_s = 1, start_cores = 1: one restart alone takes 1 s, two at once share the core
+    and take 2 s each. r:1 and r:2 die at 2.5 s: both are back at 4.5 s (not 3.5 s). r:0 dies at
+    6.5 s alone: back at 7.5 s. A start killed midway stops taking CPU: r:2 dies again at 9.0 s
+    (its start alone until 9.5 s: 0.5 s done), r:1 at 9.5 s (two starts at 0.5 CPU/s each), and
+    r:2's start is killed at 10.0 s with 0.25 s left: it is dropped and r:2 starts anew (1 s).
+    At 10.0 s r:1 has 0.75 s left and r:2 1 s: r:1 is back at 10.0 + 0.75/0.5 = 11.5 s; r:2 then
+    has 0.25 s left, alone at 1 CPU/s: back at 11.75 s."""
+    plan = (FaultPlan().crash("r:1", at_s=2.5).crash("r:2", at_s=2.5).crash("r:0", at_s=6.5)
+            .crash("r:2", at_s=9.0).crash("r:1", at_s=9.5).crash("r:2", at_s=10.0))
+    record, syncer, _ = run(plan, M=3, steps=14, start_cpu_s=1.0, start_cores=1.0)
+    back = [(r["learner"], r["failed_s"], r["back_s"]) for r in record.restarts]
+    assert back == [("r:1", 2.5, 4.5), ("r:2", 2.5, 4.5), ("r:0", 6.5, 7.5),
+                    ("r:1", 9.5, 11.5), ("r:2", 9.0, 11.75)]
+    assert_ledger_balances(record, syncer)
+
+
 def test_measured_restart_and_promotion_samples_are_drawn_seeded():
     costs = RestartCosts(restart_s=9.0, promote_s=9.0, restart_samples_s=(1.0, 2.0, 3.0),
                          promote_samples_s=(0.25,), seed=3)
