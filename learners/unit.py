@@ -5,6 +5,7 @@ are picked up at step boundaries, heartbeats are fire-and-forget.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
@@ -316,6 +317,14 @@ class LearnerUnit:
         self.promoted.set()
 
     def _prepare(self) -> dict:
+        if not self.spec.spare:
+            return self._prepare_now()
+        # A spare prepares at low priority: it must not take CPU from the learners training or
+        # from a restart under way on the same cores (its threads, JAX's included, inherit it).
+        with low_priority():
+            return self._prepare_now()
+
+    def _prepare_now(self) -> dict:
         import jax
         import ray
 
@@ -691,6 +700,28 @@ class _Sender:
 
     def close(self) -> None:
         self.closed.set()
+
+
+SPARE_NICENESS = 10
+
+
+@contextlib.contextmanager
+def low_priority(niceness: int = SPARE_NICENESS):
+    """Runs the block with the calling thread's niceness raised (Linux keeps a niceness per
+    thread; threads started inside inherit it), then puts it back where that is allowed."""
+    try:
+        before = os.getpriority(os.PRIO_PROCESS, 0)
+        os.setpriority(os.PRIO_PROCESS, 0, min(before + niceness, 19))
+    except (AttributeError, OSError):   # no per-thread priority here: run as is
+        yield
+        return
+    try:
+        yield
+    finally:
+        try:
+            os.setpriority(os.PRIO_PROCESS, 0, before)
+        except OSError:   # lowering niceness needs privileges: this thread stays low
+            pass
 
 
 def _node_id() -> Optional[str]:

@@ -245,3 +245,27 @@ def test_train_step_is_pure_and_learns_a_synthetic_corpus_and_eval_is_determinis
     assert np.mean(losses[-10:]) < losses[0] - 3.0
     assert evaluate(params, held_out) == after  # same params, same batches, same number
 
+
+
+def test_a_spare_prepares_at_low_priority_and_only_its_thread_does():
+    import os
+    import threading
+
+    from islands.learners.unit import SPARE_NICENESS, low_priority
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    seen = {}
+
+    def prepare():
+        with low_priority():
+            seen["inside"] = os.getpriority(os.PRIO_PROCESS, 0)
+            child = threading.Thread(
+                target=lambda: seen.__setitem__("child", os.getpriority(os.PRIO_PROCESS, 0)))
+            child.start()
+            child.join()
+
+    worker = threading.Thread(target=prepare)
+    worker.start()
+    worker.join()
+    assert seen["inside"] == min(base + SPARE_NICENESS, 19) == seen["child"]
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base      # the training thread is untouched
