@@ -339,13 +339,15 @@ def main(argv=None) -> dict:
         k: ({"n": len(v), "median": float(np.median(v)), "p90": float(np.percentile(v, 90))}
             if v else {"n": 0}) if isinstance(v, tuple) else v for k, v in costs.items()}
     result["predicted_goodput_flat"] = predicted_goodput(plan, horizon, args.seed)
-    result["predicted_goodput_measured_walls"] = predicted_goodput(
+    # The model of record: each restart and promotion pays what this run measured (their
+    # distributions), hangs are found after the timeout, starts slow the learners beside them.
+    result["predicted_goodput"] = predicted_goodput(
         plan, horizon, args.seed, hangs=hangs, spares=args.spares, costs=costs,
         survivor_slowdown=args.survivor_slowdown)
-    # The model of record: process starts share the cores (a burst makes each slower), each
-    # promotion pays what this run measured.
+    # A model that needs no measurement of the run: starts share the cores (processor sharing)
+    # at --start-cpu-s each; only as good as those two figures.
     cpu_costs = {k: v for k, v in costs.items() if k == "promote_samples_s"}
-    result["predicted_goodput"] = predicted_goodput(
+    result["predicted_goodput_cpu_shared"] = predicted_goodput(
         plan, horizon, args.seed, hangs=hangs, spares=args.spares, costs=cpu_costs,
         survivor_slowdown=args.survivor_slowdown, start_cpu_s=args.start_cpu_s,
         start_cores=args.start_cores)
