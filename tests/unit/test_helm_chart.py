@@ -286,6 +286,18 @@ def test_multi_host_gpu_groups_reach_the_job_as_hosts_per_learner():
         job_config(objs)
 
 
+def test_warm_spares_are_pods_of_their_group_and_reach_the_job():
+    """A spare is a learner process with a learner's devices: one more worker pod each."""
+    values = {"regions": {"local": {"learners": 2, "maxLearners": 3, "spares": 1,
+                                    "accelerator": {"type": "gpu", "count": 1}}}}
+    objs = objects(values)
+    group = cluster_spec(objs)["workerGroupSpecs"][0]
+    assert (group["replicas"], group["minReplicas"], group["maxReplicas"]) == (3, 3, 4)
+    config = job_config(objs)
+    assert config.health.spares == {"local": 1} and config.spares_of("local") == 1
+    assert config.region_resources() == {"region:local": 4.0}
+
+
 def test_head_is_cpu_only_and_declares_no_region():
     for case in CASES:
         head = cluster_spec(objects(example_values(case)))["headGroupSpec"]

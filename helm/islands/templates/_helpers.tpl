@@ -172,6 +172,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- define "islands.jobConfig" -}}
 {{- $cfg := deepCopy (.Values.jobConfig | default dict) -}}
 {{- $regions := dict -}}
+{{- $spares := dict -}}
 {{- range $name, $region := include "islands.regions" . | fromJson -}}
 {{- $r := dict "learners" (int $region.learners) "max_learners" (int (default $region.learners (get $region "maxLearners"))) -}}
 {{- if hasKey $region "bandwidthGbps" -}}{{- $_ := set $r "bandwidth_gbps" $region.bandwidthGbps -}}{{- end -}}
@@ -190,9 +191,17 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $_ := set $r "hosts_per_learner" (int $shape.hosts) -}}
 {{- end -}}
 {{- end -}}
+{{- if and (not $region.remote) (gt (int (default 0 (get $region "spares"))) 0) -}}
+{{- $_ := set $spares $name (int (get $region "spares")) -}}
+{{- end -}}
 {{- $_ := set $regions $name $r -}}
 {{- end -}}
 {{- $_ := set $cfg "regions" $regions -}}
+{{- if $spares -}}
+{{- $health := deepCopy (get $cfg "health" | default dict) -}}
+{{- $_ := set $health "spares" $spares -}}
+{{- $_ := set $cfg "health" $health -}}
+{{- end -}}
 {{- with .Values.link.server -}}
 {{- if .enabled -}}
 {{- $link := deepCopy (get $cfg "link" | default dict) -}}
@@ -346,6 +355,8 @@ workerGroupSpecs:
 {{- $hosts := int $shape.hosts }}
 {{- $learners := int $region.learners }}
 {{- $max := int (default $region.learners (get $region "maxLearners")) }}
+{{- /* A warm spare is a learner process of its own: one more pod of the group, always up. */ -}}
+{{- $spares := int (default 0 (get $region "spares")) }}
 {{- /* null keys vanish when Helm merges values, so an unset minLearners is simply absent */ -}}
 {{- $min := $learners }}
 {{- if and (hasKey $region "minLearners") (not (kindIs "invalid" (get $region "minLearners"))) }}
@@ -367,9 +378,9 @@ workerGroupSpecs:
 {{- $tolerations = append $tolerations (dict "key" "nvidia.com/gpu" "operator" "Exists" "effect" "NoSchedule") }}
 {{- end }}
   - groupName: {{ $name }}
-    replicas: {{ $learners }}
-    minReplicas: {{ $min }}
-    maxReplicas: {{ $max }}
+    replicas: {{ add $learners $spares }}
+    minReplicas: {{ add $min $spares }}
+    maxReplicas: {{ add $max $spares }}
     numOfHosts: {{ $hosts }}
     rayStartParams:
       # Each learner takes one unit of region:<name>, so the service's placement works unchanged.
