@@ -13,6 +13,7 @@ ray = pytest.importorskip("ray")
 from islands.orchestrator.cli import format_status  # noqa: E402
 from islands.orchestrator.metrics import RESTART_REASONS  # noqa: E402
 from islands.orchestrator.config import JobConfig  # noqa: E402
+from waiting import wait_for  # noqa: E402  (tests/integration/waiting.py)
 from islands.orchestrator.controller import (NAMESPACE, Controller,  # noqa: E402
                                              controller_options, learner_actor_name)
 
@@ -36,19 +37,6 @@ TINY = {
                "restart": {"backoff_initial_s": 0.2, "max_crash_restarts": 5}},
     "metrics": {"enabled": False, "goodput_window_s": 10},
 }
-
-
-def wait_for(predicate, timeout_s, what, every_s=0.2, describe=None):
-    """Polls real state until ``predicate()`` is truthy; fails naming ``what`` on timeout (and
-    showing ``describe()``, the state that did not come about)."""
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every_s)
-    state = f"; state: {describe()}" if describe is not None else ""
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}{state}")
 
 
 @pytest.fixture(scope="module")

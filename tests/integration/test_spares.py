@@ -3,8 +3,6 @@ had everything ready (process, task, compiled step), a new spare follows, the bo
 One cluster and one job for the module; every wait is on real state with a timeout.
 """
 
-import time
-
 import pytest
 
 ray = pytest.importorskip("ray")
@@ -13,19 +11,7 @@ from islands.orchestrator.cli import format_status  # noqa: E402
 from islands.orchestrator.config import JobConfig  # noqa: E402
 from islands.orchestrator.controller import (NAMESPACE, Controller,  # noqa: E402
                                              controller_options)
-
-
-
-def wait_for(predicate, timeout_s, what, every_s=0.2, describe=None):
-    """Polls real state until ``predicate()`` is truthy; fails naming ``what`` on timeout."""
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every_s)
-    state = f"; state: {describe()}" if describe is not None else ""
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}{state}")
+from waiting import wait_for  # noqa: E402  (tests/integration/waiting.py)
 
 pytestmark = pytest.mark.ray
 

@@ -6,13 +6,13 @@ restarted as a straggler, and every learner is training at the end.
 
 import subprocess
 import sys
-import time
 
 import pytest
 
 ray = pytest.importorskip("ray")
 
 from islands.orchestrator.config import JobConfig  # noqa: E402
+from waiting import wait_for  # noqa: E402  (tests/integration/waiting.py)
 from islands.orchestrator.controller import (NAMESPACE, Controller,  # noqa: E402
                                              controller_options)
 
@@ -34,17 +34,6 @@ JOB = {
 }
 # A busy process bounded in time (like a package install beside the job).
 BUSY = f"import time\nend = time.time() + {LOAD_S}\nwhile time.time() < end:\n    pass\n"
-
-
-def wait_for(predicate, timeout_s, what, every_s=0.5, describe=None):
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every_s)
-    state = f"; state: {describe()}" if describe is not None else ""
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}{state}")
 
 
 def test_busy_machine_millisecond_steps_no_straggler_restart_no_retirement(tmp_path):
