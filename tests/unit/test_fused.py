@@ -85,3 +85,4 @@ def test_buffers_come_back_to_the_pool():
     a = pool.take((4, 3))
     pool.give(a)
     assert pool.take((4, 3)) is a and pool.take((4, 3)) is not a
+
