@@ -22,7 +22,8 @@ import numpy as np  # noqa: E402
 
 from islands import CARRY_OVERLAP  # noqa: E402
 from islands.learners import data, inner, model  # noqa: E402
-from islands.orchestrator import baseline, inprocess  # noqa: E402
+from islands.orchestrator import inprocess  # noqa: E402
+from islands.studies import baseline  # noqa: E402
 from islands.orchestrator.chaos import FaultPlan, RestartCosts  # noqa: E402
 from islands.syncer import codec as codec_lib  # noqa: E402
 from islands.syncer import downlink as downlink_lib  # noqa: E402

@@ -35,7 +35,8 @@ import _common as C
 import jax
 import numpy as np
 
-from islands.orchestrator import baseline, inprocess
+from islands.orchestrator import inprocess
+from islands.studies import baseline
 from islands.syncer import codec as codec_lib
 from islands.syncer import fragments
 

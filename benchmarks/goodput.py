@@ -22,7 +22,8 @@ import math
 
 import _common as C
 
-from islands.orchestrator import baseline, chaos, inprocess
+from islands.orchestrator import chaos, inprocess
+from islands.studies import baseline
 from islands.orchestrator.chaos import FaultKind, RestartCosts
 from islands.orchestrator.config import LearnerSection
 

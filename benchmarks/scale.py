@@ -4,7 +4,7 @@ The failure model (chip MTBI, slice repair time, spare pool, reschedule delay) i
 figures; only the times no report gives (restart pause, checkpoint interval, elastic
 reconfiguration) are calibrated, on the paper's two data-parallel rows. Decoupled DiLoCo for
 M = 2, 4, 8, 16 is then predicted with the same times on the same seeded failure traces. The model
-is described in ``islands.orchestrator.simulate``.
+is described in ``islands.studies.simulate``.
 
     python benchmarks/scale.py --quick                # 6 000 slice failures per run, one seed
     python benchmarks/scale.py                        # 20 000 failures per run, two seeds
@@ -27,7 +27,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from islands.orchestrator import simulate as sim  # noqa: E402
+from islands.studies import simulate as sim  # noqa: E402
 
 DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 LABELS = {"dp": "data-parallel", "dp_elastic": "data-parallel, elastic"}

@@ -1,7 +1,7 @@
 """Chaos: a seeded fault schedule (kills, lost regions, slowdowns, network faults, syncer kills).
 
 Pure (no Ray, no clock): a ``FaultPlan`` is a list of ``Fault`` records with their times. The Ray
-controller and the in-process drivers (``orchestrator/inprocess.py``, ``orchestrator/baseline.py``)
+controller and the in-process drivers (``orchestrator/inprocess.py``, ``studies/baseline.py``)
 replay the same plan, so two systems can run under identical faults. ``poisson_plan`` draws one
 from per-learner and per-region Poisson processes; every (seed, target, kind) has its own numpy
 Generator, so adding a learner never reshuffles the faults of the others.

@@ -257,7 +257,7 @@ def main(argv=None) -> int:
         if os.path.exists(os.path.join(os.path.expanduser("~"), ".ray", "auth_token")):
             os.environ.setdefault("RAY_AUTH_MODE", "token")
     if argv[:1] == ["simulate"]:  # its own options (--quick, --chips, ...) pass through as they are
-        from .simulate import main as simulate_main
+        from islands.studies.simulate import main as simulate_main
 
         return simulate_main(argv[1:])
     args = parser.parse_args(argv)

@@ -8,7 +8,8 @@ import optax
 import pytest
 
 from conftest import assert_trees_close
-from islands.orchestrator import baseline, inprocess
+from islands.orchestrator import inprocess
+from islands.studies import baseline
 from islands.orchestrator.chaos import FaultPlan, RestartCosts
 
 M = 3

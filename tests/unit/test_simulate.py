@@ -6,8 +6,8 @@ import json
 import numpy as np
 import pytest
 
-from islands.orchestrator import simulate as sim
-from islands.orchestrator.simulate import FailureTrace, Fleet, Timings
+from islands.studies import simulate as sim
+from islands.studies.simulate import FailureTrace, Fleet, Timings
 
 # One failure on 4 slices over a 1000 s window: slice 0 is down from t=100 to t=400.
 # member_u = 0.1 < 3/4, so with one spare the failure hits a job member.
