@@ -41,8 +41,10 @@ def region_config(config: dict, region: str):
                          f"{config.get('name')!r}; its remote regions are {remote}")
     mine = {**regions[region], "remote": False, "latency_ms": 0.0, "bandwidth_gbps": 1e6}
     metrics = {**config.get("metrics", {}), "enabled": False}
+    # No warm spares on the region's side yet (docs/architecture.md#warm-spares).
+    health = {**config.get("health", {}), "spares": 0}
     return JobConfig.model_validate({**config, "regions": {region: mine}, "chaos": None,
-                                     "link": {}, "metrics": metrics,
+                                     "link": {}, "metrics": metrics, "health": health,
                                      "quorum": {**config["quorum"], "min_learners": 1}})
 
 

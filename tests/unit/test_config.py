@@ -144,3 +144,16 @@ def test_a_remote_region_with_an_encoded_downlink_is_refused():
     with pytest.raises(ConfigError, match="downlink_compression"):
         parse({"regions": {"a": {"learners": 1, "remote": True}}, "link": {"port": 7000},
                "downlink_compression": {"type": "int4"}})
+
+
+def test_a_region_agent_runs_no_warm_spares_whatever_the_home_keeps():
+    """health.spares: 1 means every local region of the home; the agent's config makes its
+    region local, so it must say 0 explicitly (spares are not supported over the link yet)."""
+    from islands.link.region import region_config
+
+    home = {"name": "j", "quorum": {"min_learners": 1}, "health": {"spares": 1},
+            "link": {"port": 50051},
+            "regions": {"home": {"learners": 2}, "far": {"learners": 2, "remote": True}}}
+    assert parse(home).spares_of("home") == 1 and parse(home).spares_of("far") == 0
+    agent = region_config(home, "far")
+    assert agent.spares_of("far") == 0 and not agent.regions["far"].remote
