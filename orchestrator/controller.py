@@ -242,6 +242,7 @@ class Controller:
                       for x in fleet.slots.values()],
             "targets": dict(fleet.targets), "next_index": dict(fleet.next_index),
             "next_shard": fleet.next_shard, "next_spare": fleet.next_spare,
+            "operator_paused": fleet.operator_paused,
             "recoveries": self.recoveries[-1000:],
             "eval_history": self.eval_history[-1000:], "initial_eval_loss": self.initial_eval_loss,
             "syncer_restarts": self.syncer_restarts, "syncer_closed": self.syncer_closed,
@@ -345,7 +346,8 @@ class Controller:
                                              restart_at_s=now))
         self.fleet = fleet_lib.rebuilt(self.fleet.settings, slots, saved["targets"],
                                        saved["next_index"], saved["next_shard"],
-                                       saved.get("next_spare", 0))
+                                       saved.get("next_spare", 0),
+                                       bool(saved.get("operator_paused", False)))
         # Spares waiting for promotion are not worth a recovery: end them; the fleet starts
         # new ones once nobody is starting.
         hosting = {x.actor for x in slots if x.actor}
@@ -899,6 +901,11 @@ class Controller:
     def drain(self, learner: str) -> str:
         self._command(fleet_lib.Drain(learner))
         return f"draining {learner}"
+
+    def pause(self, paused: bool = True, origin: str = "operator") -> str:
+        """Pauses (or resumes) every learner; they stay up and keep their state."""
+        self._command(fleet_lib.PauseJob(bool(paused), origin))
+        return "paused" if paused else "resumed"
 
     def chaos_kill(self, target: str, mode: str = "ray_kill") -> str:
         """Kills a learner (``ray.kill`` or a hard exit inside it) or the syncer, on purpose."""
