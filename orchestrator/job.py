@@ -290,6 +290,14 @@ def progress_line(snap: dict) -> str:
     return line
 
 
+def strict_json(value, indent=None) -> str:
+    """JSON without NaN or Infinity literals (they are not JSON): non-finite floats become null;
+    numpy floats are converted like floats."""
+    from .snapshot import finite
+
+    return json.dumps(finite(value), default=str, indent=indent, allow_nan=False)
+
+
 class RunDir:
     """Appends events and metric snapshots as JSON lines; writes the summary at the end."""
 
@@ -303,7 +311,7 @@ class RunDir:
 
     def add_events(self, events: list[dict]) -> None:
         for event in events:
-            line = json.dumps(event, default=str)
+            line = strict_json(event)
             self.events.write(line + "\n")
             if self.log_format == "json":
                 print(line, file=sys.stderr, flush=True)
@@ -315,7 +323,7 @@ class RunDir:
         self.events.flush()
 
     def add_snapshot(self, snap: dict) -> None:
-        self.metrics.write(json.dumps(snap, default=str) + "\n")
+        self.metrics.write(strict_json(snap) + "\n")
         self.metrics.flush()
 
     def write_summary(self, summary: dict) -> str:
@@ -329,7 +337,7 @@ class RunDir:
             os.replace(path, os.path.join(self.path, f"summary.{n}.json"))
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
-            json.dump(summary, f, indent=2, default=str)
+            f.write(strict_json(summary, indent=2))
         os.replace(tmp, path)
         return path
 
