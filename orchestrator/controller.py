@@ -125,6 +125,7 @@ class Controller:
         self.step_seconds: dict = {}         # per region: histogram of heartbeats' step times
         self.badput_high: dict = {}          # per cause: the highest exported (never goes back)
         self.metrics_server = None
+        self.console = None                  # console.ConsoleServer, once served
         self.ray_metrics = None
         self.link_regions: dict[str, dict] = {}   # per remote region: its link's last report
         self.remote_beats: dict[tuple, dict] = {}  # (learner, incarnation) -> newest beat
@@ -1003,6 +1004,9 @@ class Controller:
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
             self.metrics_server = None
+        if self.console is not None:
+            self.console.stop()
+            self.console = None
         return summary
 
     def ping(self) -> str:
@@ -1021,6 +1025,17 @@ class Controller:
             except Exception as exc:  # the Ray mirror is a convenience; Prometheus is the contract
                 log.warning("ray.util.metrics mirror not started: %s", exc)
         return self.metrics_port
+
+    def serve_console(self, port: int, host: str, token: str, allow_chaos: bool = False) -> int:
+        """Serves the operator console (``console.py``) on ``host:port`` from this actor; every
+        action must carry ``token``. Returns the bound port."""
+        from .console import ConsoleServer
+
+        if self.console is None:
+            server = ConsoleServer(self, token, allow_chaos)
+            server.start(host, port)
+            self.console = server
+        return self.console.port
 
     def _mirror_ray_metrics(self) -> None:
         """The Ray dashboard's copy of the metrics: a failure here must never stop the owner."""

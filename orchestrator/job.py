@@ -384,6 +384,10 @@ def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] =
                 config, os.path.abspath(run_dir), resume=resume)
         ray.get(controller.start.remote())
         metrics_port = _serve_metrics(controller, config, embedded=started_cluster)
+        console = _serve_console(controller, config, os.path.abspath(run_dir))
+        if console and not quiet:
+            print(f"islands: console at {console[0]} (actions need the token from "
+                  f"{console[1]})", flush=True)
         link_address = _serve_link(config)
         if link_address and not quiet:
             print(f"islands: link on {link_address} (regions "
@@ -466,6 +470,27 @@ def _serve_metrics(controller, config, embedded: bool = False) -> Optional[int]:
     except Exception as exc:  # metrics must never stop training
         log.warning("metrics endpoint not started: %s", exc)
         return None
+
+
+def _serve_console(controller, config, run_dir: str) -> Optional[tuple[str, str]]:
+    """Starts the operator console (``console.enabled``); its URL and where its token is.
+    Never stops training: a console that cannot start is a warning."""
+    import ray
+
+    from .console import resolve_token
+
+    if not config.console.enabled:
+        return None
+    try:
+        token, source = resolve_token(config.console.token_file, run_dir)
+        port = ray.get(controller.serve_console.remote(
+            config.console.port, config.console.host, token, config.console.allow_chaos))
+    except Exception as exc:
+        log.warning("console not started: %s", exc)
+        return None
+    host = config.console.host
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}/", source
 
 
 def _serve_link(config) -> Optional[str]:
