@@ -41,43 +41,61 @@ async function act(body) {
   poll();
 }
 
-function learnerRow(name, l) {
-  const restarts = Object.entries(l.restarts || {}).map(([c, n]) => `${c} ${n}`).join(", ") || "0";
-  const rate = l.step_time_s ? 1 / l.step_time_s : null;
+// Rows and region blocks are built once and updated in place, so a poll never replaces the
+// field an operator is typing in or the button under the pointer.
+const rows = {}, regionBoxes = {};
+const HEADERS = ["learner", "state", "step", "steps/s", "tokens", "restarts", "incarnation", "last beat", "profiler", ""];
+
+function learnerRow(name) {
   const drain = el("button", {class: "act", "data-drain": name, title: "finish in-flight pushes, then leave"}, "Drain");
   drain.onclick = () => act({action: "drain", learner: name});
   const restart = el("button", {class: "act", "data-restart": name, title: "kill it; the fleet relaunches it (a crash restart)"}, "Restart");
   restart.onclick = () => act({action: "restart", learner: name});
+  const cells = HEADERS.slice(0, -1).map((h, i) => el("td", {class: i >= 2 && i <= 7 && i !== 5 ? "num" : ""}));
+  cells[1].append(el("span", {class: "state"}));
+  return el("tr", {"data-learner": name}, ...cells, el("td", {}, drain, " ", restart));
+}
+
+function updateRow(row, name, l) {
+  const restarts = Object.entries(l.restarts || {}).map(([c, n]) => `${c} ${n}`).join(", ") || "0";
+  const rate = l.step_time_s ? 1 / l.step_time_s : null;
+  const c = row.cells, badge = c[1].firstChild;
+  const text = [name, null, fmt.num(l.step), rate === null ? "–" : fmt.num(rate, 1) + "/s", fmt.num(l.tokens_done),
+                restarts, String(l.incarnation), fmt.secs(l.last_heartbeat_s), l.profiler || ""];
+  text.forEach((t, i) => { if (t !== null && c[i].textContent !== t) c[i].textContent = t; });
+  badge.className = "state " + l.state;
+  badge.dataset.state = l.state;
+  badge.textContent = l.state;
   const gone = l.state === "retired" || l.state === "failed";
-  if (gone) { drain.disabled = true; restart.disabled = true; }
-  return el("tr", {"data-learner": name},
-    el("td", {}, name),
-    el("td", {}, el("span", {class: "state " + l.state, "data-state": l.state}, l.state)),
-    el("td", {class: "num"}, fmt.num(l.step)),
-    el("td", {class: "num"}, rate === null ? "–" : fmt.num(rate, 1) + "/s"),
-    el("td", {class: "num"}, fmt.num(l.tokens_done)),
-    el("td", {}, restarts),
-    el("td", {class: "num"}, String(l.incarnation)),
-    el("td", {class: "num"}, fmt.secs(l.last_heartbeat_s)),
-    el("td", {}, l.profiler || ""),
-    el("td", {}, drain, " ", restart));
+  for (const b of c[9].querySelectorAll("button")) b.disabled = gone;
+}
+
+function regionBox(region, r) {
+  const input = el("input", {type: "number", min: 0, max: r.max_learners, value: r.target, id: "scale-n-" + region});
+  const button = el("button", {class: "act", id: "scale-" + region}, "Scale");
+  button.onclick = () => act({action: "scale", region, n: parseInt(input.value, 10)});
+  const info = el("small", {class: "info"});
+  const body = el("tbody");
+  const box = el("div", {class: "region", "data-region": region},
+    el("div", {class: "region-head"}, el("strong", {}, region), info, r.remote ? "" : input, r.remote ? "" : button),
+    el("table", {}, el("thead", {}, el("tr", {}, ...HEADERS.map((h) => el("th", {}, h)))), body));
+  return {box, info, body};
 }
 
 function renderRegions(s) {
-  const box = $("regions");
-  box.replaceChildren();
   for (const [region, r] of Object.entries(s.regions)) {
-    const input = el("input", {type: "number", min: 0, max: r.max_learners, value: r.target, id: "scale-n-" + region});
-    const button = el("button", {class: "act", id: "scale-" + region}, "Scale");
-    button.onclick = () => act({action: "scale", region, n: parseInt(input.value, 10)});
-    const rows = Object.entries(s.learners).filter(([, l]) => l.region === region).map(([n, l]) => learnerRow(n, l));
-    const live = rows.filter((row) => !["retired", "failed"].includes(row.querySelector(".state").dataset.state)).length;
-    box.append(el("div", {class: "region", "data-region": region},
-      el("div", {class: "region-head"}, el("strong", {}, region),
-        el("small", {}, `${live} live · target ${r.target} · max ${r.max_learners}${r.remote ? " · remote" : ""}`),
-        r.remote ? "" : input, r.remote ? "" : button),
-      el("table", {}, el("thead", {}, el("tr", {}, ...["learner", "state", "step", "steps/s", "tokens", "restarts", "incarnation", "last beat", "profiler", ""].map((h) => el("th", {}, h)))),
-        el("tbody", {}, ...rows))));
+    if (!regionBoxes[region]) {
+      regionBoxes[region] = regionBox(region, r);
+      $("regions").append(regionBoxes[region].box);
+    }
+    const {info, body} = regionBoxes[region];
+    const mine = Object.entries(s.learners).filter(([, l]) => l.region === region);
+    for (const [name, l] of mine) {
+      if (!rows[name]) { rows[name] = learnerRow(name); body.append(rows[name]); }
+      updateRow(rows[name], name, l);
+    }
+    const live = mine.filter(([, l]) => !["retired", "failed"].includes(l.state)).length;
+    info.textContent = `${live} live · target ${r.target} · max ${r.max_learners}${r.remote ? " · remote" : ""}`;
   }
 }
 
@@ -86,7 +104,8 @@ function renderChart(series) {
   const svg = $("chart"), W = 600, H = 120, ns = "http://www.w3.org/2000/svg";
   svg.replaceChildren();
   if (!series.length) return;
-  const span = Math.max(60, ...series.map((p) => p[0]));
+  const span = Math.max(30, ...series.map((p) => p[0]));
+  $("chart-span").textContent = fmt.secs(span);
   const x = (ago) => W - (ago / span) * W, y = (v) => H - 4 - v * (H - 8);
   for (const v of [0, 0.5, 1]) {
     const g = document.createElementNS(ns, "line");
