@@ -1034,8 +1034,14 @@ class Controller:
         if self.console is None:
             server = ConsoleServer(self, token, allow_chaos)
             server.start(host, port)
-            self.console = server
+            self.console, self.console_host = server, host
         return self.console.port
+
+    def console_url(self) -> Optional[str]:
+        if self.console is None:
+            return None
+        host = self.console_host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.console.port}/"
 
     def _mirror_ray_metrics(self) -> None:
         """The Ray dashboard's copy of the metrics: a failure here must never stop the owner."""
