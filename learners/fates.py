@@ -137,15 +137,18 @@ class IncarnationFates:
     def totals(self) -> dict:
         """Fragment-token totals: processed, applied, dropped, in_flight, dropped_by, seconds."""
         by: dict[str, int] = {}
+        by_s: dict[str, float] = {}
         for f in self.fragments:
             for reason, amount in f.dropped.items():
                 by[reason] = by.get(reason, 0) + amount.tokens
+                by_s[reason] = by_s.get(reason, 0.0) + amount.seconds
         return {
             "processed": sum(f.processed.tokens for f in self.fragments),
             "applied": sum(f.applied.tokens for f in self.fragments),
             "dropped": sum(by.values()),
             "in_flight": sum(f.drift.tokens + f.pushed.tokens for f in self.fragments),
             "dropped_by": by,
+            "dropped_s_by": by_s,
             "processed_s": sum(f.processed.seconds for f in self.fragments),
             "applied_s": sum(f.applied.seconds for f in self.fragments),
         }

@@ -72,6 +72,7 @@ class LearnerSpec:
     # A warm spare (orchestrator/fleet.py): ``learner`` is the spare's name until ``promote``
     # gives it a learner's identity; it prepares everything it can without one and waits.
     spare: bool = False
+    profiler: bool = False   # start a JAX profiler server in this process (learner.profiler)
     # XLA/JAX settings, applied in the actor before JAX loads. Set here rather than as a Ray
     # runtime_env, which would make Ray start a dedicated worker process for every restart
     # instead of taking a pre-started one (about a second of each recovery).
@@ -332,6 +333,8 @@ class LearnerUnit:
 
         spec, tspec = self.spec, self.spec.training
         t_start = time.time()
+        if spec.profiler and self.stats.get("profiler") is None:
+            self.stats["profiler"] = start_profiler()
         # Zero-copy from the object store when the controller shared the built-in corpus.
         train_bytes = ray.get(spec.corpus_ref) if spec.corpus_ref is not None else None
         self.timings["corpus_s"] = time.time() - t_start
@@ -722,6 +725,26 @@ def low_priority(niceness: int = SPARE_NICENESS):
             os.setpriority(os.PRIO_PROCESS, 0, before)
         except OSError:   # lowering niceness needs privileges: this thread stays low
             pass
+
+
+def start_profiler() -> Optional[str]:
+    """Starts ``jax.profiler.start_server`` on a free port of this node; its ``host:port`` for
+    TensorBoard's or XProf's capture, or None where the platform cannot (logged, never fatal)."""
+    import socket
+
+    import jax
+
+    try:
+        with socket.socket() as sock:   # a free port: several learners share a node
+            sock.bind(("", 0))
+            port = sock.getsockname()[1]
+        jax.profiler.start_server(port)
+        import ray
+
+        return f"{ray.util.get_node_ip_address()}:{port}"
+    except Exception as exc:
+        log.warning("JAX profiler server not started: %s", exc)
+        return None
 
 
 def _node_id() -> Optional[str]:

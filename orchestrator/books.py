@@ -31,14 +31,18 @@ class Fates:
     dropped_by: dict = field(default_factory=dict)
     applied_s: float = 0.0      # inner-step seconds of the applied fragment-tokens
     processed_s: float = 0.0
+    dropped_s_by: dict = field(default_factory=dict)   # inner-step seconds dropped, by reason
 
     def add(self, other: "Fates") -> "Fates":
-        by = dict(self.dropped_by)
+        by, by_s = dict(self.dropped_by), dict(self.dropped_s_by)
         for reason, n in other.dropped_by.items():
             by[reason] = by.get(reason, 0) + n
+        for reason, x in other.dropped_s_by.items():
+            by_s[reason] = by_s.get(reason, 0.0) + x
         return Fates(self.processed + other.processed, self.applied + other.applied,
                      self.dropped + other.dropped, self.in_flight + other.in_flight, by,
-                     self.applied_s + other.applied_s, self.processed_s + other.processed_s)
+                     self.applied_s + other.applied_s, self.processed_s + other.processed_s,
+                     by_s)
 
     @classmethod
     def of(cls, fates: Optional[Mapping]) -> "Fates":
@@ -47,7 +51,7 @@ class Fates:
             return cls()
         t = IncarnationFates.from_json(fates).totals()
         return cls(t["processed"], t["applied"], t["dropped"], t["in_flight"], t["dropped_by"],
-                   t["applied_s"], t["processed_s"])
+                   t["applied_s"], t["processed_s"], t.get("dropped_s_by", {}))
 
     def balanced(self) -> bool:
         """Each term is counted on its own; this checks that they account for every token."""
@@ -73,6 +77,92 @@ class _SlotBooks:
     closed: Fates = field(default_factory=Fates)   # finished incarnations
     allocated_closed_s: float = 0.0
     allocated_since_s: Optional[float] = None
+    # Allocated seconds by phase (PHASES): opened and closed with the allocation, switched at one
+    # instant, so their sum is the allocated time exactly.
+    phase_s: dict = field(default_factory=dict)
+    phase: Optional[str] = None
+    trained: bool = False        # has trained once: a later start is a restore, not a startup
+    phase_since_s: Optional[float] = None
+
+
+# A slot's phase while allocated, from its fleet state (``fleet.SlotState`` values).
+PHASES = ("startup", "training", "paused", "recovery", "restore")
+
+
+def phase_of(state: str, trained: bool) -> Optional[str]:
+    """The allocated-time phase of a slot in ``state``; None where it holds nothing.
+
+    >>> phase_of("starting", False), phase_of("starting", True), phase_of("restarting", True)
+    ('startup', 'restore', 'recovery')
+    """
+    if state in ("pending", "starting"):
+        return "restore" if trained else "startup"
+    if state in ("training", "draining"):
+        return "training"
+    if state == "paused":
+        return "paused"
+    if state == "restarting":
+        return "recovery"
+    return None
+
+
+# Badput causes: ml-goodput-measurement's BadputType where one fits, then ours.
+BADPUT_CAUSES = ("program_startup", "infrastructure_recovery", "disruption_wasted_progress",
+                 "checkpoint_restore", "checkpoint_save", "data_loading", "refused", "overlap",
+                 "paused", "other")
+# Drop reasons that are not a disruption: work an operator or the job's end let go of.
+_NOT_DISRUPTION = ("drained", "stopped", "scaled")
+
+
+def badput(phase_s: Mapping[str, float], fates: Fates, num_fragments: int = 1) -> dict:
+    """Where every allocated learner-second went: goodput, one badput cause, or unsettled.
+
+    ``goodput_s + Σ badput_s.values() + unsettled_s == Σ phase_s.values()`` (the allocated time)
+    by construction; ``unsettled_s`` is inner-step time still in flight (a drift or an unanswered
+    push), which becomes goodput or a drop later, and is 0 once every incarnation is closed.
+
+    - program_startup / checkpoint_restore / infrastructure_recovery / paused: the allocated
+      seconds of a first start, a restart's restore (parameters from the syncer, inner state from
+      a peer, compilation), the wait between a failure and its relaunch, and a pause;
+    - disruption_wasted_progress: inner-step seconds an incarnation held when it failed (its
+      dropped seconds for a failure cause), measured by the token ledger;
+    - refused / overlap: inner-step seconds dropped by a refused push / overwritten at adoption;
+    - checkpoint_save, data_loading: 0 here — learners never stop for a checkpoint (the syncer
+      snapshots Θ beside them) and read their batches inside the step;
+    - other: the training phase's time outside inner steps (pushes, heartbeats, the time before a
+      death is detected) and work dropped by a drain or the job's end.
+
+    >>> f = Fates(applied_s=12.0, processed_s=20.0, dropped_s_by={"crash": 4.0, "overlap": 2.0})
+    >>> b = badput({"startup": 3.0, "training": 14.0, "recovery": 1.0}, f, num_fragments=2)
+    >>> b["goodput_s"], b["badput_s"]["disruption_wasted_progress"], b["unsettled_s"]
+    (6.0, 2.0, 1.0)
+    >>> b["badput_s"]["other"], b["goodput_s"] + sum(b["badput_s"].values()) + b["unsettled_s"]
+    (4.0, 18.0)
+    """
+    per = float(num_fragments)
+    allocated = float(sum(phase_s.values()))
+    useful = fates.applied_s / per
+    out = {c: 0.0 for c in BADPUT_CAUSES}
+    out["program_startup"] = phase_s.get("startup", 0.0)
+    out["checkpoint_restore"] = phase_s.get("restore", 0.0)
+    out["infrastructure_recovery"] = phase_s.get("recovery", 0.0)
+    out["paused"] = phase_s.get("paused", 0.0)
+    dropped = 0.0
+    for reason, seconds in fates.dropped_s_by.items():
+        x = seconds / per
+        dropped += x
+        if reason in ("refused", "overlap"):
+            out[reason] += x
+        elif reason.split(" ")[0] in _NOT_DISRUPTION:
+            out["other"] += x
+        else:
+            out["disruption_wasted_progress"] += x
+    unsettled = max(0.0, fates.processed_s / per - useful - dropped)
+    # The rest of the allocated time: the training phase outside inner steps.
+    rest = allocated - useful - unsettled - sum(out.values())
+    out["other"] += max(0.0, rest)
+    return {"goodput_s": useful, "badput_s": out, "unsettled_s": unsettled,
+            "allocated_s": allocated}
 
 
 class Books:
@@ -109,12 +199,49 @@ class Books:
         slot = self._slot(learner)
         if slot.allocated_since_s is None:
             slot.allocated_since_s = now_s
+            slot.phase = "restore" if slot.trained else "startup"
+            slot.phase_since_s = now_s
 
     def release(self, learner: str, now_s: float) -> None:
         slot = self._slot(learner)
         if slot.allocated_since_s is not None:
             slot.allocated_closed_s += now_s - slot.allocated_since_s
             slot.allocated_since_s = None
+            self._close_phase(slot, now_s)
+            slot.phase = None
+
+    def _close_phase(self, slot: _SlotBooks, now_s: float) -> None:
+        if slot.phase is not None:
+            since = slot.phase_since_s if slot.phase_since_s is not None else now_s
+            slot.phase_s[slot.phase] = slot.phase_s.get(slot.phase, 0.0) + (now_s - since)
+            slot.phase_since_s = now_s
+
+    def track(self, states: Mapping[str, str], now_s: float) -> None:
+        """Moves each allocated slot into the phase of its fleet state (``phase_of``)."""
+        for learner, state in states.items():
+            slot = self.slots.get(learner)
+            if slot is None or slot.allocated_since_s is None:
+                continue
+            phase = phase_of(state, slot.trained)
+            slot.trained = slot.trained or phase == "training"
+            if phase is not None and phase != slot.phase:
+                self._close_phase(slot, now_s)
+                slot.phase = phase
+
+    def phase_s(self, now_s: float) -> dict:
+        """Allocated seconds by phase, the open phases counted up to ``now_s``."""
+        out: dict = {}
+        for slot in self.slots.values():
+            for phase, x in slot.phase_s.items():
+                out[phase] = out.get(phase, 0.0) + x
+            if slot.phase is not None and slot.allocated_since_s is not None:
+                since = slot.phase_since_s
+                out[slot.phase] = out.get(slot.phase, 0.0) + (now_s - since)
+        return out
+
+    def badput(self, live: Mapping[str, Optional[Mapping]], now_s: float) -> dict:
+        """``badput()`` of the whole job now."""
+        return badput(self.phase_s(now_s), self.tokens(live), self.num_fragments)
 
     def allocated_s(self, now_s: float, learner: Optional[str] = None) -> float:
         slots = [self._slot(learner)] if learner is not None else self.slots.values()
@@ -159,14 +286,21 @@ class Books:
     def to_json(self) -> dict:
         return {"num_fragments": self.num_fragments, "slots": {
             name: {"closed": b.closed.to_json(), "allocated_closed_s": b.allocated_closed_s,
-                   "allocated_since_s": b.allocated_since_s} for name, b in self.slots.items()}}
+                   "allocated_since_s": b.allocated_since_s, "phase_s": dict(b.phase_s),
+                   "phase": b.phase, "phase_since_s": b.phase_since_s,
+                   "trained": b.trained} for name, b in self.slots.items()}}
 
     @classmethod
     def from_json(cls, data: dict) -> "Books":
         books = cls(int(data["num_fragments"]))
         for name, b in data["slots"].items():
-            books.slots[name] = _SlotBooks(Fates(**b["closed"]), b["allocated_closed_s"],
-                                           b["allocated_since_s"])
+            slot = _SlotBooks(Fates(**b["closed"]), b["allocated_closed_s"],
+                              b["allocated_since_s"], dict(b.get("phase_s") or {}),
+                              b.get("phase"), bool(b.get("trained", False)),
+                              b.get("phase_since_s"))
+            if slot.phase is None and slot.allocated_since_s is not None:  # an older state file
+                slot.phase, slot.phase_since_s = "training", slot.allocated_since_s
+            books.slots[name] = slot
         return books
 
 

@@ -24,7 +24,8 @@ from .health import RestartPolicy
 # Settings read by the job runner and the CLI rather than by a core object.
 CLI_ONLY = ("name", "run.duration_s", "run.run_dir", "run.progress_every_s", "run.dashboard",
             "metrics.enabled", "metrics.port", "metrics.host", "metrics.snapshot_every_s",
-            "link.token_file")
+            "link.token_file", "console.enabled", "console.port", "console.host",
+            "console.allow_chaos", "console.token_file")
 
 
 def codec_block_size(config) -> int:
@@ -149,7 +150,7 @@ def learner_spec(config, training: TrainingSpec, launch, corpus_ref=None,
         bandwidth_gbps=region.bandwidth_gbps, heartbeat_s=config.health.heartbeat_s,
         peer=f"islands:{launch.peer_actor or launch.peer}" if launch.peer else None,
         corpus_ref=corpus_ref, env=learner_env(env or {}, region.devices()),
-        syncer_shards=config.syncer.shards)
+        syncer_shards=config.syncer.shards, profiler=config.learner.profiler)
 
 
 # What a promoted spare takes from the learner spec it stands in for (the rest is the job's).
@@ -172,7 +173,8 @@ def spare_spec(config, training: TrainingSpec, name: str, region: str, corpus_re
                        min_step_time_s=config.learner.min_step_time_s, latency_ms=r.latency_ms,
                        bandwidth_gbps=r.bandwidth_gbps, heartbeat_s=config.health.heartbeat_s,
                        corpus_ref=corpus_ref, env=learner_env(env or {}, r.devices()),
-                       syncer_shards=config.syncer.shards, spare=True)
+                       syncer_shards=config.syncer.shards, spare=True,
+                       profiler=config.learner.profiler)
 
 
 def link_server_settings(config, token: str):

@@ -1,4 +1,5 @@
-"""``islands`` command line: run, status, scale, drain, chaos, report, export, simulate, config."""
+"""``islands`` command line: run, status, console, scale, drain, pause, resume, chaos, report,
+export, simulate, config."""
 
 from __future__ import annotations
 
@@ -159,6 +160,10 @@ def main(argv=None) -> int:
         p = sub.add_parser(name, help=help_text)
         p.add_argument("--address", default=None)
         p.add_argument("--json", action="store_true")
+    for name, help_text in (("console", "print the running job's console address"),
+                            ("pause", "pause every learner (they stay up, holding their state)"),
+                            ("resume", "resume a job paused with `islands pause` or the console")):
+        sub.add_parser(name, help=help_text).add_argument("--address", default=None)
 
     scale = sub.add_parser("scale", help="set a region's learner count while the job runs")
     scale.add_argument("region")
@@ -318,6 +323,15 @@ def main(argv=None) -> int:
             print(ray.get(controller.scale.remote(args.region, args.n)))
         elif args.command == "drain":
             print(ray.get(controller.drain.remote(args.learner)))
+        elif args.command in ("pause", "resume"):
+            print(ray.get(controller.pause.remote(args.command == "pause", "cli")))
+        elif args.command == "console":
+            url = ray.get(controller.console_url.remote())
+            if url is None:
+                print("islands: this job serves no console (console.enabled: false, or it "
+                      "could not start: see the controller's log)", file=sys.stderr)
+                return 1
+            print(url)
         elif args.command == "chaos":
             if args.action == "kill":
                 print(ray.get(controller.chaos_kill.remote(args.target, args.mode)))

@@ -102,6 +102,7 @@ class LearnerSection(_Section):
     # Pads each step to at least this wall time (÷ speed factor): emulates slower hardware.
     min_step_time_s: float = Field(0.0, ge=0)
     eval_every_s: float = Field(10.0, gt=0)
+    profiler: bool = False   # each learner starts a JAX profiler server (jax.profiler.start_server)
 
     @model_validator(mode="after")
     def _alpha_only_blends(self):
@@ -282,6 +283,16 @@ class MetricsSection(_Section):
     goodput_window_s: float = Field(300.0, gt=0)   # islands_goodput_ratio{window="5m"}
 
 
+class ConsoleSection(_Section):
+    enabled: bool = True
+    port: int = Field(9410, ge=0, le=65535)   # 0 picks a free port
+    host: str = Field("127.0.0.1", min_length=1)
+    allow_chaos: bool = False
+    # The token every console action must carry. None: $ISLANDS_CONSOLE_TOKEN, else the Ray
+    # cluster's auth token, else one generated for the job (RUN_DIR/console_token, mode 0600).
+    token_file: Optional[str] = Field(None, min_length=1)
+
+
 class KillEvent(_Section):
     """A learner dies (``ray.kill``, or a hard process exit) or, with target ``syncer``, the syncer."""
 
@@ -431,6 +442,7 @@ class JobConfig(_Section):
     regions: dict[str, RegionSection] = {"local": RegionSection(learners=2)}
     health: HealthSection = HealthSection()
     metrics: MetricsSection = MetricsSection()
+    console: ConsoleSection = ConsoleSection()
     chaos: Optional[ChaosSection] = None
     run: RunSection = RunSection()
     link: LinkSection = LinkSection()

@@ -51,6 +51,21 @@ FIELD_NOTES: dict[str, str] = {
     "regions": "The regions and their learners, by region name.",
     "health": "Failure detection and the restart policy.",
     "metrics": "The Prometheus endpoint.",
+    "console": "The operator console: a web page served by the controller (docs/operations.md"
+               "#the-console).",
+    "console.enabled": "Serve the console from the controller; `islands run` prints its address.",
+    "console.port": "Port of the console; 0 picks a free port (printed at start).",
+    "console.host": "Address the console binds. Loopback by default: reach it through an SSH "
+                    "tunnel or `kubectl port-forward`; bind another address only behind a "
+                    "network you trust (its pages are readable without the token).",
+    "console.allow_chaos": "Offer chaos actions (kill, hang, slow down, lose a region, kill the "
+                           "syncer) on the console. Scale, drain, restart, pause and resume are "
+                           "always offered.",
+    "console.token_file": "A file holding the token every console action must carry (a mounted "
+                          "Kubernetes secret). null: `$ISLANDS_CONSOLE_TOKEN`, else the Ray "
+                          "cluster's auth token (`$RAY_AUTH_TOKEN`, `$RAY_AUTH_TOKEN_PATH`, "
+                          "`~/.ray/auth_token`) when Ray's token auth is on, else a token "
+                          "generated for the job in `RUN_DIR/console_token` (mode 0600).",
     "chaos": "A seeded fault plan; leave it out (null) for none.",
     "run": "Duration and outputs of `islands run`.",
     # model
@@ -229,6 +244,10 @@ FIELD_NOTES: dict[str, str] = {
     "health.placement_timeout_s": "Seconds to wait for the syncer to start (also after a syncer "
                                   "restart) before giving up.",
     # metrics
+    "learner.profiler": "Each learner starts a JAX profiler server on a free port "
+                        "(`jax.profiler.start_server`) where the platform allows; its address is "
+                        "in the learner's heartbeat and on the console. Off by default: the "
+                        "server costs a thread and a port per learner.",
     "metrics.enabled": "Serve Prometheus `/metrics` from the controller.",
     "metrics.port": "Port of `/metrics`; 0 picks a free port (printed at start).",
     "metrics.host": "Address `/metrics` binds; null: 127.0.0.1 for an embedded cluster, the "

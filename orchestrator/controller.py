@@ -26,6 +26,8 @@ from .books import Books
 from islands.learners.fates import newest
 from .chaos import Fault, FaultKind
 from .fleet import SlotState
+from .metrics import window_to_save
+from .snapshot import finite
 from .runtime import (CONTROLLER_NAME, NAMESPACE, SYNCER_NAME, controller_options,  # noqa: F401
                       enable_compile_cache, learner_actor_name, learner_options, single_thread_env,
                       syncer_options)
@@ -120,7 +122,10 @@ class Controller:
         self.recoveries: list[dict] = []
         self.chaos_fired: list[dict] = []
         self.goodput_history: list = []
+        self.step_seconds: dict = {}         # per region: histogram of heartbeats' step times
+        self.badput_high: dict = {}          # per cause: the highest exported (never goes back)
         self.metrics_server = None
+        self.console = None                  # console.ConsoleServer, once served
         self.ray_metrics = None
         self.link_regions: dict[str, dict] = {}   # per remote region: its link's last report
         self.remote_beats: dict[tuple, dict] = {}  # (learner, incarnation) -> newest beat
@@ -242,6 +247,7 @@ class Controller:
                       for x in fleet.slots.values()],
             "targets": dict(fleet.targets), "next_index": dict(fleet.next_index),
             "next_shard": fleet.next_shard, "next_spare": fleet.next_spare,
+            "operator_paused": fleet.operator_paused,
             "recoveries": self.recoveries[-1000:],
             "eval_history": self.eval_history[-1000:], "initial_eval_loss": self.initial_eval_loss,
             "syncer_restarts": self.syncer_restarts, "syncer_closed": self.syncer_closed,
@@ -249,11 +255,14 @@ class Controller:
             "started_s": self.started_s, "restarts": getattr(self, "restarts", 0),
             "syncer_epoch": int(self.syncer_status.get("epoch") or 0),
             "syncer_epochs": [int(st.get("epoch") or 0) for st in self.shard_status],
-            "started_epochs": list(self.started_epochs)}
+            "started_epochs": list(self.started_epochs),
+            "goodput_history": window_to_save(self.goodput_history, time.time(),
+                                              self.settings.goodput_window_s),
+            "step_seconds": self.step_seconds}
         os.makedirs(self.run_dir, exist_ok=True)
         tmp = self.state_path + ".tmp"
         with open(tmp, "w") as f:
-            json.dump(state, f, default=str)
+            json.dump(finite(state), f, default=str, allow_nan=False)
         os.replace(tmp, self.state_path)
 
     def _recover(self) -> None:
@@ -275,6 +284,9 @@ class Controller:
         self.syncer_restarts, self.syncer_closed = saved["syncer_restarts"], saved["syncer_closed"]
         self.started_s, self.job_started_s = saved["started_s"], saved["job_started_s"]
         self.restarts = saved["restarts"] + 1
+        # The sliding goodput window goes on from the samples it held (not from 1.0 at zero).
+        self.goodput_history = [tuple(x) for x in saved.get("goodput_history") or []]
+        self.step_seconds = saved.get("step_seconds") or {}
         if self.chaos_plan is not None and self.job_started_s is not None:
             self.chaos_plan.due(time.time() - self.job_started_s)  # fired before: not again
         self._build_task()
@@ -345,7 +357,8 @@ class Controller:
                                              restart_at_s=now))
         self.fleet = fleet_lib.rebuilt(self.fleet.settings, slots, saved["targets"],
                                        saved["next_index"], saved["next_shard"],
-                                       saved.get("next_spare", 0))
+                                       saved.get("next_spare", 0),
+                                       bool(saved.get("operator_paused", False)))
         # Spares waiting for promotion are not worth a recovery: end them; the fleet starts
         # new ones once nobody is starting.
         hosting = {x.actor for x in slots if x.actor}
@@ -436,6 +449,7 @@ class Controller:
         self.fleet = result.fleet
         for transition in result.transitions:
             self._record(transition)
+        self.books.track({n: x.state.value for n, x in self.fleet.slots.items()}, time.time())
         for action in result.actions:
             try:
                 getattr(self, "_do_" + type(action).__name__.lower())(action)
@@ -471,9 +485,15 @@ class Controller:
     # -- observations from Ray ------------------------------------------------------------------
     def heartbeat(self, beat: dict) -> None:
         """Called by learners (fire and forget)."""
+        from .metrics import observe_step
+
         run = self.running.get(beat["learner"])
         if run is not None and run.number == beat["incarnation"]:
             run.beat = beat
+            slot = self.fleet.slots.get(beat["learner"])
+            if slot is not None and beat.get("step_time_s") and beat.get("state") == "training":
+                with self.lock:
+                    observe_step(self.step_seconds, slot.region, float(beat["step_time_s"]))
         self.inbox.put((fleet_lib.Beat(beat["learner"], beat["incarnation"],
                                        beat.get("state") == "training", beat.get("step_time_s"),
                                        beat.get("node_id"), beat.get("ready_at")), None))
@@ -869,9 +889,15 @@ class Controller:
         allocated = self.books.allocated_s(now)
         window_s = self.settings.goodput_window_s
         history = list(self.goodput_history) + [(now, useful, allocated)]
+        split = self.books.badput(self._live_fates(), now)
+        # Counters never go back: the training phase's remainder wiggles by a step as beats land.
+        for cause, x in split["badput_s"].items():
+            self.badput_high[cause] = max(self.badput_high.get(cause, 0.0), x)
         return {"useful_s": useful, "allocated_s": allocated, "goodput": goodput(useful, allocated),
                 "window": {"label": window_label(window_s), "seconds": window_s,
-                           "ratio": windowed_ratio(history, now, window_s)}}
+                           "ratio": windowed_ratio(history, now, window_s)},
+                "goodput_s": split["goodput_s"], "badput_s": dict(self.badput_high),
+                "unsettled_s": split["unsettled_s"]}
 
     def snapshot(self) -> dict:
         """One row of metrics.jsonl and the source of every exported metric."""
@@ -899,6 +925,11 @@ class Controller:
     def drain(self, learner: str) -> str:
         self._command(fleet_lib.Drain(learner))
         return f"draining {learner}"
+
+    def pause(self, paused: bool = True, origin: str = "operator") -> str:
+        """Pauses (or resumes) every learner; they stay up and keep their state."""
+        self._command(fleet_lib.PauseJob(bool(paused), origin))
+        return "paused" if paused else "resumed"
 
     def chaos_kill(self, target: str, mode: str = "ray_kill") -> str:
         """Kills a learner (``ray.kill`` or a hard exit inside it) or the syncer, on purpose."""
@@ -973,6 +1004,9 @@ class Controller:
         if self.metrics_server is not None:
             self.metrics_server.shutdown()
             self.metrics_server = None
+        if self.console is not None:
+            self.console.stop()
+            self.console = None
         return summary
 
     def ping(self) -> str:
@@ -991,6 +1025,23 @@ class Controller:
             except Exception as exc:  # the Ray mirror is a convenience; Prometheus is the contract
                 log.warning("ray.util.metrics mirror not started: %s", exc)
         return self.metrics_port
+
+    def serve_console(self, port: int, host: str, token: str, allow_chaos: bool = False) -> int:
+        """Serves the operator console (``console.py``) on ``host:port`` from this actor; every
+        action must carry ``token``. Returns the bound port."""
+        from .console import ConsoleServer
+
+        if self.console is None:
+            server = ConsoleServer(self, token, allow_chaos)
+            server.start(host, port)
+            self.console, self.console_host = server, host
+        return self.console.port
+
+    def console_url(self) -> Optional[str]:
+        if self.console is None:
+            return None
+        host = self.console_host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.console.port}/"
 
     def _mirror_ray_metrics(self) -> None:
         """The Ray dashboard's copy of the metrics: a failure here must never stop the owner."""

@@ -148,6 +148,7 @@ class FleetState:
     applied_steps: Mapping[str, tuple[int, int]] = field(default_factory=dict)  # (inc, step)
     spares: Mapping[str, Spare] = field(default_factory=dict)
     next_spare: int = 0
+    operator_paused: bool = False         # paused by an operator (PauseJob) until resumed
 
     def live(self) -> list[Slot]:
         return [s for s in self.slots.values() if s.state in LIVE]
@@ -175,13 +176,14 @@ def initial(settings: FleetSettings) -> FleetState:
 
 
 def rebuilt(settings: FleetSettings, slots: Sequence[Slot], targets: Mapping[str, int],
-            next_index: Mapping[str, int], next_shard: int, next_spare: int = 0) -> FleetState:
+            next_index: Mapping[str, int], next_shard: int, next_spare: int = 0,
+            operator_paused: bool = False) -> FleetState:
     """The fleet a restarted controller rebuilds from what it saved and what it finds running
     (the quorum was reached before, so the floor applies at once). Spares are not rebuilt: the
     controller ends the unpromoted ones and this fleet starts new ones."""
     return FleetState(settings, slots={s.learner: s for s in slots}, targets=dict(targets),
                       next_index=dict(next_index), next_shard=next_shard, quorum_seen=True,
-                      next_spare=next_spare)
+                      next_spare=next_spare, operator_paused=operator_paused)
 
 
 def _new_slot(fleet: FleetState, region: str, speed: float = 1.0) -> tuple[FleetState, Slot]:
@@ -308,12 +310,21 @@ class HangCommand:
 
 
 @dataclass(frozen=True)
+class PauseJob:
+    """An operator pauses (``paused``) or resumes the whole job; the learners stay up and hold
+    their state. Independent of the quorum floor: a resume while below quorum stays paused."""
+
+    paused: bool
+    origin: str = "operator"
+
+
+@dataclass(frozen=True)
 class Stop:
     """The job is ending: clean ends retire, nothing restarts."""
 
 
 Observation = Union[Beat, RunEnded, Quarantine, LaunchFailed, Cluster, Applied, Scale, Drain,
-                    Chaos, HangCommand, Stop, RemoteReport, SpareReady, SpareEnded]
+                    Chaos, HangCommand, Stop, RemoteReport, SpareReady, SpareEnded, PauseJob]
 
 
 # -- actions: what a body must do -----------------------------------------------------------------
@@ -722,6 +733,16 @@ class _Machine:
                   duration_s=obs.duration_s)
         self.actions.append(Hang(obs.learner, obs.duration_s))
 
+    def on_pausejob(self, obs: PauseJob) -> None:
+        if obs.paused == self.fleet.operator_paused:
+            raise CommandError("the job is already " + ("paused" if obs.paused else
+                                                        "running (not paused by an operator)"))
+        if self.fleet.stopping:
+            raise CommandError("the job is stopping")
+        self.set(operator_paused=obs.paused)
+        self.note("job_pause_requested" if obs.paused else "job_resume_requested", None,
+                  origin=obs.origin)
+
     def on_stop(self, _obs: Stop) -> None:
         self.set(stopping=True)
         for spare in list(self.fleet.spares.values()):
@@ -956,16 +977,22 @@ class _Machine:
             self.launch(slot, start_step, name="learner_restarted")
 
     def quorum_floor(self) -> None:
+        """Pauses the job below the quorum floor or while an operator paused it; resumes when
+        neither holds any more (a pause's reason follows whichever holds)."""
         k = self.settings.min_learners
         live = [s for s in self.fleet.slots.values()
                 if s.state in (SlotState.TRAINING, SlotState.PAUSED)]
         if len(live) >= k and not self.fleet.quorum_seen:
             self.set(quorum_seen=True)
-        if not self.fleet.quorum_seen or self.fleet.stopping:
-            return  # still starting up: nothing to pause yet
-        if len(live) < k and self.fleet.paused_reason is None:
+        if self.fleet.stopping:
+            return
+        reason = None
+        if self.fleet.operator_paused:
+            reason = "paused by an operator: training resumes on a resume command"
+        elif self.fleet.quorum_seen and len(live) < k:  # before the quorum: still starting up
             reason = (f"{len(live)} live learner(s) below quorum {k}: training paused until "
                       "learners return")
+        if reason is not None and self.fleet.paused_reason is None:
             self.set(paused_reason=reason)
             self.note("training_paused", None, reason=reason)
             for slot in live:
@@ -974,7 +1001,9 @@ class _Machine:
                 if slot.state == SlotState.TRAINING:
                     self.put(dataclasses.replace(slot, state=SlotState.PAUSED))
                 self.actions.append(PauseLearner(slot.learner, True))
-        elif len(live) >= k and self.fleet.paused_reason is not None:
+        elif reason is not None and reason != self.fleet.paused_reason:
+            self.set(paused_reason=reason)   # still paused, for another reason now
+        elif reason is None and self.fleet.paused_reason is not None:
             self.set(paused_reason=None)
             self.note("training_resumed", None, live=len(live))
             for slot in live:

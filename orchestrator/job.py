@@ -290,6 +290,14 @@ def progress_line(snap: dict) -> str:
     return line
 
 
+def strict_json(value, indent=None) -> str:
+    """JSON without NaN or Infinity literals (they are not JSON): non-finite floats become null;
+    numpy floats are converted like floats."""
+    from .snapshot import finite
+
+    return json.dumps(finite(value), default=str, indent=indent, allow_nan=False)
+
+
 class RunDir:
     """Appends events and metric snapshots as JSON lines; writes the summary at the end."""
 
@@ -303,7 +311,7 @@ class RunDir:
 
     def add_events(self, events: list[dict]) -> None:
         for event in events:
-            line = json.dumps(event, default=str)
+            line = strict_json(event)
             self.events.write(line + "\n")
             if self.log_format == "json":
                 print(line, file=sys.stderr, flush=True)
@@ -315,7 +323,7 @@ class RunDir:
         self.events.flush()
 
     def add_snapshot(self, snap: dict) -> None:
-        self.metrics.write(json.dumps(snap, default=str) + "\n")
+        self.metrics.write(strict_json(snap) + "\n")
         self.metrics.flush()
 
     def write_summary(self, summary: dict) -> str:
@@ -329,7 +337,7 @@ class RunDir:
             os.replace(path, os.path.join(self.path, f"summary.{n}.json"))
         tmp = path + ".tmp"
         with open(tmp, "w") as f:
-            json.dump(summary, f, indent=2, default=str)
+            f.write(strict_json(summary, indent=2))
         os.replace(tmp, path)
         return path
 
@@ -376,6 +384,10 @@ def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] =
                 config, os.path.abspath(run_dir), resume=resume)
         ray.get(controller.start.remote())
         metrics_port = _serve_metrics(controller, config, embedded=started_cluster)
+        console = _serve_console(controller, config, os.path.abspath(run_dir))
+        if console and not quiet:
+            print(f"islands: console at {console[0]} (actions need the token from "
+                  f"{console[1]})", flush=True)
         link_address = _serve_link(config)
         if link_address and not quiet:
             print(f"islands: link on {link_address} (regions "
@@ -458,6 +470,27 @@ def _serve_metrics(controller, config, embedded: bool = False) -> Optional[int]:
     except Exception as exc:  # metrics must never stop training
         log.warning("metrics endpoint not started: %s", exc)
         return None
+
+
+def _serve_console(controller, config, run_dir: str) -> Optional[tuple[str, str]]:
+    """Starts the operator console (``console.enabled``); its URL and where its token is.
+    Never stops training: a console that cannot start is a warning."""
+    import ray
+
+    from .console import resolve_token
+
+    if not config.console.enabled:
+        return None
+    try:
+        token, source = resolve_token(config.console.token_file, run_dir)
+        port = ray.get(controller.serve_console.remote(
+            config.console.port, config.console.host, token, config.console.allow_chaos))
+    except Exception as exc:
+        log.warning("console not started: %s", exc)
+        return None
+    host = config.console.host
+    shown = f"[{host}]" if ":" in host else host
+    return f"http://{shown}:{port}/", source
 
 
 def _serve_link(config) -> Optional[str]:

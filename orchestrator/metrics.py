@@ -29,6 +29,9 @@ LEARNER_STATES = ("pending", "starting", "training", "paused", "draining", "rest
                   "retired")
 RESTART_REASONS = ("crash", "preemption", "hang", "straggler", "quarantine")
 TOKEN_FATES = ("applied", "dropped")
+# Inner-step seconds: a millisecond toy step to a minutes-long step of a big model.
+STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+                  30.0, 60.0)
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,15 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("islands_goodput_ratio", "gauge", ("window",),
                "Applied inner-step seconds / allocated learner seconds (docs/architecture.md#goodput), over the run "
                "and over a sliding window"),
+    MetricSpec("islands_goodput_seconds", "counter", (),
+               "Allocated learner seconds that became part of the model (applied inner-step "
+               "seconds)"),
+    MetricSpec("islands_badput_seconds", "counter", ("cause",),
+               "Allocated learner seconds that did not, by cause (ml-goodput-measurement's badput "
+               "types, plus refused, overlap and paused)"),
+    MetricSpec("islands_step_seconds", "histogram", ("region",),
+               "Inner-step seconds of the region's training learners, one observation per "
+               "heartbeat"),
     MetricSpec("islands_learner_steps", "counter", ("region", "learner"),
                "Inner steps taken, summed over the learner's incarnations"),
     MetricSpec("islands_tokens", "counter", ("fate",),
@@ -146,6 +158,33 @@ def windowed_ratio(history: list[tuple[float, float, float]], now_s: float,
     return min(1.0, max(0.0, (end[1] - start[1]) / allocated))
 
 
+def observe_step(hist: dict, region: str, seconds: float) -> None:
+    """Adds one step time to ``hist[region]`` (``{"counts": [per bucket, +Inf last], "sum",
+    "count"}``, JSON-serialisable so the controller's saved state carries it)."""
+    h = hist.setdefault(region, {"counts": [0] * (len(STEP_BUCKETS_S) + 1), "sum": 0.0,
+                                 "count": 0})
+    i = next((i for i, b in enumerate(STEP_BUCKETS_S) if seconds <= b), len(STEP_BUCKETS_S))
+    h["counts"][i] += 1
+    h["sum"] += seconds
+    h["count"] += 1
+
+
+def window_to_save(history: list, now_s: float, window_s: float) -> list:
+    """The goodput samples a restarted controller needs to go on with the sliding window: those
+    inside it and the newest one before it (``windowed_ratio`` starts there).
+
+    >>> window_to_save([(0, 0, 0), (5, 1, 5), (12, 3, 12), (20, 5, 20)], 20, 10)
+    [(5, 1, 5), (12, 3, 12), (20, 5, 20)]
+    """
+    start = 0
+    for i, sample in enumerate(history):
+        if sample[0] <= now_s - window_s:
+            start = i
+        else:
+            break
+    return [tuple(x) for x in history[start:]]
+
+
 def _histogram(values: Iterable[float], bounds: Iterable[float]) -> tuple[list, float]:
     """Cumulative buckets ``[(le, count), …, ("+Inf", n)]`` and the sum, for HistogramMetricFamily."""
     values = list(values)
@@ -185,6 +224,30 @@ def families(snap: Mapping[str, Any]) -> list:
     if window is not None and window.get("ratio") is not None:
         goodput.add_metric([window["label"]], float(window["ratio"]))
     out.append(goodput)
+
+    good = counter("islands_goodput_seconds")
+    good.add_metric([], float(snap["goodput"].get("goodput_s") or 0.0))
+    bad = counter("islands_badput_seconds")
+    from .books import BADPUT_CAUSES
+
+    for cause in BADPUT_CAUSES:
+        bad.add_metric([cause], float((snap["goodput"].get("badput_s") or {}).get(cause, 0.0)))
+    out += [good, bad]
+
+    step_hist = HistogramMetricFamily("islands_step_seconds",
+                                      spec["islands_step_seconds"].help, labels=["region"])
+    regions_seen = sorted(snap["wire_bytes"]) or sorted(
+        {l["region"] for l in snap["learners"].values()})
+    for region in regions_seen:
+        h = (snap.get("step_seconds") or {}).get(region) or {
+            "counts": [0] * (len(STEP_BUCKETS_S) + 1), "sum": 0.0}
+        running, buckets = 0, []
+        for b, n in zip(STEP_BUCKETS_S, h["counts"]):
+            running += n
+            buckets.append((str(float(b)), running))
+        buckets.append(("+Inf", sum(h["counts"])))
+        step_hist.add_metric([region], buckets, float(h["sum"]))
+    out.append(step_hist)
 
     steps = counter("islands_learner_steps")
     for name, learner in sorted(snap["learners"].items()):

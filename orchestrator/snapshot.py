@@ -5,6 +5,8 @@ run dir's metrics.jsonl and the summary all read.
 from __future__ import annotations
 
 import collections
+import math
+import numbers
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -56,6 +58,7 @@ class JobSnapshot:
     extra: dict = field(default_factory=dict)
     link: dict = field(default_factory=dict)   # per remote region: link bytes, reconnects, age
     spares: dict = field(default_factory=dict)  # warm spares: name -> region, state
+    step_seconds: dict = field(default_factory=dict)  # per region: a histogram of step times
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -110,6 +113,8 @@ def job_snapshot(controller: Any) -> JobSnapshot:
         eval_loss = controller.eval_history[-1][2] if controller.eval_history else None
         initial_eval_loss = controller.initial_eval_loss
         recoveries = list(controller.recoveries)
+        step_seconds = {r: {"counts": list(h["counts"]), "sum": h["sum"], "count": h["count"]}
+                        for r, h in getattr(controller, "step_seconds", {}).items()}
     learners = {}
     for name, slot in fleet.slots.items():
         run = controller.running.get(name)
@@ -154,9 +159,26 @@ def job_snapshot(controller: Any) -> JobSnapshot:
         syncer_restarts=controller.syncer_restarts, learner_restarts=dict(restarts),
         recoveries=recoveries, paused_reason=fleet.paused_reason, wire_bytes=wire,
         rejected_total=dict(rejected), staleness_counts=dict(staleness),
-        link=_link_rows(controller, now),
+        link=_link_rows(controller, now), step_seconds=step_seconds,
         spares={name: {"region": x.region, "state": x.state.value,
                        "age_s": now - x.launched_s} for name, x in fleet.spares.items()})
+
+
+def finite(value: Any) -> Any:
+    """``value`` with every NaN or infinite float replaced by None, so the run's files stay strict
+    JSON (``json.dumps(finite(x), allow_nan=False)``; a diverged loss is written as ``null``).
+
+    >>> finite({"loss": float("nan"), "xs": [1.0, float("inf")], "t": (2, 3)})
+    {'loss': None, 'xs': [1.0, None], 't': [2, 3]}
+    """
+    if isinstance(value, numbers.Real) and not isinstance(value, numbers.Integral):
+        value = float(value)   # a numpy float32 too
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
 
 
 def _link_rows(controller: Any, now: float) -> dict:

@@ -64,6 +64,8 @@ CHANGES = {
     "chaos.horizon_s": 30.0,
     "run.run_dir": "elsewhere/{name}",
     "metrics.host": "10.1.2.3",
+    "console.host": "10.1.2.4",
+    "console.token_file": "/etc/islands/console-token",
     "health.restart.max_preemption_restarts": 7,
     "link.host": "localhost",
     "link.token_file": "/run/secrets/link-token",

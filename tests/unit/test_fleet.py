@@ -558,3 +558,39 @@ def test_a_restart_in_a_new_process_does_not_hold_back_a_spare():
     slot = restarted.fleet.slots["a:0"]
     assert slot.state == SlotState.STARTING and slot.incarnation == 1 and slot.actor is None
     assert F.LaunchSpare("spare:a:1", "a") in restarted.actions
+
+
+def test_an_operator_pause_holds_every_learner_until_resumed_and_the_floor_still_applies():
+    fleet = training(settings(min_learners=2))
+    paused = F.step(fleet, [F.PauseJob(True, "console 127.0.0.1")], 2.0)
+    assert names(paused) == ["job_pause_requested", "training_paused"]
+    assert paused.transitions[0].fields == {"origin": "console 127.0.0.1"}
+    assert "operator" in paused.fleet.paused_reason
+    assert set(states(paused.fleet).values()) == {"paused"}
+    assert sorted(a.learner for a in paused.actions if a == F.PauseLearner(a.learner, True)) == [
+        "a:0", "a:1", "b:0"]
+    with pytest.raises(F.CommandError, match="already paused"):
+        F.check_command(paused.fleet, F.PauseJob(True))
+    # A learner dying meanwhile leaves the job paused, for the operator's reason still.
+    fewer = F.step(paused.fleet, [F.RunEnded("a:0", 0, "died"), F.RunEnded("a:1", 0, "died")],
+                   3.0).fleet
+    assert "operator" in fewer.paused_reason
+    # Resumed below the quorum floor (1 live of 2): still paused, now for the floor.
+    resumed_low = F.step(fewer, [F.PauseJob(False)], 3.1)
+    assert names(resumed_low) == ["job_resume_requested"]
+    assert "below quorum" in resumed_low.fleet.paused_reason
+    # Resumed with enough learners: training again.
+    back = F.step(paused.fleet, [F.PauseJob(False)], 4.0)
+    assert names(back) == ["job_resume_requested", "training_resumed"]
+    assert set(states(back.fleet).values()) == {"training"}
+    assert back.fleet.paused_reason is None and not back.fleet.operator_paused
+    with pytest.raises(F.CommandError, match="already running"):
+        F.check_command(back.fleet, F.PauseJob(False))
+
+
+def test_an_operator_pause_before_the_quorum_was_ever_reached_still_pauses():
+    fleet = F.step(F.initial(settings(min_learners=3)), [], 0.0).fleet
+    paused = F.step(fleet, [F.PauseJob(True)], 0.5)
+    assert paused.fleet.paused_reason is not None
+    joined = F.step(paused.fleet, [F.Beat("a:0", 0, True, 0.1)], 1.0)
+    assert joined.fleet.slots["a:0"].state == SlotState.PAUSED

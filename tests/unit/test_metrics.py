@@ -2,6 +2,8 @@
 
 import math
 
+import pytest
+
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -130,3 +132,25 @@ def test_serve_answers_on_a_free_port():
     finally:
         server.shutdown()
     assert b'islands_goodput_ratio{window="run"} 0.9' in text
+
+
+def test_goodput_and_badput_seconds_and_the_step_histogram_per_region():
+    step_seconds = {}
+    for t in (0.002, 0.004, 0.2):
+        metrics.observe_step(step_seconds, "us-east", t)
+    snap = snapshot(step_seconds=step_seconds)
+    snap["goodput"] = {**snap["goodput"], "goodput_s": 9.0,
+                       "badput_s": {"program_startup": 0.5, "refused": 0.25}}
+    families = scrape(snap)
+    assert values(families["islands_goodput_seconds"]) == {(): 9.0}
+    bad = values(families["islands_badput_seconds"])
+    assert len(bad) == 10
+    assert bad[(("cause", "program_startup"),)] == 0.5 and bad[(("cause", "refused"),)] == 0.25
+    assert bad[(("cause", "checkpoint_save"),)] == 0.0   # every cause from the start
+    buckets = values(families["islands_step_seconds"], "islands_step_seconds_bucket")
+    assert buckets[(("le", "0.0025"), ("region", "us-east"))] == 1
+    assert buckets[(("le", "0.005"), ("region", "us-east"))] == 2
+    assert buckets[(("le", "+Inf"), ("region", "us-east"))] == 3
+    assert buckets[(("le", "+Inf"), ("region", "eu-west"))] == 0   # a region with no beats yet
+    assert values(families["islands_step_seconds"], "islands_step_seconds_sum")[
+        (("region", "us-east"),)] == pytest.approx(0.206)

@@ -1,0 +1,72 @@
+"""The console's pure parts: where its token comes from, the action checks, the goodput series."""
+
+import os
+import stat
+
+import pytest
+
+from islands.orchestrator.console import (ActionError, goodput_series, plan_action,
+                                          resolve_token)
+
+
+def test_token_order_file_then_env_then_rays_then_generated(tmp_path):
+    secret = tmp_path / "secret"
+    secret.write_text("from-file\n")
+    ray_token = tmp_path / "ray_token"
+    ray_token.write_text("ray-token")
+    env = {"ISLANDS_CONSOLE_TOKEN": "from-env", "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN_PATH": str(ray_token)}
+    run = str(tmp_path / "run")
+    assert resolve_token(str(secret), run, env) == ("from-file", str(secret))
+    assert resolve_token(None, run, env)[0] == "from-env"
+    del env["ISLANDS_CONSOLE_TOKEN"]
+    assert resolve_token(None, run, env)[0] == "ray-token"
+    assert resolve_token(None, run, {**env, "RAY_AUTH_TOKEN": "ray-env"})[0] == "ray-env"
+    assert not os.path.exists(run)   # nothing generated while a token was found
+    token, where = resolve_token(None, run, {})   # Ray's auth off: its file is not used
+    assert where == os.path.join(run, "console_token") and len(token) >= 32
+    assert stat.S_IMODE(os.stat(where).st_mode) == 0o600
+    assert resolve_token(None, run, {}) == (token, where)   # a resumed run keeps it
+
+
+def test_an_unreadable_or_empty_token_file_is_an_error_naming_it(tmp_path):
+    empty = tmp_path / "empty"
+    empty.write_text("  \n")
+    with pytest.raises(ValueError, match=f"console.token_file {empty} is empty"):
+        resolve_token(str(empty), str(tmp_path), {})
+    with pytest.raises(ValueError, match="console.token_file /no/such/file: cannot read it"):
+        resolve_token("/no/such/file", str(tmp_path), {})
+
+
+@pytest.mark.parametrize("body, error", [
+    ([], ActionError), ({"action": "reboot"}, ActionError),
+    ({"action": "scale", "region": "a", "n": True}, ActionError),
+    ({"action": "drain", "learner": ""}, ActionError),
+    ({"action": "chaos_hang", "learner": "a:0", "duration_s": 5}, PermissionError),
+])
+def test_bad_actions_are_refused_before_anything_runs(body, error):
+    with pytest.raises(error):
+        plan_action(body, False, "console 127.0.0.1")
+
+
+def test_actions_call_the_clis_controller_methods():
+    calls = []
+
+    class Recorder:
+        def __getattr__(self, name):
+            return lambda *args: calls.append((name, args)) or "ok"
+
+    for body in ({"action": "scale", "region": "a", "n": 2}, {"action": "drain", "learner": "a:1"},
+                 {"action": "restart", "learner": "a:0"}, {"action": "pause"},
+                 {"action": "resume"}):
+        plan_action(body, False, "console 10.0.0.9")[1](Recorder())
+    assert calls == [("scale", ("a", 2)), ("drain", ("a:1",)), ("chaos_kill", ("a:0", "ray_kill")),
+                     ("pause", (True, "console 10.0.0.9")), ("pause", (False, "console 10.0.0.9"))]
+
+
+def test_the_goodput_series_spans_the_recent_past_with_its_window():
+    history = [(float(t), 0.5 * t, float(t)) for t in range(0, 1001)]
+    series = goodput_series(history, 1000.0, 600.0, 60.0, points=50)
+    assert 40 <= len(series) <= 51 and series[-1][0] == 0 and series[0][0] == 600
+    assert max(p[0] for p in series) <= 600
+    assert all(p[1] == pytest.approx(0.5) and p[2] == pytest.approx(0.5) for p in series)
