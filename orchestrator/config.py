@@ -99,6 +99,8 @@ class LearnerSection(_Section):
     # Pads each step to at least this wall time (÷ speed factor): emulates slower hardware.
     min_step_time_s: float = Field(0.0, ge=0)
     eval_every_s: float = Field(10.0, gt=0)
+    # Params and inner state over a learner's devices (learners/mesh.py); batches split by rows.
+    sharding: Literal["replicated", "fsdp"] = "replicated"
 
     @model_validator(mode="after")
     def _alpha_only_blends(self):

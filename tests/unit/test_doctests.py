@@ -6,7 +6,7 @@ import importlib
 import pytest
 
 MODULES = ["islands.syncer.fragments", "islands.syncer.merge", "islands.syncer.quorum",
-           "islands.learners.core", "islands.orchestrator.health", "islands.orchestrator.metrics",
+           "islands.learners.core", "islands.learners.mesh", "islands.orchestrator.health", "islands.orchestrator.metrics",
            "islands.orchestrator.chaos", "islands.orchestrator.controller"]
 
 
