@@ -40,7 +40,7 @@ def tiny_spec(sharding: str, batch_size: int = 4, codec: str = "int4") -> Traini
 
 def shard_shapes(tree) -> dict:
     """{path: [shape of each device's shard]} of a tree of jax arrays."""
-    return {path: [list(s.data.shape) for s in leaf.addressable_shards]
+    return {path: [list(s.data.shape) for s in jax.numpy.asarray(leaf).addressable_shards]
             for path, leaf in fragments_lib.flatten(tree).items()}
 
 
@@ -81,6 +81,11 @@ def train(spec: TrainingSpec, devices, steps: int) -> dict:
             result = syncer.merge(push.fragment, "all_live_in", live_count=1)
             arrived.append((result.fragment, result.params, result.version))
             merges += 1
+    # A restarting peer gets this state as numpy (LearnerUnit.inner_state) and lays it out.
+    peer_state = jax.tree_util.tree_map(np.asarray, core.opt_state)
+    _, placed = place_learner_state(layout, optimizer, init, peer_state)
+    peer_exact = all(np.array_equal(np.asarray(a), b) for a, b in zip(
+        jax.tree_util.tree_leaves(placed), jax.tree_util.tree_leaves(peer_state)))
     residuals = {path: leaf for track in core.tracks
                  for path, leaf in track.ef_state.residual.items()}
     return {"devices": len(devices), "losses": losses, "merges": merges,
@@ -88,6 +93,7 @@ def train(spec: TrainingSpec, devices, steps: int) -> dict:
             "global": {k: np.asarray(v).tolist() for k, v in syncer.params_flat().items()},
             "param_shards": shard_shapes(core.params),
             "moment_shards": shard_shapes(core.opt_state[1][0].mu),
+            "peer_moment_shards": shard_shapes(placed[1][0].mu), "peer_exact": peer_exact,
             "residual_shards": shard_shapes(residuals),
             "batch_shards": [list(s.data.shape) for s in
                              jax.numpy.asarray(loop.batch().batch).addressable_shards]}

@@ -158,9 +158,11 @@ def test_fsdp_learner_holds_a_quarter_of_each_sharded_tensor_and_follows_one_dev
         if axis is not None:
             quarter[axis] //= 4
             sliced += 1
-        for shards in ("param_shards", "moment_shards", "residual_shards"):
+        for shards in ("param_shards", "moment_shards", "residual_shards",
+                       "peer_moment_shards"):
             assert four[shards][path] == [quarter] * 4, (shards, path)
     assert sliced == 8   # every matrix; the three norm scales stay whole
+    assert four["peer_exact"] and one["peer_exact"]   # a peer's numpy state, laid out unchanged
 
 
 def test_batch_not_divisible_by_devices_is_a_clear_error():
