@@ -102,13 +102,17 @@ class LearnerCore:
         adoption of its merge stay as drift for the next push instead of being overwritten.
       incarnation: restart count of this learner id.
       start_step: the step this incarnation resumes at (its shard resumes at the same batch).
+      place: puts a fragment (host or device arrays) where the parameters live, as float32: by
+        default the default device; a multi-device learner slices it over its mesh
+        (``mesh.Layout.place_fragment``), so bases, drifts and residuals stay sharded.
     """
 
     def __init__(self, learner: str, params: Any, opt_state: Any, plan: FragmentPlan,
                  versions: list[int], error_feedback: Any, wire_bytes: Callable[[Any], int],
                  decode: Callable[[Any], Fragment], overlap_steps: int = 2,
                  merge_alpha: float = 0.0, incarnation: int = 0, start_step: int = 0,
-                 session: str = "", carry_overlap: bool = CARRY_OVERLAP):
+                 session: str = "", carry_overlap: bool = CARRY_OVERLAP,
+                 place: Optional[Callable[[Fragment], Fragment]] = None):
         self.learner = learner
         self.params = params
         self.opt_state = opt_state
@@ -119,6 +123,7 @@ class LearnerCore:
         self.overlap_steps = overlap_steps
         self.merge_alpha = merge_alpha
         self.carry_overlap = carry_overlap
+        self.place = place if place is not None else on_device
         self.incarnation = incarnation
         self.session = session     # the syncer's token for this incarnation ("" when unchecked)
         self.step = start_step
@@ -127,14 +132,22 @@ class LearnerCore:
         self.fates = IncarnationFates(plan.num_fragments)  # where each step's tokens went
         self.tracks = []
         for p in range(plan.num_fragments):
-            base = on_device(fragments_lib.extract(params, plan, p))
+            base = self.place(fragments_lib.extract(params, plan, p))
             self.tracks.append(FragmentTrack(base=base, base_version=versions[p],
-                                             ef_state=error_feedback.init(base)))
+                                             ef_state=self._placed_residual(
+                                                 error_feedback.init(base))))
         # Drift, encode (with error feedback) and the encoding's relative error in one compiled
         # call on the device that holds the parameters; only the codes go to the host. Taking
         # the fp32 fragment to the host and encoding it in numpy cost half a step on a GPU
         # (docs/architecture.md#learners-on-accelerators).
         self._encode_drift = _compiled_encode_drift(error_feedback, decode)
+
+    def _placed_residual(self, ef_state: Any) -> Any:
+        """The error-feedback state with its residual (a fragment-shaped tree) laid out like the
+        fragment: the codec makes it on the default device."""
+        if self.place is on_device or not hasattr(ef_state, "residual"):
+            return ef_state
+        return ef_state._replace(residual=self.place(ef_state.residual))
 
     def compile_pushes(self) -> None:
         """Compiles every fragment's encode (and, with ``carry_overlap``, its adoption) now,
@@ -238,7 +251,7 @@ class LearnerCore:
         the steps the drift carries. The fragment is pushed again at the next step."""
         track = self.tracks[p]
         local = fragments_lib.extract(self.params, self.plan, p)
-        base = on_device(fragment)
+        base = self.place(fragment)
         moved = {path: base[path] + (jnp.asarray(local[path], jnp.float32) - track.base[path])
                  for path in base}
         self.params = fragments_lib.insert(self.params, self.plan, p, moved)
@@ -262,7 +275,7 @@ class LearnerCore:
         for p, fragment, version in zip(ids, fragments, versions):
             track = self.tracks[p]
             self.fates.returned(p)
-            track.base = on_device(fragment)
+            track.base = self.place(fragment)
             track.base_version = version
             track.base_id, track.base_host = downlink_lib.EXACT, None
             track.in_flight_since_step = None
@@ -311,7 +324,7 @@ class LearnerCore:
         version = sent_version if sent_version >= 0 else version
         track.base_id = base_id
         track.base_host = fragment if base_id != downlink_lib.EXACT else None
-        base = on_device(fragment)  # one host-to-device copy, shared by base and parameters
+        base = self.place(fragment)  # one host-to-device copy, shared by base and parameters
         carried = track.local_at_push if carry else None
         if carried is not None:
             local = fragments_lib.extract(self.params, self.plan, p)

@@ -14,6 +14,7 @@ a :class:`Task`; the learner builds its jitted inner step from it (docs/tasks.md
         is_embedding: Callable[[str], bool] = no_embeddings    # merge hint: "embed/tokens"
         optimizer: Optional[optax.GradientTransformation] = None   # default: learner.inner_optimizer
         train_step: Optional[Callable] = None                  # optimizer -> step(p, s, batch, rng)
+        partition_specs: Optional[Callable] = None             # params -> PartitionSpec per tensor
 
 Exact resume: ``batches(shard, num_shards, k)`` must yield the batches a stream opened at step 0
 yields from its k-th on, for every shard count; :class:`TaskStream` holds one open iterator and
@@ -51,6 +52,9 @@ class Task(NamedTuple):
     is_embedding: Callable[[str], bool] = no_embeddings
     optimizer: Optional[optax.GradientTransformation] = None
     train_step: Optional[Callable[[optax.GradientTransformation], Callable]] = None
+    # learner.sharding: fsdp slices each tensor by its spec over the mesh axis "data"
+    # (learners/mesh.py); None: along the tensor's largest axis the device count divides.
+    partition_specs: Optional[Callable[[Params], Any]] = None
 
 
 class TaskError(ValueError):

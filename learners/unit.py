@@ -38,6 +38,7 @@ class TrainingSpec:
     overlap_steps: int = 2
     merge_alpha: float = 0.0
     carry_overlap: bool = CARRY_OVERLAP
+    sharding: str = "replicated"       # over the learner's devices: "replicated" or "fsdp"
     codec_kind: str = "int4"
     codec_block_size: int = DEFAULT_BLOCK_SIZE
     error_feedback: bool = True
@@ -156,8 +157,44 @@ def warm_compile_cache(spec: TrainingSpec, params, task=None) -> None:
     _learner_core(spec, "warmup", params, opt_state, [0] * spec.fragments).compile_pushes()
 
 
+def learner_layout(spec: TrainingSpec, task, template, optimizer, first_batch, devices=None):
+    """This learner's layout over its devices (learners/mesh.py; default: every device the
+    process sees), or None on one device (the program stays as it was).
+
+    Raises:
+      mesh.BatchSplitError: naming ``data.batch_size`` and the device count, when the batch's
+        rows do not split evenly over the devices.
+    """
+    from . import mesh
+
+    layout = mesh.learner_layout(template, optimizer, spec.sharding, devices,
+                                 task.partition_specs)
+    if layout is not None:
+        mesh.check_batch(first_batch, layout.num_devices)
+    return layout
+
+
+def place_learner_state(layout, optimizer, params, opt_state=None):
+    """(params, inner state) where the learner keeps them: on its mesh when it has a layout
+    (a peer's numpy state is laid out like its own; without one a fresh state is made there)."""
+    if layout is None:
+        return params, (opt_state if opt_state is not None else optimizer.init(params))
+    params = layout.place_params(params)
+    opt_state = (layout.place_opt_state(opt_state) if opt_state is not None
+                 else layout.init_opt_state(optimizer, params))
+    return params, opt_state
+
+
+def meshed_steps(layout, train_step, batch_at):
+    """(train step, ``step -> Step``) of a learner: as given on one device; with a layout, the
+    step's outputs pinned to it and each batch split by rows over the mesh."""
+    if layout is None:
+        return train_step, batch_at
+    return layout.jit_step(train_step), lambda step: layout.place_step(batch_at(step))
+
+
 def _learner_core(spec: TrainingSpec, learner: str, params, opt_state, versions,
-                  incarnation: int = 0, start_step: int = 0, session: str = ""):
+                  incarnation: int = 0, start_step: int = 0, session: str = "", layout=None):
     """The LearnerCore a learner of ``spec`` runs (also built by the cache warm-up, which must
     trace exactly the same push encoder)."""
     from islands.syncer import codec as codec_lib
@@ -171,7 +208,8 @@ def _learner_core(spec: TrainingSpec, learner: str, params, opt_state, versions,
                        lambda codes: codec_lib.decode_tree(codec, codes),
                        overlap_steps=spec.overlap_steps, merge_alpha=spec.merge_alpha,
                        incarnation=incarnation, start_step=start_step, session=session,
-                       carry_overlap=spec.carry_overlap)
+                       carry_overlap=spec.carry_overlap,
+                       place=layout.place_fragment if layout is not None else None)
 
 
 def make_error_feedback(spec: TrainingSpec):
@@ -390,7 +428,10 @@ class LearnerUnit:
         optimizer, train_step = prepared["optimizer"], prepared["train_step"]
         stream = TaskStream(task, spec.shard_index, spec.num_shards)
         # Exact resume: the first batch is the one at start_step (the stream opens there).
-        tokens_per_batch = int(task.tokens(stream.batch_at(spec.start_step).batch))
+        first_batch = stream.batch_at(spec.start_step).batch
+        tokens_per_batch = int(task.tokens(first_batch))
+        layout = learner_layout(tspec, task, template, optimizer, first_batch)
+        train_step, batch_at = meshed_steps(layout, train_step, stream.batch_at)
         self.controller = prepared["controller"]
         reg = self._register_all()
         flat = {}
@@ -409,15 +450,14 @@ class LearnerUnit:
                 opt_state = ray.get(peer.inner_state.remote(), timeout=10)
             except Exception as exc:  # a peer that died meanwhile: start a fresh inner state
                 log.warning("%s: no inner state from %s (%s)", spec.learner, spec.peer, exc)
-        if opt_state is None:
-            opt_state = optimizer.init(params)
+        params, opt_state = place_learner_state(layout, optimizer, params, opt_state)
         with self.lock:
             self.core = _learner_core(tspec, spec.learner, params, opt_state, reg["versions"],
-                                      spec.incarnation, spec.start_step, reg["session"])
+                                      spec.incarnation, spec.start_step, reg["session"], layout)
         core = self.core
         from .loop import LearnerLoop
 
-        loop = LearnerLoop(core, train_step, stream.batch_at, tokens_per_batch, tspec.fragments,
+        loop = LearnerLoop(core, train_step, batch_at, tokens_per_batch, tspec.fragments,
                            tspec.sync_every_steps)
         t_compile = time.time()
         core.compile_pushes()

@@ -60,6 +60,7 @@ def training_spec(config) -> TrainingSpec:
         overlap_steps=syncer.overlap_steps,
         merge_alpha=config.learner.merge_alpha,
         carry_overlap=config.learner.overlap == "carry",
+        sharding=config.learner.sharding,
         codec_kind=config.compression.type,
         codec_block_size=codec_block_size(config),
         error_feedback=config.compression.error_feedback,

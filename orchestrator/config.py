@@ -103,6 +103,8 @@ class LearnerSection(_Section):
     min_step_time_s: float = Field(0.0, ge=0)
     eval_every_s: float = Field(10.0, gt=0)
     profiler: bool = False   # each learner starts a JAX profiler server (jax.profiler.start_server)
+    # Params and inner state over a learner's devices (learners/mesh.py); batches split by rows.
+    sharding: Literal["replicated", "fsdp"] = "replicated"
 
     @model_validator(mode="after")
     def _alpha_only_blends(self):

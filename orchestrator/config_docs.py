@@ -108,6 +108,13 @@ FIELD_NOTES: dict[str, str] = {
     "learner.min_step_time_s": "Pads every inner step to at least this many seconds divided by "
                                "the learner's speed factor: emulates slower hardware. 0: no "
                                "padding.",
+    "learner.sharding": "How a learner lays its parameters and inner optimizer state over the "
+                        "devices its process sees (one SPMD program; the batch is always split "
+                        "by rows over them, so `data.batch_size` must divide by the device "
+                        "count): `replicated` keeps a whole copy on every device; `fsdp` slices "
+                        "each tensor over the devices (the task's `partition_specs` when it "
+                        "gives them, otherwise along its largest axis the device count divides). "
+                        "A learner on one device runs unsharded either way.",
     "learner.eval_every_s": "Seconds between two evaluations of the global parameters on the "
                             "held-out batches (`islands_eval_loss`).",
     # syncer

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import numpy as np
 
 from islands.learners import data
+from islands.learners import mesh
 from islands.learners import model as model_lib
 from islands.learners.task import Task
 
@@ -66,4 +67,5 @@ def task(model: Optional[dict] = None, corpus: str = "stdlib",
                                                eval_batches),
         tokens=lambda batch: int(batch.shape[0]) * (int(batch.shape[1]) - 1),
         is_embedding=model_lib.is_embedding_path,
+        partition_specs=mesh.matrix_specs,
     )

@@ -20,6 +20,7 @@ from typing import Optional
 
 import numpy as np
 
+from islands.learners import mesh
 from islands.learners.task import Task
 
 PATH = "islands.tasks.flax_lm:task"
@@ -174,4 +175,5 @@ def task(corpus: str = "stdlib", suffix: str = ".py", max_bytes: Optional[int] =
     return Task(init_params=init_params, loss=loss, batches=batches,
                 eval_batches=eval_batches_,
                 tokens=lambda batch: int(batch.shape[0]) * (int(batch.shape[1]) - 1),
-                is_embedding=lambda path: path.split("/", 1)[0] in ("embed", "pos_embed"))
+                is_embedding=lambda path: path.split("/", 1)[0] in ("embed", "pos_embed"),
+                partition_specs=mesh.matrix_specs)

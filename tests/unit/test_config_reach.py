@@ -40,6 +40,7 @@ CHANGES = {
     "task.path": "my_pkg.tasks:make",
     "task.args": None,         # only with another task.path: test_task_args_reach_the_learners
     "learner.overlap": "carry",
+    "learner.sharding": "fsdp",
     "syncer.merge_rule": "mean",
     "syncer.max_staleness": 3,
     "syncer.checkpoint_dir": "/somewhere/checkpoints",

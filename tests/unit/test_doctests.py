@@ -6,9 +6,9 @@ import importlib
 import pytest
 
 MODULES = ["islands.syncer.fragments", "islands.syncer.merge", "islands.syncer.quorum",
-           "islands.learners.core", "islands.orchestrator.health", "islands.orchestrator.metrics",
-           "islands.orchestrator.chaos", "islands.orchestrator.controller",
-           "islands.orchestrator.accelerators"]
+           "islands.learners.core", "islands.learners.mesh", "islands.orchestrator.health",
+           "islands.orchestrator.metrics", "islands.orchestrator.chaos",
+           "islands.orchestrator.controller", "islands.orchestrator.accelerators"]
 
 
 @pytest.mark.parametrize("name", MODULES)
