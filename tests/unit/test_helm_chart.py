@@ -298,6 +298,33 @@ def test_warm_spares_are_pods_of_their_group_and_reach_the_job():
     assert config.region_resources() == {"region:local": 4.0}
 
 
+def test_the_console_is_served_on_the_head_behind_its_service_and_token():
+    objs = objects({"console": {"tokenSecret": {"name": "ops-token", "key": "t"},
+                                "allowFrom": [{"namespaceSelector": {"matchLabels": {
+                                    "kubernetes.io/metadata.name": "proxy"}}}]}})
+    service = next(o for o in objs if o["kind"] == "Service"
+                   and o["metadata"]["name"] == "demo-islands-console")
+    head = cluster_spec(objs)["headGroupSpec"]["template"]
+    assert service["spec"]["selector"].items() <= head["metadata"]["labels"].items()
+    container = head["spec"]["containers"][0]
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports[service["spec"]["ports"][0]["targetPort"]] == 9410
+    mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+    secret = next(v["secret"] for v in head["spec"]["volumes"] if v["name"] == "console-token")
+    assert mounts["console-token"] == "/etc/islands-console" and secret["secretName"] == "ops-token"
+    console = job_config(objs).console
+    assert (console.host, console.port, console.token_file) == ("0.0.0.0", 9410,
+                                                                "/etc/islands-console/t")
+    rules = only(objs, "NetworkPolicy")["spec"]["ingress"]
+    assert any(r.get("ports") == [{"port": 9410, "protocol": "TCP"}] and r["from"][0][
+        "namespaceSelector"]["matchLabels"]["kubernetes.io/metadata.name"] == "proxy"
+               for r in rules)
+    # Off: no Service, no port, and the job serves no console.
+    off = objects({"console": {"enabled": False}})
+    assert not [o for o in off if o["kind"] == "Service" and "console" in o["metadata"]["name"]]
+    assert job_config(off).console.enabled is False
+
+
 def test_head_is_cpu_only_and_declares_no_region():
     for case in CASES:
         head = cluster_spec(objects(example_values(case)))["headGroupSpec"]
@@ -379,7 +406,8 @@ def test_cluster_mode_renders_a_raycluster_and_the_submit_command():
 def test_monitors_select_the_metrics_service_and_ray_pods():
     objs = objects({"metrics": {"serviceMonitor": {"enabled": True, "additionalLabels": {
         "release": "prom"}}, "podMonitor": {"enabled": True}}})
-    service = next(o for o in objs if o["kind"] == "Service")
+    service = next(o for o in objs if o["kind"] == "Service"
+                   and o["metadata"]["name"].endswith("-metrics"))
     monitor = only(objs, "ServiceMonitor")
     assert monitor["metadata"]["labels"]["release"] == "prom"
     assert monitor["spec"]["selector"]["matchLabels"].items() <= service["metadata"]["labels"].items()

@@ -222,6 +222,18 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- /* The pod's every interface: Prometheus scrapes the pod address; the NetworkPolicy limits who may. */ -}}
 {{- $_ := set $metrics "host" "0.0.0.0" -}}
 {{- $_ := set $cfg "metrics" $metrics -}}
+{{- if not .Values.link.region.enabled -}}
+{{- $console := deepCopy (get $cfg "console" | default dict) -}}
+{{- $_ := set $console "enabled" .Values.console.enabled -}}
+{{- $_ := set $console "port" (int .Values.console.port) -}}
+{{- $_ := set $console "allow_chaos" .Values.console.allowChaos -}}
+{{- /* The pod's every interface: the Service and port-forward reach the pod address. */ -}}
+{{- $_ := set $console "host" "0.0.0.0" -}}
+{{- with .Values.console.tokenSecret.name -}}
+{{- $_ := set $console "token_file" (printf "/etc/islands-console/%s" $.Values.console.tokenSecret.key) -}}
+{{- end -}}
+{{- $_ := set $cfg "console" $console -}}
+{{- end -}}
 {{- toYaml $cfg -}}
 {{- end -}}
 
@@ -297,6 +309,9 @@ headGroupSpec:
             - {containerPort: 8080, name: metrics}
             {{- if not $isRegion }}
             - {containerPort: {{ .Values.metrics.port }}, name: islands-metrics}
+            {{- if .Values.console.enabled }}
+            - {containerPort: {{ .Values.console.port }}, name: islands-console}
+            {{- end }}
             {{- end }}
             {{- if .Values.link.server.enabled }}
             - {containerPort: {{ .Values.link.server.port }}, name: islands-link}
@@ -312,11 +327,23 @@ headGroupSpec:
             {{- if $tlsKeys }}
             - {name: link-tls, mountPath: {{ include "islands.linkTlsDir" . }}, readOnly: true}
             {{- end }}
+            {{- if and (not $isRegion) .Values.console.tokenSecret.name }}
+            - {name: console-token, mountPath: /etc/islands-console, readOnly: true}
+            {{- end }}
       volumes:
         {{- if not $isRegion }}
         - name: job-config
           configMap:
             name: {{ $fullname }}-job
+        {{- end }}
+        {{- if and (not $isRegion) .Values.console.tokenSecret.name }}
+        # The console's action token, readable by the pod's group only (fsGroup).
+        - name: console-token
+          secret:
+            secretName: {{ .Values.console.tokenSecret.name }}
+            defaultMode: 288   # 0440
+            items:
+              - {key: {{ .Values.console.tokenSecret.key | quote }}, path: {{ .Values.console.tokenSecret.key | quote }}}
         {{- end }}
         {{- if $side }}
         # The link's bearer token, readable by the pod's group only (fsGroup).
