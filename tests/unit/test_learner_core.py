@@ -269,3 +269,17 @@ def test_a_spare_prepares_at_low_priority_and_only_its_thread_does():
     worker.join()
     assert seen["inside"] == min(base + SPARE_NICENESS, 19) == seen["child"]
     assert os.getpriority(os.PRIO_PROCESS, 0) == base      # the training thread is untouched
+
+
+def test_the_profiler_server_listens_where_the_learner_says():
+    """learner.profiler: the address a learner reports (heartbeat, console) accepts a capture
+    client's connection."""
+    import socket
+
+    from islands.learners.unit import start_profiler
+
+    address = start_profiler()
+    assert address is not None, "jax.profiler.start_server failed on this platform"
+    port = int(address.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port), timeout=10):
+        pass
