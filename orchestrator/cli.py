@@ -155,6 +155,9 @@ def main(argv=None) -> int:
     again.add_argument("--force", action="store_true",
                        help="--run-dir holds an earlier run: start a new one in a timestamped "
                             "subdirectory of it (nothing is deleted)")
+    again.add_argument("--resume-or-start", action="store_true",
+                       help="for unattended restarts (a RayJob's retries): continue the run in "
+                            "--run-dir if it holds one, else start one there")
 
     for name, help_text in (("status", "learners and syncer of the running job"),):
         p = sub.add_parser(name, help=help_text)
@@ -282,7 +285,8 @@ def main(argv=None) -> int:
             return 2
         try:
             summary = run_job(config, args.duration, args.run_dir, args.address, args.log_format,
-                              resume=args.resume, force=args.force)
+                              resume=args.resume, force=args.force,
+                              resume_or_start=args.resume_or_start)
         except (ConfigError, RunDirError) as exc:
             print(f"islands: {exc}", file=sys.stderr)
             return 2

@@ -207,6 +207,7 @@ def prepare_run_dir(path: str, resume: bool = False, force: bool = False) -> str
                           "beside it: pass one of them, not both")
     if os.path.exists(path) and not os.path.isdir(path):
         raise RunDirError(f"run dir {path!r} exists and is not a directory")
+    _check_writable(path)
     found = earlier_run(path) if os.path.isdir(path) else []
     if resume:
         if not found:
@@ -228,6 +229,28 @@ def prepare_run_dir(path: str, resume: bool = False, force: bool = False) -> str
         except FileExistsError:
             continue
     raise RunDirError(f"run dir {path!r}: no free subdirectory named {stamp}-N")
+
+
+def _check_writable(path: str) -> None:
+    """The run dir can be created and written (a read-only mount, no permission): say so now,
+    in one line, rather than as a traceback once the job started. Only a probe file of its own
+    is created and removed; nothing of the user's is touched."""
+    import tempfile
+
+    try:
+        os.makedirs(path, exist_ok=True)
+        fd, probe = tempfile.mkstemp(prefix=".islands-probe-", dir=path)
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise RunDirError(f"run dir {path!r} cannot be created or written: "
+                          f"{exc.strerror or exc} (choose another --run-dir, or fix its "
+                          "permissions or mount)") from None
+
+
+def resumable(path: str) -> bool:
+    """Whether ``path`` holds a run ``--resume`` can continue (``--resume-or-start``)."""
+    return os.path.isdir(path) and bool(earlier_run(path))
 
 
 def check_snapshot_dir(config, run_dir: str, resume: bool) -> None:
@@ -348,7 +371,8 @@ class RunDir:
 
 def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] = None,
             address: Optional[str] = None, log_format: str = "text", quiet: bool = False,
-            on_started=None, resume: bool = False, force: bool = False) -> dict:
+            on_started=None, resume: bool = False, force: bool = False,
+            resume_or_start: bool = False) -> dict:
     """Runs a job to its duration (or Ctrl+C) and returns the summary.
 
     Before Ray starts: :func:`preflight` checks the config against the built model and corpus,
@@ -365,6 +389,11 @@ def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] =
     duration_s = duration_s if duration_s is not None else config.run.duration_s
     requested = run_dir or config.run.run_dir.format(name=config.name)
     preflight(config)
+    if resume_or_start:   # an unattended restart (a RayJob retry): continue if there is a run
+        resume = resumable(requested)
+        if not quiet:
+            print(f"islands: {'resuming the run in' if resume else 'starting a new run in'} "
+                  f"{requested}", flush=True)
     run_dir = prepare_run_dir(requested, resume=resume, force=force)
     check_snapshot_dir(config, run_dir, resume)
     if run_dir != requested and not quiet:

@@ -140,6 +140,21 @@ def test_cli_run_refuses_a_used_run_dir_before_ray(tmp_path, capsys):
     assert not ray.is_initialized()
 
 
+def test_cli_run_into_a_run_dir_that_cannot_be_written_is_one_line_rc_2(tmp_path, capsys):
+    """Before, a run dir that could not be created ended in a traceback with rc 1."""
+    import ray
+
+    config = tmp_path / "job.yaml"
+    config.write_text("name: demo\n")
+    blocker = tmp_path / "a-file"       # (root writes anywhere: a file where a directory goes)
+    blocker.write_text("mine")
+    assert cli.main(["run", str(config), "--run-dir", str(blocker / "run")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot be created or written" in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1 and blocker.read_text() == "mine"
+    assert not ray.is_initialized()
+
+
 # -- the embedded cluster's address file ------------------------------------------------------
 
 @pytest.fixture

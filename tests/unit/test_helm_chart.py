@@ -325,6 +325,13 @@ def test_the_console_is_served_on_the_head_behind_its_service_and_token():
     assert job_config(off).console.enabled is False
 
 
+def test_a_kept_cluster_renders_no_ttl_which_kuberay_would_refuse():
+    kept = only(objects({"job": {"shutdownAfterJobFinishes": False}}), "RayJob")["spec"]
+    assert kept["shutdownAfterJobFinishes"] is False and "ttlSecondsAfterFinished" not in kept
+    ended = only(objects(), "RayJob")["spec"]
+    assert ended["shutdownAfterJobFinishes"] is True and ended["ttlSecondsAfterFinished"] == 600
+
+
 def test_head_is_cpu_only_and_declares_no_region():
     for case in CASES:
         head = cluster_spec(objects(example_values(case)))["headGroupSpec"]

@@ -200,3 +200,30 @@ def test_run_job_hands_resume_to_the_controller_and_a_host_to_serve_metrics(
     assert args == (config, os.path.abspath(str(tmp_path))) and kwargs == {"resume": resume}
     (_, args, _), = [c for c in calls if c[0] == "serve_metrics"]
     assert args == (9400, expected_host)
+
+
+def test_resume_or_start_starts_a_first_run_and_resumes_a_later_one(tmp_path):
+    from islands.orchestrator.job import resumable
+
+    path = tmp_path / "run"
+    assert not resumable(str(path))                         # nothing yet: a first run starts
+    assert prepare_run_dir(str(path), resume=False) == str(path)
+    (path / "events.jsonl").write_text("{}\n")
+    assert resumable(str(path))                             # a retry finds it and continues
+    assert prepare_run_dir(str(path), resume=True) == str(path)
+
+
+def test_a_run_dir_that_cannot_be_written_is_one_line_not_a_traceback(tmp_path):
+    import os
+
+    if os.geteuid() == 0:   # root writes anywhere: a file where a directory must go instead
+        blocked = tmp_path / "file"
+        blocked.write_text("mine")
+        target = blocked / "run"
+    else:
+        blocked = tmp_path / "ro"
+        blocked.mkdir(mode=0o500)
+        target = blocked / "run"
+    with pytest.raises(RunDirError, match="cannot be created or written"):
+        prepare_run_dir(str(target), False, False)
+    assert blocked.exists()
