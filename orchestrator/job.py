@@ -266,16 +266,12 @@ def check_snapshot_dir(config, run_dir: str, resume: bool) -> None:
                           "continue it, or change the job's name or syncer.checkpoint_dir")
 
 
-def check_capacity(config) -> None:
-    """A learner asking for a region, or for devices, that no node has would wait forever: say
-    which region is short (``region:<name>`` units, then the GPUs or TPU chips on the nodes that
-    carry the region, from ``ray.nodes()``)."""
-    import ray
-
+def capacity_problem(config, total: dict, nodes: list) -> Optional[str]:
+    """Which regions the cluster cannot hold yet (``region:<name>`` units, then the GPUs or TPU
+    chips on the nodes that carry the region), or None. ``total``: ``ray.cluster_resources()``;
+    ``nodes``: ``ray.nodes()``."""
     from .accelerators import region_shortage
 
-    total = ray.cluster_resources()
-    nodes = ray.nodes()
     short, devices_short = [], []
     for name, region in config.regions.items():
         if region.remote:  # its nodes are in its own cluster
@@ -292,12 +288,58 @@ def check_capacity(config) -> None:
         if problem:
             devices_short.append(problem)
     if short:
-        raise RuntimeError("; ".join(short + devices_short) + ". Start nodes with e.g. ray start "
-                           "--resources=" + json.dumps({f"region:{n}": r.learners + config.spares_of(n)
-                                                       for n, r in config.regions.items()}))
+        return ("; ".join(short + devices_short) + ". Start nodes with e.g. ray start "
+                "--resources=" + json.dumps({f"region:{n}": r.learners + config.spares_of(n)
+                                            for n, r in config.regions.items()}))
     if devices_short:
-        raise RuntimeError("; ".join(devices_short) + ". Add nodes with those devices and the "
-                           "region's resource, or ask for fewer learners or devices_per_host")
+        return ("; ".join(devices_short) + ". Add nodes with those devices and the region's "
+                "resource, or ask for fewer learners or devices_per_host")
+    return None
+
+
+def check_capacity(config) -> None:
+    """A learner asking for a region, or for devices, that no node has would wait forever:
+    raise now, saying which region is short."""
+    import ray
+
+    problem = capacity_problem(config, ray.cluster_resources(), ray.nodes())
+    if problem:
+        raise RuntimeError(problem)
+
+
+def wait_for_capacity(config, timeout_s: float, read=None, sleep=time.sleep,
+                      clock=time.monotonic, say=print, poll_s: float = 2.0,
+                      progress_every_s: float = 10.0) -> None:
+    """Waits until the cluster holds every region's learners, for at most ``timeout_s``
+    (``health.placement_timeout_s``), saying which region it waits for every
+    ``progress_every_s``. On Kubernetes the job is submitted once the head is up, while worker
+    pods (TPU slices above all) may still be provisioning: they join meanwhile.
+
+    Raises:
+      RuntimeError: still short at the deadline; the message names the region.
+    """
+    if read is None:
+        import ray
+
+        read = lambda: (ray.cluster_resources(), ray.nodes())  # noqa: E731
+    start = clock()
+    said = None
+    while True:
+        problem = capacity_problem(config, *read())
+        if problem is None:
+            if said is not None:
+                say(f"islands: the cluster holds every region after {clock() - start:.0f}s",
+                    flush=True)
+            return
+        waited = clock() - start
+        if waited >= timeout_s:
+            raise RuntimeError(f"{problem} (waited {waited:.0f}s for nodes to join: "
+                               "health.placement_timeout_s)")
+        if said is None or waited - said >= progress_every_s:
+            say(f"islands: waiting for capacity ({waited:.0f}s of {timeout_s:.0f}s): {problem}",
+                flush=True)
+            said = waited
+        sleep(min(poll_s, max(timeout_s - waited, 0.0)))
 
 
 def progress_line(snap: dict) -> str:
@@ -407,7 +449,11 @@ def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] =
     controller = None
     summary: dict = {}
     try:
-        check_capacity(config)
+        if started_cluster:   # the embedded cluster is what it is: nothing joins later
+            check_capacity(config)
+        else:
+            wait_for_capacity(config, config.health.placement_timeout_s,
+                              say=(lambda *a, **k: None) if quiet else print)
         controller = ray.remote(Controller).options(
             **controller_options(os.path.abspath(run_dir))).remote(
                 config, os.path.abspath(run_dir), resume=resume)

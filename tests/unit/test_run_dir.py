@@ -179,6 +179,7 @@ def test_run_job_hands_resume_to_the_controller_and_a_host_to_serve_metrics(
         earlier_run(tmp_path)
     monkeypatch.setattr(job, "start_ray", lambda config, address: embedded)
     monkeypatch.setattr(job, "check_capacity", lambda config: None)
+    monkeypatch.setattr(job, "wait_for_capacity", lambda config, timeout_s, **kw: None)
     monkeypatch.setattr(job, "_kill_job_actors", lambda controller: None)
     monkeypatch.setattr(job, "_forget_embedded_address", lambda: None)
     monkeypatch.setattr(ray, "shutdown", lambda: None)
@@ -227,3 +228,33 @@ def test_a_run_dir_that_cannot_be_written_is_one_line_not_a_traceback(tmp_path):
     with pytest.raises(RunDirError, match="cannot be created or written"):
         prepare_run_dir(str(target), False, False)
     assert blocked.exists()
+
+
+def test_the_job_waits_for_regions_that_join_later_and_gives_up_naming_them():
+    """KubeRay submits the job once the head is up; TPU worker pods may still be provisioning.
+    The job waits (bounded by health.placement_timeout_s, saying what it waits for) instead of
+    failing at once. A fake clock: the nodes of region a join at t = 20 s."""
+    from islands.orchestrator.config import parse
+    from islands.orchestrator.job import wait_for_capacity
+
+    config = parse({"name": "j", "regions": {"a": {"learners": 2}}})
+    now = [0.0]
+    said = []
+
+    def read():   # (cluster_resources(), nodes()) as Ray would answer at the fake time
+        return ({"CPU": 2.0, "region:a": 2.0 if now[0] >= 20.0 else 0.0}, [])
+
+    def sleep(s):
+        now[0] += s
+
+    wait_for_capacity(config, 60.0, read=read, sleep=sleep, clock=lambda: now[0],
+                      say=lambda line, **_: said.append(line))
+    assert now[0] == 20.0
+    assert said[0].startswith("islands: waiting for capacity (0s of 60s): region 'a' needs 2")
+    assert len(said) == 3   # waiting at 0 s and at 10 s, then the all-clear at 20 s
+    assert said[-1] == "islands: the cluster holds every region after 20s"
+    # Never joining: the same message, once the timeout is spent.
+    now[0] = 0.0
+    with pytest.raises(RuntimeError, match=r"region 'a' needs 2 .* \(waited 15s for nodes"):
+        wait_for_capacity(config, 15.0, read=lambda: ({"CPU": 2.0}, []), sleep=sleep,
+                          clock=lambda: now[0], say=lambda *a, **k: None)
