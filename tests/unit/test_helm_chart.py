@@ -332,6 +332,38 @@ def test_a_kept_cluster_renders_no_ttl_which_kuberay_would_refuse():
     assert ended["shutdownAfterJobFinishes"] is True and ended["ttlSecondsAfterFinished"] == 600
 
 
+def test_pod_values_reach_every_ray_pod_and_k8s_job_mode_is_admitted_and_locked_down():
+    values = {"pod": {"serviceAccountName": "trainer", "annotations": {"a": "b"},
+                      "affinity": {"nodeAffinity": {}}, "shmSize": "8Gi",
+                      "extraVolumes": [{"name": "data", "emptyDir": {}}],
+                      "extraVolumeMounts": [{"name": "data", "mountPath": "/data"}]},
+              "autoscaler": {"enabled": True, "options": {"idleTimeoutSeconds": 120}},
+              "job": {"submissionMode": "K8sJobMode"}}
+    objs = objects(values)
+    job = only(objs, "RayJob")
+    assert crd_errors(job) == []
+    spec = job["spec"]["rayClusterSpec"]
+    for group in [spec["headGroupSpec"]] + spec["workerGroupSpecs"]:
+        pod = group["template"]
+        assert pod["metadata"]["annotations"] == {"a": "b"}
+        assert pod["spec"]["serviceAccountName"] == "trainer" and "affinity" in pod["spec"]
+        volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+        assert volumes["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "8Gi"}
+        mounts = {m["mountPath"] for m in pod["spec"]["containers"][0]["volumeMounts"]}
+        assert {"/dev/shm", "/data"} <= mounts and "data" in volumes
+    # The autoscaler's container is as locked down as the chart's own.
+    assert spec["autoscalerOptions"]["idleTimeoutSeconds"] == 120
+    assert spec["autoscalerOptions"]["securityContext"]["allowPrivilegeEscalation"] is False
+    # K8sJobMode's submitter pod: the release's labels (so the NetworkPolicy admits it to 8265)
+    # and the restricted security contexts.
+    submitter = job["spec"]["submitterPodTemplate"]
+    policy = only(objs, "NetworkPolicy")["spec"]
+    assert policy["podSelector"]["matchLabels"].items() <= submitter["metadata"]["labels"].items()
+    container = submitter["spec"]["containers"][0]
+    assert container["securityContext"]["allowPrivilegeEscalation"] is False
+    assert submitter["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
 def test_head_is_cpu_only_and_declares_no_region():
     for case in CASES:
         head = cluster_spec(objects(example_values(case)))["headGroupSpec"]

@@ -247,6 +247,36 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- end }}
 {{- end -}}
 
+{{/* What every Ray pod of the release gets from `pod:` (service account, affinity, volumes). */}}
+{{- define "islands.podExtras" -}}
+{{- with .Values.pod.serviceAccountName }}
+serviceAccountName: {{ . }}
+{{- end }}
+{{- with .Values.pod.affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{- define "islands.podVolumes" -}}
+{{- with .Values.pod.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
+{{- with .Values.pod.shmSize }}
+- name: dshm
+  emptyDir: {medium: Memory, sizeLimit: {{ . }}}
+{{- end }}
+{{- end -}}
+
+{{- define "islands.podVolumeMounts" -}}
+{{- with .Values.pod.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
+{{- if .Values.pod.shmSize }}
+- {name: dshm, mountPath: /dev/shm}
+{{- end }}
+{{- end -}}
+
 {{/* The RayCluster spec, shared by the RayCluster and the RayJob. */}}
 {{- define "islands.rayClusterSpec" -}}
 {{- $root := . -}}
@@ -257,6 +287,14 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $workers := include "islands.workerRegions" . | fromJson -}}
 rayVersion: {{ .Values.rayVersion | quote }}
 enableInTreeAutoscaling: {{ .Values.autoscaler.enabled }}
+{{- if .Values.autoscaler.enabled }}
+{{- $opts := deepCopy .Values.autoscaler.options }}
+{{- if not (hasKey $opts "securityContext") }}
+{{- $_ := set $opts "securityContext" .Values.securityContext }}
+{{- end }}
+autoscalerOptions:
+  {{- toYaml $opts | nindent 2 }}
+{{- end }}
 {{- if .Values.auth.enabled }}
 authOptions:
   mode: token
@@ -274,7 +312,12 @@ headGroupSpec:
       labels:
         {{- include "islands.labels" . | nindent 8 }}
         app.kubernetes.io/component: head
+      {{- with .Values.pod.annotations }}
+      annotations:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
     spec:
+      {{- include "islands.podExtras" . | nindent 6 }}
       {{- if and (eq .Values.mode "job") (eq .Values.job.submissionMode "SidecarMode") }}
       restartPolicy: Never
       {{- end }}
@@ -330,7 +373,9 @@ headGroupSpec:
             {{- if and (not $isRegion) .Values.console.tokenSecret.name }}
             - {name: console-token, mountPath: /etc/islands-console, readOnly: true}
             {{- end }}
+            {{- include "islands.podVolumeMounts" . | nindent 12 }}
       volumes:
+        {{- include "islands.podVolumes" . | nindent 8 }}
         {{- if not $isRegion }}
         - name: job-config
           configMap:
@@ -418,7 +463,12 @@ workerGroupSpecs:
           {{- include "islands.labels" $root | nindent 10 }}
           app.kubernetes.io/component: worker
           islands/region: {{ $name }}
+        {{- with $root.Values.pod.annotations }}
+        annotations:
+          {{- toYaml . | nindent 10 }}
+        {{- end }}
       spec:
+        {{- include "islands.podExtras" $root | nindent 8 }}
         securityContext:
           {{- toYaml $root.Values.podSecurityContext | nindent 10 }}
         {{- with $root.Values.imagePullSecrets }}
@@ -450,8 +500,10 @@ workerGroupSpecs:
               - {containerPort: 8080, name: metrics}
             volumeMounts:
               - {name: islands-data, mountPath: /var/lib/islands}
+              {{- include "islands.podVolumeMounts" $root | nindent 14 }}
         volumes:
           - name: islands-data
             emptyDir: {}
+          {{- include "islands.podVolumes" $root | nindent 10 }}
 {{- end }}
 {{- end -}}
