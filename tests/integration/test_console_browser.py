@@ -8,7 +8,6 @@ docs/console.png (with ISLANDS_UPDATE_SCREENSHOT=1). One cluster and one job for
 import json
 import os
 import shutil
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -18,6 +17,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from islands.orchestrator.config import JobConfig  # noqa: E402
+from waiting import wait_for  # noqa: E402  (tests/integration/waiting.py)
 from islands.orchestrator.controller import (NAMESPACE, Controller,  # noqa: E402
                                              controller_options)
 
@@ -37,18 +37,6 @@ JOB = {
     "health": {"heartbeat_s": 0.5, "timeout_s": 8.0},
     "metrics": {"enabled": False, "goodput_window_s": 30},
 }
-
-
-def wait_for(predicate, timeout_s, what, every_s=0.2, describe=None):
-    """Polls real state until ``predicate()`` is truthy; fails naming ``what`` on timeout."""
-    deadline = time.time() + timeout_s
-    while time.time() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(every_s)
-    state = f"; state: {describe()}" if describe is not None else ""
-    raise AssertionError(f"timed out after {timeout_s}s waiting for {what}{state}")
 
 
 @pytest.fixture(scope="module")
