@@ -47,8 +47,20 @@ def example_values(case: str) -> dict:
         return yaml.safe_load(f)
 
 
+# The chart names no region by default: a test that names none gets this CPU region.
+LOCAL = {"learners": 2, "maxLearners": 3, "accelerator": {"type": "cpu"},
+         "resources": {"requests": {"cpu": "1", "memory": "2Gi"},
+                       "limits": {"cpu": "1", "memory": "2Gi"}}}
+
+
+def with_regions(values: dict | None) -> dict:
+    values = dict(values or {})
+    values.setdefault("regions", {"local": LOCAL})
+    return values
+
+
 def render(values: dict | None = None) -> dict[str, str]:
-    return chart().render(values or {}, name="demo", namespace="train")
+    return chart().render(with_regions(values), name="demo", namespace="train")
 
 
 def objects(values: dict | None = None) -> list[dict]:
@@ -150,7 +162,7 @@ def test_core_objects_match_kubernetes_schemas(case):
 
 @pytest.mark.parametrize("case", HOME_CASES)
 def test_rendered_job_config_passes_islands_validation(case):
-    values = example_values(case)
+    values = with_regions(example_values(case))
     objs = objects(values)
     text = next(o for o in objs if o["kind"] == "ConfigMap"
                 and o["metadata"]["name"] == "demo-islands-job")["data"]["job.yaml"]
@@ -213,7 +225,7 @@ def test_gpu_and_cpu_regions():
 
 
 def tpu_region(tpu_type="tpu-v5p-slice", topology="2x4x4", **extra):
-    return {"regions": {"local": {"disabled": True}, "big": {
+    return {"regions": {"big": {
         "learners": 2, "accelerator": {"type": "tpu", "tpuType": tpu_type, "topology": topology},
         "resources": {"requests": {"cpu": "1"}, "limits": {"cpu": "1"}}, **extra}}}
 
@@ -279,7 +291,8 @@ def test_job_config_carries_each_regions_devices(case, expected):
 
 
 def test_multi_host_gpu_groups_reach_the_job_as_hosts_per_learner():
-    values = {"regions": {"local": {"hostsPerLearner": 2, "accelerator": {"type": "gpu", "count": 2}}}}
+    values = {"regions": {"local": {**LOCAL, "hostsPerLearner": 2,
+                                    "accelerator": {"type": "gpu", "count": 2}}}}
     objs = objects(values)
     assert cluster_spec(objs)["workerGroupSpecs"][0]["numOfHosts"] == 2
     with pytest.raises(ValueError, match="regions.local.hosts_per_learner: 2 hosts per learner"):
@@ -288,7 +301,7 @@ def test_multi_host_gpu_groups_reach_the_job_as_hosts_per_learner():
 
 def test_warm_spares_are_pods_of_their_group_and_reach_the_job():
     """A spare is a learner process with a learner's devices: one more worker pod each."""
-    values = {"regions": {"local": {"learners": 2, "maxLearners": 3, "spares": 1,
+    values = {"regions": {"local": {**LOCAL, "spares": 1,
                                     "accelerator": {"type": "gpu", "count": 1}}}}
     objs = objects(values)
     group = cluster_spec(objs)["workerGroupSpecs"][0]
@@ -362,6 +375,17 @@ def test_pod_values_reach_every_ray_pod_and_k8s_job_mode_is_admitted_and_locked_
     container = submitter["spec"]["containers"][0]
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert submitter["spec"]["securityContext"]["runAsNonRoot"] is True
+
+
+def test_no_region_is_merged_into_a_users_values_and_none_is_refused_by_name():
+    """Before, a default `regions.local` CPU group was merged into every release (a fifth group
+    training the model on 1 CPU), and `regions: {}` did not remove it."""
+    objs = objects({"regions": {"us-east5": LOCAL}})
+    assert [g["groupName"] for g in cluster_spec(objs)["workerGroupSpecs"]] == ["us-east5"]
+    assert list(job_config(objs).regions) == ["us-east5"]
+    for values in ({}, {"regions": {}}):
+        with pytest.raises(Exception, match="regions: no region is named"):
+            chart().render(values, name="demo", namespace="train")
 
 
 def test_head_is_cpu_only_and_declares_no_region():
@@ -608,7 +632,7 @@ def test_home_release_serves_the_link_and_leaves_remote_regions_out():
 
 def test_link_server_defaults_are_cluster_ip_and_open_to_any_source():
     values = {"link": {"server": {"enabled": True, **LINK_SECRETS}},
-              "regions": {"far": {"learners": 2, "remote": True}}}
+              "regions": {"local": LOCAL, "far": {"learners": 2, "remote": True}}}
     objs = objects(values)
     service = next(o for o in objs if o["kind"] == "Service" and o["metadata"]["name"] == "demo-islands-link")
     assert service["spec"]["type"] == "ClusterIP" and service["spec"]["ports"][0]["port"] == 7443
@@ -632,7 +656,7 @@ def test_link_server_defaults_are_cluster_ip_and_open_to_any_source():
 
 def test_only_remote_regions_render_an_empty_worker_list():
     values = {"link": {"server": {"enabled": True, **LINK_SECRETS}},
-              "regions": {"local": {"disabled": True}, "far": {"learners": 2, "remote": True}}}
+              "regions": {"far": {"learners": 2, "remote": True}}}
     objs = objects(values)
     assert cluster_spec(objs)["workerGroupSpecs"] == []
     assert crd_errors(only(objs, "RayJob")) == []
@@ -675,7 +699,7 @@ def test_region_release_renders_one_worker_group_and_the_agent():
 
 
 def test_region_release_without_tls_secret_uses_system_roots():
-    values = {"regions": {"local": {"disabled": True}, "far": {
+    values = {"regions": {"far": {
         "learners": 1, "accelerator": {"type": "cpu"},
         "resources": {"requests": {"cpu": "1"}, "limits": {"cpu": "1"}}}},
         "job": {"extraArgs": ["--duration", "600"]},
@@ -701,11 +725,12 @@ def test_region_release_without_tls_secret_uses_system_roots():
      "jobConfig.link.port: set by the chart"),
     ({"link": {"region": {"enabled": True, "name": "far", "home": "h:7443",
                           "tokenSecret": {"name": "t"}}}}, 'link.region.name: "far" is not'),
-    ({"regions": {"far": {"learners": 1, "accelerator": {"type": "cpu"}, "resources": {
-        "requests": {"cpu": "1"}, "limits": {"cpu": "1"}}}},
+    ({"regions": {"local": LOCAL, "far": {"learners": 1, "accelerator": {"type": "cpu"},
+                                          "resources": {"requests": {"cpu": "1"},
+                                                        "limits": {"cpu": "1"}}}},
       "link": {"region": {"enabled": True, "name": "far", "home": "h:7443",
                           "tokenSecret": {"name": "t"}}}}, "renders only regions.far; disable the others"),
-    ({"regions": {"local": {"remote": True}},
+    ({"regions": {"local": {**LOCAL, "remote": True}},
       "link": {"region": {"enabled": True, "name": "local", "home": "h:7443",
                           "tokenSecret": {"name": "t"}}}}, "regions.local.remote: only a home release"),
 ])
