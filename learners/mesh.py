@@ -92,6 +92,25 @@ def _float32(x: Any) -> Any:
     return x.astype(np.float32) if isinstance(x, jax.Array) else np.asarray(x, np.float32)
 
 
+def put(x: Any, sharding: NamedSharding) -> jax.Array:
+    """``jax.device_put``, without multi-controller JAX's check that a host value is the same on
+    every process (an all-gather of the whole value in every call): every host of a multi-host
+    unit holds the same value by construction (learners/gang.py), and a batch or a fragment is
+    placed at every step."""
+    if sharding.is_fully_addressable or (isinstance(x, jax.Array)
+                                         and not x.is_fully_addressable):
+        return jax.device_put(x, sharding)
+    host = np.asarray(x)
+    return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
+
+
+def put_tree(tree: Any, shardings: Any) -> Any:
+    """``put`` over a tree; ``shardings`` is one sharding or a tree like ``tree``."""
+    if isinstance(shardings, NamedSharding):
+        return jax.tree_util.tree_map(lambda x: put(x, shardings), tree)
+    return jax.tree_util.tree_map(put, tree, shardings)
+
+
 def _is_spec(x: Any) -> bool:
     return isinstance(x, PartitionSpec)
 
@@ -171,11 +190,11 @@ class Layout:
         return NamedSharding(self.mesh, PartitionSpec(AXIS))
 
     def place_params(self, params: Any) -> Any:
-        return jax.device_put(jax.tree_util.tree_map(_float32, params), self.params)
+        return put_tree(jax.tree_util.tree_map(_float32, params), self.params)
 
     def place_opt_state(self, opt_state: Any) -> Any:
         """A peer's (numpy) inner state, or one made here, laid out like this learner's."""
-        return jax.device_put(opt_state, self.opt_state)
+        return put_tree(opt_state, self.opt_state)
 
     def init_opt_state(self, optimizer: optax.GradientTransformation, params: Any) -> Any:
         """A fresh inner state, made directly in its slices (no whole copy on one device)."""
@@ -183,14 +202,14 @@ class Layout:
 
     def place_fragment(self, fragment: dict) -> dict:
         """A fragment from the syncer (host arrays), as float32 arrays sliced like the params."""
-        return {path: jax.device_put(_float32(value), self.by_path[path])
+        return {path: put(_float32(value), self.by_path[path])
                 for path, value in fragment.items()}
 
     def place_step(self, step: Any) -> Any:
         """A ``task.Step`` with its batch split by rows over the mesh (the index stays a host
         scalar: every device folds the same step rng from it)."""
         check_batch(step.batch, self.num_devices)
-        return step._replace(batch=jax.device_put(step.batch, self.rows))
+        return step._replace(batch=put_tree(step.batch, self.rows))
 
     def jit_step(self, train_step: Callable) -> Callable:
         """The train step with its outputs pinned to the layout, so the params and inner state

@@ -20,6 +20,8 @@ from islands import CARRY_OVERLAP
 from islands.syncer import downlink as downlink_lib
 from islands.syncer.codec_kinds import DEFAULT_BLOCK_SIZE
 
+from .gang import replay
+
 log = logging.getLogger("islands.learner")
 
 
@@ -78,6 +80,10 @@ class LearnerSpec:
     # runtime_env, which would make Ray start a dedicated worker process for every restart
     # instead of taking a pre-started one (about a second of each recovery).
     env: dict = field(default_factory=dict)
+    # A unit of several hosts (learners/gang.py): this actor is host 0 and starts the others
+    # in its placement group's other bundles, with these Ray options (CPUs, devices, region).
+    hosts: int = 1
+    member_options: dict = field(default_factory=dict)
 
 
 BUILTIN_TASK = "islands.tasks.bytelm:task"
@@ -243,6 +249,8 @@ class LearnerUnit:
                                       "refused": 0, "adopted": 0, "reregistered": 0,
                                       "ready_at": None}
         self.core = None
+        self.gang = None            # the other hosts of a multi-host unit (learners/gang.py)
+        self.gang_calls: list = []  # core calls since the last step, for them to replay
         self.prepared: Optional[dict] = None     # what ``prepare`` built (no learner identity)
         self.prepare_lock = threading.Lock()
         self.promoted = threading.Event()
@@ -420,6 +428,11 @@ class LearnerUnit:
         if self.spec.spare and not self.promoted.wait(timeout=60.0):
             raise RuntimeError(f"{self.spec.learner} is a spare: promote it before run")
         t_start = time.time()
+        if self.spec.hosts > 1 and self.gang is None:
+            from .gang import Gang
+
+            self.gang = Gang(self.spec)
+            self.gang.join()   # jax.distributed over the unit, before JAX runs anything here
         if self.prepared is None:
             self.prepare()
         prepared = self.prepared
@@ -430,7 +443,8 @@ class LearnerUnit:
         # Exact resume: the first batch is the one at start_step (the stream opens there).
         first_batch = stream.batch_at(spec.start_step).batch
         tokens_per_batch = int(task.tokens(first_batch))
-        layout = learner_layout(tspec, task, template, optimizer, first_batch)
+        layout = learner_layout(tspec, task, template, optimizer, first_batch,
+                                jax.devices() if self.gang is not None else None)
         train_step, batch_at = meshed_steps(layout, train_step, stream.batch_at)
         self.controller = prepared["controller"]
         reg = self._register_all()
@@ -450,6 +464,12 @@ class LearnerUnit:
                 opt_state = ray.get(peer.inner_state.remote(), timeout=10)
             except Exception as exc:  # a peer that died meanwhile: start a fresh inner state
                 log.warning("%s: no inner state from %s (%s)", spec.learner, spec.peer, exc)
+        if self.gang is not None:
+            from .gang import StartState
+
+            self.gang.start(StartState(spec.learner, spec.incarnation, spec.shard_index,
+                                       spec.num_shards, spec.start_step, flat,
+                                       tuple(reg["versions"]), reg["session"], opt_state))
         params, opt_state = place_learner_state(layout, optimizer, params, opt_state)
         with self.lock:
             self.core = _learner_core(tspec, spec.learner, params, opt_state, reg["versions"],
@@ -500,7 +520,9 @@ class LearnerUnit:
                 ready = [a for a in arrived if a[0] <= t0]
                 for item in ready:
                     arrived.remove(item)
-                    core.offer_reply(item[1], item[2], item[3])
+                    self._core("offer_reply", item[1], item[2], item[3])
+                if self.gang is not None:
+                    self._gang_step()
                 with self.lock:
                     adopted = loop.adopt()
                     self.stats["adopted"] += len(adopted)
@@ -549,6 +571,8 @@ class LearnerUnit:
                     self.stop_event.wait(pad)
         finally:
             sender.close()
+            if self.gang is not None:
+                self.gang.stop()
             self.state = "stopped"
             self._beat(core, step_time_ema)
 
@@ -557,7 +581,7 @@ class LearnerUnit:
         import ray
 
         for push in sender.take_failed():
-            self.core.push_refused(push.fragment)
+            self._core("push_refused", push.fragment)
             self._reregister(self.shard_of[push.fragment])
         for ref, push in sender.finished():
             try:
@@ -565,7 +589,7 @@ class LearnerUnit:
             except ray.exceptions.RayActorError:
                 # The syncer (shard) died: this push is lost. Register with its successor (new
                 # epoch); the other shards' fragments go on as they were.
-                self.core.push_refused(push.fragment)
+                self._core("push_refused", push.fragment)
                 self._reregister(self.shard_of[push.fragment])
                 continue
             if reply.status == "merged":
@@ -579,7 +603,7 @@ class LearnerUnit:
                 reason = reply.reason if reply.status == "rejected" else reply.status
                 with self.lock:
                     self.stats["refused"] += reply.status == "rejected"
-                    self.core.refused(push.fragment, reason, reply.params, reply.version)
+                    self._core("refused", push.fragment, reason, reply.params, reply.version)
                 if reason in ("stale_epoch", "unknown_learner", "bad_session"):
                     self._reregister(self.shard_of[push.fragment])
 
@@ -613,6 +637,24 @@ class LearnerUnit:
         order = sorted(fragments)
         return {"fragments": [fragments[p] for p in order],
                 "versions": [versions[p] for p in order], "session": session}
+
+    def _core(self, method: str, *args) -> None:
+        """A call that changes the core outside the step itself. In a multi-host unit it waits
+        for the next step: every host then makes the unit's calls in the same order (each may
+        run a program over the unit's devices, learners/gang.py)."""
+        if self.gang is not None:
+            self.gang_calls.append((method, args))
+            return
+        replay(self.core, [(method, args)])
+
+    def _gang_step(self) -> None:
+        """A unit's step starts: its other hosts get the calls made since the last step and the
+        step's push epochs, then this host makes the same calls."""
+        self.gang.check()
+        with self.lock:
+            calls, self.gang_calls = self.gang_calls, []
+            self.gang.step(calls, self.fragment_epochs())
+            replay(self.core, calls)
 
     def fragment_epochs(self) -> list[int]:
         """Per fragment, the epoch of the syncer shard that owns it (what its pushes carry)."""
@@ -656,13 +698,13 @@ class LearnerUnit:
         if reg["epoch"] == self.epochs[syncer_shard]:
             # Same syncer, a new session: the drift stays as it is.
             with self.lock:
-                self.core.session = reg["session"]
+                self._core("session", reg["session"])
             return
         self.epochs[syncer_shard] = reg["epoch"]
         self.epoch = self.epochs[0]
         ids = reg.get("fragment_ids") if self.spec.syncer_shards > 1 else None
         with self.lock:
-            self.core.reregistered(reg["fragments"], reg["versions"], reg["session"], ids)
+            self._core("reregistered", reg["fragments"], reg["versions"], reg["session"], ids)
             self.stats["reregistered"] += 1
 
     def _beat(self, core, step_time_ema) -> None:

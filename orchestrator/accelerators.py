@@ -183,15 +183,66 @@ def _whole(key: str, value: float, what: str) -> int:
     return int(value)
 
 
-def multi_host_problem(devices: LearnerDevices) -> Optional[str]:
-    """Why a region's learners cannot run yet, or None: a learner spanning several hosts needs
-    a gang of processes joined by jax.distributed, which is not built."""
+def unit_problem(devices: LearnerDevices, sharding: str, spares: int) -> Optional[str]:
+    """Why a region's multi-host units cannot run as configured, or None. A unit's hosts replay
+    its leader's steps on replicated parameters (learners/gang.py): FSDP across hosts and warm
+    spares of a whole gang are not built yet."""
     if devices.hosts == 1:
         return None
     what = (f"tpu {devices.tpu_type} {devices.topology} spans {devices.hosts} hosts"
             if devices.accelerator == "tpu" else f"{devices.hosts} hosts per learner")
-    return (f"{what}: multi-host learner units are not supported yet; use a single-host "
-            "topology or hosts_per_learner: 1")
+    if sharding != "replicated":
+        return (f"learner.sharding: {sharding!r} with {what}: a multi-host unit keeps its "
+                "parameters replicated (FSDP across hosts is not supported yet); use "
+                "sharding: replicated or one host per learner")
+    if spares:
+        return (f"health.spares: {spares} spare(s) for a region whose units span several "
+                f"hosts ({what}): warm spares of multi-host units are not supported yet")
+    return None
+
+
+def unit_bundle(region: str, devices: LearnerDevices, cpus: float) -> dict:
+    """One host's bundle of a unit's placement group: the learner's CPU share, one unit of
+    ``region:<region>`` and the host's devices.
+
+    >>> unit_bundle("eu", learner_devices("gpu", 2, 2), 0.25)
+    {'CPU': 0.25, 'region:eu': 1, 'GPU': 2}
+    """
+    bundle = {"CPU": cpus, f"region:{region}": 1}
+    if devices.ray_resource is not None:
+        bundle[devices.ray_resource] = devices.devices_per_host
+    return bundle
+
+
+def gang_strategy(devices: LearnerDevices, region_nodes: int) -> str:
+    """How a unit's bundles are placed: one host each on distinct nodes where the region has
+    enough nodes (always for a TPU slice: its hosts are separate VMs), else packed onto as few
+    as possible (a laptop or one big machine standing in for several hosts).
+
+    >>> gang_strategy(learner_devices("cpu", 1, 2), 1), gang_strategy(learner_devices("cpu", 1, 2), 3)
+    ('PACK', 'STRICT_SPREAD')
+    """
+    if devices.accelerator == "tpu" or region_nodes >= devices.hosts:
+        return "STRICT_SPREAD"
+    return "PACK"
+
+
+def tpu_slice_request(devices: LearnerDevices, region: str, cpus: float, name: str) -> dict:
+    """The keyword arguments of ``ray.util.tpu.slice_placement_group`` that reserve one multi-host
+    TPU unit: the slice's topology and generation, one bundle per host with all its chips, the
+    learner's CPU share and the region's marker, detached (the unit outlives a controller
+    restart) and named so a restarted controller can release it.
+
+    >>> tpu_slice_request(learner_devices("tpu", tpu_type="v5p", topology="2x2x2"), "eu", 0.25,
+    ...                   "islands-unit:eu:0:0")["resources_per_bundle"]
+    {'CPU': 0.25, 'region:eu': 1, 'TPU': 4}
+    """
+    if devices.accelerator != "tpu":
+        raise ValueError(f"a {devices.accelerator} learner reserves no TPU slice")
+    return {"topology": devices.topology,
+            "accelerator_version": TPU_GENERATIONS[devices.tpu_type].ray_version,
+            "resources_per_bundle": unit_bundle(region, devices, cpus),
+            "strategy": "STRICT_SPREAD", "name": name, "lifetime": "detached"}
 
 
 def ray_request(devices: LearnerDevices) -> dict:
@@ -239,15 +290,18 @@ def region_shortage(region: str, learners: int, devices: LearnerDevices,
     marker = f"region:{region}"
     have = [float(n.get("Resources", {}).get(resource, 0.0)) for n in nodes
             if n.get("Alive") and n.get("Resources", {}).get(marker, 0.0) > 0]
-    per_learner = devices.devices_per_host
-    fits = sum(int(h / per_learner + 1e-9) for h in have)
-    if fits >= learners:
+    per_host = devices.devices_per_host
+    hosts = learners * devices.hosts   # each host of a unit holds its devices on one node
+    fits = sum(int(h / per_host + 1e-9) for h in have)
+    if fits >= hosts:
         return None
-    need = learners * per_learner
-    line = (f"region {region}: {learners} learners × {per_learner:g} {resource} need "
+    need = hosts * per_host
+    of = f"{learners} learners" + (f" × {devices.hosts} hosts" if devices.hosts > 1 else "")
+    line = (f"region {region}: {of} × {per_host:g} {resource} need "
             f"{need:g} {resource} on nodes with {marker}, the cluster has {sum(have):g}")
     if sum(have) + 1e-9 >= need:
-        line += (f" (spread over {len(have)} nodes, room for {fits} learners: a learner's "
+        room = f"{fits} learners" if devices.hosts == 1 else f"{fits} hosts"
+        line += (f" (spread over {len(have)} nodes, room for {room}: a learner's "
                  "devices must be on one node)")
     return line
 

@@ -140,9 +140,10 @@ def learner_spec(config, training: TrainingSpec, launch, corpus_ref=None,
                  env: Optional[dict] = None) -> LearnerSpec:
     """The spec of one learner incarnation the fleet decided to launch (a ``fleet.Launch``);
     ``env`` (``runtime.single_thread_env``) gets the region's device platform and flags."""
-    from .runtime import learner_env
+    from .runtime import host_options, learner_env
 
     region = config.regions[launch.region]
+    devices = region.devices()
     return LearnerSpec(
         learner=launch.learner, shard_index=launch.shard % launch.num_shards,
         num_shards=launch.num_shards, training=training, incarnation=launch.incarnation,
@@ -150,8 +151,10 @@ def learner_spec(config, training: TrainingSpec, launch, corpus_ref=None,
         min_step_time_s=config.learner.min_step_time_s, latency_ms=region.latency_ms,
         bandwidth_gbps=region.bandwidth_gbps, heartbeat_s=config.health.heartbeat_s,
         peer=f"islands:{launch.peer_actor or launch.peer}" if launch.peer else None,
-        corpus_ref=corpus_ref, env=learner_env(env or {}, region.devices()),
-        syncer_shards=config.syncer.shards, profiler=config.learner.profiler)
+        corpus_ref=corpus_ref, env=learner_env(env or {}, devices),
+        syncer_shards=config.syncer.shards, profiler=config.learner.profiler,
+        hosts=devices.hosts,
+        member_options=host_options(launch.region, devices) if devices.hosts > 1 else {})
 
 
 # What a promoted spare takes from the learner spec it stands in for (the rest is the job's).

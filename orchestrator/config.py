@@ -237,9 +237,7 @@ class RegionSection(_Section):
                              "learners")
         if any(f <= 0 for f in factors):
             raise ValueError(f"speed_factors: each must be > 0, got {factors}")
-        problem = accelerators.multi_host_problem(self.devices())   # ValueError naming the key
-        if problem:
-            raise ValueError(f"hosts_per_learner: {problem}")
+        self.devices()   # ValueError naming the key
         return self
 
     def devices(self) -> accelerators.LearnerDevices:
@@ -490,6 +488,12 @@ class JobConfig(_Section):
                                       "agent starts its learners (spares are not supported there)")
         elif spares < 0:
             raise _FieldError("health.spares", f"must be >= 0, got {spares}")
+        for name, region in self.regions.items():
+            problem = accelerators.unit_problem(region.devices(), self.learner.sharding,
+                                                self.spares_of(name))
+            if problem:   # "key: why", the key named first
+                key, why = problem.split(": ", 1)
+                raise _FieldError(key, f"region {name!r}: {why}")
         if self.chaos is not None:
             learners, regions = set(self.learner_ids()), set(self.regions)
             syncers = {"syncer"} | {f"syncer:{s}" for s in range(self.syncer.shards)}
@@ -519,8 +523,10 @@ class JobConfig(_Section):
         return int(spares.get(region, 0) if isinstance(spares, dict) else spares)
 
     def region_resources(self) -> dict[str, float]:
-        return {f"region:{name}": float(max(region.learners, region.max_learners or 0)
-                                        + self.spares_of(name))
+        """One ``region:<name>`` unit per host of each learner and spare (a unit of H hosts
+        holds H)."""
+        return {f"region:{name}": float((max(region.learners, region.max_learners or 0)
+                                         + self.spares_of(name)) * region.devices().hosts)
                 for name, region in self.regions.items() if not region.remote}
 
     def speed_factor(self, learner_id: str) -> float:

@@ -29,7 +29,8 @@ from .fleet import SlotState
 from .metrics import window_to_save
 from .snapshot import finite
 from .runtime import (CONTROLLER_NAME, NAMESPACE, SYNCER_NAME, controller_options,  # noqa: F401
-                      enable_compile_cache, learner_actor_name, learner_options, single_thread_env,
+                      enable_compile_cache, learner_actor_name, learner_options, release_unit,
+                      reserve_unit, single_thread_env,
                       syncer_options)
 
 log = logging.getLogger("islands.controller")
@@ -539,8 +540,10 @@ class Controller:
 
         total = ray.cluster_resources()
         alive = frozenset(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
-        return fleet_lib.Cluster({r: total.get(f"region:{r}", 0.0) for r in self.config.regions},
-                                 alive)
+        # Whole units: a unit of H hosts takes H of its region's resource.
+        return fleet_lib.Cluster({r: float(int(total.get(f"region:{r}", 0.0)
+                                               / self.config.regions[r].devices().hosts + 1e-9))
+                                  for r in self.config.regions}, alive)
 
     def _applied(self) -> fleet_lib.Applied:
         ledger = self.syncer_status.get("ledger", {})
@@ -601,11 +604,16 @@ class Controller:
             handle = spare.handle
             handle.promote.remote(build.identity(spec))
         else:
+            devices = build.learner_devices(self.config, a.region)
+            # A multi-host unit: one bundle per host, reserved as a gang; host 0 starts the rest.
+            group = (reserve_unit(a.learner, a.incarnation, a.region, devices)
+                     if devices.hosts > 1 else None)
             try:
                 handle = ray.remote(LearnerUnit).options(
-                    **learner_options(a.learner, a.region,
-                                      build.learner_devices(self.config, a.region))).remote(spec)
+                    **learner_options(a.learner, a.region, devices, group)).remote(spec)
             except ValueError as exc:  # the dead actor's name is not released yet: retry soon
+                if group is not None:
+                    release_unit(a.learner, a.incarnation)
                 self.inbox.put((fleet_lib.LaunchFailed(a.learner, a.incarnation, str(exc)),
                                 None))
                 return
@@ -710,6 +718,9 @@ class Controller:
         inc = self.running.pop(learner, None)
         if inc is None:
             return
+        if not inc.remote and learner in self.fleet.slots and self.config.regions[
+                self.fleet.slots[learner].region].devices().hosts > 1:
+            release_unit(learner, inc.number)   # its actors have ended: free the gang's hosts
         closed = self.closed.setdefault(learner, {"steps": 0, "up": 0, "down": 0})
         beat = inc.beat
         start = int(self.fleet.slots[learner].start_step) if learner in self.fleet.slots else 0

@@ -278,9 +278,11 @@ def capacity_problem(config, total: dict, nodes: list) -> Optional[str]:
             continue
         have = total.get(f"region:{name}", 0.0)
         spares = config.spares_of(name)   # a warm spare holds a learner's resources
-        need = region.learners + spares
+        hosts = region.devices().hosts    # one region unit per host of a learner
+        need = (region.learners + spares) * hosts
         if have < need:
             of = f" ({region.learners} learners + {spares} spares)" if spares else ""
+            of += f" ({region.learners} learners × {hosts} hosts)" if hosts > 1 else ""
             short.append(f"region {name!r} needs {need} 'region:{name}' resources{of}, "
                          f"the cluster has {have:g}")
             continue
@@ -289,8 +291,8 @@ def capacity_problem(config, total: dict, nodes: list) -> Optional[str]:
             devices_short.append(problem)
     if short:
         return ("; ".join(short + devices_short) + ". Start nodes with e.g. ray start "
-                "--resources=" + json.dumps({f"region:{n}": r.learners + config.spares_of(n)
-                                            for n, r in config.regions.items()}))
+                "--resources=" + json.dumps({k: v for k, v in config.region_resources().items()
+                                            if v}))
     if devices_short:
         return ("; ".join(devices_short) + ". Add nodes with those devices and the region's "
                 "resource, or ask for fewer learners or devices_per_host")

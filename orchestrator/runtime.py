@@ -4,8 +4,10 @@ XLA environment and the shared persistent compilation cache."""
 from __future__ import annotations
 
 import os
+from typing import Any
 
-from .accelerators import LearnerDevices, ray_request, xla_device_flags
+from .accelerators import (LearnerDevices, gang_strategy, ray_request, tpu_slice_request,
+                           unit_bundle, xla_device_flags)
 
 NAMESPACE = "islands"
 CONTROLLER_NAME = "islands:controller"
@@ -41,14 +43,64 @@ def syncer_options(jax_cache_dir: str) -> dict:
 
 
 def learner_options(learner: str, region: str,
-                    devices: LearnerDevices = LearnerDevices()) -> dict:
+                    devices: LearnerDevices = LearnerDevices(), group: Any = None) -> dict:
     """Ray options for a learner of ``region``: a unit of ``region:<name>``, its CPU share and its
-    devices (``build.learner_devices``), so Ray reserves them and sets what the learner sees."""
+    devices (``build.learner_devices``), so Ray reserves them and sets what the learner sees.
+    ``group``: a multi-host unit's placement group; the learner is its host 0 (bundle 0)."""
+    options = dict(name=learner_actor_name(learner), namespace=NAMESPACE, max_restarts=0,
+                   max_concurrency=8, lifetime="detached", **host_options(region, devices))
+    if group is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=0)
+    return options
+
+
+def host_options(region: str, devices: LearnerDevices) -> dict:
+    """What one host of a learner unit asks Ray for: its CPU share, one ``region:<name>`` unit
+    and the host's devices (a unit's other hosts get these, placed in their own bundles)."""
     request = ray_request(devices)
     resources = {f"region:{region}": 1, **request.pop("resources", {})}
-    return dict(name=learner_actor_name(learner), namespace=NAMESPACE, num_cpus=CPUS["learner"],
-                max_restarts=0, max_concurrency=8, resources=resources, lifetime="detached",
-                **request)
+    return dict(num_cpus=CPUS["learner"], resources=resources, **request)
+
+
+def unit_group_name(learner: str, incarnation: int) -> str:
+    """The placement group of one incarnation of a multi-host unit: named, so a restarted
+    controller finds and releases it."""
+    return f"islands-unit:{learner}:{incarnation}"
+
+
+def reserve_unit(learner: str, incarnation: int, region: str, devices: LearnerDevices) -> Any:
+    """Asks Ray for a multi-host unit's placement group, one bundle per host (a TPU slice
+    through ``ray.util.tpu``); the unit's actors wait in Ray until it is placed."""
+    import ray
+    from ray.util.placement_group import placement_group
+
+    name = unit_group_name(learner, incarnation)
+    if devices.accelerator == "tpu":
+        from ray.util.tpu import slice_placement_group
+
+        request = tpu_slice_request(devices, region, CPUS["learner"], name)
+        return slice_placement_group(**request).placement_group
+    marker = f"region:{region}"
+    nodes = sum(1 for n in ray.nodes()
+                if n.get("Alive") and n.get("Resources", {}).get(marker, 0.0) > 0)
+    bundle = unit_bundle(region, devices, CPUS["learner"])
+    return placement_group([dict(bundle) for _ in range(devices.hosts)],
+                           strategy=gang_strategy(devices, nodes), name=name,
+                           lifetime="detached")
+
+
+def release_unit(learner: str, incarnation: int) -> None:
+    """Frees a unit incarnation's placement group (its actors are ended first); gone already
+    is fine."""
+    from ray.util.placement_group import get_placement_group, remove_placement_group
+
+    try:
+        remove_placement_group(get_placement_group(unit_group_name(learner, incarnation)))
+    except Exception:   # never created, or released already
+        pass
 
 
 def learner_env(base: dict, devices: LearnerDevices) -> dict:

@@ -91,14 +91,6 @@ def test_defaults_are_one_cpu_device_on_one_host():
 
 
 @pytest.mark.parametrize("fields, message", [
-    ({"accelerator": "tpu", "tpu_type": "v6e", "topology": "4x4"},
-     "regions.us-east.hosts_per_learner: tpu v6e 4x4 spans 4 hosts: multi-host learner units "
-     "are not supported yet"),
-    ({"accelerator": "tpu", "tpu_type": "v5p", "topology": "2x2x2"},
-     "regions.us-east.hosts_per_learner: tpu v5p 2x2x2 spans 2 hosts: multi-host"),
-    ({"accelerator": "gpu", "hosts_per_learner": 2},
-     "regions.us-east.hosts_per_learner: 2 hosts per learner: multi-host learner units are not "
-     "supported yet"),
     ({"accelerator": "gpu", "devices_per_host": 1.5},
      "regions.us-east.devices_per_host: more than one GPU must be a whole number, got 1.5"),
     ({"devices_per_host": 2.5},
@@ -121,6 +113,59 @@ def test_defaults_are_one_cpu_device_on_one_host():
 ])
 def test_config_refusals_name_the_region_and_key(fields, message):
     assert message in refusal(**fields)
+
+
+def test_multi_host_units_are_accepted_with_their_hosts():
+    assert region(accelerator="tpu", tpu_type="v6e", topology="4x4").devices().hosts == 4
+    assert region(accelerator="tpu", tpu_type="v5p", topology="2x2x2").devices().hosts == 2
+    assert region(accelerator="gpu", hosts_per_learner=2).devices().hosts == 2
+    cpu = parse({"regions": {"us-east": {"learners": 2, "hosts_per_learner": 2}}})
+    assert cpu.region_resources() == {"region:us-east": 4.0}   # a region unit per host
+
+
+@pytest.mark.parametrize("top, message", [
+    ({"learner": {"sharding": "fsdp"}},
+     "learner.sharding: region 'us-east': 'fsdp' with 2 hosts per learner: a multi-host unit "
+     "keeps its parameters replicated"),
+    ({"health": {"spares": 1}},
+     "health.spares: region 'us-east': 1 spare(s) for a region whose units span several hosts"),
+])
+def test_what_multi_host_units_do_not_do_yet_is_refused_by_key(top, message):
+    with pytest.raises(ConfigError) as info:
+        parse({"regions": {"us-east": {"learners": 2, "hosts_per_learner": 2}}, **top})
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_unit_bundles_and_placement():
+    gpu = acc.learner_devices("gpu", 8, 2)
+    assert acc.unit_bundle("eu", gpu, 0.25) == {"CPU": 0.25, "region:eu": 1, "GPU": 8}
+    assert acc.gang_strategy(gpu, 1) == "PACK" and acc.gang_strategy(gpu, 2) == "STRICT_SPREAD"
+    tpu = acc.learner_devices("tpu", tpu_type="v6e", topology="4x4")
+    assert acc.gang_strategy(tpu, 1) == "STRICT_SPREAD"   # a slice's hosts are separate VMs
+    # 2 units of 2 GPU hosts need 4 nodes' worth of 8 GPUs
+    nodes = [{"Alive": True, "Resources": {"region:eu": 2, "GPU": 8}} for _ in range(3)]
+    assert acc.region_shortage("eu", 2, gpu, nodes) == (
+        "region eu: 2 learners × 2 hosts × 8 GPU need 32 GPU on nodes with region:eu, the "
+        "cluster has 24")
+    assert acc.region_shortage("eu", 1, gpu, nodes) is None
+
+
+def test_tpu_slice_request_fits_ray_util_tpu():
+    """What the controller asks ``ray.util.tpu.slice_placement_group`` for, bound against its
+    real signature (reserving needs TPU nodes, which CI has none of)."""
+    import inspect
+
+    from ray.util import tpu as ray_tpu
+
+    devices = acc.learner_devices("tpu", tpu_type="v6e", topology="4x4")
+    request = acc.tpu_slice_request(devices, "eu", 0.25, "islands-unit:eu:0:3")
+    bound = inspect.signature(ray_tpu.SlicePlacementGroup).bind(**request)
+    assert bound.arguments["accelerator_version"] == "v6e"
+    assert bound.arguments["topology"] == "4x4"
+    assert request["resources_per_bundle"] == {"CPU": 0.25, "region:eu": 1, "TPU": 4}
+    # one bundle per host: Ray divides the slice's chips by the bundle's TPU
+    assert acc.topology_chips("4x4") // request["resources_per_bundle"]["TPU"] == devices.hosts
+    assert ray_tpu.get_chips_per_host("4x4", "v6e") == 4
 
 
 # -- what a learner asks Ray for, and its environment ----------------------------------------------
