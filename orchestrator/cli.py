@@ -93,10 +93,10 @@ non_negative_seconds = _number("seconds", 0.0, True, "a delay in seconds")
 
 
 def format_status(table: dict) -> str:
-    rows = [("LEARNER", "REGION", "STATE", "STEP", "TOKENS", "RESTARTS", "LAST BEAT")]
+    rows = [("LEARNER", "REGION", "UNIT", "STATE", "STEP", "TOKENS", "RESTARTS", "LAST BEAT")]
     for name, l in sorted(table["learners"].items()):
         beat = l.get("last_heartbeat_s")
-        rows.append((name, l["region"], l["state"], str(l.get("step") or 0),
+        rows.append((name, l["region"], l.get("unit") or "-", l["state"], str(l.get("step") or 0),
                      f"{int(l.get('tokens_done') or 0):,d}", str(sum(l["restarts"].values())),
                      "-" if beat is None else f"{beat:.1f}s ago"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]

@@ -32,6 +32,16 @@ class LearnerRow:
     wire_bytes_up_total: int
     wire_bytes_down_total: int
     slow_tolerated: int = 0      # incarnations let train on slow (after one straggler restart)
+    unit: str = "1×1 cpu"        # hosts × devices per host, and the accelerator
+
+
+def unit_shape(controller: Any, region: str) -> str:
+    """"2×4 tpu": a region's learner unit as hosts × devices per host."""
+    try:
+        d = controller.config.regions[region].devices()
+    except KeyError:   # a region scaled away
+        return "-"
+    return f"{d.hosts}×{d.devices_per_host:g} {d.accelerator}"
 
 
 @dataclass(frozen=True)
@@ -136,7 +146,7 @@ def job_snapshot(controller: Any) -> JobSnapshot:
             timings=beat.get("timings"), steps_total=closed.get("steps", 0) + current_steps,
             wire_bytes_up_total=closed.get("up", 0) + up_now,
             wire_bytes_down_total=closed.get("down", 0) + down_now,
-            slow_tolerated=slot.slow_tolerated)
+            slow_tolerated=slot.slow_tolerated, unit=unit_shape(controller, slot.region))
     states = collections.Counter(row.state for row in learners.values())
     wire = {region: {"up": 0, "down": 0} for region in controller.config.regions}
     restarts: collections.Counter = collections.Counter()

@@ -11,6 +11,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from islands.learners.gang import member_name  # noqa: E402
+from islands.orchestrator.cli import format_status  # noqa: E402
 from islands.orchestrator.config import JobConfig  # noqa: E402
 from islands.orchestrator.controller import (NAMESPACE, SYNCER_NAME, Controller,  # noqa: E402
                                              controller_options)
@@ -66,6 +67,11 @@ def test_a_two_host_unit_trains_beside_one_host_learners_and_loss_falls(job):
     # Both regions' pushes are merged by the one syncer.
     wait_for(lambda: all((s.get("step") or 0) >= 24 for s in snap()["learners"].values()), 120,
              "every unit past 24 steps", describe=lambda: steps(snap))
+    # islands status shows each unit's hosts and devices.
+    table = format_status(ray.get(controller.status_table.remote()))
+    assert [line.split()[:3] for line in table.splitlines() if line.startswith("pair:0")] == [
+        ["pair:0", "pair", "2×1"]]
+    assert snap()["learners"]["one:0"]["unit"] == "1×1 cpu"
     syncer = ray.get_actor(SYNCER_NAME, namespace=NAMESPACE)
     ledger = ray.get(syncer.status.remote())["ledger"]
     assert ledger["pair:0"]["merged_tokens_total"] > 0, ledger

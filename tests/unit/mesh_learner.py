@@ -8,6 +8,10 @@ devices must exist before JAX starts its backend; tests/unit/test_mesh.py does s
 
 For every device count, the same job from the same init on the same global batches: per-step
 losses, the final local and global parameters, and the per-device shard shapes.
+
+With ``"processes": N, "process": i, "coordinator": "127.0.0.1:PORT"`` it is host i of an
+N-process unit (learners/gang.py's ``join_unit``: jax.distributed over gloo) training on every
+device of the unit; process 0 prints.
 """
 
 import json
@@ -100,10 +104,15 @@ def train(spec: TrainingSpec, devices, steps: int) -> dict:
 
 
 def main(args: dict) -> None:
+    if args.get("processes", 1) > 1:
+        from islands.learners.gang import join_unit
+
+        join_unit(args["coordinator"], args["processes"], args["process"])
     spec = tiny_spec(args.get("sharding", "replicated"), args.get("batch_size", 4),
                      args.get("codec", "int4"))
     runs = [train(spec, jax.devices()[:n], args.get("steps", 12)) for n in args["devices"]]
-    print(json.dumps(runs))
+    if jax.process_index() == 0:
+        print(json.dumps(runs))
 
 
 if __name__ == "__main__":

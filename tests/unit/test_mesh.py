@@ -165,6 +165,32 @@ def test_fsdp_learner_holds_a_quarter_of_each_sharded_tensor_and_follows_one_dev
     assert four["peer_exact"] and one["peer_exact"]   # a peer's numpy state, laid out unchanged
 
 
+def test_a_two_process_unit_follows_the_one_process_unit():
+    """Two processes of one device each, joined by jax.distributed with gloo collectives (a
+    2-host unit, learners/gang.py), against one process of two devices and one of one device:
+    the same trajectory within the same TOLERANCE (only where the float sums meet differs)."""
+    from islands.learners.gang import free_port
+
+    coordinator = f"127.0.0.1:{free_port()}"
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1",
+           "JAX_PLATFORMS": "cpu"}
+    procs = [subprocess.Popen([sys.executable, str(SCRIPT), json.dumps(
+        {"devices": [2], "processes": 2, "process": i, "coordinator": coordinator,
+         "steps": 12})], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        for i in range(2)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    for p, (_, err) in zip(procs, outs):
+        assert p.returncode == 0, err[-3000:]
+    [unit] = json.loads(outs[0][0].strip().splitlines()[-1])
+    one, two = learner_runs(devices=[1, 2], sharding="replicated", steps=12)
+    assert unit["devices"] == 2
+    assert_follows(two, unit)
+    assert_follows(one, unit)
+    # Host 0 holds whole params on its one device and its half of the batch's rows.
+    assert unit["param_shards"]["embed/tokens"] == [[256, 32]]
+    assert unit["batch_shards"] == [[2, 33]]
+
+
 def test_batch_not_divisible_by_devices_is_a_clear_error():
     done = run_learners(devices=[4], sharding="replicated", steps=1, batch_size=6)
     assert done.returncode != 0
