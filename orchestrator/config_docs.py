@@ -213,9 +213,10 @@ FIELD_NOTES: dict[str, str] = {
                                        "`cpu` N virtual CPU devices "
                                        "(`--xla_force_host_platform_device_count`). null: 1, "
                                        "or every chip of a TPU host.",
-    "regions.<name>.hosts_per_learner": "Hosts one learner spans. null: 1, or for `tpu` the "
-                                        "topology's hosts. Only 1 runs today: multi-host "
-                                        "learner units are not supported yet.",
+    "regions.<name>.hosts_per_learner": "Hosts one learner unit spans: one process per host, "
+                                        "placed as a gang and joined by `jax.distributed` "
+                                        "(docs/accelerators.md#multi-host-units). null: 1, or "
+                                        "for `tpu` the topology's hosts.",
     "regions.<name>.tpu_type": "TPU generation of an `accelerator: tpu` region: `v4`, `v5e`, "
                                "`v5p` or `v6e`.",
     "regions.<name>.topology": "TPU slice topology of an `accelerator: tpu` region, e.g. "
@@ -345,8 +346,8 @@ RULES: dict[str, str] = {
     "regions.<name>.devices_per_host": "whole for `cpu`, for `tpu` (1, 2, 4 or 8, at most a "
                                        "host's chips) and above 1 GPU; the region's nodes hold "
                                        "them (checked by `islands run`)",
-    "regions.<name>.hosts_per_learner": "1 (multi-host learner units are not supported yet); "
-                                        "for `tpu`, the topology's hosts",
+    "regions.<name>.hosts_per_learner": "for `tpu`, the topology's hosts; above 1 needs "
+                                        "`learner.sharding: replicated` and no spares",
     "regions.<name>.tpu_type": "required with `accelerator: tpu`, refused otherwise",
     "regions.<name>.topology": "required with `accelerator: tpu`, refused otherwise; AxB for "
                                "v5e and v6e, AxBxC for v4 and v5p, whole hosts",
