@@ -26,11 +26,11 @@ from .books import Books
 from islands.learners.fates import newest
 from .chaos import Fault, FaultKind
 from .fleet import SlotState
+from .groups import LearnerGroups
 from .metrics import window_to_save
 from .snapshot import finite
 from .runtime import (CONTROLLER_NAME, NAMESPACE, SYNCER_NAME, controller_options,  # noqa: F401
-                      enable_compile_cache, learner_actor_name, learner_options, release_unit,
-                      reserve_unit, single_thread_env,
+                      enable_compile_cache, learner_actor_name, single_thread_env,
                       syncer_options)
 
 log = logging.getLogger("islands.controller")
@@ -40,31 +40,12 @@ EVENT_LOG_LIMIT = 100_000
 
 @dataclasses.dataclass
 class Incarnation:
-    """The Ray side of a slot's running incarnation."""
+    """What the controller knows of a slot's running incarnation (its Ray side is in
+    ``LearnerGroups``)."""
 
     number: int
-    handle: Any
-    run_ref: Any
     beat: dict = dataclasses.field(default_factory=dict)   # its last heartbeat
     remote: bool = False   # in a region's own cluster: known from its agent's reports (link/)
-
-
-@dataclasses.dataclass
-class SpareRun:
-    """The Ray side of a warm spare: its actor and its ``prepare`` call (None once returned)."""
-
-    handle: Any
-    prepare_ref: Any
-
-
-def _spare_actor_names() -> list[str]:
-    import ray
-
-    try:
-        return [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                if a.get("namespace") == NAMESPACE and a["name"].startswith("islands:spare:")]
-    except Exception:
-        return []
 
 
 def missed_restarts(saved_started: Optional[list], shard: int, live_epoch: int) -> int:
@@ -99,7 +80,7 @@ class Controller:
         self.books = Books(config.syncer.fragments)
         self.inbox: "queue.Queue[tuple[Any, Optional[Future]]]" = queue.Queue()
         self.running: dict[str, Incarnation] = {}
-        self.spares: dict[str, SpareRun] = {}
+        self.groups = LearnerGroups()   # every Ray call for learners and spares
         self.closed: dict[str, dict] = {}    # per learner: counters of ended incarnations
         self.lock = threading.Lock()         # guards events and the syncer status for readers
         self.events: list[dict] = []
@@ -156,8 +137,6 @@ class Controller:
     # -- start ----------------------------------------------------------------------------------
     def start(self) -> dict:
         """Builds the model once, starts the syncer, launches the learners and the owner thread."""
-        import ray
-
         from islands.learners.unit import warm_compile_cache
 
         from . import build
@@ -330,12 +309,9 @@ class Controller:
             if slot.state in fleet_lib.GONE:
                 slots.append(slot)
                 continue
-            try:  # still running? then it keeps training under the new controller
-                handle = ray.get_actor(learner_actor_name(slot.actor or slot.learner),
-                                       namespace=NAMESPACE)
-                info = ray.get(handle.ping.remote(), timeout=10)
-            except Exception:
-                info = None
+            # Still running? then it keeps training under the new controller.
+            info = self.groups.reattach(slot.learner, slot.actor or slot.learner,
+                                        self.config.regions[slot.region].devices().hosts)
             if info is not None and info["state"] in ("training", "paused", "draining",
                                                       "starting"):
                 running_state = {"training": fleet_lib.SlotState.TRAINING,
@@ -347,8 +323,7 @@ class Controller:
                 slots.append(dataclasses.replace(
                     slot, state=running_state, incarnation=info["incarnation"],
                     start_step=info["start_step"], launched_s=now, last_beat_s=now))
-                self.running[slot.learner] = Incarnation(info["incarnation"], handle,
-                                                         handle.wait_done.remote(),
+                self.running[slot.learner] = Incarnation(info["incarnation"],
                                                          {"step": info["start_step"]})
                 continue
             # Gone while the controller was away: relaunched, as a newer incarnation.
@@ -362,13 +337,7 @@ class Controller:
                                        bool(saved.get("operator_paused", False)))
         # Spares waiting for promotion are not worth a recovery: end them; the fleet starts
         # new ones once nobody is starting.
-        hosting = {x.actor for x in slots if x.actor}
-        for name in _spare_actor_names():
-            if name.split("islands:", 1)[1] not in hosting:
-                try:
-                    ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
-                except Exception:
-                    pass
+        self.groups.end_stray_spares({x.actor for x in slots if x.actor})
         for target in (self._owner_loop, self._eval_loop):
             thread = threading.Thread(target=target, daemon=True, name=target.__name__)
             thread.start()
@@ -380,8 +349,6 @@ class Controller:
 
     # -- the owner thread -----------------------------------------------------------------------
     def _owner_loop(self) -> None:
-        import ray
-
         last = {"cluster": 0.0, "syncer": 0.0}
         while not self.stop_event.is_set():
             try:
@@ -416,13 +383,8 @@ class Controller:
                     self._last_error = repr(exc)
                     self.emit("monitor_error", error=repr(exc)[:300],
                               where=traceback.format_exc(limit=3)[-600:])
-            refs = [inc.run_ref for inc in self.running.values() if not inc.remote]
-            refs += [ref for ref in self.syncer_refs if ref is not None]
-            refs += [spare.prepare_ref for spare in self.spares.values()
-                     if spare.prepare_ref is not None]
-            if refs:  # wake on a run ending (a real event) or after a short tick
-                ray.wait(refs, num_returns=1, timeout=0.2)
-            else:
+            # Wake on a run ending (a real event) or after a short tick.
+            if not self.groups.wait(self.syncer_refs, 0.2):
                 self.stop_event.wait(0.2)
 
     def _drain_inbox(self) -> list:
@@ -468,8 +430,7 @@ class Controller:
                 self._close(t.learner)  # the previous incarnation's newest beat stays in closed
                 number = int(t.fields["incarnation"])
                 self.running[t.learner] = Incarnation(
-                    number, None, None, self.remote_beats.pop((t.learner, number), {}),
-                    remote=True)
+                    number, self.remote_beats.pop((t.learner, number), {}), remote=True)
         elif t.name == "learner_retired":
             self.books.release(t.learner, now)
         elif t.name == "learner_recovered":
@@ -500,39 +461,17 @@ class Controller:
                                        beat.get("node_id"), beat.get("ready_at")), None))
 
     def _ended_runs(self) -> list:
-        import ray
-
-        if not any(not inc.remote for inc in self.running.values()):
-            return []
-        refs = {inc.run_ref: name for name, inc in self.running.items() if not inc.remote}
-        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
         out = []
-        for ref in ready:
-            name = refs[ref]
-            inc = self.running[name]
-            error, preempted, crashed = None, False, False
-            try:
-                final = ray.get(ref)
-                inc.beat = {**inc.beat, **(final or {})}
-            except ray.exceptions.RayActorError as exc:
-                error, preempted = str(exc)[:300] or "actor died", bool(
-                    getattr(exc, "preempted", False))
-            except Exception as exc:  # the training loop raised: a crash of the learner
-                error, crashed = repr(exc)[:500], True
-                self.emit("learner_error", learner=name, error=error)
-            if error is None or crashed:
-                # Its run is over but its actor lives on and holds the learner's name: a
-                # restart could never take the name (the full soak saw one learner's relaunch
-                # postponed for 600 s). The fleet's Kill for it finds it closed below.
-                try:
-                    ray.kill(inc.handle, no_restart=True)
-                except Exception:  # already gone: its name is free anyway
-                    pass
-            inc.run_ref = None
-            out.append(fleet_lib.RunEnded(name, inc.number, error, preempted, crashed))
-        for name in [n for n, inc in self.running.items()
-                     if inc.run_ref is None and not inc.remote]:
-            self._close(name)
+        for ended in self.groups.ended():
+            inc = self.running.get(ended.learner)
+            if inc is not None and ended.final:
+                inc.beat = {**inc.beat, **ended.final}
+            if ended.crashed:
+                self.emit("learner_error", learner=ended.learner, error=ended.error)
+            out.append(fleet_lib.RunEnded(ended.learner, ended.incarnation, ended.error,
+                                          ended.preempted, ended.crashed))
+            if inc is not None and not inc.remote and inc.number == ended.incarnation:
+                self._close(ended.learner)
         return out
 
     def _cluster(self) -> fleet_lib.Cluster:
@@ -589,96 +528,40 @@ class Controller:
 
     # -- actions --------------------------------------------------------------------------------
     def _do_launch(self, a: fleet_lib.Launch) -> None:
-        import ray
-
-        from islands.learners.unit import LearnerUnit
-
         from . import build
 
         spec = build.learner_spec(self.config, self.training, a, self.corpus_ref,
                                   single_thread_env(self.jax_cache_dir))
-        if a.spare is not None:
-            # A warm spare takes the learner's identity; its process, task and compiled step
-            # are ready. If it died meanwhile, its run fails and the fleet restarts the slot.
-            spare = self.spares.pop(a.spare)
-            handle = spare.handle
-            handle.promote.remote(build.identity(spec))
-        else:
-            devices = build.learner_devices(self.config, a.region)
-            # A multi-host unit: one bundle per host, reserved as a gang; host 0 starts the rest.
-            group = (reserve_unit(a.learner, a.incarnation, a.region, devices)
-                     if devices.hosts > 1 else None)
-            try:
-                handle = ray.remote(LearnerUnit).options(
-                    **learner_options(a.learner, a.region, devices, group)).remote(spec)
-            except ValueError as exc:  # the dead actor's name is not released yet: retry soon
-                if group is not None:
-                    release_unit(a.learner, a.incarnation)
-                self.inbox.put((fleet_lib.LaunchFailed(a.learner, a.incarnation, str(exc)),
-                                None))
-                return
-        for fault in a.link_faults:
-            handle.link_fault.remote(fault)
-        self.running[a.learner] = Incarnation(a.incarnation, handle, handle.run.remote(),
-                                              {"step": a.start_step})
+        error = self.groups.launch(a.learner, a.incarnation, a.region,
+                                   build.learner_devices(self.config, a.region), spec,
+                                   a.link_faults, spare=a.spare,
+                                   identity=build.identity(spec) if a.spare else None)
+        if error is not None:   # the dead actor's name is not released yet: retry soon
+            self.inbox.put((fleet_lib.LaunchFailed(a.learner, a.incarnation, error), None))
+            return
+        self.running[a.learner] = Incarnation(a.incarnation, {"step": a.start_step})
 
     def _do_launchspare(self, a: fleet_lib.LaunchSpare) -> None:
-        import ray
-
-        from islands.learners.unit import LearnerUnit
-
         from . import build
 
         spec = build.spare_spec(self.config, self.training, a.name, a.region, self.corpus_ref,
                                 single_thread_env(self.jax_cache_dir))
-        try:
-            handle = ray.remote(LearnerUnit).options(   # a learner's devices, held ready
-                **learner_options(a.name, a.region,
-                                  build.learner_devices(self.config, a.region))).remote(spec)
-        except ValueError as exc:  # an earlier spare's name is not released yet
-            self.inbox.put((fleet_lib.SpareEnded(a.name, str(exc)), None))
-            return
-        self.spares[a.name] = SpareRun(handle, handle.prepare.remote())
+        error = self.groups.launch_spare(a.name, a.region,
+                                         build.learner_devices(self.config, a.region), spec)
+        if error is not None:   # an earlier spare's name is not released yet
+            self.inbox.put((fleet_lib.SpareEnded(a.name, error), None))
 
     def _do_killspare(self, a: fleet_lib.KillSpare) -> None:
-        import ray
-
-        spare = self.spares.pop(a.name, None)
-        if spare is not None:
-            ray.kill(spare.handle, no_restart=True)
+        self.groups.end_spare(a.name)
 
     def _spare_observations(self) -> list:
         """A spare whose ``prepare`` returned is ready; one whose call failed has ended."""
-        import ray
-
-        pending = {spare.prepare_ref: name for name, spare in self.spares.items()
-                   if spare.prepare_ref is not None}
-        if not pending:
-            return []
-        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
-        out = []
-        for ref in ready:
-            name = pending[ref]
-            self.spares[name].prepare_ref = None
-            try:
-                info = ray.get(ref)
-                out.append(fleet_lib.SpareReady(name, info.get("prepare_s")))
-            except Exception as exc:
-                out.append(fleet_lib.SpareEnded(name, repr(exc)[:300]))
-        return out
+        return [fleet_lib.SpareReady(r.name, r.info.get("prepare_s")) if r.error is None
+                else fleet_lib.SpareEnded(r.name, r.error) for r in self.groups.spare_results()]
 
     def _do_kill(self, a: fleet_lib.Kill) -> None:
-        import ray
-
-        inc = self.running.get(a.learner)
-        if inc is None or inc.number != a.incarnation:
-            return
-        if a.mode == "exit":
-            inc.handle.crash.remote()
-            return
-        ray.kill(inc.handle, no_restart=True)
-        if a.mode == "bury":  # decided dead: its run future is no longer an observation
-            inc.run_ref = None
+        # Buried (decided dead): its run future is no longer an observation.
+        if self.groups.kill(a.learner, a.incarnation, a.mode):
             self._close(a.learner)
 
     def _do_forget(self, a: fleet_lib.Forget) -> None:
@@ -718,9 +601,6 @@ class Controller:
         inc = self.running.pop(learner, None)
         if inc is None:
             return
-        if not inc.remote and learner in self.fleet.slots and self.config.regions[
-                self.fleet.slots[learner].region].devices().hosts > 1:
-            release_unit(learner, inc.number)   # its actors have ended: free the gang's hosts
         closed = self.closed.setdefault(learner, {"steps": 0, "up": 0, "down": 0})
         beat = inc.beat
         start = int(self.fleet.slots[learner].start_step) if learner in self.fleet.slots else 0
@@ -729,30 +609,22 @@ class Controller:
         closed["down"] += int(beat.get("wire_bytes_down", 0) or 0)
         closed["beat"] = beat
 
-    def _handle(self, learner: str):
-        inc = self.running.get(learner)
-        return inc.handle if inc is not None else None
-
     def _do_drainlearner(self, a) -> None:
-        self._handle(a.learner).drain.remote()
+        self.groups.call(a.learner, "drain")
 
     def _do_pauselearner(self, a) -> None:
-        handle = self._handle(a.learner)
-        if handle is not None:
-            handle.pause.remote(a.paused)
+        self.groups.call(a.learner, "pause", a.paused)
 
     def _do_slowdown(self, a) -> None:
         for learner in a.learners:
-            self._handle(learner).slowdown.remote(a.fault.factor, a.fault.duration_s)
+            self.groups.call(learner, "slowdown", a.fault.factor, a.fault.duration_s)
 
     def _do_hang(self, a) -> None:
-        self._handle(a.learner).hang.remote(a.duration_s)
+        self.groups.call(a.learner, "hang", a.duration_s)
 
     def _do_linkfault(self, a) -> None:
         for learner in a.learners:
-            handle = self._handle(learner)
-            if handle is not None:
-                handle.link_fault.remote(a.fault)
+            self.groups.call(learner, "link_fault", a.fault)
 
     def _do_killsyncer(self, a) -> None:
         import ray
@@ -988,15 +860,7 @@ class Controller:
         for thread in self.threads:
             thread.join(timeout=30)
         self._step(self._drain_inbox() + [fleet_lib.Stop()])
-        live = dict(self.running)
-        for inc in live.values():
-            try:
-                inc.handle.stop.remote()
-            except Exception:
-                pass
-        refs = [inc.run_ref for inc in live.values() if inc.run_ref is not None]
-        if refs:
-            ray.wait(refs, num_returns=len(refs), timeout=30)
+        self.groups.stop_all(timeout_s=30)
         self._step(self._ended_runs())
         self._refresh_syncer_status()
         try:  # the newest state on disk: `islands run --resume` continues from exactly here

@@ -1,0 +1,258 @@
+"""LearnerGroups: the one place the job's learner units and warm spares meet Ray.
+
+The controller decides (the fleet state machine) and keeps the books; this object carries its
+decisions out: it starts a unit (one process, or a multi-host gang in its placement group,
+learners/gang.py), promotes a spare, calls a unit's control methods, kills it, polls which runs
+have ended and frees what an ended unit held. A one-process learner and a many-host unit are the
+same thing here: a learner id with an incarnation and one handle (the unit's host 0). The
+pattern is Ray Train v2's WorkerGroup, which makes every Ray call for its controller.
+
+Every method is called from the controller's owner thread, except ``call`` (operator commands
+arrive on other threads: Ray handles are thread-safe, and the dicts are only read there).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Iterable, Optional
+
+from .runtime import (NAMESPACE, learner_actor_name, learner_options, release_unit,
+                      reserve_unit)
+
+log = logging.getLogger("islands.controller")
+SPARE_PREFIX = "islands:spare:"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunEnded:
+    """A unit's run is over: what it returned (its final stats) or why it ended."""
+
+    learner: str
+    incarnation: int
+    final: Optional[dict]
+    error: Optional[str]
+    preempted: bool = False
+    crashed: bool = False   # its training loop raised (the actor itself was alive)
+
+
+@dataclasses.dataclass(frozen=True)
+class SpareResult:
+    """A spare's ``prepare`` returned (``info``) or failed (``error``)."""
+
+    name: str
+    info: Optional[dict]
+    error: Optional[str]
+
+
+@dataclasses.dataclass
+class _Unit:
+    incarnation: int
+    handle: Any
+    run_ref: Any          # ``run`` (or, re-attached, ``wait_done``): resolves when it ends
+    hosts: int = 1        # > 1: a gang whose placement group is freed when it ends
+
+
+@dataclasses.dataclass
+class _Spare:
+    handle: Any
+    prepare_ref: Any      # None once seen
+
+
+class LearnerGroups:
+    def __init__(self):
+        self.units: dict[str, _Unit] = {}
+        self.spares: dict[str, _Spare] = {}
+
+    # -- start ----------------------------------------------------------------------------------
+    def launch(self, learner: str, incarnation: int, region: str, devices, spec,
+               link_faults: Iterable = (), spare: Optional[str] = None,
+               identity: Optional[dict] = None) -> Optional[str]:
+        """Starts one incarnation: a new unit, or the spare ``spare`` promoted to ``identity``
+        (if it died meanwhile its run fails, and the fleet restarts the slot). Returns why it
+        could not start (the last incarnation's name is not released yet), or None."""
+        import ray
+
+        from islands.learners.unit import LearnerUnit
+
+        if spare is not None:
+            handle = self.spares.pop(spare).handle
+            handle.promote.remote(identity)
+        else:
+            # A multi-host unit: one bundle per host, reserved as a gang; host 0 starts the rest.
+            group = (reserve_unit(learner, incarnation, region, devices)
+                     if devices.hosts > 1 else None)
+            try:
+                handle = ray.remote(LearnerUnit).options(
+                    **learner_options(learner, region, devices, group)).remote(spec)
+            except ValueError as exc:
+                if group is not None:
+                    release_unit(learner, incarnation)
+                return str(exc)
+        for fault in link_faults:
+            handle.link_fault.remote(fault)
+        self._forget(learner)   # an earlier incarnation not reported ended: free what it held
+        self.units[learner] = _Unit(incarnation, handle, handle.run.remote(), devices.hosts)
+        return None
+
+    def reattach(self, learner: str, actor: str, hosts: int = 1) -> Optional[dict]:
+        """A restarted controller takes over a unit still running under ``actor``'s name: its
+        ``ping`` (incarnation, state, start step), or None when it is gone."""
+        import ray
+
+        try:
+            handle = ray.get_actor(learner_actor_name(actor), namespace=NAMESPACE)
+            info = ray.get(handle.ping.remote(), timeout=10)
+        except Exception:
+            return None
+        if info["state"] in ("training", "paused", "draining", "starting"):
+            self.units[learner] = _Unit(info["incarnation"], handle, handle.wait_done.remote(),
+                                        hosts)
+        return info
+
+    def launch_spare(self, name: str, region: str, devices, spec) -> Optional[str]:
+        """Starts a warm spare (a learner's devices, held ready); why not, or None."""
+        import ray
+
+        from islands.learners.unit import LearnerUnit
+
+        try:
+            handle = ray.remote(LearnerUnit).options(
+                **learner_options(name, region, devices)).remote(spec)
+        except ValueError as exc:   # an earlier spare's name is not released yet
+            return str(exc)
+        self.spares[name] = _Spare(handle, handle.prepare.remote())
+        return None
+
+    def end_spare(self, name: str) -> None:
+        import ray
+
+        spare = self.spares.pop(name, None)
+        if spare is not None:
+            ray.kill(spare.handle, no_restart=True)
+
+    def end_stray_spares(self, keep: set) -> None:
+        """Ends every spare actor of the job but those in ``keep`` (actor names without the
+        ``islands:`` prefix): a restarted controller does not recover waiting spares."""
+        import ray
+
+        try:
+            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                     if a.get("namespace") == NAMESPACE and a["name"].startswith(SPARE_PREFIX)]
+        except Exception:
+            return
+        for name in names:
+            if name.split("islands:", 1)[1] not in keep:
+                try:
+                    ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+                except Exception:
+                    pass
+
+    # -- control --------------------------------------------------------------------------------
+    def call(self, learner: str, method: str, *args) -> bool:
+        """Fire-and-forget control call on a running unit (drain, pause, slowdown, hang,
+        link_fault, stop); False when it has none."""
+        unit = self.units.get(learner)
+        if unit is None:
+            return False
+        getattr(unit.handle, method).remote(*args)
+        return True
+
+    def kill(self, learner: str, incarnation: int, mode: str) -> bool:
+        """Ends a unit's incarnation: ``exit`` (a hard exit inside it, chaos), ``kill``
+        (``ray.kill``; its run future then reports it) or ``bury`` (decided dead: forgotten at
+        once, what it held freed). True when the unit is gone from this group."""
+        import ray
+
+        unit = self.units.get(learner)
+        if unit is None or unit.incarnation != incarnation:
+            return False
+        if mode == "exit":
+            unit.handle.crash.remote()
+            return False
+        ray.kill(unit.handle, no_restart=True)
+        if mode == "bury":
+            self._forget(learner)
+            return True
+        return False
+
+    # -- poll -----------------------------------------------------------------------------------
+    def ended(self) -> list[RunEnded]:
+        """The units whose runs ended since the last poll, forgotten here and their actors
+        and placement groups freed (a returned or crashed run leaves a live actor holding the
+        learner's name: a restart could never take it)."""
+        import ray
+
+        refs = {u.run_ref: name for name, u in self.units.items() if u.run_ref is not None}
+        if not refs:
+            return []
+        ready, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        out = []
+        for ref in ready:
+            name = refs[ref]
+            unit = self.units[name]
+            final, error, preempted, crashed = None, None, False, False
+            try:
+                final = ray.get(ref)
+            except ray.exceptions.RayActorError as exc:
+                error, preempted = str(exc)[:300] or "actor died", bool(
+                    getattr(exc, "preempted", False))
+            except Exception as exc:  # the training loop raised: a crash of the learner
+                error, crashed = repr(exc)[:500], True
+            if error is None or crashed:
+                try:
+                    ray.kill(unit.handle, no_restart=True)
+                except Exception:  # already gone: its name is free anyway
+                    pass
+            self._forget(name)
+            out.append(RunEnded(name, unit.incarnation, final, error, preempted, crashed))
+        return out
+
+    def spare_results(self) -> list[SpareResult]:
+        import ray
+
+        pending = {s.prepare_ref: name for name, s in self.spares.items()
+                   if s.prepare_ref is not None}
+        if not pending:
+            return []
+        ready, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0)
+        out = []
+        for ref in ready:
+            name = pending[ref]
+            self.spares[name].prepare_ref = None
+            try:
+                out.append(SpareResult(name, ray.get(ref), None))
+            except Exception as exc:
+                out.append(SpareResult(name, None, repr(exc)[:300]))
+        return out
+
+    def wait(self, other_refs: list, timeout_s: float) -> bool:
+        """Blocks until a unit's run ends, a spare is ready, one of ``other_refs`` resolves, or
+        ``timeout_s``; False at once when there is nothing to wait on."""
+        import ray
+
+        refs = [u.run_ref for u in self.units.values() if u.run_ref is not None]
+        refs += [s.prepare_ref for s in self.spares.values() if s.prepare_ref is not None]
+        refs += [r for r in other_refs if r is not None]
+        if not refs:
+            return False
+        ray.wait(refs, num_returns=1, timeout=timeout_s)
+        return True
+
+    def stop_all(self, timeout_s: float) -> None:
+        """Asks every unit to stop and waits for their runs, at most ``timeout_s``."""
+        import ray
+
+        for unit in self.units.values():
+            try:
+                unit.handle.stop.remote()
+            except Exception:
+                pass
+        refs = [u.run_ref for u in self.units.values() if u.run_ref is not None]
+        if refs:
+            ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+
+    def _forget(self, learner: str) -> None:
+        unit = self.units.pop(learner, None)
+        if unit is not None and unit.hosts > 1:
+            release_unit(learner, unit.incarnation)   # its actors have ended: free its hosts
