@@ -21,6 +21,7 @@ from islands.syncer import downlink as downlink_lib
 from islands.syncer.codec_kinds import DEFAULT_BLOCK_SIZE
 
 from .gang import replay
+from .messages import Heartbeat, LearnerState, known_stats
 
 log = logging.getLogger("islands.learner")
 
@@ -232,7 +233,7 @@ class LearnerUnit:
     def __init__(self, spec: LearnerSpec):
         os.environ.update(spec.env)  # before anything imports JAX in this process
         self.spec = spec
-        self.state = "starting"
+        self.state = LearnerState.STARTING
         self.stop_event = threading.Event()
         self.done = threading.Event()        # run() has returned
         self.run_error: Optional[str] = None
@@ -487,7 +488,7 @@ class LearnerUnit:
         self.stats["ready_at"] = self.timings["ready_at"]
         sender = _Sender(self, spec)
         sender.start()
-        self.state = "training"
+        self.state = LearnerState.TRAINING
         last_beat = 0.0
         step_time_ema = None
         arrived: list = []  # (usable_at, p, fragment, version)
@@ -500,19 +501,19 @@ class LearnerUnit:
                 if self.drain_event.is_set():
                     if sender.idle() and not sender.pending:
                         break
-                    self.state = "draining"
+                    self.state = LearnerState.DRAINING
                     self._collect_replies(sender, arrived)
                     time.sleep(0.02)
                     continue
                 if self.pause_event.is_set():
-                    self.state = "paused"
+                    self.state = LearnerState.PAUSED
                     self._collect_replies(sender, arrived)
                     if time.time() - last_beat >= spec.heartbeat_s:
                         self._beat(core, step_time_ema)
                         last_beat = time.time()
                     time.sleep(0.05)
                     continue
-                self.state = "training"
+                self.state = LearnerState.TRAINING
                 # Collecting replies may re-register with a restarted syncer (seconds): that is
                 # not step time, which the straggler check reads.
                 self._collect_replies(sender, arrived)
@@ -573,12 +574,14 @@ class LearnerUnit:
             sender.close()
             if self.gang is not None:
                 self.gang.stop()
-            self.state = "stopped"
+            self.state = LearnerState.STOPPED
             self._beat(core, step_time_ema)
 
     def _collect_replies(self, sender, arrived) -> None:
         """Moves finished push futures into ``arrived`` (with the emulated downlink delay)."""
         import ray
+
+        from islands.syncer.actor import ReplyStatus
 
         for push in sender.take_failed():
             self._core("push_refused", push.fragment)
@@ -592,7 +595,7 @@ class LearnerUnit:
                 self._core("push_refused", push.fragment)
                 self._reregister(self.shard_of[push.fragment])
                 continue
-            if reply.status == "merged":
+            if reply.status == ReplyStatus.MERGED:
                 update = reply.update if reply.update is not None else reply.params
                 nbytes = downlink_lib.update_bytes(update)
                 with self.lock:
@@ -600,9 +603,10 @@ class LearnerUnit:
                 arrived.append((self.arrival_s(time.time(), nbytes), reply.fragment,
                                 update, reply.version))
             else:
-                reason = reply.reason if reply.status == "rejected" else reply.status
+                reason = (reply.reason if reply.status == ReplyStatus.REJECTED
+                          else reply.status.value)
                 with self.lock:
-                    self.stats["refused"] += reply.status == "rejected"
+                    self.stats["refused"] += reply.status == ReplyStatus.REJECTED
                     self._core("refused", push.fragment, reason, reply.params, reply.version)
                 if reason in ("stale_epoch", "unknown_learner", "bad_session"):
                     self._reregister(self.shard_of[push.fragment])
@@ -711,9 +715,11 @@ class LearnerUnit:
         if self.controller is None or core is None:
             return
         with self.lock:
-            beat = {"learner": self.spec.learner, "incarnation": self.spec.incarnation,
-                    "t": time.time(), "state": self.state, "node_id": self.node_id, **self.stats,
-                    "fates": core.fates.to_json()}  # the training thread's books, current
+            beat = Heartbeat(**{**known_stats(self.stats), "learner": self.spec.learner,
+                                "incarnation": self.spec.incarnation, "t": time.time(),
+                                "state": self.state, "node_id": self.node_id,
+                                "timings": dict(self.timings),
+                                "fates": core.fates.to_json()})  # the training thread's books
         try:
             self.controller.heartbeat.remote(beat)
         except Exception:  # the controller is gone: the job is ending

@@ -17,6 +17,7 @@ import os
 import time
 from typing import Optional
 
+from islands.learners.messages import beat_dict
 from islands.orchestrator import fleet as fleet_lib
 from islands.orchestrator.controller import Controller
 from islands.orchestrator.runtime import NAMESPACE, ON_HEAD, SYNCER_NAME, controller_options
@@ -78,8 +79,8 @@ class RegionController(Controller):
 
     def heartbeat(self, beat: dict) -> None:
         super().heartbeat(beat)
-        if self.syncer is not None:
-            self.syncer.beat.remote(beat)
+        if self.syncer is not None:   # to home over the link, as plain values
+            self.syncer.beat.remote(beat_dict(beat))
 
     def _record(self, t) -> None:
         super()._record(t)

@@ -25,6 +25,8 @@ from . import fleet as fleet_lib
 from .books import Books
 from islands.learners.fates import newest
 from .chaos import Fault, FaultKind
+from islands.learners.messages import Heartbeat
+
 from .fleet import SlotState
 from .groups import LearnerGroups
 from .metrics import window_to_save
@@ -445,20 +447,20 @@ class Controller:
         reply.result(timeout=60)
 
     # -- observations from Ray ------------------------------------------------------------------
-    def heartbeat(self, beat: dict) -> None:
-        """Called by learners (fire and forget)."""
+    def heartbeat(self, beat: "Heartbeat | dict") -> None:
+        """Called by learners (fire and forget); a region agent's beats arrive as dicts."""
         from .metrics import observe_step
 
-        run = self.running.get(beat["learner"])
-        if run is not None and run.number == beat["incarnation"]:
-            run.beat = beat
-            slot = self.fleet.slots.get(beat["learner"])
-            if slot is not None and beat.get("step_time_s") and beat.get("state") == "training":
+        beat = Heartbeat.of(beat)
+        run = self.running.get(beat.learner)
+        if run is not None and run.number == beat.incarnation:
+            run.beat = beat.as_dict()
+            slot = self.fleet.slots.get(beat.learner)
+            if slot is not None and beat.step_time_s and beat.training:
                 with self.lock:
-                    observe_step(self.step_seconds, slot.region, float(beat["step_time_s"]))
-        self.inbox.put((fleet_lib.Beat(beat["learner"], beat["incarnation"],
-                                       beat.get("state") == "training", beat.get("step_time_s"),
-                                       beat.get("node_id"), beat.get("ready_at")), None))
+                    observe_step(self.step_seconds, slot.region, float(beat.step_time_s))
+        self.inbox.put((fleet_lib.Beat(beat.learner, beat.incarnation, beat.training,
+                                       beat.step_time_s, beat.node_id, beat.ready_at), None))
 
     def _ended_runs(self) -> list:
         out = []

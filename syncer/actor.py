@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import enum
 import logging
 import secrets
 import time
@@ -24,11 +25,20 @@ from .validate import Push
 log = logging.getLogger("islands.syncer")
 
 
+class ReplyStatus(str, enum.Enum):
+    MERGED = "merged"       # in a merge: ``update`` (or ``params``) is the new global fragment
+    REJECTED = "rejected"   # refused: ``reason``; ``params`` is the current global fragment
+    DROPPED = "dropped"     # not judged: the syncer closed before merging it
+
+    def __str__(self) -> str:   # f-strings, logs and metric labels read the value
+        return self.value
+
+
 @dataclass(frozen=True)
 class Reply:
-    """The answer to a push. ``status`` is "merged", "rejected" or "dropped"."""
+    """The answer to a push."""
 
-    status: str
+    status: ReplyStatus
     fragment: int
     epoch: int
     params: Optional[dict] = None
@@ -36,6 +46,9 @@ class Reply:
     reason: str = ""
     detail: str = ""
     update: Any = None   # "merged": a downlink FullUpdate or DiffUpdate (params stays None)
+
+    def __post_init__(self):   # a status string (the link's wire) becomes its enum, or raises
+        object.__setattr__(self, "status", ReplyStatus(self.status))
 
 
 @dataclass(frozen=True)
@@ -176,7 +189,7 @@ class Syncer:
             for name in result.learners:
                 future = self.waiters[p].pop(name, None)
                 if future is not None and not future.done():
-                    future.set_result(Reply("rejected", g, self.core.epoch, result.params,
+                    future.set_result(Reply(ReplyStatus.REJECTED, g, self.core.epoch, result.params,
                                             result.version, result.reason,
                                             "the merged fragment was not finite"))
             return
@@ -193,7 +206,7 @@ class Syncer:
             future = waiters.pop(name, None)
             if future is not None and not future.done():
                 self.wire_bytes_down[name] += downlink_lib.update_bytes(update)
-                future.set_result(Reply("merged", g, self.core.epoch, version=result.version,
+                future.set_result(Reply(ReplyStatus.MERGED, g, self.core.epoch, version=result.version,
                                         update=update))
         if self.store and sum(self.core.versions) % self.spec.snapshot_every_merges == 0:
             self.store.save(self.core)
@@ -228,7 +241,7 @@ class Syncer:
             params, version = (self.core.fragment(push.fragment)
                                if 0 <= push.fragment < len(self.core.slots) else (None, -1))
             # The current fragment rides along so the learner can start over from it.
-            return Reply("rejected", g, self.core.epoch, params=params, version=version,
+            return Reply(ReplyStatus.REJECTED, g, self.core.epoch, params=params, version=version,
                          reason=verdict.reason.value, detail=verdict.detail)
         future = asyncio.get_event_loop().create_future()
         self.waiters[push.fragment][push.learner] = future
@@ -250,7 +263,7 @@ class Syncer:
         for waiters in self.waiters.values():
             future = waiters.pop(learner, None)
             if future is not None and not future.done():
-                future.set_result(Reply("dropped", -1, self.core.epoch))
+                future.set_result(Reply(ReplyStatus.DROPPED, -1, self.core.epoch))
         if self._wake:
             self._wake.set()
         return len(dropped)

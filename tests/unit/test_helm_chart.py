@@ -237,14 +237,12 @@ def test_multi_host_slices_split_chips_per_host():
     # v5p 2x4x4 is 32 chips on 8 hosts of 4: replicas are learners, numOfHosts a learner's pods.
     assert (group["replicas"], group["numOfHosts"]) == (2, 8)
     assert group["template"]["spec"]["containers"][0]["resources"]["limits"]["google.com/tpu"] == 4
-    # The JobConfig says the same, and the job refuses it until multi-host units are built.
+    # The JobConfig says the same, and the job runs each learner as an 8-host unit.
     cm = next(o for o in objs if o["kind"] == "ConfigMap" and o["metadata"]["name"] == "demo-islands-job")
     raw = yaml.safe_load(cm["data"]["job.yaml"])
     assert raw["regions"]["big"] == {"learners": 2, "max_learners": 2, "accelerator": "tpu",
                                      "tpu_type": "v5p", "topology": "2x4x4"}
-    with pytest.raises(ValueError, match="regions.big.hosts_per_learner: tpu v5p 2x4x4 spans 8 "
-                                         "hosts: multi-host learner units are not supported yet"):
-        parse(raw)
+    assert parse(raw).regions["big"].devices().hosts == 8
 
 
 @pytest.mark.parametrize("values, message", [
@@ -295,8 +293,8 @@ def test_multi_host_gpu_groups_reach_the_job_as_hosts_per_learner():
                                     "accelerator": {"type": "gpu", "count": 2}}}}
     objs = objects(values)
     assert cluster_spec(objs)["workerGroupSpecs"][0]["numOfHosts"] == 2
-    with pytest.raises(ValueError, match="regions.local.hosts_per_learner: 2 hosts per learner"):
-        job_config(objs)
+    region = job_config(objs).regions["local"]
+    assert (region.hosts_per_learner, region.devices().devices_per_host) == (2, 2)
 
 
 def test_warm_spares_are_pods_of_their_group_and_reach_the_job():

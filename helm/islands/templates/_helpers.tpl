@@ -187,7 +187,7 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $_ := set $r "tpu_type" $shape.tpuType -}}
 {{- $_ := set $r "topology" .topology -}}
 {{- else if gt (int $shape.hosts) 1 -}}
-{{- /* Written so the job refuses it by name (multi-host learner units are not built yet). */ -}}
+{{- /* Each learner is a unit of this many hosts (pods), one program over their devices. */ -}}
 {{- $_ := set $r "hosts_per_learner" (int $shape.hosts) -}}
 {{- end -}}
 {{- end -}}
@@ -455,7 +455,7 @@ workerGroupSpecs:
     maxReplicas: {{ add $max $spares }}
     numOfHosts: {{ $hosts }}
     rayStartParams:
-      # Each learner takes one unit of region:<name>, so the service's placement works unchanged.
+      # Each host (pod) takes one unit of region:<name>: a learner of N hosts takes N.
       resources: {{ dict (printf "region:%s" $name) 1 | toJson | quote | squote }}
     template:
       metadata:
