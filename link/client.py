@@ -118,6 +118,7 @@ class LinkClient:
         self.epoch = -1
         self.beats: dict[str, dict] = {}
         self.slots: list[dict] = []
+        self.slots_set_s = time.time()   # when the agent last set them: its liveness at home
         self.status_cache: dict = {"epoch": None, "versions": [], "merges": 0, "ledger": {},
                                    "registered": {}, "quarantined": {}, "rejected": {},
                                    "staleness_counts": {}}
@@ -127,6 +128,8 @@ class LinkClient:
         self.last_ok_s: Optional[float] = None
         self.last_merged_s: Optional[float] = None
         self.closed = threading.Event()
+        self.started_s = time.time()
+        self.home_ended: Optional[str] = None   # the home said its job ended (a report's reply)
         self.channel.subscribe(self._on_state, try_to_connect=True)
         self.reporter = threading.Thread(target=self._report_loop, daemon=True,
                                          name="islands-link-report")
@@ -281,10 +284,18 @@ class LinkClient:
     def set_slots(self, slots: list) -> None:
         with self.lock:
             self.slots = list(slots)
+            self.slots_set_s = time.time()
 
     def link_fault(self, fault) -> None:
         """Chaos on this region's link (a partition resets the connection; see ``Relay``)."""
         self.relay.add_fault(fault)
+
+    def home_state(self) -> dict:
+        """What the agent decides to stay or leave on: whether the home said its job ended, and
+        seconds since the home last answered a call (or since this link started)."""
+        with self.lock:
+            return {"ended": self.home_ended,
+                    "since_ok_s": time.time() - (self.last_ok_s or self.started_s)}
 
     def link_status(self) -> dict:
         with self.lock:
@@ -304,13 +315,14 @@ class LinkClient:
             with self.lock:
                 beats, self.beats = list(self.beats.values()), {}
                 slots = list(self.slots)
+                agent_age_s = time.time() - self.slots_set_s
             counters = self.relay.counters()
             request = pb.ReportRequest(
                 region=self.settings.region,
                 slots=[pb.SlotReport(**s) for s in slots],
                 beats_json=[json.dumps(b, default=str) for b in beats],
                 link_bytes_up=counters["up"], link_bytes_down=counters["down"],
-                link_reconnects=self.reconnects)
+                link_reconnects=self.reconnects, agent_age_s=agent_age_s)
             try:
                 reply = self.stub.Report(request, timeout=self.settings.call_timeout_s,
                                          metadata=self.metadata)
@@ -324,8 +336,27 @@ class LinkClient:
                 if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                     log.error("link: home refused the token: %s", exc.details())
                 continue
+            if status.get("ended"):
+                self.home_ended = str(status["ended"])
+            restarts = status.pop("restart", None) or []
+            if restarts:
+                self._tell_agent(restarts)
             with self.lock:
                 self.status_cache = {**self.status_cache, **status}
+
+    def _tell_agent(self, restarts: list) -> None:
+        """The home found these incarnations hung: the agent restarts them (if still current)."""
+        import ray
+
+        from islands.orchestrator.runtime import CONTROLLER_NAME, NAMESPACE
+
+        try:
+            agent = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+            for r in restarts:
+                agent.home_verdict.remote(r["learner"], int(r["incarnation"]), r["cause"])
+        except Exception as exc:  # no agent: the home shows them unreachable once it sees that
+            log.warning("link: could not pass the home's restarts %s to the agent: %r",
+                        restarts, exc)
 
 
 def _numpy_push(push, codec_lib):

@@ -242,3 +242,56 @@ def test_remote_merges_partition_and_a_local_restart(two_clusters):
                 and e.get("learner") != "far:0"]
     failed = [e for e in home_events if e["event"] == "learner_failed"]
     assert failed and all(e["learner"] == "far:0" for e in failed)
+
+
+def _home_rows(home_dir):
+    return [json.loads(line) for line in (home_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _home_events(home_dir):
+    return [json.loads(line) for line in (home_dir / "events.jsonl").read_text().splitlines()]
+
+
+def test_a_killed_agents_learner_is_failed_at_home_within_the_hang_timeout(two_clusters):
+    """The agent's whole cluster dies at once (SIGKILL to its process group, as a lost machine):
+    its learner stops beating, and the home says so within the hang timeout (30 s here)."""
+    import ray
+
+    from waiting import wait_for
+
+    home_dir, region = two_clusters["tmp"] / "home", two_clusters["region"]
+    # Training at home first (the books it must show).
+    wait_for(lambda: (_home_rows(home_dir) or [{}])[-1].get("learners", {}).get(
+        "far:0", {}).get("state") == "training", 120, "far:0 training at home")
+    ray.shutdown()  # this process leaves the region's cluster before it dies under it
+    seen = len(_home_events(home_dir))
+    t_kill = time.time()
+    os.killpg(region.pid, signal.SIGKILL)
+    region.wait(timeout=30)
+
+    def unreachable():
+        return next((e for e in _home_events(home_dir)[seen:]
+                     if e["event"] == "learner_unreachable" and e["learner"] == "far:0"), None)
+
+    event = wait_for(unreachable, 30.0 + 15.0, "far:0 unreachable at home")
+    detected_s = event["t"] - t_kill
+    print(f"far:0 seen unreachable at home {detected_s:.1f}s after its agent's cluster died")
+    # Its last heartbeat left up to 2 s before the kill (beats every 1 s, reports every 1 s).
+    assert detected_s <= 30.0 + 4.0, f"{detected_s:.1f}s: beyond the 30 s hang timeout"
+    new = _home_events(home_dir)[seen:]
+    failed = [e for e in new if e["event"] == "learner_failed" and e["learner"] == "far:0"]
+    assert failed and failed[0]["cause"] == "hang", failed
+    silent_s = float(failed[0]["detail"].split(" for ", 1)[1].split("s;", 1)[0])
+    assert 30.0 <= silent_s <= 32.0, failed[0]["detail"]  # the hang timeout, as a local one's
+    # Its state, the progress line's count and the books say so.
+    row = wait_for(lambda: next((r for r in reversed(_home_rows(home_dir))
+                                 if r.get("learners", {}).get("far:0", {}).get("state")
+                                 == "unreachable"), None), 30, "a row with far:0 unreachable")
+    assert row["alive"] == 1 and row["total"] == 2, (row["alive"], row["total"])
+    assert row["tokens"]["balanced"]
+    recovery = row["goodput"]["badput_s"].get("infrastructure_recovery", 0.0)
+    later = wait_for(lambda: next((r for r in reversed(_home_rows(home_dir)) if r["elapsed_s"]
+                                   > row["elapsed_s"] + 2), None), 30, "a later row")
+    assert later["goodput"]["badput_s"]["infrastructure_recovery"] > recovery + 1.0, (
+        "an unreachable learner's seconds count as recovery badput")
+    assert later["learners"]["far:0"]["state"] == "unreachable"  # nothing restarts it at home
