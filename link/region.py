@@ -157,8 +157,6 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
 
     started = False
     previous_term = None
-    if threading.current_thread() is threading.main_thread():
-        previous_term = signal.signal(signal.SIGTERM, _on_sigterm)
     if not ray.is_initialized():
         if address or os.environ.get("RAY_ADDRESS"):
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
@@ -172,6 +170,9 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 2), namespace=NAMESPACE,
                      include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
                      resources={f"region:{settings.region}": 64})
+        # After ray.init, which installs its own SIGTERM handler (sys.exit(15), no cleanup).
+        if threading.current_thread() is threading.main_thread():
+            previous_term = signal.signal(signal.SIGTERM, _on_sigterm)
         link = ray.remote(LinkClient).options(
             name=SYNCER_NAME, namespace=NAMESPACE, num_cpus=0.1, max_concurrency=128,
             resources=dict(ON_HEAD)).remote(
