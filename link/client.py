@@ -14,6 +14,7 @@ from __future__ import annotations
 import collections
 import json
 import logging
+import os
 import random
 import socket
 import threading
@@ -118,6 +119,7 @@ class LinkClient:
         self.epoch = -1
         self.beats: dict[str, dict] = {}
         self.slots: list[dict] = []
+        self.slots_set_s = time.time()   # when the agent last set them: its liveness at home
         self.status_cache: dict = {"epoch": None, "versions": [], "merges": 0, "ledger": {},
                                    "registered": {}, "quarantined": {}, "rejected": {},
                                    "staleness_counts": {}}
@@ -127,6 +129,8 @@ class LinkClient:
         self.last_ok_s: Optional[float] = None
         self.last_merged_s: Optional[float] = None
         self.closed = threading.Event()
+        self.started_s = time.time()
+        self.home_ended: Optional[str] = None   # the home said its job ended (a report's reply)
         self.channel.subscribe(self._on_state, try_to_connect=True)
         self.reporter = threading.Thread(target=self._report_loop, daemon=True,
                                          name="islands-link-report")
@@ -281,10 +285,18 @@ class LinkClient:
     def set_slots(self, slots: list) -> None:
         with self.lock:
             self.slots = list(slots)
+            self.slots_set_s = time.time()
 
     def link_fault(self, fault) -> None:
         """Chaos on this region's link (a partition resets the connection; see ``Relay``)."""
         self.relay.add_fault(fault)
+
+    def home_state(self) -> dict:
+        """What the agent decides to stay or leave on: whether the home said its job ended, and
+        seconds since the home last answered a call (or since this link started)."""
+        with self.lock:
+            return {"ended": self.home_ended,
+                    "since_ok_s": time.time() - (self.last_ok_s or self.started_s)}
 
     def link_status(self) -> dict:
         with self.lock:
@@ -304,13 +316,14 @@ class LinkClient:
             with self.lock:
                 beats, self.beats = list(self.beats.values()), {}
                 slots = list(self.slots)
+                agent_age_s = time.time() - self.slots_set_s
             counters = self.relay.counters()
             request = pb.ReportRequest(
                 region=self.settings.region,
                 slots=[pb.SlotReport(**s) for s in slots],
                 beats_json=[json.dumps(b, default=str) for b in beats],
                 link_bytes_up=counters["up"], link_bytes_down=counters["down"],
-                link_reconnects=self.reconnects)
+                link_reconnects=self.reconnects, agent_age_s=agent_age_s)
             try:
                 reply = self.stub.Report(request, timeout=self.settings.call_timeout_s,
                                          metadata=self.metadata)
@@ -324,8 +337,27 @@ class LinkClient:
                 if exc.code() == grpc.StatusCode.UNAUTHENTICATED:
                     log.error("link: home refused the token: %s", exc.details())
                 continue
+            if status.get("ended"):
+                self.home_ended = str(status["ended"])
+            restarts = status.pop("restart", None) or []
+            if restarts:
+                self._tell_agent(restarts)
             with self.lock:
                 self.status_cache = {**self.status_cache, **status}
+
+    def _tell_agent(self, restarts: list) -> None:
+        """The home found these incarnations hung: the agent restarts them (if still current)."""
+        import ray
+
+        from islands.orchestrator.runtime import CONTROLLER_NAME, NAMESPACE
+
+        try:
+            agent = ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE)
+            for r in restarts:
+                agent.home_verdict.remote(r["learner"], int(r["incarnation"]), r["cause"])
+        except Exception as exc:  # no agent: the home shows them unreachable once it sees that
+            log.warning("link: could not pass the home's restarts %s to the agent: %r",
+                        restarts, exc)
 
 
 def _numpy_push(push, codec_lib):
@@ -333,3 +365,166 @@ def _numpy_push(push, codec_lib):
     import dataclasses
 
     return dataclasses.replace(push, codes=codec_lib.to_numpy(push.codes))
+
+
+# -- diagnosing a link that does not come up, before any local Ray cluster starts ----------------
+def preflight(settings: ClientSettings, timeout_s: float = 5.0) -> int:
+    """One Hello straight to home (no relay, no Ray), within ``timeout_s``: returns the home's
+    epoch, or raises ``LinkRefused`` with one line naming the cause (a wrong token, an unknown
+    CA, a missing or refused client certificate, an expired certificate, plaintext against TLS,
+    nothing listening)."""
+    host, port = settings.host_port
+    local = check_local_files(settings)
+    if local:
+        raise LinkRefused(local)
+    channel = open_channel(settings, f"{host}:{port}", wire.DEFAULT_CHUNK_BYTES)
+    try:
+        reply = pb_grpc.LinkStub(channel).Hello(
+            pb.HelloRequest(region=settings.region, agent=socket.gethostname(),
+                            protocol=wire.PROTOCOL),
+            timeout=timeout_s, metadata=token_metadata(settings.token))
+        return int(reply.epoch)
+    except grpc.RpcError as exc:
+        code, details = exc.code(), exc.details() or ""
+        if code == grpc.StatusCode.UNAUTHENTICATED:
+            raise LinkRefused(f"the home refused the token ({details})") from None
+        if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            raise LinkRefused(f"{code.name}: {details}") from None
+        cause = diagnose_transport(settings, timeout_s)
+        raise LinkRefused(cause or f"home {settings.home} unreachable ({code.name}: "
+                          f"{details.splitlines()[0][:200] if details else 'no detail'})") from None
+    finally:
+        channel.close()
+
+
+# OpenSSL/BoringSSL alert and error names -> what the operator must fix.
+_ALERTS = (("CERTIFICATE_REQUIRED", "the home requires a client certificate (mutual TLS): pass "
+                                    "--client-cert and --client-key"),
+           ("CERTIFICATE_EXPIRED", "the home refused this region's client certificate: it has "
+                                   "expired"),
+           ("UNKNOWN_CA", "the home does not trust this region's client certificate (signed by "
+                          "another CA than its link.tls.client_ca_file)"),
+           ("BAD_CERTIFICATE", "the home refused this region's client certificate"),
+           ("WRONG_VERSION_NUMBER", "the home does not speak TLS (a plaintext link): pass "
+                                    "--insecure, on loopback only"),
+           ("RECORD_LAYER_FAILURE", "the home does not speak TLS (a plaintext link): pass "
+                                    "--insecure, on loopback only"))
+
+
+def tls_cause(exc: BaseException, settings: ClientSettings) -> Optional[str]:
+    """The one-line cause of a failed TLS handshake with the home, from Python's ssl error.
+
+    >>> import ssl
+    >>> s = ClientSettings(home="h:1", region="r", token="t", ca_file="ca.pem")
+    >>> e = ssl.SSLCertVerificationError(1, "verify failed")
+    >>> e.verify_code, e.verify_message = 10, "certificate has expired"
+    >>> tls_cause(e, s)
+    "the home's certificate has expired"
+    >>> tls_cause(ssl.SSLError(1, "[SSL: TLSV13_ALERT_CERTIFICATE_REQUIRED] alert"), s)[:40]
+    'the home requires a client certificate ('
+    """
+    import ssl
+
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        code = getattr(exc, "verify_code", None)
+        if code == 10:
+            return "the home's certificate has expired"
+        if code in (7, 18, 19, 20, 21):  # 7: an issuer of that name, but not the one that signed
+            where = settings.ca_file or "the system's roots"
+            return (f"unknown CA: the home's certificate is not signed by a CA in {where} "
+                    "(--ca-cert)")
+        if code == 62:
+            return (f"the home's certificate is not for "
+                    f"{settings.server_name or settings.host_port[0]!r} (--server-name)")
+        return f"the home's certificate was refused: {getattr(exc, 'verify_message', exc)}"
+    text = str(exc).upper()
+    for needle, cause in _ALERTS:
+        if needle in text:
+            return cause
+    if isinstance(exc, ssl.SSLError):
+        return f"TLS with the home failed: {exc}"
+    return None
+
+
+def diagnose_transport(settings: ClientSettings, timeout_s: float = 5.0) -> Optional[str]:
+    """Why a channel to home does not come up: connects and (unless ``--insecure``) shakes TLS
+    hands with Python's ssl, which names what gRPC only calls UNAVAILABLE. None: no cause found."""
+    import ssl
+
+    host, port = settings.host_port
+    try:
+        sock = socket.create_connection((host, port), timeout=timeout_s)
+    except ConnectionRefusedError:
+        return f"nothing listens at {settings.home} (connection refused)"
+    except OSError as exc:
+        return f"cannot reach {settings.home}: {exc}"
+    with sock:
+        if not settings.tls:
+            # A plaintext client: does the home answer a TLS hello? Then it speaks TLS.
+            context = ssl.create_default_context()
+            context.check_hostname, context.verify_mode = False, ssl.CERT_NONE
+            try:
+                with context.wrap_socket(sock, server_hostname=host) as tls:
+                    tls.version()
+                return ("the home speaks TLS but this region connects in plaintext (--insecure): "
+                        "drop --insecure and pass --ca-cert")
+            except (ssl.SSLError, OSError):
+                return None
+        context = ssl.create_default_context(cafile=settings.ca_file)
+        if settings.cert_file:
+            context.load_cert_chain(settings.cert_file, settings.key_file)
+        try:
+            with context.wrap_socket(sock, server_hostname=settings.server_name or host) as tls:
+                # TLS 1.3: the home refuses a client certificate after the handshake, with an
+                # alert read here; silence until the timeout means the handshake was accepted.
+                tls.settimeout(min(timeout_s, 1.5))
+                try:
+                    if tls.recv(1) == b"":  # closed on us right after the handshake
+                        return refused_client_cert(settings)
+                except socket.timeout:
+                    return None
+        except ConnectionResetError:
+            return refused_client_cert(settings)
+        except (ssl.SSLError, OSError) as exc:
+            return tls_cause(exc, settings)
+    return None
+
+
+def refused_client_cert(settings: ClientSettings) -> str:
+    """The home closed a TLS connection it had just accepted: it refused our client side."""
+    if not settings.cert_file:
+        return ("the home requires a client certificate (mutual TLS): pass --client-cert and "
+                "--client-key")
+    return (f"the home refused this region's client certificate {settings.cert_file} (not "
+            "signed by the CA in its link.tls.client_ca_file)")
+
+
+def certificate_expiry(path: str) -> Optional[float]:
+    """A PEM certificate's notAfter as a Unix time (None: unreadable as one)."""
+    import ssl
+
+    try:
+        not_after = ssl._ssl._test_decode_cert(path)["notAfter"]  # stdlib's own PEM decoder
+        return ssl.cert_time_to_seconds(not_after)
+    except Exception:
+        return None
+
+
+def check_local_files(settings: ClientSettings, now_s: Optional[float] = None) -> Optional[str]:
+    """What is wrong with this region's own TLS files before anything connects: a client
+    certificate without its key (or the reverse), an unreadable file, an expired certificate."""
+    if not settings.tls:
+        return None
+    if (settings.cert_file is None) != (settings.key_file is None):
+        return "mutual TLS needs both --client-cert and --client-key"
+    now_s = time.time() if now_s is None else now_s
+    for flag, path in (("--ca-cert", settings.ca_file), ("--client-cert", settings.cert_file),
+                       ("--client-key", settings.key_file)):
+        if path and not os.access(path, os.R_OK):
+            return f"{flag} {path} cannot be read"
+    for flag, path in (("--client-cert", settings.cert_file), ("--ca-cert", settings.ca_file)):
+        expiry = certificate_expiry(path) if path else None
+        if expiry is not None and expiry < now_s:
+            when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(expiry))
+            return f"{flag} {path} expired at {when}: the home would refuse it"
+    return None

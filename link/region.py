@@ -14,6 +14,8 @@ import dataclasses
 import json
 import logging
 import os
+import signal
+import threading
 import time
 from typing import Optional
 
@@ -98,6 +100,12 @@ class RegionController(Controller):
                  for s in self.fleet.slots.values()]
         self.syncer.set_slots.remote(slots)
 
+    def home_verdict(self, learner: str, incarnation: int, cause: str) -> None:
+        """The home found this incarnation hung (its heartbeats stopped reaching home): the same
+        verdict as this agent's own check, which usually comes first."""
+        self.inbox.put((fleet_lib.Unhealthy(learner, incarnation, cause,
+                                            f"{cause} seen at home"), None))
+
     def _do_linkfault(self, a) -> None:
         """Chaos on the region's link acts on the real link (the relay), not in the learners."""
         self.syncer.link_fault.remote(a.fault)
@@ -106,6 +114,33 @@ class RegionController(Controller):
         import ray
 
         return ray.get(self.syncer.link_status.remote(), timeout=10)
+
+
+def leave_reason(home_ended: Optional[str], since_ok_s: float,
+                 home_timeout_s: float) -> Optional[str]:
+    """Why the agent leaves now (None: it stays): its home job ended, or the home has not
+    answered for ``home_timeout_s`` (``link.agent_home_timeout_s``).
+
+    >>> leave_reason("the home job 'j' has ended", 1.0, 300.0)
+    "the home job 'j' has ended"
+    >>> leave_reason(None, 299.0, 300.0) is None, leave_reason(None, 301.0, 300.0)
+    (True, 'no answer from home for 301s (link.agent_home_timeout_s = 300s)')
+    """
+    if home_ended:
+        return home_ended
+    if since_ok_s > home_timeout_s:
+        return (f"no answer from home for {since_ok_s:.0f}s "
+                f"(link.agent_home_timeout_s = {home_timeout_s:g}s)")
+    return None
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM: left like Ctrl+C, through the same clean shutdown (a Kubernetes pod's stop)."""
+
+
+def _on_sigterm(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the shutdown short
+    raise _Terminated()
 
 
 def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = None,
@@ -122,6 +157,7 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
     from .client import LinkClient
 
     started = False
+    previous_term = None
     if not ray.is_initialized():
         if address or os.environ.get("RAY_ADDRESS"):
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
@@ -129,11 +165,15 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
             started = True
     link = controller = None
     summary: dict = {}
+    left: Optional[str] = None
     try:
         if started:  # the link's config says how many region resources to declare
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 2), namespace=NAMESPACE,
                      include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
                      resources={f"region:{settings.region}": 64})
+        # After ray.init, which installs its own SIGTERM handler (sys.exit(15), no cleanup).
+        if threading.current_thread() is threading.main_thread():
+            previous_term = signal.signal(signal.SIGTERM, _on_sigterm)
         link = ray.remote(LinkClient).options(
             name=SYNCER_NAME, namespace=NAMESPACE, num_cpus=0.1, max_concurrency=128,
             resources=dict(ON_HEAD)).remote(
@@ -143,6 +183,8 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
         except ray.exceptions.RayTaskError as exc:
             raise (exc.cause if isinstance(getattr(exc, "cause", None), Exception) else exc)
         config = region_config(joined["config"], settings.region)
+        home_timeout_s = float(joined["config"].get("link", {}).get("agent_home_timeout_s",
+                                                                      300.0))
         run_dir = os.path.abspath(run_dir or os.path.join(
             "runs", f"{config.name}-{settings.region}"))
         os.makedirs(run_dir, exist_ok=True)
@@ -159,6 +201,11 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
         t0 = time.time()
         index = 0
         while duration_s is None or time.time() - t0 < duration_s:
+            home = ray.get(link.home_state.remote(), timeout=30)
+            left = leave_reason(home["ended"], home["since_ok_s"], home_timeout_s)
+            if left:
+                print(f"islands region: {left}: stopping the learners and leaving", flush=True)
+                break
             events, index = ray.get(controller.events_since.remote(index))
             for event in events:
                 if not quiet:
@@ -169,6 +216,11 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
     except KeyboardInterrupt:
         print("islands region: interrupted, leaving cleanly", flush=True)
     finally:
+        if left and link is not None:  # nobody at home to tell: the agent's calls fail at once
+            try:
+                ray.get(link.close.remote(), timeout=10)
+            except Exception:
+                pass
         if controller is not None:
             try:
                 summary = ray.get(controller.shutdown.remote(), timeout=120)
@@ -180,6 +232,10 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
         _kill_region_actors()
         if started:
             ray.shutdown()
+        if previous_term is not None:
+            signal.signal(signal.SIGTERM, previous_term)
+    if left:
+        summary["left"] = left
     return summary
 
 

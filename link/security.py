@@ -112,9 +112,11 @@ class Pki:
     client_key: str
 
 
-def throwaway_pki(directory: str, host: str = "localhost", days: int = 1) -> Pki:
+def throwaway_pki(directory: str, host: str = "localhost", days: int = 1,
+                  client_expired: bool = False) -> Pki:
     """Makes a fresh CA and a server certificate for ``host`` (plus 127.0.0.1) and a client
-    certificate, all valid for ``days``: for tests and trying the link out, never for a real job.
+    certificate, all valid for ``days`` (``client_expired``: the client's ended yesterday, to
+    test a refusal): for tests and trying the link out, never for a real job.
     Needs the ``cryptography`` package (in the dev extra)."""
     import ipaddress
 
@@ -146,11 +148,14 @@ def throwaway_pki(directory: str, host: str = "localhost", days: int = 1) -> Pki
           .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
           .sign(ca_key, hashes.SHA256()))
 
-    def leaf(cn, usage, sans):
+    def leaf(cn, usage, sans, expired=False):
         key = ec.generate_private_key(ec.SECP256R1())
+        start, end = now, now + datetime.timedelta(days=days)
+        if expired:
+            start, end = now - datetime.timedelta(days=2), now - datetime.timedelta(days=1)
         builder = (x509.CertificateBuilder().subject_name(name(cn)).issuer_name(ca.subject)
                    .public_key(key.public_key()).serial_number(x509.random_serial_number())
-                   .not_valid_before(now).not_valid_after(now + datetime.timedelta(days=days))
+                   .not_valid_before(start).not_valid_after(end)
                    .add_extension(x509.ExtendedKeyUsage([usage]), critical=False))
         if sans:
             builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
@@ -158,7 +163,8 @@ def throwaway_pki(directory: str, host: str = "localhost", days: int = 1) -> Pki
 
     server, server_key = leaf(host, ExtendedKeyUsageOID.SERVER_AUTH,
                               [x509.DNSName(host), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
-    client, client_key = leaf("islands region agent", ExtendedKeyUsageOID.CLIENT_AUTH, [])
+    client, client_key = leaf("islands region agent", ExtendedKeyUsageOID.CLIENT_AUTH, [],
+                              expired=client_expired)
     pem = serialization.Encoding.PEM
     return Pki(ca_cert=write("ca.pem", ca.public_bytes(pem)),
                server_cert=write("server.pem", server.public_bytes(pem)),

@@ -66,6 +66,7 @@ class LinkServicer(pb_grpc.LinkServicer):
         self.config = json.loads(config_json)
         self.lock = threading.Lock()
         self.regions: dict[str, dict] = {}   # per region: what its agent last reported
+        self.ended: Optional[str] = None     # set when the home job ends: agents are told so
 
     # -- helpers --------------------------------------------------------------------------------
     def _read(self, stream, message_type, context):
@@ -99,6 +100,8 @@ class LinkServicer(pb_grpc.LinkServicer):
 
     # -- the calls ------------------------------------------------------------------------------
     def Hello(self, request, context):
+        if self.ended:
+            context.abort(grpc.StatusCode.FAILED_PRECONDITION, self.ended)
         if request.protocol != wire.PROTOCOL:
             context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                           f"link protocol {request.protocol} is not {wire.PROTOCOL}")
@@ -141,6 +144,10 @@ class LinkServicer(pb_grpc.LinkServicer):
         except wire.WireError as exc:
             context.abort(grpc.StatusCode[exc.code], str(exc))
         self._remote_region(request.region, context)
+        if self.ended:  # the home's controller is gone: the agent is told to leave
+            with self.lock:
+                self.regions.setdefault(request.region, {})["told_ended_s"] = time.time()
+            return pb.ReportReply(status_json=json.dumps({"ended": self.ended}))
         report = {"region": request.region, "t": time.time(),
                   "slots": [{"learner": s.learner, "incarnation": int(s.incarnation),
                              "state": s.state, "shard": int(s.shard), "last_cause": s.last_cause}
@@ -148,7 +155,8 @@ class LinkServicer(pb_grpc.LinkServicer):
                   "beats": beats,
                   "link_bytes": {"up": int(request.link_bytes_up),
                                  "down": int(request.link_bytes_down)},
-                  "reconnects": int(request.link_reconnects)}
+                  "reconnects": int(request.link_reconnects),
+                  "agent_age_s": float(request.agent_age_s)}
         with self.lock:
             self.regions.setdefault(request.region, {}).update(
                 last_report_s=report["t"], link_bytes=report["link_bytes"],
@@ -169,8 +177,9 @@ class LinkServicer(pb_grpc.LinkServicer):
         yield from self._send(reply, context)
 
 
-def serve(home, config_json: str, settings: ServerSettings) -> tuple[grpc.Server, int]:
-    """Starts the link server; returns it and the bound port (``settings.port`` 0 picks one).
+def serve(home, config_json: str, settings: ServerSettings, with_servicer: bool = False):
+    """Starts the link server; returns it and the bound port (``settings.port`` 0 picks one),
+    and its servicer ``with_servicer``.
 
     Without a certificate the server is plaintext (loopback trials and tests only; a job config
     that binds another address must give one: checked in JobConfig).
@@ -185,7 +194,8 @@ def serve(home, config_json: str, settings: ServerSettings) -> tuple[grpc.Server
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.max_workers,
                                                     thread_name_prefix="islands-link"),
                          interceptors=[TokenInterceptor(settings.token)], options=options)
-    pb_grpc.add_LinkServicer_to_server(LinkServicer(home, config_json, settings), server)
+    servicer = LinkServicer(home, config_json, settings)
+    pb_grpc.add_LinkServicer_to_server(servicer, server)
     address = f"{settings.host}:{settings.port}"
     if settings.cert_file:
         port = server.add_secure_port(address, server_credentials(
@@ -195,7 +205,7 @@ def serve(home, config_json: str, settings: ServerSettings) -> tuple[grpc.Server
     if port == 0:
         raise OSError(f"link server could not bind {address}")
     server.start()
-    return server, port
+    return (server, port, servicer) if with_servicer else (server, port)
 
 
 class RayHome:
@@ -285,11 +295,31 @@ class LinkServer:
         self.settings = settings
         self.home = RayHome(namespace, syncer_name, controller_name,
                             fragment_paths(json.loads(config_json)))
-        self.server, self.port = serve(self.home, config_json, settings)
-        self.servicer = None
+        self.job = json.loads(config_json).get("name")
+        self.server, self.port, self.servicer = serve(self.home, config_json, settings,
+                                                      with_servicer=True)
 
     def address(self) -> str:
         return f"{self.settings.host}:{self.port}"
+
+    def end(self, wait_s: float = 3.0) -> list:
+        """The home job ended: every later report is answered so, for up to ``wait_s`` or until
+        each region that reported lately was told. Returns the regions told."""
+        servicer = self.servicer
+        servicer.ended = f"the home job {self.job!r} has ended"
+        t0 = time.time()
+        told: list = []
+        with servicer.lock:
+            recent = [r for r, st in servicer.regions.items()
+                      if t0 - st.get("last_report_s", 0.0) < 2 * wait_s]
+        while time.time() - t0 < wait_s:
+            with servicer.lock:
+                told = [r for r in recent
+                        if servicer.regions[r].get("told_ended_s", 0.0) >= t0]
+            if len(told) == len(recent):
+                return told
+            time.sleep(0.1)
+        return told
 
     def stop(self) -> None:
         self.server.stop(grace=1.0).wait(5)

@@ -101,7 +101,7 @@ def phase_of(state: str, trained: bool) -> Optional[str]:
         return "training"
     if state == "paused":
         return "paused"
-    if state == "restarting":
+    if state in ("restarting", "unreachable"):  # unreachable: a remote one, down as far as home knows
         return "recovery"
     return None
 

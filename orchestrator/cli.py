@@ -360,6 +360,8 @@ def main(argv=None) -> int:
 
 
 def _region_join(args) -> int:
+    # Before gRPC starts: its own handshake logs would bury the one line that names the cause.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     from islands.link.client import ClientSettings, LinkRefused
     from islands.link.region import join
     from islands.link.security import read_token
@@ -372,6 +374,17 @@ def _region_join(args) -> int:
             bandwidth_gbps=args.bandwidth_gbps)
         settings.host_port  # noqa: B018 - validates HOST:PORT now
     except (ValueError, OSError) as exc:
+        print(f"islands region: {exc}", file=sys.stderr)
+        return 2
+    from islands.link.client import preflight
+
+    try:  # a link that cannot come up is named in one line, before any Ray cluster starts
+        preflight(settings)
+    except LinkRefused as exc:
+        print(f"islands region: cannot join {args.home} as {args.region}: {exc}",
+              file=sys.stderr)
+        return 2
+    except (ValueError, OSError) as exc:  # unreadable certificate files, a key without a cert
         print(f"islands region: {exc}", file=sys.stderr)
         return 2
     try:

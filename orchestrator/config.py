@@ -411,6 +411,9 @@ class LinkSection(_Section):
     chunk_bytes: int = Field(1 << 20, ge=4096, le=16 << 20)     # one gRPC message's data
     max_message_bytes: int = Field(1 << 30, ge=4096)    # one push, reply or registration, chunked
     keepalive_s: float = Field(10.0, gt=0)              # HTTP/2 pings; a silent peer is dropped
+    # A region agent that has not reached home for this long stops its learners and exits (the
+    # home's value is the agent's: it comes with the job's config when the agent joins).
+    agent_home_timeout_s: float = Field(300.0, gt=0, le=86400)
 
     @model_validator(mode="after")
     def _secure_off_loopback(self):

@@ -323,6 +323,10 @@ FIELD_NOTES: dict[str, str] = {
     "link.max_message_bytes": "Largest push, reply or registration accepted (after chunking); "
                               "larger ones are refused with RESOURCE_EXHAUSTED.",
     "link.keepalive_s": "HTTP/2 keepalive ping interval and timeout of the server, seconds.",
+    "link.agent_home_timeout_s": "A region agent that has not reached home for this long stops "
+                                 "its learners and exits, so its cluster can be released (one "
+                                 "told by the home that the job ended leaves at once). Set at "
+                                 "home: agents take it from the job's config.",
 }
 
 # Rules that validators (or the job's start) enforce beyond a single field's bounds.

@@ -113,6 +113,7 @@ class Controller:
         self.ray_metrics = None
         self.link_regions: dict[str, dict] = {}   # per remote region: its link's last report
         self.remote_beats: dict[tuple, dict] = {}  # (learner, incarnation) -> newest beat
+        self.remote_restarts: dict[str, list] = {}  # per remote region: restarts for its agent
         self.settings = build.controller_settings(config)
         self.chaos_plan = build.chaos_plan(config)
         self.state_path = os.path.join(run_dir, "controller_state.json")
@@ -628,6 +629,13 @@ class Controller:
         for learner in a.learners:
             self.groups.call(learner, "link_fault", a.fault)
 
+    def _do_restartremote(self, a) -> None:
+        """Goes to the region's agent with the reply to its next report (the home has no handle
+        on a learner in another cluster)."""
+        with self.lock:
+            self.remote_restarts.setdefault(a.region, []).append(
+                {"learner": a.learner, "incarnation": a.incarnation, "cause": a.cause})
+
     def _do_killsyncer(self, a) -> None:
         import ray
 
@@ -651,19 +659,28 @@ class Controller:
                 inc.beat = beat
             else:  # its incarnation is not known here yet: kept for when it is
                 self.remote_beats[(learner, number)] = beat
+        # The agent is alive when it updated its slots lately (the link client outlives it).
+        age = float(report.get("agent_age_s") or 0.0)
+        agent_alive = fleet_lib.agent_reporting(now, now - age,
+                                                self.fleet.settings.heartbeat_timeout_s)
         for s in report.get("slots", []):
             beat = beats.get(s["learner"], {})
             self.inbox.put((fleet_lib.RemoteReport(
                 s["learner"], region, int(s["incarnation"]), s["state"], int(s.get("shard", 0)),
-                beat.get("step_time_s"), s.get("last_cause") or ""), None))
+                beat.get("step_time_s"), s.get("last_cause") or "",
+                beat=int(beat.get("incarnation", -1)) == int(s["incarnation"]),
+                agent_alive=agent_alive), None))
         with self.lock:
             status = dict(self.syncer_status)
+            restarts = self.remote_restarts.pop(region, [])
         mine = lambda table: {k: v for k, v in (table or {}).items()  # noqa: E731
                               if k.rsplit(":", 1)[0] == region}
         return {"epoch": status.get("epoch"), "versions": status.get("versions"),
                 "merges": status.get("merges"), "ledger": mine(status.get("ledger")),
                 "registered": mine(status.get("registered")),
-                "quarantined": mine(status.get("quarantined"))}
+                "quarantined": mine(status.get("quarantined")), "restart": restarts,
+                **({"ended": f"the home job {self.config.name!r} is stopping"}
+                   if self.fleet.stopping else {})}
 
     # -- the syncer -----------------------------------------------------------------------------
     def _check_syncer(self) -> None:

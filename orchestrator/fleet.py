@@ -44,11 +44,27 @@ class SlotState(str, enum.Enum):
     DRAINING = "draining"        # finishing its in-flight pushes, then leaves
     RESTARTING = "restarting"    # its incarnation died; a new one is due at ``restart_at_s``
     FAILED = "failed"            # restart budget spent: gone for good
+    # A remote learner that stopped beating while its region agent is silent too: the home
+    # cannot restart it, so it shows here until the agent reports it (or a successor) again.
+    UNREACHABLE = "unreachable"
     RETIRED = "retired"          # left on purpose (drained, scaled down, job stopped)
 
 
 LIVE = frozenset({SlotState.STARTING, SlotState.TRAINING, SlotState.PAUSED, SlotState.DRAINING})
 GONE = frozenset({SlotState.FAILED, SlotState.RETIRED})
+# A remote incarnation the home found hung: down here whatever its agent's last report said.
+HOME_FAILED = frozenset({SlotState.RESTARTING, SlotState.UNREACHABLE})
+
+
+def agent_reporting(now_s: float, last_report_s: float, heartbeat_timeout_s: float) -> bool:
+    """Whether a region agent counts as alive: it reported within a third of the hang timeout
+    (it reports every second; a third leaves room for a slow link without waiting a whole
+    timeout on a dead agent).
+
+    >>> agent_reporting(100.0, 95.0, 30.0), agent_reporting(100.0, 85.0, 30.0)
+    (True, False)
+    """
+    return now_s - last_report_s <= heartbeat_timeout_s / 3.0
 
 
 # -- settings and state ---------------------------------------------------------------------------
@@ -149,6 +165,7 @@ class FleetState:
     spares: Mapping[str, Spare] = field(default_factory=dict)
     next_spare: int = 0
     operator_paused: bool = False         # paused by an operator (PauseJob) until resumed
+    agents_seen: Mapping[str, float] = field(default_factory=dict)  # remote region -> last report
 
     def live(self) -> list[Slot]:
         return [s for s in self.slots.values() if s.state in LIVE]
@@ -263,6 +280,19 @@ class RemoteReport:
     shard: int = 0
     step_time_s: Optional[float] = None
     last_cause: str = ""                # why its previous incarnation ended, if it did
+    beat: bool = True                   # a heartbeat of this incarnation came with the report
+    agent_alive: bool = True            # the region agent (not only its link) is reporting
+
+
+@dataclass(frozen=True)
+class Unhealthy:
+    """The home found this incarnation hung (a remote learner's agent is told over the link):
+    the same verdict as the fleet's own health check, from outside."""
+
+    learner: str
+    incarnation: int
+    cause: str = "hang"
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -324,7 +354,8 @@ class Stop:
 
 
 Observation = Union[Beat, RunEnded, Quarantine, LaunchFailed, Cluster, Applied, Scale, Drain,
-                    Chaos, HangCommand, Stop, RemoteReport, SpareReady, SpareEnded, PauseJob]
+                    Chaos, HangCommand, Stop, RemoteReport, SpareReady, SpareEnded, PauseJob,
+                    Unhealthy]
 
 
 # -- actions: what a body must do -----------------------------------------------------------------
@@ -405,12 +436,22 @@ class LinkFault:
 
 
 @dataclass(frozen=True)
+class RestartRemote:
+    """Ask a remote learner's region agent to restart this incarnation (the home found it hung)."""
+
+    learner: str
+    region: str
+    incarnation: int
+    cause: str
+
+
+@dataclass(frozen=True)
 class KillSyncer:
     syncer_shard: int = 0     # which syncer shard (syncer/shards.py); the others keep merging
 
 
 Action = Union[Launch, Kill, Forget, DrainLearner, PauseLearner, Slowdown, Hang, LinkFault,
-               KillSyncer, LaunchSpare, KillSpare]
+               KillSyncer, LaunchSpare, KillSpare, RestartRemote]
 
 
 @dataclass(frozen=True)
@@ -694,6 +735,8 @@ class _Machine:
             state = SlotState(r.state)
         except ValueError:
             return
+        if r.agent_alive:
+            self.set(agents_seen={**self.fleet.agents_seen, r.region: self.now})
         slot = self.fleet.slots.get(r.learner)
         if slot is None:  # scaled up in its own cluster
             index = int(r.learner.rsplit(":", 1)[1]) if r.learner.rsplit(":", 1)[1].isdigit() else 0
@@ -704,6 +747,9 @@ class _Machine:
         if not slot.remote or slot.state in GONE:
             return
         new_incarnation = r.incarnation != slot.incarnation
+        if (slot.state in HOME_FAILED and not new_incarnation and state in LIVE
+                and not (r.beat and r.agent_alive)):
+            return  # the incarnation this home found hung: only a heartbeat brings it back
         if slot.state in LIVE and (new_incarnation or state not in LIVE):
             # The incarnation this fleet knew ended in the region: settle its books here.
             cause = r.last_cause or ("stopped" if self.fleet.stopping else "crash")
@@ -712,18 +758,28 @@ class _Machine:
                 self.note("learner_failed", slot.learner, cause=cause,
                           incarnation=slot.incarnation, detail="reported by its region agent",
                           **{"from": slot.state.value})
+        # Its own heartbeats, not its agent's reports, keep it alive here (check_health).
         slot = self.put(dataclasses.replace(
             slot, incarnation=r.incarnation, shard=r.shard,
-            last_beat_s=self.now, step_time_s=r.step_time_s or slot.step_time_s))
+            last_beat_s=self.now if r.beat else slot.last_beat_s,
+            step_time_s=r.step_time_s or slot.step_time_s))
         if state in LIVE and (new_incarnation or slot.state not in LIVE):
             first = slot.launched_s is None
-            slot = self.put(dataclasses.replace(slot, launched_s=self.now))
+            slot = self.put(dataclasses.replace(slot, launched_s=self.now,
+                                                last_beat_s=self.now if r.beat else None))
             self.note("learner_launched" if first else "learner_restarted", slot.learner,
                       incarnation=r.incarnation, remote=True)
         if state in GONE:
             self.move(slot, state, "learner_retired", reason=r.last_cause or "left its region")
         elif state != slot.state:
             self.move(slot, state, "learner_state", remote=True)
+
+    def on_unhealthy(self, obs: Unhealthy) -> None:
+        slot = self.current(obs.learner, obs.incarnation)
+        if slot is None or slot.state not in LIVE or self.fleet.stopping:
+            return  # restarted or gone already (its own check may have come first)
+        self.note("learner_unhealthy", slot.learner, cause=obs.cause, origin="home")
+        self.fail(slot, Cause(obs.cause), detail=obs.detail[:300] or f"{obs.cause} seen at home")
 
     def on_hangcommand(self, obs: HangCommand) -> None:
         slot = self.fleet.slots.get(obs.learner)
@@ -925,7 +981,9 @@ class _Machine:
 
     def check_health(self) -> None:
         s = self.settings
-        # A remote slot's health is its region agent's to check (the same rules, there).
+        # A remote slot's health is its region agent's to check (the same rules, there); the
+        # home checks only that its heartbeats still arrive (``check_remote``).
+        self.check_remote()
         running = [x for x in self.fleet.slots.values()
                    if x.state in (SlotState.TRAINING, SlotState.STARTING) and not x.remote]
         step_times = {x.learner: x.step_time_s for x in running
@@ -964,6 +1022,39 @@ class _Machine:
             self.note("learner_unhealthy", slot.learner, cause=cause.value,
                       step_time_s=step_times.get(slot.learner))
             self.fail(slot, cause, detail=f"{cause.value} detected")
+
+    def check_remote(self) -> None:
+        """A remote learner whose heartbeats stop reaching home is hung here as a local one is
+        (the same timeouts). The home cannot restart it: its agent, if that still reports, is
+        asked to; else it shows ``unreachable`` until its agent reports it again."""
+        s = self.settings
+        for slot in list(self.fleet.slots.values()):
+            if not slot.remote or slot.state not in (SlotState.TRAINING, SlotState.STARTING):
+                continue
+            cause = detect(self.now, slot.last_beat_s, _first(slot.launched_s, self.now), None,
+                           [], s.heartbeat_timeout_s, s.straggler_factor, s.startup_timeout_s)
+            if cause is None:
+                continue
+            since = _first(slot.last_beat_s, slot.launched_s, self.now)
+            seen = self.fleet.agents_seen.get(slot.region)
+            agent_alive = seen is not None and agent_reporting(self.now, seen,
+                                                               s.heartbeat_timeout_s)
+            self.note("learner_unhealthy", slot.learner, cause=cause.value, remote=True)
+            self.actions.append(Forget(slot.learner, slot.incarnation, cause.value))
+            detail = (f"no heartbeat over the link for {self.now - since:.0f}s; "
+                      + ("its region agent is asked to restart it" if agent_alive else
+                         "its region agent is silent too: unreachable until it reports again"))
+            self.note("learner_failed", slot.learner, cause=cause.value,
+                      incarnation=slot.incarnation, detail=detail, remote=True,
+                      **{"from": slot.state.value})
+            if agent_alive:
+                self.actions.append(RestartRemote(slot.learner, slot.region, slot.incarnation,
+                                                  cause.value))
+                self.move(slot, SlotState.RESTARTING, "learner_restart_scheduled",
+                          cause=cause.value, message="its region agent restarts it", delay_s=0.0)
+            else:
+                self.move(slot, SlotState.UNREACHABLE, "learner_unreachable", cause=cause.value,
+                          agent_silent_s=None if seen is None else round(self.now - seen, 1))
 
     def start_due_restarts(self) -> None:
         for slot in list(self.fleet.slots.values()):

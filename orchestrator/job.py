@@ -505,6 +505,7 @@ def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] =
             path = out.write_summary(summary)
             if not quiet:
                 print(f"islands: summary written to {path}", flush=True)
+            _end_link(config)
             _kill_job_actors(controller)
             exported = _auto_export(run_dir)
             if exported:
@@ -590,6 +591,23 @@ def _serve_link(config) -> Optional[str]:
         name=LINK_SERVER_NAME, namespace=NAMESPACE, num_cpus=0.1, max_concurrency=4,
         resources=dict(ON_HEAD), lifetime="detached").remote(config.model_dump_json(), settings)
     return ray.get(server.address.remote(), timeout=60)
+
+
+def _end_link(config) -> None:
+    """Tells the regions' agents the job ended (in the reply to their next report), so they stop
+    their learners and leave instead of waiting out ``link.agent_home_timeout_s``."""
+    import ray
+
+    if config.link.port is None:
+        return
+    from islands.link.server import LINK_SERVER_NAME
+
+    try:
+        told = ray.get(ray.get_actor(LINK_SERVER_NAME, namespace=NAMESPACE).end.remote(3.0),
+                       timeout=15)
+        log.info("link: told regions %s that the job ended", told)
+    except Exception as exc:  # the agents leave after their home timeout instead
+        log.warning("link: could not tell the regions the job ended: %r", exc)
 
 
 def _actor_node_ip(actor) -> Optional[str]:

@@ -30,8 +30,8 @@ RECOVERY_PHASES = ("detect_s", "restart_s", "restore_s", "first_contribution_s",
 # created and after it is retired; "restarting" covers a first start as well as a restart.
 TIMELINE_STATES = ("training", "restarting", "paused", "draining", "absent")
 STATE_CATEGORY = {"training": "training", "starting": "restarting", "restarting": "restarting",
-                  "paused": "paused", "draining": "draining", "retired": "absent",
-                  "absent": "absent"}
+                  "unreachable": "restarting", "paused": "paused", "draining": "draining",
+                  "retired": "absent", "absent": "absent"}
 TIMELINE_LABELS = {"training": "training", "restarting": "starting / restarting",
                    "paused": "paused (below quorum)", "draining": "draining",
                    "absent": "absent (not created or retired)"}
@@ -40,6 +40,7 @@ TIMELINE_COLORS = {"training": "#2ca02c", "restarting": "#ff7f0e", "paused": "#7
 # What a learner event says about that learner's state from then on. A learner that failed is
 # down until its restart succeeds; one whose first contribution was merged is training.
 EVENT_STATE = {"learner_failed": "restarting", "learner_restart_scheduled": "restarting",
+               "learner_unreachable": "restarting",
                "learner_restarted": "starting", "learner_recovered": "training",
                "learner_draining": "draining", "learner_retired": "retired"}
 FAILURE_EVENTS = ("learner_failed", "syncer_failed")

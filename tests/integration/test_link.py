@@ -90,6 +90,18 @@ def _token_auth_in_this_process():
     auth.ensure_token_if_auth_enabled()
 
 
+def _start_region(join_args, env, cwd):
+    """``islands region join`` in its own session; returns it (its output on ``proc.lines``)
+    and its Ray cluster's address once the agent is up."""
+    region = subprocess.Popen(ISLANDS + join_args, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True, env=env, cwd=str(cwd),
+                              start_new_session=True)
+    region.lines = queue.Queue()
+    threading.Thread(target=_reader, args=(region, region.lines), daemon=True).start()
+    line = _wait_line(region.lines, region, "Ray cluster at", 240)
+    return region, line.rsplit("Ray cluster at ", 1)[1].strip()
+
+
 @pytest.fixture(scope="module")
 def two_clusters(tmp_path_factory):
     from islands.link.security import throwaway_pki
@@ -102,7 +114,7 @@ def two_clusters(tmp_path_factory):
               "regions": {"home": {"learners": 1}, "far": {"learners": 1, "remote": True}},
               "health": {"timeout_s": 30.0},  # two clusters on 2 cores: no false hangs
               "link": {"port": 0, "token_file": str(token_file), "max_message_bytes": 8 << 20,
-                       "keepalive_s": 2.0,
+                       "keepalive_s": 2.0, "agent_home_timeout_s": 20.0,
                        "tls": {"cert_file": pki.server_cert, "key_file": pki.server_key,
                                "client_ca_file": pki.ca_cert}},
               "run": {"dashboard": False, "run_dir": str(tmp / "home")}}
@@ -119,21 +131,17 @@ def two_clusters(tmp_path_factory):
     try:
         line = _wait_line(home_lines, home, "islands: link on", 240)
         port = int(line.split("link on ", 1)[1].split()[0].rsplit(":", 1)[1])
-        region = subprocess.Popen(
-            ISLANDS + ["region", "join", "--home", f"127.0.0.1:{port}", "--region", "far",
-                       "--token-file", str(token_file), "--ca-cert", pki.ca_cert,
-                       "--client-cert", pki.client_cert, "--client-key", pki.client_key,
-                       "--server-name", "localhost", "--run-dir", str(tmp / "far")],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(tmp),
-            start_new_session=True)
-        region_lines: queue.Queue = queue.Queue()
-        threading.Thread(target=_reader, args=(region, region_lines), daemon=True).start()
-        line = _wait_line(region_lines, region, "Ray cluster at", 240)
-        address = line.rsplit("Ray cluster at ", 1)[1].strip()
+        join_args = ["region", "join", "--home", f"127.0.0.1:{port}", "--region", "far",
+                     "--token-file", str(token_file), "--ca-cert", pki.ca_cert,
+                     "--client-cert", pki.client_cert, "--client-key", pki.client_key,
+                     "--server-name", "localhost", "--run-dir", str(tmp / "far")]
+        region, address = _start_region(join_args, env, tmp)
         import ray
 
         ray.init(address=address, namespace="islands", log_to_driver=False)
         yield {"port": port, "pki": pki, "tmp": tmp, "home": home, "region": region,
+               "join_args": join_args, "env": env, "token_file": token_file,
+               "home_lines": home_lines,
                "link": ray.get_actor("islands:syncer", namespace="islands"),
                "agent": ray.get_actor("islands:controller", namespace="islands")}
     finally:
@@ -242,3 +250,177 @@ def test_remote_merges_partition_and_a_local_restart(two_clusters):
                 and e.get("learner") != "far:0"]
     failed = [e for e in home_events if e["event"] == "learner_failed"]
     assert failed and all(e["learner"] == "far:0" for e in failed)
+
+
+def _home_rows(home_dir):
+    return [json.loads(line) for line in (home_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def _home_events(home_dir):
+    return [json.loads(line) for line in (home_dir / "events.jsonl").read_text().splitlines()]
+
+
+def _with(args, **flags):
+    """``args`` with each flag's value replaced (None: the flag dropped); flags spelled with
+    their dashes, e.g. ``**{"--ca-cert": path}``."""
+    out, i = [], 0
+    while i < len(args):
+        if args[i] in flags:
+            if flags[args[i]] is not None:
+                out += [args[i], flags[args[i]]]
+            i += 2
+        else:
+            out.append(args[i])
+            i += 1
+    return out
+
+
+def test_link_errors_are_named_in_one_line_before_a_region_cluster_starts(two_clusters):
+    """Each wrong setting of ``islands region join`` ends in seconds with rc 2 and one line on
+    stderr naming the cause; no Ray cluster is started (so nothing registers or merges)."""
+    from islands.link.security import throwaway_pki
+
+    ctx, tmp = two_clusters, two_clusters["tmp"]
+    other = throwaway_pki(str(tmp / "other-ca"))              # another CA entirely
+    expired = throwaway_pki(str(tmp / "expired"), client_expired=True)
+    wrong_token = tmp / "wrong-token"
+    wrong_token.write_text("not-the-token\n")
+    args = ctx["join_args"]
+    cases = [
+        ("wrong token", _with(args, **{"--token-file": str(wrong_token)}), "refused the token"),
+        ("unknown CA", _with(args, **{"--ca-cert": other.ca_cert}), "unknown CA"),
+        ("client certificate from another CA",
+         _with(args, **{"--client-cert": other.client_cert, "--client-key": other.client_key}),
+         "refused this region's client certificate"),
+        ("missing client certificate", _with(args, **{"--client-cert": None,
+                                                      "--client-key": None}),
+         "requires a client certificate"),
+        ("expired client certificate",
+         _with(args, **{"--client-cert": expired.client_cert,
+                        "--client-key": expired.client_key}), "expired"),
+        ("plaintext against TLS", args + ["--insecure"], "speaks TLS"),
+    ]
+    seen = len(_home_events(tmp / "home"))
+    for name, case_args, words in cases:
+        t0 = time.time()
+        done = subprocess.run(ISLANDS + case_args, capture_output=True, text=True,
+                              env=ctx["env"], cwd=str(tmp), timeout=60)
+        took = time.time() - t0
+        lines = [line for line in done.stderr.splitlines() if line.strip()]
+        print(f"{name}: rc {done.returncode} in {took:.1f}s: {lines}")
+        assert done.returncode == 2, (name, done.returncode, done.stdout, done.stderr)
+        assert len(lines) == 1 and words in lines[0], (name, lines)
+        assert "Ray cluster at" not in done.stdout and "Started a local Ray" not in done.stderr
+        assert took < 15.0, f"{name}: {took:.1f}s"  # a process start (imports) and one call
+    # Nothing of theirs reached the home's fleet: no new learner, no restart of far:0.
+    new = [e for e in _home_events(tmp / "home")[seen:] if e.get("learner")]
+    assert all(e["learner"] in ("home:0", "far:0") for e in new), new
+    assert not [e for e in new if e["event"] in ("learner_restarted", "learner_launched")], new
+
+
+def test_a_killed_agents_learner_is_failed_at_home_within_the_hang_timeout(two_clusters):
+    """The agent's whole cluster dies at once (SIGKILL to its process group, as a lost machine):
+    its learner stops beating, and the home says so within the hang timeout (30 s here)."""
+    import ray
+
+    from waiting import wait_for
+
+    home_dir, region = two_clusters["tmp"] / "home", two_clusters["region"]
+    # Training at home first (the books it must show).
+    wait_for(lambda: (_home_rows(home_dir) or [{}])[-1].get("learners", {}).get(
+        "far:0", {}).get("state") == "training", 120, "far:0 training at home")
+    ray.shutdown()  # this process leaves the region's cluster before it dies under it
+    seen = len(_home_events(home_dir))
+    t_kill = time.time()
+    os.killpg(region.pid, signal.SIGKILL)
+    region.wait(timeout=30)
+
+    def unreachable():
+        return next((e for e in _home_events(home_dir)[seen:]
+                     if e["event"] == "learner_unreachable" and e["learner"] == "far:0"), None)
+
+    event = wait_for(unreachable, 30.0 + 15.0, "far:0 unreachable at home")
+    detected_s = event["t"] - t_kill
+    print(f"far:0 seen unreachable at home {detected_s:.1f}s after its agent's cluster died")
+    # Its last heartbeat left up to 2 s before the kill (beats every 1 s, reports every 1 s).
+    assert detected_s <= 30.0 + 4.0, f"{detected_s:.1f}s: beyond the 30 s hang timeout"
+    new = _home_events(home_dir)[seen:]
+    failed = [e for e in new if e["event"] == "learner_failed" and e["learner"] == "far:0"]
+    assert failed and failed[0]["cause"] == "hang", failed
+    silent_s = float(failed[0]["detail"].split(" for ", 1)[1].split("s;", 1)[0])
+    assert 30.0 <= silent_s <= 32.0, failed[0]["detail"]  # the hang timeout, as a local one's
+    # Its state, the progress line's count and the books say so.
+    row = wait_for(lambda: next((r for r in reversed(_home_rows(home_dir))
+                                 if r.get("learners", {}).get("far:0", {}).get("state")
+                                 == "unreachable"), None), 30, "a row with far:0 unreachable")
+    assert row["alive"] == 1 and row["total"] == 2, (row["alive"], row["total"])
+    assert row["tokens"]["balanced"]
+    recovery = row["goodput"]["badput_s"].get("infrastructure_recovery", 0.0)
+    later = wait_for(lambda: next((r for r in reversed(_home_rows(home_dir)) if r["elapsed_s"]
+                                   > row["elapsed_s"] + 2), None), 30, "a later row")
+    assert later["goodput"]["badput_s"]["infrastructure_recovery"] > recovery + 1.0, (
+        "an unreachable learner's seconds count as recovery badput")
+    assert later["learners"]["far:0"]["state"] == "unreachable"  # nothing restarts it at home
+
+
+def _ray_processes_of(address):
+    """Pids of live processes whose command line names this Ray cluster's GCS (its daemons)."""
+    port = address.rsplit(":", 1)[1]
+    pids = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if f"127.0.0.1:{port}" in cmd or f"gcs_server_port={port}" in cmd:
+            pids.append(int(pid))
+    return pids
+
+
+def test_an_agent_leaves_cleanly_on_sigterm_and_with_its_home_job(two_clusters):
+    """An agent that comes back re-registers its learner at home (it was unreachable); SIGTERM
+    ends an agent cleanly with no Ray daemon of its cluster left; ending the home job ends a
+    joined agent within link.agent_home_timeout_s (20 s here)."""
+    from waiting import wait_for
+
+    ctx, home_dir = two_clusters, two_clusters["tmp"] / "home"
+    far_state = lambda: (_home_rows(home_dir) or [{}])[-1].get(  # noqa: E731
+        "learners", {}).get("far:0", {}).get("state")
+    agents = []
+    try:
+        # 1. The agent comes back: the home takes far:0 back from unreachable.
+        agent, address = _start_region(ctx["join_args"], ctx["env"], ctx["tmp"])
+        agents.append(agent)
+        wait_for(lambda: far_state() == "training", 180, "far:0 training at home again",
+                 describe=far_state)
+        # 2. SIGTERM: the agent stops its learner, shuts its cluster down and exits 0.
+        assert _ray_processes_of(address), "no Ray daemons found for the region's cluster"
+        agent.send_signal(signal.SIGTERM)
+        assert agent.wait(timeout=120) == 0
+        left = wait_for(lambda: not _ray_processes_of(address) or None, 30,
+                        "the region cluster's Ray daemons to exit",
+                        describe=lambda: _ray_processes_of(address))
+        assert left
+        # 3. Another agent joins; then the home job ends (a clean stop): the agent leaves.
+        agent, address = _start_region(ctx["join_args"], ctx["env"], ctx["tmp"])
+        agents.append(agent)
+        _wait_line(agent.lines, agent, "learner_ready", 180)  # reporting to home by now
+        t_end = time.time()
+        ctx["home"].send_signal(signal.SIGINT)
+        rc = agent.wait(timeout=20.0 + 30.0)
+        took = time.time() - t_end
+        out = []
+        while not agent.lines.empty():
+            out.append(agent.lines.get())
+        said = [line for line in out if "stopping the learners and leaving" in line]
+        print(f"the agent left {took:.1f}s after the home job was told to stop: {said}")
+        assert rc == 0 and said, out[-20:]
+        assert "home job 'linktest'" in said[0]  # told by the home, not timed out
+        assert took <= 20.0, f"{took:.1f}s: beyond link.agent_home_timeout_s"
+        wait_for(lambda: not _ray_processes_of(address) or None, 30,
+                 "the left agent's Ray daemons to exit",
+                 describe=lambda: _ray_processes_of(address))
+    finally:
+        for agent in agents:
+            _stop(agent)

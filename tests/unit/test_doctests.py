@@ -8,7 +8,8 @@ import pytest
 MODULES = ["islands.syncer.fragments", "islands.syncer.merge", "islands.syncer.quorum",
            "islands.learners.core", "islands.learners.mesh", "islands.orchestrator.health",
            "islands.orchestrator.metrics", "islands.orchestrator.chaos",
-           "islands.orchestrator.controller", "islands.orchestrator.accelerators"]
+           "islands.orchestrator.controller", "islands.orchestrator.accelerators",
+           "islands.orchestrator.fleet", "islands.link.region", "islands.link.client"]
 
 
 @pytest.mark.parametrize("name", MODULES)

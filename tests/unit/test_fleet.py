@@ -420,7 +420,7 @@ def test_remote_slots_are_never_launched_here_and_keep_their_shards():
     assert [(a.learner, a.shard, a.num_shards) for a in result.actions] == [("a:0", 0, 4),
                                                                          ("a:1", 1, 4)]
     assert states(result.fleet)["r:0"] == "pending" and result.fleet.slots["r:1"].shard == 3
-    # Silent for an hour: the agent checks their health, not this fleet.
+    # Never reported: nothing to judge (a pending remote slot is its agent's to launch).
     assert names(F.step(result.fleet, [], 3600.0)).count("learner_failed") == 2  # only a:0, a:1
 
 
@@ -438,6 +438,62 @@ def test_a_remote_report_mirrors_the_agents_decisions_and_settles_what_ended():
     assert again.fleet.slots["r:0"].incarnation == 1
     gone = F.step(again.fleet, [F.RemoteReport("r:0", "r", 1, "retired", 2, None, "drained")], 3)
     assert names(gone) == ["learner_retired"] and kinds(gone) == ["Forget"]
+
+
+def remote_training(t=1.0):
+    """r:0 reported training by a live agent, with a heartbeat, at ``t``."""
+    fleet = F.step(F.initial(remote_settings()), [], 0.0).fleet
+    return F.step(fleet, [F.RemoteReport("r:0", "r", 0, "training", 2, 0.1)], t).fleet
+
+
+def test_a_remote_learner_whose_agent_went_silent_is_unreachable_within_the_hang_timeout():
+    fleet = remote_training()
+    # 10 s timeout: at 10.9 s nothing yet; at 11.1 s it is hung, and its agent is silent too.
+    assert "learner_unhealthy" not in names(F.step(fleet, [], 10.9))
+    hung = F.step(fleet, [], 11.1)
+    # It no longer counts as training: the only live learner, so the quorum floor pauses.
+    assert names(hung) == ["learner_unhealthy", "learner_failed", "learner_unreachable",
+                           "training_paused"]
+    assert [(type(a).__name__, a.learner, a.incarnation, a.reason) for a in hung.actions
+            if isinstance(a, F.Forget)] == [("Forget", "r:0", 0, "hang")]
+    assert not [a for a in hung.actions if isinstance(a, F.RestartRemote)]
+    assert hung.fleet.slots["r:0"].state == SlotState.UNREACHABLE
+    failed = next(t for t in hung.transitions if t.name == "learner_failed")
+    assert failed.fields["cause"] == "hang" and "silent" in failed.fields["detail"]
+    # A report of the same incarnation with no heartbeat (a link client that outlived its
+    # agent) does not bring it back; the agent's next incarnation does.
+    stale = F.step(hung.fleet, [F.RemoteReport("r:0", "r", 0, "training", 2, beat=False,
+                                               agent_alive=False)], 12.0)
+    assert stale.fleet.slots["r:0"].state == SlotState.UNREACHABLE and not stale.transitions
+    back = F.step(stale.fleet, [F.RemoteReport("r:0", "r", 1, "training", 2, 0.1)], 13.0)
+    assert names(back) == ["learner_restarted", "learner_state", "training_resumed"]
+    assert back.fleet.slots["r:0"].state == SlotState.TRAINING
+
+
+def test_a_remote_learner_that_stops_beating_under_a_live_agent_is_restarted_through_it():
+    fleet = remote_training()
+    # The agent keeps reporting (its slots, no heartbeat of r:0).
+    for t in (4.0, 8.0):
+        fleet = F.step(fleet, [F.RemoteReport("r:0", "r", 0, "training", 2, beat=False)],
+                       t).fleet
+    hung = F.step(fleet, [], 11.1)
+    assert names(hung)[:3] == ["learner_unhealthy", "learner_failed",
+                               "learner_restart_scheduled"]
+    assert [(a.learner, a.region, a.incarnation, a.cause) for a in hung.actions
+            if isinstance(a, F.RestartRemote)] == [("r:0", "r", 0, "hang")]
+    assert hung.fleet.slots["r:0"].state == SlotState.RESTARTING
+    # Nothing is launched here, however long it takes its agent.
+    assert not [a for a in F.step(hung.fleet, [], 100.0).actions if isinstance(a, F.Launch)]
+
+
+def test_the_homes_hang_verdict_fails_the_current_incarnation_in_the_agents_fleet():
+    fleet = training()
+    stale = F.step(fleet, [F.Unhealthy("a:0", 7, "hang")], 1.5)
+    assert not stale.transitions  # not its incarnation: already restarted there
+    hung = F.step(fleet, [F.Unhealthy("a:0", 0, "hang", "hang seen at home")], 1.5)
+    assert names(hung)[:2] == ["learner_unhealthy", "learner_failed"]
+    assert hung.fleet.slots["a:0"].state == SlotState.RESTARTING
+    assert hung.fleet.slots["a:0"].restart_counts == {Cause.HANG: 1}
 
 
 def test_remote_regions_refuse_home_scale_and_kill_commands():
