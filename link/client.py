@@ -131,6 +131,7 @@ class LinkClient:
         self.closed = threading.Event()
         self.started_s = time.time()
         self.home_ended: Optional[str] = None   # the home said its job ended (a report's reply)
+        self.home_paused: Optional[str] = None  # the home's pause reason as the agent last heard it
         self.channel.subscribe(self._on_state, try_to_connect=True)
         self.reporter = threading.Thread(target=self._report_loop, daemon=True,
                                          name="islands-link-report")
@@ -342,8 +343,24 @@ class LinkClient:
             restarts = status.pop("restart", None) or []
             if restarts:
                 self._tell_agent(restarts)
+            paused = status.pop("paused", None)
+            if paused != self.home_paused:
+                self._tell_agent_pause(paused)
             with self.lock:
                 self.status_cache = {**self.status_cache, **status}
+
+    def _tell_agent_pause(self, reason) -> None:
+        """Training at home paused (its reason) or resumed (None): the agent pauses or resumes
+        the region's learners. Told again at the next report if the agent was not reachable."""
+        import ray
+
+        from islands.orchestrator.runtime import CONTROLLER_NAME, NAMESPACE
+
+        try:
+            ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE).home_pause.remote(reason)
+            self.home_paused = reason
+        except Exception as exc:
+            log.warning("link: could not pass the home's pause to the agent: %r", exc)
 
     def _tell_agent(self, restarts: list) -> None:
         """The home found these incarnations hung: the agent restarts them (if still current)."""

@@ -106,6 +106,11 @@ class RegionController(Controller):
         self.inbox.put((fleet_lib.Unhealthy(learner, incarnation, cause,
                                             f"{cause} seen at home"), None))
 
+    def home_pause(self, reason) -> None:
+        """Training at home paused (``reason``) or resumed (None): this region's learners
+        follow, through the same quorum-floor rule as a pause of its own."""
+        self.inbox.put((fleet_lib.HomePause(reason), None))
+
     def _do_linkfault(self, a) -> None:
         """Chaos on the region's link acts on the real link (the relay), not in the learners."""
         self.syncer.link_fault.remote(a.fault)

@@ -679,6 +679,7 @@ class Controller:
                 "merges": status.get("merges"), "ledger": mine(status.get("ledger")),
                 "registered": mine(status.get("registered")),
                 "quarantined": mine(status.get("quarantined")), "restart": restarts,
+                "paused": self.fleet.paused_reason,   # the region's learners pause with home
                 **({"ended": f"the home job {self.config.name!r} is stopping"}
                    if self.fleet.stopping else {})}
 

@@ -165,6 +165,7 @@ class FleetState:
     spares: Mapping[str, Spare] = field(default_factory=dict)
     next_spare: int = 0
     operator_paused: bool = False         # paused by an operator (PauseJob) until resumed
+    home_paused: Optional[str] = None     # a region agent: its home's pause reason (HomePause)
     agents_seen: Mapping[str, float] = field(default_factory=dict)  # remote region -> last report
 
     def live(self) -> list[Slot]:
@@ -349,13 +350,22 @@ class PauseJob:
 
 
 @dataclass(frozen=True)
+class HomePause:
+    """A region agent hears from its home that training there is paused (``reason``: the
+    home's pause reason) or resumed (None): the home's quorum floor or operator pause reaches the
+    region's learners (link/)."""
+
+    reason: Optional[str]
+
+
+@dataclass(frozen=True)
 class Stop:
     """The job is ending: clean ends retire, nothing restarts."""
 
 
 Observation = Union[Beat, RunEnded, Quarantine, LaunchFailed, Cluster, Applied, Scale, Drain,
                     Chaos, HangCommand, Stop, RemoteReport, SpareReady, SpareEnded, PauseJob,
-                    Unhealthy]
+                    Unhealthy, HomePause]
 
 
 # -- actions: what a body must do -----------------------------------------------------------------
@@ -799,6 +809,10 @@ class _Machine:
         self.note("job_pause_requested" if obs.paused else "job_resume_requested", None,
                   origin=obs.origin)
 
+    def on_homepause(self, obs: HomePause) -> None:
+        if obs.reason != self.fleet.home_paused:
+            self.set(home_paused=obs.reason)
+
     def on_stop(self, _obs: Stop) -> None:
         self.set(stopping=True)
         for spare in list(self.fleet.spares.values()):
@@ -1080,6 +1094,8 @@ class _Machine:
         reason = None
         if self.fleet.operator_paused:
             reason = "paused by an operator: training resumes on a resume command"
+        elif self.fleet.home_paused is not None:
+            reason = f"paused at home: {self.fleet.home_paused}"
         elif self.fleet.quorum_seen and len(live) < k:  # before the quorum: still starting up
             reason = (f"{len(live)} live learner(s) below quorum {k}: training paused until "
                       "learners return")

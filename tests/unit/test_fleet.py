@@ -650,3 +650,24 @@ def test_an_operator_pause_before_the_quorum_was_ever_reached_still_pauses():
     assert paused.fleet.paused_reason is not None
     joined = F.step(paused.fleet, [F.Beat("a:0", 0, True, 0.1)], 1.0)
     assert joined.fleet.slots["a:0"].state == SlotState.PAUSED
+
+
+def test_a_region_agent_pauses_its_learners_with_its_home_and_resumes_with_it():
+    """The home's pause (its quorum floor or an operator) reaches a remote region's learners
+    through its agent's fleet (link/region.py's ``home_pause``)."""
+    fleet = training(settings(min_learners=1))
+    paused = F.step(fleet, [F.HomePause("1 live learner(s) below quorum 2: training paused")],
+                    2.0)
+    assert names(paused) == ["training_paused"]
+    assert paused.fleet.paused_reason == ("paused at home: 1 live learner(s) below quorum 2: "
+                                          "training paused")
+    assert set(states(paused.fleet).values()) == {"paused"}
+    assert sorted(a.learner for a in paused.actions if a == F.PauseLearner(a.learner, True)) == [
+        "a:0", "a:1", "b:0"]
+    again = F.step(paused.fleet, [F.HomePause("paused by an operator")], 2.5)
+    assert names(again) == [] and again.fleet.paused_reason == "paused at home: paused by an operator"
+    back = F.step(again.fleet, [F.HomePause(None)], 3.0)
+    assert names(back) == ["training_resumed"]
+    assert set(states(back.fleet).values()) == {"training"}
+    assert sorted(a.learner for a in back.actions if a == F.PauseLearner(a.learner, False)) == [
+        "a:0", "a:1", "b:0"]
