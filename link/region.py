@@ -62,17 +62,14 @@ class RegionController(Controller):
         super().__init__(config, run_dir)
         self.region = region
         self.last_cause: dict[str, str] = {}
+        self.syncer = None   # the link client (the region's one syncer), once attached
         self.fleet = fleet_lib.initial(dataclasses.replace(
             self.fleet.settings, first_shard=shard_base, num_shards=num_shards))
 
     def _start_syncer(self, epoch: int, restore: bool, syncer_shard: int = 0) -> None:
-        import ray
-
-        self.syncer = ray.get_actor(SYNCER_NAME, namespace=NAMESPACE)
-        ready = ray.get(self.syncer.ready.remote(), timeout=self.settings.placement_timeout_s)
-        self.syncer_ref = self.syncer.wait_closed.remote()
         # The link is the region's one syncer (a job with remote regions has one shard).
-        self.syncers[0], self.syncer_refs[0] = self.syncer, self.syncer_ref
+        ready = self.shards.attach(0, SYNCER_NAME, self.settings.placement_timeout_s)
+        self.syncer = self.shards.handles[0]   # the link client, for the agent's own calls
         self.emit("link_ready", region=self.region, epoch=ready["epoch"])
 
     def evaluate_now(self) -> Optional[float]:

@@ -28,7 +28,7 @@ from .chaos import Fault, FaultKind
 from islands.learners.messages import Heartbeat
 
 from .fleet import SlotState
-from .groups import LearnerGroups
+from .groups import LearnerGroups, SyncerShards, cluster_view, restarted_actor, share
 from .metrics import window_to_save
 from .snapshot import finite
 from .runtime import (CONTROLLER_NAME, NAMESPACE, SYNCER_NAME, controller_options,  # noqa: F401
@@ -73,8 +73,6 @@ class Controller:
     """
 
     def __init__(self, config, run_dir: str, resume: bool = False):
-        import ray
-
         from . import build
 
         self.config, self.run_dir, self.resume = config, run_dir, resume
@@ -90,12 +88,9 @@ class Controller:
         self.job_started_s: Optional[float] = None
         self.stop_event = threading.Event()
         self.threads: list[threading.Thread] = []
-        self.syncer = None                   # shard 0 (the single syncer when S = 1)
-        self.syncer_ref = None
         self.syncer_status: dict = {}        # every shard's status as one (syncer/shards.py)
-        # Syncer shards (syncer.shards = S): per shard its handle, liveness probe and status.
-        self.syncers: list = []
-        self.syncer_refs: list = []
+        # Syncer shards (syncer.shards = S): their Ray side, and per shard its status.
+        self.shards = SyncerShards(0)
         self.shard_status: list = []
         self.shard_refusals_seen: list = []
         self.syncer_restarts = 0
@@ -117,7 +112,7 @@ class Controller:
         self.settings = build.controller_settings(config)
         self.chaos_plan = build.chaos_plan(config)
         self.state_path = os.path.join(run_dir, "controller_state.json")
-        if ray.get_runtime_context().was_current_actor_reconstructed:
+        if restarted_actor():
             self._recover()
 
     # -- events ---------------------------------------------------------------------------------
@@ -169,8 +164,6 @@ class Controller:
         """Builds the job's task once here: the initial params (the syncer's Θ) and, for the
         built-in byte LM, its corpus, put in the object store so every learner maps the same
         train bytes instead of reading them."""
-        import ray
-
         from islands.learners.unit import build_task, build_training, is_builtin, load_corpus
 
         from . import build
@@ -180,7 +173,7 @@ class Controller:
         train_bytes = None
         if is_builtin(self.training):
             train_bytes = load_corpus(self.training).train
-            self.corpus_ref = ray.put(train_bytes)
+            self.corpus_ref = share(train_bytes)
         self.task = build_task(self.training, train_bytes)
         _, self.template, _, _ = build_training(self.training, task=self.task)
 
@@ -190,27 +183,20 @@ class Controller:
 
         self.shard_specs = shard_specs(self.syncer_spec, self.config.syncer.shards)
         n = len(self.shard_specs)
-        self.syncers, self.syncer_refs = [None] * n, [None] * n
+        self.shards = SyncerShards(n)
         self.shard_status, self.shard_refusals_seen = [{} for _ in range(n)], [0] * n
         self.started_epochs = [0] * n     # the epoch each shard was last started with, here
 
     def _start_syncer(self, epoch: int, restore: bool, syncer_shard: int = 0) -> None:
         """Starts one syncer shard (shard 0 keeps the name ``islands:syncer``)."""
-        import ray
-
-        from islands.syncer.actor import Syncer
         from islands.syncer.shards import syncer_shard_name
 
         s = syncer_shard
         options = dict(syncer_options(self.jax_cache_dir), name=syncer_shard_name(s))
-        handle = ray.remote(Syncer).options(**options).remote(self.shard_specs[s], epoch,
-                                                              restore=restore)
-        ready = ray.get(handle.ready.remote(), timeout=self.settings.placement_timeout_s)
-        self.syncers[s], self.syncer_refs[s] = handle, handle.wait_closed.remote()
+        ready = self.shards.start(s, self.shard_specs[s], epoch, restore, options,
+                                  self.settings.placement_timeout_s)
         self.started_epochs[s] = int(ready["epoch"])
-        if s == 0:
-            self.syncer, self.syncer_ref = handle, self.syncer_refs[0]
-        shard = {"shard": s} if len(self.syncers) > 1 else {}
+        shard = {"shard": s} if self.shards.count > 1 else {}
         self.emit("syncer_started", epoch=ready["epoch"], versions=ready["versions"],
                   restored_from=ready["restored_from"], journaled=ready.get("journaled", []),
                   **shard)
@@ -252,8 +238,6 @@ class Controller:
         """Rebuilds the controller after Ray restarted it: its saved books and slots, the live
         syncer (or a restored one), and the learners that kept training meanwhile — none of them
         is stopped. Learners that died while it was away are relaunched by the first step."""
-        import ray
-
         from . import build
         from .health import Cause
 
@@ -283,16 +267,12 @@ class Controller:
             from islands.syncer.shards import syncer_shard_name
 
             try:
-                handle = ray.get_actor(syncer_shard_name(s), namespace=NAMESPACE)
-                live_epoch = int(ray.get(handle.ready.remote(), timeout=30)["epoch"])
+                live_epoch = int(self.shards.attach(s, syncer_shard_name(s), 30)["epoch"])
                 # A restart between the last save and this controller's death (the state is
                 # up to a second old) left the shard at a newer epoch than saved: count it.
                 self.syncer_restarts += missed_restarts(saved.get("started_epochs"), s,
                                                         live_epoch)
                 self.started_epochs[s] = live_epoch
-                self.syncers[s], self.syncer_refs[s] = handle, handle.wait_closed.remote()
-                if s == 0:
-                    self.syncer, self.syncer_ref = handle, self.syncer_refs[0]
             except Exception:  # it died too: the usual syncer restart
                 self.syncer_restarts += 1
                 epoch = epochs[s] if s < len(epochs) else max(epochs)
@@ -387,7 +367,7 @@ class Controller:
                     self.emit("monitor_error", error=repr(exc)[:300],
                               where=traceback.format_exc(limit=3)[-600:])
             # Wake on a run ending (a real event) or after a short tick.
-            if not self.groups.wait(self.syncer_refs, 0.2):
+            if not self.groups.wait(self.shards.closed_refs, 0.2):
                 self.stop_event.wait(0.2)
 
     def _drain_inbox(self) -> list:
@@ -478,10 +458,7 @@ class Controller:
         return out
 
     def _cluster(self) -> fleet_lib.Cluster:
-        import ray
-
-        total = ray.cluster_resources()
-        alive = frozenset(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+        total, alive = cluster_view(self.config.regions)
         # Whole units: a unit of H hosts takes H of its region's resource.
         return fleet_lib.Cluster({r: float(int(total.get(f"region:{r}", 0.0)
                                                / self.config.regions[r].devices().hosts + 1e-9))
@@ -496,16 +473,7 @@ class Controller:
     def _refusals(self) -> list:
         """Every refused push becomes a ``push_refused`` event; a learner the syncer quarantined
         (its drifts kept being refused as garbage) becomes an observation."""
-        import ray
-
-        refusals = []
-        for s, handle in enumerate(self.syncers):
-            try:
-                new, self.shard_refusals_seen[s] = ray.get(
-                    handle.refusals_since.remote(self.shard_refusals_seen[s]), timeout=10)
-            except Exception:
-                continue
-            refusals += new
+        refusals = self.shards.refusals_since(self.shard_refusals_seen)
         self.refusals_seen = sum(self.shard_refusals_seen)
         for refusal in refusals:
             self.emit("push_refused", **refusal)
@@ -569,16 +537,8 @@ class Controller:
 
     def _do_forget(self, a: fleet_lib.Forget) -> None:
         """Unregisters it at the syncer and settles the incarnation's tokens."""
-        import ray
-
         # Only this incarnation: a newer one may have registered meanwhile (a remote region).
-        refs = [handle.forget.remote(a.learner, a.incarnation, a.reason)
-                for handle in self.syncers]
-        for ref in refs:   # every shard forgets it (one that is down forgets at its restart)
-            try:
-                ray.get(ref, timeout=10)
-            except Exception:
-                pass
+        self.shards.forget(a.learner, a.incarnation, a.reason)
         self._refresh_syncer_status()
         closed = self.closed.setdefault(a.learner, {"steps": 0, "up": 0, "down": 0})
         if closed.get("settled") == a.incarnation:
@@ -637,9 +597,7 @@ class Controller:
                 {"learner": a.learner, "incarnation": a.incarnation, "cause": a.cause})
 
     def _do_killsyncer(self, a) -> None:
-        import ray
-
-        ray.kill(self.syncers[a.syncer_shard], no_restart=True)
+        self.shards.kill(a.syncer_shard)
 
     # -- regions in their own clusters (link/) --------------------------------------------------
     def link_report(self, report: dict) -> dict:
@@ -687,16 +645,10 @@ class Controller:
     def _check_syncer(self) -> None:
         """A dead syncer shard restarts alone, from its newest snapshot with its next epoch
         (fencing); the other shards keep merging meanwhile."""
-        import ray
-
         if self.stop_event.is_set():
             return
-        for s, ref in enumerate(self.syncer_refs):
-            if ref is None:
-                continue
-            ready, _ = ray.wait([ref], timeout=0)
-            if ready:
-                self._restart_syncer_shard(s)
+        for s in self.shards.ended():
+            self._restart_syncer_shard(s)
 
     def _restart_syncer_shard(self, s: int) -> None:
         last = self.shard_status[s]
@@ -707,7 +659,7 @@ class Controller:
                     self.syncer_closed[key][k] = self.syncer_closed[key].get(k, 0) + n
             self.shard_status[s] = {**last, "rejected": {}, "staleness_counts": {}}
             self.syncer_status = self._combined_status()
-        shard = {"shard": s} if len(self.syncers) > 1 else {}
+        shard = {"shard": s} if self.shards.count > 1 else {}
         self.emit("syncer_failed", epoch=old_epoch, **shard)
         self.syncer_restarts += 1
         self.shard_refusals_seen[s] = 0
@@ -721,23 +673,10 @@ class Controller:
         return combine_status(self.shard_status)
 
     def _refresh_syncer_status(self) -> None:
-        import ray
-
         slowest = max((s.step_time_s or 0.0 for s in self.fleet.slots.values()
                        if s.state == SlotState.TRAINING), default=0.0) or 1.0
-        refs = {}
-        for s, handle in enumerate(self.syncers):
-            try:
-                handle.set_fleet.remote(slowest, self.fleet.paused_reason is not None)
-                refs[s] = handle.status.remote()
-            except Exception:
-                continue
-        statuses = {}
-        for s, ref in refs.items():
-            try:
-                statuses[s] = ray.get(ref, timeout=10)
-            except Exception:   # a shard that cannot answer keeps its last status
-                continue
+        # A shard that cannot answer keeps its last status.
+        statuses = self.shards.statuses(slowest, self.fleet.paused_reason is not None)
         if not statuses:
             return
         with self.lock:
@@ -756,15 +695,11 @@ class Controller:
 
     def evaluate_now(self) -> Optional[float]:
         """The eval loss of the syncer's global parameters now (also recorded)."""
-        import ray
-
         from islands.learners.unit import eval_loss_fn
 
         if not hasattr(self, "_evaluate"):
             self._evaluate = eval_loss_fn(self.training, self.template, self.task)
-        flat = {}
-        for part, _ in ray.get([h.global_params.remote() for h in self.syncers], timeout=30):
-            flat.update(part)   # each shard holds its own fragments' tensors
+        flat = self.shards.global_params()
         loss = self._evaluate(flat)
         with self.lock:
             if self.initial_eval_loss is None:
@@ -874,8 +809,6 @@ class Controller:
     # -- the end --------------------------------------------------------------------------------
     def shutdown(self) -> dict:
         """Stops the learners, takes a final eval, and returns the summary."""
-        import ray
-
         self.stop_event.set()
         for thread in self.threads:
             thread.join(timeout=30)
@@ -884,7 +817,7 @@ class Controller:
         self._step(self._ended_runs())
         self._refresh_syncer_status()
         try:  # the newest state on disk: `islands run --resume` continues from exactly here
-            ray.get([h.snapshot_now.remote() for h in self.syncers], timeout=60)
+            self.shards.snapshot_now()
         except Exception as exc:
             log.warning("final snapshot failed: %s", exc)
         try:

@@ -256,3 +256,141 @@ class LearnerGroups:
         unit = self.units.pop(learner, None)
         if unit is not None and unit.hosts > 1:
             release_unit(learner, unit.incarnation)   # its actors have ended: free its hosts
+
+
+class SyncerShards:
+    """The Ray side of the job's syncer shards (shard 0 is ``islands:syncer``; with
+    ``syncer.shards`` = S, shard s > 0 is ``islands:syncer-<s>``): started, re-attached after a
+    controller restart, asked for status, refusals and the global parameters, told to forget a
+    learner or to snapshot, and watched for their end. A region agent attaches its link client
+    as its one shard (link/region.py)."""
+
+    def __init__(self, count: int):
+        self.handles: list = [None] * count
+        self.closed_refs: list = [None] * count   # ``wait_closed``: resolves when a shard ends
+
+    @property
+    def count(self) -> int:
+        return len(self.handles)
+
+    def start(self, s: int, spec, epoch: int, restore: bool, options: dict,
+              timeout_s: float) -> dict:
+        """Starts shard ``s`` and waits for it; its ``ready`` answer (epoch, versions, ...)."""
+        import ray
+
+        from islands.syncer.actor import Syncer
+
+        handle = ray.remote(Syncer).options(**options).remote(spec, epoch, restore=restore)
+        ready = ray.get(handle.ready.remote(), timeout=timeout_s)
+        self.handles[s], self.closed_refs[s] = handle, handle.wait_closed.remote()
+        return ready
+
+    def attach(self, s: int, name: str, timeout_s: float) -> dict:
+        """Takes over the running actor ``name`` as shard ``s``; its ``ready`` answer. Raises
+        when it is gone or does not answer in ``timeout_s``."""
+        import ray
+
+        handle = ray.get_actor(name, namespace=NAMESPACE)
+        ready = ray.get(handle.ready.remote(), timeout=timeout_s)
+        self.handles[s], self.closed_refs[s] = handle, handle.wait_closed.remote()
+        return ready
+
+    def ended(self) -> list[int]:
+        """The shards whose actor has ended since they were started or attached."""
+        import ray
+
+        out = []
+        for s, ref in enumerate(self.closed_refs):
+            if ref is not None and ray.wait([ref], timeout=0)[0]:
+                out.append(s)
+        return out
+
+    def kill(self, s: int) -> None:
+        import ray
+
+        ray.kill(self.handles[s], no_restart=True)
+
+    def refusals_since(self, seen: list[int], timeout_s: float = 10) -> list:
+        """Every shard's refusals after the ``seen[s]`` it has already reported (``seen`` is
+        advanced in place); a shard that cannot answer is asked again next time."""
+        import ray
+
+        out = []
+        for s, handle in enumerate(self.handles):
+            try:
+                new, seen[s] = ray.get(handle.refusals_since.remote(seen[s]), timeout=timeout_s)
+            except Exception:
+                continue
+            out += new
+        return out
+
+    def forget(self, learner: str, incarnation: int, reason: str,
+               timeout_s: float = 10) -> None:
+        """Every shard forgets this incarnation (one that is down forgets at its restart)."""
+        import ray
+
+        refs = [h.forget.remote(learner, incarnation, reason) for h in self.handles]
+        for ref in refs:
+            try:
+                ray.get(ref, timeout=timeout_s)
+            except Exception:
+                pass
+
+    def statuses(self, slowest_step_s: float, paused: bool,
+                 timeout_s: float = 10) -> dict[int, dict]:
+        """Tells every shard the fleet's pace and pause, and returns the statuses that came
+        back (a shard that cannot answer is left out)."""
+        import ray
+
+        refs = {}
+        for s, handle in enumerate(self.handles):
+            try:
+                handle.set_fleet.remote(slowest_step_s, paused)
+                refs[s] = handle.status.remote()
+            except Exception:
+                continue
+        out = {}
+        for s, ref in refs.items():
+            try:
+                out[s] = ray.get(ref, timeout=timeout_s)
+            except Exception:
+                continue
+        return out
+
+    def global_params(self, timeout_s: float = 30) -> dict:
+        """The global parameters, flat: each shard holds its own fragments' tensors."""
+        import ray
+
+        flat = {}
+        for part, _ in ray.get([h.global_params.remote() for h in self.handles],
+                               timeout=timeout_s):
+            flat.update(part)
+        return flat
+
+    def snapshot_now(self, timeout_s: float = 60) -> None:
+        import ray
+
+        ray.get([h.snapshot_now.remote() for h in self.handles], timeout=timeout_s)
+
+
+def share(value: Any) -> Any:
+    """Puts ``value`` in Ray's object store once; learners map it from there."""
+    import ray
+
+    return ray.put(value)
+
+
+def restarted_actor() -> bool:
+    """Whether the calling actor is a restart of an earlier one (Ray restarted it)."""
+    import ray
+
+    return ray.get_runtime_context().was_current_actor_reconstructed
+
+
+def cluster_view(regions) -> tuple[dict, frozenset]:
+    """(resources by name, alive node ids) of the cluster, for the fleet's membership."""
+    import ray
+
+    total = ray.cluster_resources()
+    alive = frozenset(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
+    return total, alive
