@@ -196,6 +196,7 @@ class Controller:
         ready = self.shards.start(s, self.shard_specs[s], epoch, restore, options,
                                   self.settings.placement_timeout_s)
         self.started_epochs[s] = int(ready["epoch"])
+        self.inbox.put((fleet_lib.SyncerStarted(s, int(ready["epoch"])), None))
         shard = {"shard": s} if self.shards.count > 1 else {}
         self.emit("syncer_started", epoch=ready["epoch"], versions=ready["versions"],
                   restored_from=ready["restored_from"], journaled=ready.get("journaled", []),
@@ -338,7 +339,7 @@ class Controller:
                 observations = self._drain_inbox()
                 observations += self._ended_runs()
                 observations += self._spare_observations()
-                self._check_syncer()
+                observations += self._ended_syncers()
                 now = time.time()
                 if now - last["cluster"] >= 2.0:
                     observations.append(self._cluster())
@@ -642,29 +643,29 @@ class Controller:
                    if self.fleet.stopping else {})}
 
     # -- the syncer -----------------------------------------------------------------------------
-    def _check_syncer(self) -> None:
-        """A dead syncer shard restarts alone, from its newest snapshot with its next epoch
-        (fencing); the other shards keep merging meanwhile."""
+    def _ended_syncers(self) -> list:
+        """Shards whose actor ended, with the epoch each last reported: the fleet restarts
+        them (``StartSyncer``)."""
         if self.stop_event.is_set():
-            return
-        for s in self.shards.ended():
-            self._restart_syncer_shard(s)
+            return []
+        return [fleet_lib.SyncerEnded(s, int(self.shard_status[s].get("epoch") or 0))
+                for s in self.shards.ended()]
 
-    def _restart_syncer_shard(self, s: int) -> None:
-        last = self.shard_status[s]
-        old_epoch = int(last.get("epoch") or 0)
-        with self.lock:  # its counters die with it: keep what it last reported
+    def _do_startsyncer(self, a: fleet_lib.StartSyncer) -> None:
+        """A dead shard restarts alone, from its newest snapshot at its next epoch (fencing);
+        the other shards keep merging meanwhile. Its counters died with it: keep what it last
+        reported."""
+        s, last = a.shard, self.shard_status[a.shard]
+        with self.lock:
             for key in ("rejected", "staleness_counts"):
                 for k, n in (last.get(key) or {}).items():
                     self.syncer_closed[key][k] = self.syncer_closed[key].get(k, 0) + n
             self.shard_status[s] = {**last, "rejected": {}, "staleness_counts": {}}
             self.syncer_status = self._combined_status()
-        shard = {"shard": s} if self.shards.count > 1 else {}
-        self.emit("syncer_failed", epoch=old_epoch, **shard)
         self.syncer_restarts += 1
         self.shard_refusals_seen[s] = 0
         self.refusals_seen = sum(self.shard_refusals_seen)
-        self._start_syncer(epoch=old_epoch + 1, restore=True, syncer_shard=s)
+        self._start_syncer(epoch=a.epoch, restore=a.restore, syncer_shard=s)
         self._refresh_syncer_status()
 
     def _combined_status(self) -> dict:

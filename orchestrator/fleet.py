@@ -148,6 +148,22 @@ class Spare:
     ready_s: Optional[float] = None
 
 
+class ShardState(str, enum.Enum):
+    UP = "up"                    # started (or re-attached) and answering
+    RESTARTING = "restarting"    # its actor ended: a new epoch starts from its snapshot
+
+
+@dataclass(frozen=True)
+class SyncerShard:
+    """One syncer shard as a member of the fleet: a dead shard restarts alone, at its next
+    epoch, from its newest snapshot; the other shards keep merging meanwhile."""
+
+    shard: int
+    state: ShardState = ShardState.UP
+    epoch: int = 0
+    restarts: int = 0
+
+
 @dataclass(frozen=True)
 class FleetState:
     settings: FleetSettings
@@ -167,6 +183,7 @@ class FleetState:
     operator_paused: bool = False         # paused by an operator (PauseJob) until resumed
     home_paused: Optional[str] = None     # a region agent: its home's pause reason (HomePause)
     agents_seen: Mapping[str, float] = field(default_factory=dict)  # remote region -> last report
+    syncer_shards: Mapping[int, SyncerShard] = field(default_factory=dict)
 
     def live(self) -> list[Slot]:
         return [s for s in self.slots.values() if s.state in LIVE]
@@ -179,7 +196,7 @@ def initial(settings: FleetSettings) -> FleetState:
     """The configured slots, all PENDING (the first ``step`` launches them)."""
     fleet = FleetState(settings, targets={r: p.learners for r, p in settings.regions.items()},
                        next_index={r: 0 for r in settings.regions},
-                       next_shard=settings.first_shard)
+                       next_shard=settings.first_shard, syncer_shards=_up_shards(settings))
     slots = dict(fleet.slots)
     for region, plan in settings.regions.items():
         for i in range(plan.learners):
@@ -201,7 +218,12 @@ def rebuilt(settings: FleetSettings, slots: Sequence[Slot], targets: Mapping[str
     controller ends the unpromoted ones and this fleet starts new ones."""
     return FleetState(settings, slots={s.learner: s for s in slots}, targets=dict(targets),
                       next_index=dict(next_index), next_shard=next_shard, quorum_seen=True,
-                      next_spare=next_spare, operator_paused=operator_paused)
+                      next_spare=next_spare, operator_paused=operator_paused,
+                      syncer_shards=_up_shards(settings))
+
+
+def _up_shards(settings: FleetSettings) -> dict[int, SyncerShard]:
+    return {s: SyncerShard(s) for s in range(max(settings.syncer_shards, 1))}
 
 
 def _new_slot(fleet: FleetState, region: str, speed: float = 1.0) -> tuple[FleetState, Slot]:
@@ -350,6 +372,22 @@ class PauseJob:
 
 
 @dataclass(frozen=True)
+class SyncerEnded:
+    """A syncer shard's actor ended (``epoch``: the epoch it last reported)."""
+
+    shard: int
+    epoch: int
+
+
+@dataclass(frozen=True)
+class SyncerStarted:
+    """A syncer shard answers at ``epoch`` (started, restored or re-attached)."""
+
+    shard: int
+    epoch: int
+
+
+@dataclass(frozen=True)
 class HomePause:
     """A region agent hears from its home that training there is paused (``reason``: the
     home's pause reason) or resumed (None): the home's quorum floor or operator pause reaches the
@@ -365,7 +403,7 @@ class Stop:
 
 Observation = Union[Beat, RunEnded, Quarantine, LaunchFailed, Cluster, Applied, Scale, Drain,
                     Chaos, HangCommand, Stop, RemoteReport, SpareReady, SpareEnded, PauseJob,
-                    Unhealthy, HomePause]
+                    Unhealthy, HomePause, SyncerEnded, SyncerStarted]
 
 
 # -- actions: what a body must do -----------------------------------------------------------------
@@ -460,8 +498,18 @@ class KillSyncer:
     syncer_shard: int = 0     # which syncer shard (syncer/shards.py); the others keep merging
 
 
+@dataclass(frozen=True)
+class StartSyncer:
+    """Start syncer shard ``shard`` at ``epoch`` (fencing: pushes to an earlier epoch are
+    refused), restored from its newest snapshot and journal."""
+
+    shard: int
+    epoch: int
+    restore: bool = True
+
+
 Action = Union[Launch, Kill, Forget, DrainLearner, PauseLearner, Slowdown, Hang, LinkFault,
-               KillSyncer, LaunchSpare, KillSpare, RestartRemote]
+               KillSyncer, LaunchSpare, KillSpare, RestartRemote, StartSyncer]
 
 
 @dataclass(frozen=True)
@@ -808,6 +856,26 @@ class _Machine:
         self.set(operator_paused=obs.paused)
         self.note("job_pause_requested" if obs.paused else "job_resume_requested", None,
                   origin=obs.origin)
+
+    def on_syncerended(self, obs: SyncerEnded) -> None:
+        if self.fleet.stopping:
+            return
+        shard = self.fleet.syncer_shards.get(obs.shard, SyncerShard(obs.shard))
+        if shard.state == ShardState.RESTARTING:
+            return
+        epoch = max(shard.epoch, obs.epoch)
+        self.put_shard(dataclasses.replace(shard, state=ShardState.RESTARTING, epoch=epoch,
+                                           restarts=shard.restarts + 1))
+        where = {"shard": obs.shard} if len(self.fleet.syncer_shards) > 1 else {}
+        self.note("syncer_failed", None, epoch=epoch, **where)
+        self.actions.append(StartSyncer(obs.shard, epoch + 1, restore=True))
+
+    def on_syncerstarted(self, obs: SyncerStarted) -> None:
+        shard = self.fleet.syncer_shards.get(obs.shard, SyncerShard(obs.shard))
+        self.put_shard(dataclasses.replace(shard, state=ShardState.UP, epoch=obs.epoch))
+
+    def put_shard(self, shard: SyncerShard) -> None:
+        self.set(syncer_shards={**self.fleet.syncer_shards, shard.shard: shard})
 
     def on_homepause(self, obs: HomePause) -> None:
         if obs.reason != self.fleet.home_paused:

@@ -671,3 +671,25 @@ def test_a_region_agent_pauses_its_learners_with_its_home_and_resumes_with_it():
     assert set(states(back.fleet).values()) == {"training"}
     assert sorted(a.learner for a in back.actions if a == F.PauseLearner(a.learner, False)) == [
         "a:0", "a:1", "b:0"]
+
+
+def test_a_dead_syncer_shard_restarts_alone_at_its_next_epoch_once():
+    """Syncer shards are fleet members: a shard whose actor ended restarts from its snapshot at
+    the next epoch (fencing), once, while the others stay up; nothing restarts while stopping."""
+    fleet = training(settings(syncer_shards=2))
+    assert {s: x.state for s, x in fleet.syncer_shards.items()} == {
+        0: F.ShardState.UP, 1: F.ShardState.UP}
+    ended = F.step(fleet, [F.SyncerEnded(1, 4)], 2.0)
+    assert names(ended) == ["syncer_failed"]
+    assert ended.transitions[0].fields == {"epoch": 4, "shard": 1}
+    assert list(ended.actions) == [F.StartSyncer(1, 5, restore=True)]
+    assert ended.fleet.syncer_shards[1].state == F.ShardState.RESTARTING
+    assert ended.fleet.syncer_shards[0].state == F.ShardState.UP
+    again = F.step(ended.fleet, [F.SyncerEnded(1, 4)], 2.1)   # seen twice: one restart
+    assert not again.actions and names(again) == []
+    up = F.step(again.fleet, [F.SyncerStarted(1, 5)], 3.0).fleet
+    assert up.syncer_shards[1] == F.SyncerShard(1, F.ShardState.UP, epoch=5, restarts=1)
+    # The learners never noticed: nobody was restarted.
+    assert set(states(up).values()) == {"training"}
+    stopping = F.step(up, [F.Stop()], 4.0).fleet
+    assert not F.step(stopping, [F.SyncerEnded(0, 5)], 4.1).actions
