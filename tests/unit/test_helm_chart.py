@@ -521,6 +521,12 @@ def test_grafana_dashboard_configmap_is_the_project_dashboard():
                           "tokenSecret": {"name": "t"}}}}, "/link"),
     ({"regions": {"far": {"remote": False, "learners": 1}}}, "/regions/far': missing properties 'accelerator', 'resources'"),
     ({"jobConfig": {"regions": {}}}, "/jobConfig"),
+    # the embedded JobConfig schema: typos and wrong types are refused at render, by key
+    ({"jobConfig": {"sycner": {}}}, "at '/jobConfig': additional properties 'sycner' not allowed"),
+    ({"jobConfig": {"syncer": {"fragmnets": 3}}},
+     "at '/jobConfig/syncer': additional properties 'fragmnets' not allowed"),
+    ({"jobConfig": {"quorum": {"min_learners": "two"}}},
+     "at '/jobConfig/quorum/min_learners': got string, want integer"),
 ])
 def test_schema_rejects(values, message):
     with pytest.raises(hp.HelmValuesError) as info:
@@ -528,6 +534,17 @@ def test_schema_rejects(values, message):
     assert message in str(info.value)
     with pytest.raises(hp.HelmValuesError):
         render(values)
+
+
+def test_the_embedded_jobconfig_schema_is_current():
+    """values.schema.json embeds the JobConfig's schema; regenerate it with
+    ``python -m islands.orchestrator.helm_schema`` when the JobConfig changes."""
+    from islands.orchestrator import helm_schema
+
+    with open(helm_schema.CHART_SCHEMA) as f:
+        assert f.read() == helm_schema.render(), (
+            "helm/islands/values.schema.json is out of date with the JobConfig: run "
+            "python -m islands.orchestrator.helm_schema")
 
 
 def test_schema_accepts_defaults_and_examples():
