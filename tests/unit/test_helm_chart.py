@@ -527,6 +527,19 @@ def test_grafana_dashboard_configmap_is_the_project_dashboard():
      "at '/jobConfig/syncer': additional properties 'fragmnets' not allowed"),
     ({"jobConfig": {"quorum": {"min_learners": "two"}}},
      "at '/jobConfig/quorum/min_learners': got string, want integer"),
+    # Kubernetes objects passed through are typed with Kubernetes' strict schemas: a typo is
+    # refused at render instead of being dropped by the API server
+    ({"securityContext": {"runAsNonRot": True}},
+     "at '/securityContext': additional properties 'runAsNonRot' not allowed"),
+    ({"imagePullSecrets": [{"nmae": "regcred"}]},
+     "at '/imagePullSecrets/0': additional properties 'nmae' not allowed"),
+    ({"head": {"tolerations": [{"key": "k", "efect": "NoSchedule"}]}},
+     "at '/head/tolerations/0': additional properties 'efect' not allowed"),
+    ({"pod": {"affinity": {"nodeAfinity": {}}}},
+     "at '/pod/affinity': additional properties 'nodeAfinity' not allowed"),
+    ({"env": [{"name": "A", "valu": "1"}]}, "at '/env/0': additional properties 'valu' not allowed"),
+    ({"autoscaler": {"options": {"securityContext": {"runAsUsr": 1}}}},
+     "at '/autoscaler/options/securityContext': additional properties 'runAsUsr' not allowed"),
 ])
 def test_schema_rejects(values, message):
     with pytest.raises(hp.HelmValuesError) as info:
@@ -536,9 +549,10 @@ def test_schema_rejects(values, message):
         render(values)
 
 
-def test_the_embedded_jobconfig_schema_is_current():
-    """values.schema.json embeds the JobConfig's schema; regenerate it with
-    ``python -m islands.orchestrator.helm_schema`` when the JobConfig changes."""
+def test_the_embedded_schemas_are_current():
+    """values.schema.json embeds the JobConfig's schema and Kubernetes' schemas of the objects it
+    passes through; regenerate it with ``python -m islands.orchestrator.helm_schema`` when the
+    JobConfig or those values change."""
     from islands.orchestrator import helm_schema
 
     with open(helm_schema.CHART_SCHEMA) as f:
