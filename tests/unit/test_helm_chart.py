@@ -775,3 +775,78 @@ def test_link_notes_say_how_to_join():
     notes = render(example_values("values-region.yaml"))["islands/templates/NOTES.txt"]
     assert "joins the home job at islands-link.example.com:7443" in notes
     assert "islands region join --home islands-link.example.com:7443 --region europe-west4" in notes
+
+
+@pytest.mark.parametrize("values, message", [
+    # what the JobConfig would refuse only after the slices are up, refused at render
+    ({"jobConfig": {"quorum": {"min_learners": 5}}},
+     "jobConfig.quorum.min_learners: quorum (5) exceeds the learners of all regions (2)"),
+    ({"regions": {"local": {**LOCAL, "maxLearners": 1}}},
+     "regions.local.maxLearners: 1 is below learners (2)"),
+    ({"regions": {"local": {**LOCAL, "minLearners": 4}}},
+     "regions.local.minLearners: 4 is above maxLearners (3)"),
+    ({"regions": {"local": LOCAL, "far": {"learners": 1, "remote": True}},
+      "link": {"server": {"enabled": True, **LINK_SECRETS}}, "jobConfig": {"syncer": {"shards": 2}}},
+     "jobConfig.syncer.shards: regions far are remote, and the link talks to one syncer"),
+    ({"job": {"extraArgs": ["--resume"]}}, "job.extraArgs: --resume: the chart's entrypoint "
+                                           "already passes --resume-or-start"),
+    # KubeRay's own rules that its CRD schema does not carry
+    ({"fullnameOverride": "9islands"}, 'fullnameOverride: object name "9islands"'),
+    ({"fullnameOverride": "Islands"}, "must be a DNS-1035 label"),
+    ({"rayVersion": "2.51.0"}, "rayVersion: token authentication (auth.enabled) needs Ray >= "
+                               "2.52.0, got 2.51.0"),
+])
+def test_cross_checks_refuse_at_render_naming_the_key(values, message):
+    with pytest.raises(hp.HelmError, match=re.escape(message)):
+        render(values)
+
+
+def test_old_ray_renders_without_token_auth():
+    assert objects({"rayVersion": "2.51.0", "auth": {"enabled": False}})
+
+
+def kuberay_rule_violations(obj: dict) -> list[str]:
+    """KubeRay v1.7.0's own validation (ray-operator/controllers/ray/utils/validation.go) of what
+    its CRD schema does not carry: a DNS-1035 name, a TTL only when the cluster is shut down
+    after the job, token auth only on Ray >= 2.52, and worker groups with positive, ordered
+    replica bounds and numOfHosts."""
+    out = []
+    name, kind = obj["metadata"]["name"], obj["kind"]
+    if not re.match(r"^[a-z]([-a-z0-9]*[a-z0-9])?$", name) or len(name) > 63:
+        out.append(f"{kind} {name}: not a DNS-1035 label")
+    spec = obj["spec"]
+    cluster = spec.get("rayClusterSpec", spec) if kind == "RayJob" else spec
+    if kind == "RayJob":
+        if spec.get("ttlSecondsAfterFinished") is not None and not spec.get(
+                "shutdownAfterJobFinishes"):
+            out.append(f"{name}: ttlSecondsAfterFinished without shutdownAfterJobFinishes")
+    auth = (cluster.get("authOptions") or {}).get("mode")
+    version = tuple(int(x) for x in cluster.get("rayVersion", "0.0.0").split(".")[:2])
+    if auth == "token" and version < (2, 52):
+        out.append(f"{name}: token auth on Ray {cluster.get('rayVersion')} (< 2.52)")
+    for group in cluster.get("workerGroupSpecs", []):
+        lo, hi, n = group.get("minReplicas", 0), group.get("maxReplicas", 2 ** 31), group.get(
+            "replicas", 0)
+        if not (0 <= lo <= n <= hi):
+            out.append(f"{name}/{group['groupName']}: replicas {n} outside [{lo}, {hi}]")
+        if group.get("numOfHosts", 1) < 1:
+            out.append(f"{name}/{group['groupName']}: numOfHosts < 1")
+    return out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_example_passes_kuberays_own_rules(case):
+    objs = objects(example_values(case) or None)
+    ray = [o for o in objs if o["kind"] in RAY_KINDS]
+    assert ray and [v for o in ray for v in kuberay_rule_violations(o)] == []
+
+
+def test_the_kuberay_rule_checker_catches_what_it_checks():
+    job = only(objects(), "RayJob")
+    bad = json.loads(json.dumps(job))
+    bad["metadata"]["name"] = "Demo"
+    bad["spec"]["shutdownAfterJobFinishes"] = False
+    bad["spec"]["ttlSecondsAfterFinished"] = 60
+    bad["spec"]["rayClusterSpec"]["rayVersion"] = "2.51.0"
+    bad["spec"]["rayClusterSpec"]["authOptions"] = {"mode": "token"}
+    assert len(kuberay_rule_violations(bad)) == 3
