@@ -274,7 +274,7 @@ def main(argv=None) -> int:
         return _config_command(args)
     if args.command == "run":
         from .config import ConfigError, load_config
-        from .job import RunDirError, run_job
+        from .job import CapacityError, RunDirError, run_job
         from .preflight import preflight
 
         try:
@@ -290,7 +290,7 @@ def main(argv=None) -> int:
         except (ConfigError, RunDirError) as exc:
             print(f"islands: {exc}", file=sys.stderr)
             return 2
-        except ConnectionError as exc:
+        except (ConnectionError, CapacityError) as exc:   # the cluster, not the config
             print(f"islands: {exc}", file=sys.stderr)
             return 1
         keys = ("goodput", "merges", "tokens_applied", "tokens_dropped", "learner_restarts",

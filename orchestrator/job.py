@@ -266,6 +266,11 @@ def check_snapshot_dir(config, run_dir: str, resume: bool) -> None:
                           "continue it, or change the job's name or syncer.checkpoint_dir")
 
 
+class CapacityError(RuntimeError):
+    """The cluster cannot hold the job's regions (at once on an embedded cluster, or after
+    ``health.placement_timeout_s`` on one the job joined); the message names the region."""
+
+
 def capacity_problem(config, total: dict, nodes: list) -> Optional[str]:
     """Which regions the cluster cannot hold yet (``region:<name>`` units, then the GPUs or TPU
     chips on the nodes that carry the region), or None. ``total``: ``ray.cluster_resources()``;
@@ -306,7 +311,7 @@ def check_capacity(config) -> None:
 
     problem = capacity_problem(config, ray.cluster_resources(), ray.nodes())
     if problem:
-        raise RuntimeError(problem)
+        raise CapacityError(problem)
 
 
 def wait_for_capacity(config, timeout_s: float, read=None, sleep=time.sleep,
@@ -318,7 +323,7 @@ def wait_for_capacity(config, timeout_s: float, read=None, sleep=time.sleep,
     pods (TPU slices above all) may still be provisioning: they join meanwhile.
 
     Raises:
-      RuntimeError: still short at the deadline; the message names the region.
+      CapacityError: still short at the deadline; the message names the region.
     """
     if read is None:
         import ray
@@ -335,7 +340,7 @@ def wait_for_capacity(config, timeout_s: float, read=None, sleep=time.sleep,
             return
         waited = clock() - start
         if waited >= timeout_s:
-            raise RuntimeError(f"{problem} (waited {waited:.0f}s for nodes to join: "
+            raise CapacityError(f"{problem} (waited {waited:.0f}s for nodes to join: "
                                "health.placement_timeout_s)")
         if said is None or waited - said >= progress_every_s:
             say(f"islands: waiting for capacity ({waited:.0f}s of {timeout_s:.0f}s): {problem}",

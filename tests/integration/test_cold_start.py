@@ -1,0 +1,81 @@
+"""A cold start as KubeRay makes it, and the unattended re-run after it, on a real local cluster.
+
+KubeRay submits the job once the head is up, while a region's worker pods may still be starting:
+the job waits for them (bounded by ``health.placement_timeout_s``, saying what is short), then
+fails naming the region, in one line with rc 1 from the CLI. A re-run on the same persistent run
+dir (``--resume-or-start``, the chart's entrypoint) resumes the first run.
+
+No test of a node joining mid-wait: a second node cannot join a loopback-only cluster on this
+machine (``ray start --address`` refuses with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, and with it
+on Ray rewrites the loopback address to the machine's and dials a port the head does not listen
+on). The wait's "the nodes arrive" path is tested on a fake clock in tests/unit/test_run_dir.py.
+"""
+
+import json
+import os
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.ray
+
+from conftest import TINY_JOB  # noqa: E402
+
+from islands.orchestrator.config import parse  # noqa: E402
+from islands.orchestrator.job import CapacityError, run_job  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A cluster the job joins (not one it starts): region a is there, region b never comes."""
+    ray.init(address="local", num_cpus=2, resources={"region:a": 2}, include_dashboard=False,
+             namespace="islands", log_to_driver=False, _node_ip_address="127.0.0.1")
+    yield
+    ray.shutdown()
+
+
+def test_a_region_that_never_comes_fails_after_the_wait_naming_it(cluster, tmp_path, capsys):
+    config = parse({**TINY_JOB, "name": "cold-never",
+                    "regions": {"a": {"learners": 2}, "b": {"learners": 1}},
+                    "health": {"placement_timeout_s": 4}})
+    t0 = time.monotonic()
+    with pytest.raises(CapacityError, match=r"^region 'b' needs 1 'region:b' resources, the "
+                                            r"cluster has 0.* \(waited [45]s for nodes to join"):
+        run_job(config, duration_s=5, run_dir=str(tmp_path / "run"))
+    assert time.monotonic() - t0 >= 4
+    out = capsys.readouterr().out
+    assert ("islands: waiting for capacity (0s of 4s): region 'b' needs 1 'region:b' resources, "
+            "the cluster has 0") in out
+    assert "region 'a'" not in out   # only what is short
+
+
+def test_the_cli_ends_a_capacity_wait_with_one_line_and_rc_1(cluster, tmp_path, capsys):
+    from islands.orchestrator.cli import main
+
+    (tmp_path / "job.yaml").write_text(json.dumps({
+        **TINY_JOB, "name": "cold-cli", "regions": {"b": {"learners": 1}},
+        "health": {"placement_timeout_s": 2}}))
+    rc = main(["run", str(tmp_path / "job.yaml"), "--run-dir", str(tmp_path / "run"),
+               "--duration", "5"])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert captured.err.startswith("islands: region 'b' needs 1 'region:b' resources")
+    assert len(captured.err.strip().splitlines()) == 1 and "Traceback" not in captured.err
+
+
+def test_a_rerun_on_a_persistent_run_dir_resumes(cluster, tmp_path, capsys):
+    config = parse({**TINY_JOB, "name": "cold-rerun"})
+    run_dir = str(tmp_path / "run")   # the chart's persistent run dir (storage.existingClaim)
+    first = run_job(config, duration_s=20, run_dir=run_dir, resume_or_start=True)
+    out = capsys.readouterr().out
+    assert f"islands: starting a new run in {run_dir}" in out
+    assert "waiting for capacity" not in out   # the nodes were there
+    assert first["merges"] > 0
+    # The RayJob's retry, or a re-install: the same command on the same run dir.
+    second = run_job(config, duration_s=12, run_dir=run_dir, resume_or_start=True)
+    assert f"islands: resuming the run in {run_dir}" in capsys.readouterr().out
+    assert second["merges"] > first["merges"]
+    events = [json.loads(line) for line in open(os.path.join(run_dir, "events.jsonl"))]
+    started = [e for e in events if e["event"] == "syncer_started"]
+    assert started[-1]["restored_from"] is not None
