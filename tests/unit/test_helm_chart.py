@@ -850,3 +850,11 @@ def test_the_kuberay_rule_checker_catches_what_it_checks():
     bad["spec"]["rayClusterSpec"]["rayVersion"] = "2.51.0"
     bad["spec"]["rayClusterSpec"]["authOptions"] = {"mode": "token"}
     assert len(kuberay_rule_violations(bad)) == 3
+
+
+def test_notes_point_at_the_submitter_for_the_jobs_output():
+    """The job's progress lines are the submitter's output, not the Ray head's."""
+    sidecar = render({})["islands/templates/NOTES.txt"]
+    assert "-c ray-job-submitter" in sidecar and "-c ray-head\n" not in sidecar
+    job_mode = render({"job": {"submissionMode": "K8sJobMode"}})["islands/templates/NOTES.txt"]
+    assert "logs -f job/demo-islands" in job_mode
