@@ -32,8 +32,17 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
 {{- end -}}
 
+{{/* The Secret holding the Ray token: auth.existingSecret, else the one KubeRay generates for the
+     cluster, named after the RayCluster (a RayJob's cluster has a generated name: a shell
+     expression that reads it). */}}
 {{- define "islands.tokenSecret" -}}
-{{- default (printf "%s-ray-token" (include "islands.fullname" .)) .Values.auth.existingSecret -}}
+{{- if .Values.auth.existingSecret -}}
+{{- .Values.auth.existingSecret -}}
+{{- else if eq .Values.mode "cluster" -}}
+{{- include "islands.fullname" . -}}
+{{- else -}}
+{{- printf "$(kubectl -n %s get rayjob %s -o jsonpath='{.status.rayClusterName}')" .Release.Namespace (include "islands.fullname" .) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* The enabled regions, as a dict name -> region (for ranges that skip `disabled`). */}}
@@ -298,7 +307,11 @@ autoscalerOptions:
 {{- if .Values.auth.enabled }}
 authOptions:
   mode: token
-  secretName: {{ include "islands.tokenSecret" . }}
+  {{- /* Without a Secret of the user's, KubeRay generates the token once per cluster: nothing
+         random is rendered here, so GitOps renders (helm template) stay identical. */}}
+  {{- with .Values.auth.existingSecret }}
+  secretName: {{ . }}
+  {{- end }}
 {{- end }}
 headGroupSpec:
   serviceType: {{ .Values.dashboard.serviceType }}
