@@ -2,10 +2,17 @@
 
 One fragment of N parameters, M = 4 stored outer gradients (a round), merged by RDA (the default
 rule) or the weighted mean and stepped by Nesterov, the syncer's path
-(``syncer/fused.py:merge_and_step``: BLAS axpys into reused buffers). The copy baseline is ``np.copyto`` of the same M fragments (M reads and M
-writes). The ratio is merged bytes per second over copied bytes per second, i.e. copy time ÷
-merge time; each repetition times the merge and the copy back to back, so load on the machine
-hits both alike. Goal: ≥ 0.5 at 10M and 30M parameters.
+(``syncer/fused.py:merge_and_step``: blocks of 256K values, each summed and stepped in cache;
+M + 6 passes over memory with RDA, M + 4 with the mean). The copy baseline is ``np.copyto`` of
+the same M fragments (M reads and M writes: 2M passes). The ratio is merged bytes per second
+over copied bytes per second, i.e. copy time ÷ merge time; each repetition times the merge and
+the copy back to back, so load on the machine hits both alike. Goal: ≥ 0.5 at 10M and 30M
+parameters.
+
+BLAS runs single-threaded, as in the syncer actor (``orchestrator/runtime.py:single_thread_env``
+sets ``OMP_NUM_THREADS=1``, which OpenBLAS follows): ``--blas-threads N`` sets
+``OPENBLAS_NUM_THREADS`` for this process instead (it must be set before numpy loads, so the
+option re-executes the script with it).
 
     python benchmarks/merge_kernel.py --quick      # 10M and 30M, 7 repetitions
     python benchmarks/merge_kernel.py --sizes 1000000,10000000,30000000 --reps 15
@@ -17,12 +24,28 @@ from __future__ import annotations
 
 import os
 import statistics
+import sys
 import time
 
-import _common as C
-import numpy as np
 
-from islands.syncer import fused, outer
+def _blas_threads(argv) -> str:
+    """The BLAS thread count asked for (``--blas-threads N``; default 1, the syncer's)."""
+    for i, arg in enumerate(argv):
+        if arg == "--blas-threads" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--blas-threads="):
+            return arg.split("=", 1)[1]
+    return "1"
+
+
+if os.environ.get("OPENBLAS_NUM_THREADS") != _blas_threads(sys.argv[1:]):  # before numpy loads
+    os.environ["OPENBLAS_NUM_THREADS"] = _blas_threads(sys.argv[1:])
+    os.execv(sys.executable, [sys.executable] + sys.argv)
+
+import _common as C  # noqa: E402
+import numpy as np  # noqa: E402
+
+from islands.syncer import fused, outer  # noqa: E402
 
 GOAL = 0.5
 
@@ -60,7 +83,9 @@ def time_one(size: int, learners: int, rule: str, reps: int, seed: int = 0) -> d
             "merge_gb_per_s": gb / statistics.median(merge_s),
             "copy_gb_per_s": gb / statistics.median(copy_s),
             "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
-            "ratio_max": max(ratios), "meets_goal": statistics.median(ratios) >= GOAL}
+            "ratio_max": max(ratios), "meets_goal": statistics.median(ratios) >= GOAL,
+            # passes over memory (one = N float32 values read or written), fused.merge_and_step
+            "merge_passes": learners + (6 if rule == "rda" else 4), "copy_passes": 2 * learners}
 
 
 def plot(rows: list[dict], out_dir: str) -> None:
@@ -84,6 +109,8 @@ def main(argv=None) -> dict:
     p.add_argument("--sizes", default=None, help="comma list of fragment sizes")
     p.add_argument("--reps", type=int, default=None)
     p.add_argument("--learners", type=int, default=4)
+    p.add_argument("--blas-threads", default="1",
+                   help="OPENBLAS_NUM_THREADS (default 1: the syncer actor's single thread)")
     args = p.parse_args(argv)
     sizes = ([int(x) for x in args.sizes.split(",")] if args.sizes
              else [10_000_000, 30_000_000] if args.quick else [1_000_000, 10_000_000, 30_000_000])
@@ -93,7 +120,7 @@ def main(argv=None) -> dict:
     print(C.table(rows, ["size", "rule", "merge_ms", "copy_ms", "merge_gb_per_s",
                          "copy_gb_per_s", "ratio_median", "ratio_min", "meets_goal"]))
     result = {"benchmark": "merge_kernel", "goal": GOAL, "rows": rows,
-              "reps": reps, "wall_s": watch(), "machine": C.machine(),
+              "reps": reps, "blas_threads": os.environ["OPENBLAS_NUM_THREADS"], "wall_s": watch(), "machine": C.machine(),
               "load_average": os.getloadavg()}
     plot(rows, args.out)
     C.finish("merge_kernel", result, args.out)

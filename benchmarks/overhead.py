@@ -417,7 +417,8 @@ def run_bare_subprocess(preset_name: str, duration_s: float, env_vars: dict,
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def job_dict(preset: Preset, heartbeat_s: float, task_name: str = "bytelm") -> dict:
+def job_dict(preset: Preset, heartbeat_s: float, task_name: str = "bytelm",
+             snapshot_every_merges: Optional[int] = None) -> dict:
     named = TASKS[task_name]
     return {
         "name": "bench-overhead",
@@ -426,7 +427,9 @@ def job_dict(preset: Preset, heartbeat_s: float, task_name: str = "bytelm") -> d
         "data": {"max_bytes": 300_000, "batch_size": preset.batch_size, "eval_batches": 2},
         "learner": {"min_step_time_s": 0.0, "eval_every_s": 3600.0},
         "syncer": {"fragments": preset.fragments, "sync_every_steps": preset.sync_every_steps,
-                   "overlap_steps": 2},
+                   "overlap_steps": 2,
+                   **({} if snapshot_every_merges is None
+                      else {"snapshot_every_merges": snapshot_every_merges})},
         "quorum": {"min_learners": 1},
         "compression": {"type": "int4"},
         "regions": {"a": {"learners": 1}},
@@ -446,7 +449,7 @@ def wait_for(predicate, timeout_s: float, what: str, every_s: float = 0.2):
 
 
 def service_rate_ray(preset_name: str, duration_s: float, warmup_s: float, run_dir: str,
-                     task_name: str = "bytelm") -> dict:
+                     task_name: str = "bytelm", snapshot_every_merges: Optional[int] = None) -> dict:
     """Runs the one-learner job and returns its steady steps/s from heartbeat samples."""
     import ray
 
@@ -454,7 +457,8 @@ def service_rate_ray(preset_name: str, duration_s: float, warmup_s: float, run_d
     from islands.orchestrator.controller import NAMESPACE, Controller, controller_options
 
     preset = PRESETS[preset_name]
-    config = JobConfig.model_validate(job_dict(preset, heartbeat_s=0.5, task_name=task_name))
+    config = JobConfig.model_validate(job_dict(preset, heartbeat_s=0.5, task_name=task_name,
+                                               snapshot_every_merges=snapshot_every_merges))
     # address="local": always a fresh cluster of our own, even when another one runs here.
     ray.init(address="local", num_cpus=2, resources={"region:a": 1}, namespace=NAMESPACE,
              include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
@@ -535,7 +539,7 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
 
 
 def run_ray(preset_name: str, duration_s: float, warmup_s: float,
-            task_name: str = "bytelm") -> dict:
+            task_name: str = "bytelm", snapshot_every_merges: Optional[int] = None) -> dict:
     from islands.orchestrator.runtime import single_thread_env
 
     run_dir = tempfile.mkdtemp(prefix="islands-overhead-")
@@ -544,7 +548,8 @@ def run_ray(preset_name: str, duration_s: float, warmup_s: float,
     try:
         bare_before = run_bare_subprocess(preset_name, duration_s, env_vars, task_name)
         runs.append({"run": "bare (before)", "loop": "bare", **_drop(bare_before, "xla_flags")})
-        service = service_rate_ray(preset_name, duration_s, warmup_s, run_dir, task_name)
+        service = service_rate_ray(preset_name, duration_s, warmup_s, run_dir, task_name,
+                                   snapshot_every_merges)
         runs.append({"run": "service", "loop": "service",
                      **_drop(service, "samples", "timings", "cpu_ms_per_step_by_actor")})
         bare_after = run_bare_subprocess(preset_name, duration_s, env_vars, task_name)
@@ -560,7 +565,7 @@ def run_ray(preset_name: str, duration_s: float, warmup_s: float,
             "num_params": sum(int(x.size) for x in jax_leaves(template)),
             "batch_size": preset.batch_size, "fragments": preset.fragments,
             "sync_every_steps": preset.sync_every_steps, "codec": "int4",
-            "duration_s": duration_s, "warmup_s": warmup_s, "runs": runs,
+            "snapshot_every_merges": snapshot_every_merges, "duration_s": duration_s, "warmup_s": warmup_s, "runs": runs,
             "service_samples": service["samples"],
             "cpu_ms_per_step_by_actor": service["cpu_ms_per_step_by_actor"],
             "learner_timings": service["timings"],
@@ -693,6 +698,8 @@ def parse_args(argv=None):
     parser.add_argument("--task", choices=sorted(TASKS), default="bytelm",
                         help="ray: what the learner trains (flax: the Flax + Grain task)")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--snapshot-every-merges", type=int, default=None,
+                        help="ray: the job's syncer.snapshot_every_merges (default: the config's)")
     parser.add_argument("--out", default=os.path.join(BENCH_DIR, "out"))
     parser.add_argument("--bare-worker", action="store_true", help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -715,7 +722,7 @@ def main(argv=None) -> dict:
     if mode == "ray":
         duration = args.duration or (20.0 if args.quick else 60.0)
         result = run_ray(model, duration, warmup_s=5.0 if args.quick else 10.0,
-                         task_name=args.task)
+                         task_name=args.task, snapshot_every_merges=args.snapshot_every_merges)
     else:
         preset = PRESETS[model]
         steps = args.steps or (preset.quick_steps if args.quick else preset.steps)

@@ -109,15 +109,19 @@ class Syncer:
                                lambda codes: codec_lib.decode_tree(codec, codes),
                                is_embedding=is_embedding, epoch=epoch,
                                downlink=downlink_settings(spec))
-        self.store = self.journal = None
+        self.store = self.journal = self.journal_writer = None
+        # Fragments whose newest merge is being journaled: not merged again until it is written
+        # (the journal entry holds the momentum buffers that merge would recycle).
+        self.journal_pending: dict[int, Any] = {}
         self.restored_from: Optional[int] = None
         self.journaled: list[int] = []   # fragments the journal had newer than the snapshot
         if spec.checkpoint_dir:
-            from .state import FragmentJournal, SnapshotStore
+            from .state import FragmentJournal, JournalWriter, SnapshotStore
 
             self.store = SnapshotStore(spec.checkpoint_dir, fresh=not restore)
             if spec.journal:
                 self.journal = FragmentJournal(spec.checkpoint_dir)
+                self.journal_writer = JournalWriter(self.journal)
             if restore:
                 self.restored_from = self.store.restore_latest(self.core, min_epoch=epoch)
                 if self.journal:
@@ -164,7 +168,7 @@ class Syncer:
             deadline = None
             live = frozenset(self.core.learners)
             for p, slot in enumerate(self.core.slots):
-                if not slot.round or self.paused:
+                if not slot.round or self.paused or p in self.journal_pending:
                     continue
                 decision, grace = self.core.timed_decision(p, now, live, self.slowest_step_s,
                                                            self.sync_s)
@@ -199,17 +203,40 @@ class Syncer:
             self.staleness_counts[s] += 1
         self.merge_events.append({"t": time.time(), "fragment": g, "version": result.version,
                                   "learners": list(result.learners), "reason": reason})
-        if self.journal:   # durable before any learner hears of it
-            self.journal.record(self.core, p)
+        # Computed now: the shadows each update leaves are recorded as this merge left them.
+        updates = self.core.updates(result)
+        if self.store and sum(self.core.versions) % self.spec.snapshot_every_merges == 0:
+            self.store.save(self.core)
+        if self.journal_writer is None:
+            self._answer(p, g, result, updates)
+            return
+        # Durable before any learner hears of it: the entry is written on the journal's thread
+        # while the loop takes other pushes and merges; the merge is answered once it is.
+        durable = asyncio.wrap_future(self.journal_writer.submit(self.core, p))
+        self.journal_pending[p] = durable
+        asyncio.ensure_future(self._answer_when_durable(p, g, result, updates, durable))
+
+    async def _answer_when_durable(self, p: int, g: int, result, updates: dict,
+                                   durable: asyncio.Future) -> None:
+        try:
+            await durable
+            self._answer(p, g, result, updates)
+        except Exception:  # not durable: not answered (a restart replays the previous entry)
+            log.exception("fragment %d: the merge journal entry of version %d was not written; "
+                          "the merge is not answered", g, result.version)
+        finally:
+            self.journal_pending.pop(p, None)
+            if self._wake:
+                self._wake.set()   # the fragment may merge again
+
+    def _answer(self, p: int, g: int, result, updates: dict) -> None:
         waiters = self.waiters[p]
-        for name, update in self.core.updates(result).items():
+        for name, update in updates.items():
             future = waiters.pop(name, None)
             if future is not None and not future.done():
                 self.wire_bytes_down[name] += downlink_lib.update_bytes(update)
                 future.set_result(Reply(ReplyStatus.MERGED, g, self.core.epoch, version=result.version,
                                         update=update))
-        if self.store and sum(self.core.versions) % self.spec.snapshot_every_merges == 0:
-            self.store.save(self.core)
 
     # -- the data path --------------------------------------------------------------------------
     async def register(self, learner: str, incarnation: int,

@@ -1,16 +1,21 @@
 """The syncer's hot path in place: a push's outer gradient with its norms, and a fragment's merge
-with its outer step, each a few single passes over memory (BLAS axpy, dot) into reused buffers.
+with its outer step, each as few passes over memory as the math allows, into reused buffers.
 
 Plain numpy expressions walk a fragment once per operation and allocate a fresh array for each
 (θ = base + δ, g = Θ − θ, φ(g), the weighted sums, the optimizer's moments, Θ's update); a jitted
 XLA program on the syncer's single CPU thread measured slower still (26 ns per parameter for
 ``Θ − (base + δ)``, against 2 ns for a copy). Here ``outer_gradient`` writes g into a buffer of
-the pool (two subtractions and a dot), and ``merge_and_step`` accumulates the direction with one
-axpy per learner and applies SGD or Nesterov in place on the momentum and a new Θ; other outer
-optimizers (adam) take optax's compiled step. The math is ``merge.py``'s and ``outer.py``'s
+the pool (two subtractions and a dot), and ``merge_and_step`` walks the fragment in blocks of
+``BLOCK`` values: each block of the weighted sum is built from the M gradients with numpy ``out=``
+ufuncs while it sits in cache, and SGD or Nesterov is applied to it there, writing the new
+momentum and a new Θ once (``merge_and_step`` counts the passes: 8 for the weighted mean and 10
+for RDA with M = 4 and Nesterov, where a copy of the M gradients makes 8). Other outer optimizers
+(adam) take optax's compiled step. The math is ``merge.py``'s and ``outer.py``'s
 (docs/architecture.md#token-weighted-merge-and-rda): ``RDA = (Σ w‖g‖/Σ w)·φ(Σ w φ(g)/Σ w)``,
 falling back to the weighted mean when the directions cancel, the embeddings always the mean;
-``optax.sgd``: ``m ← g + μ·m``, ``Θ ← Θ − lr·(g + μ·m)`` (Nesterov) or ``Θ − lr·m``.
+``optax.sgd``: ``m ← g + μ·m``, ``Θ ← Θ − lr·(g + μ·m)`` (Nesterov) or ``Θ − lr·m``. The order of
+float32 operations differs from ``merge.py`` (per-learner coefficients ``w/(Σw·‖g‖)``, the RDA
+scale applied once with the participation share), so results agree to float32 rounding.
 """
 
 from __future__ import annotations
@@ -80,31 +85,67 @@ def outer_gradient(params: dict, base: dict, drift: dict,
     return grads, norms
 
 
+BLOCK = 1 << 18   # values per block (1 MiB of float32): a block of each operand stays in cache
+                  # between the ufuncs of a pass (BENCHMARKS.md: 256K beat 16K and 64K here)
+
+
+def _blocks(size: int):
+    return ((lo, min(lo + BLOCK, size)) for lo in range(0, size, BLOCK))
+
+
+def _direction(grads: Sequence[np.ndarray], coefs: Sequence[float], out: np.ndarray,
+               step=None) -> float:
+    """``out = Σ c_m g_m`` block by block, in one pass over the g's (each block summed in cache:
+    a scaled copy, then one BLAS axpy per learner); returns ``‖out‖²``. With ``step`` (a callable
+    ``(lo, hi, d) -> None``) each finished block is handed on while it is still in cache; ``out``
+    is then a block-sized scratch array."""
+    flats = [_flat(g) for g in grads]
+    size = flats[0].size if flats else 0
+    norm_sq = 0.0
+    for lo, hi in _blocks(size):
+        d = out[:hi - lo] if step is not None else _flat(out)[lo:hi]
+        np.multiply(flats[0][lo:hi], np.float32(coefs[0]), out=d)
+        for g, c in zip(flats[1:], coefs[1:]):
+            _axpy(c, g[lo:hi], d)
+        norm_sq += float(blas.sdot(d, d))
+        if step is not None:
+            step(lo, hi, d)
+    return norm_sq
+
+
+def _coefficients(norms: Sequence[float], weights: Sequence[float], use_rda: bool):
+    """The per-learner coefficients of the direction (RDA: ``w/(Σw·‖g‖)`` for each g ≠ 0, the
+    mean: ``w/Σw``) and the learners they apply to, and the RDA mean norm ``Σ w‖g‖/Σ w``."""
+    total = float(sum(weights))
+    w = [float(x) / total for x in weights]
+    if not use_rda:
+        return list(range(len(w))), w, None
+    keep = [i for i, n in enumerate(norms) if n > 0]
+    return keep, [w[i] / norms[i] for i in keep], sum(wm * n for wm, n in zip(w, norms))
+
+
+def _merged_direction(grads, norms, weights, use_rda, out) -> tuple[float, float, bool]:
+    """Writes the merged direction into ``out`` and returns ``(scale, ‖scale·out‖, rda)``: the
+    merged outer gradient is ``scale · out``; RDA when the directions do not cancel, else the
+    weighted mean (scale 1), as ``merge.py``. One pass over the g's (two when RDA falls back)."""
+    if use_rda:
+        keep, coefs, mean_norm = _coefficients(norms, weights, True)
+        if keep:
+            d_norm = math.sqrt(max(_direction([grads[i] for i in keep], coefs, out), 0.0))
+            if d_norm >= RDA_EPS:
+                return mean_norm / d_norm, mean_norm, True
+    _, coefs, _ = _coefficients(norms, weights, False)
+    return 1.0, math.sqrt(max(_direction(grads, coefs, out), 0.0)), False
+
+
 def combine(grads: Sequence[np.ndarray], norms: Sequence[float], weights: Sequence[float],
             use_rda: bool, out: np.ndarray) -> tuple[np.ndarray, Optional[float]]:
     """One tensor's merged outer gradient into ``out`` (RDA, or the weighted mean); returns it
-    and its norm when known without another pass (RDA: the mean norm), else None."""
-    total = float(sum(weights))
-    w = [float(x) / total for x in weights]
-    if use_rda:
-        first = True
-        for g, n, wm in zip(grads, norms, w):
-            if n > 0:
-                if first:
-                    np.multiply(g, np.float32(wm / n), out=out)
-                    first = False
-                else:
-                    _axpy(wm / n, g, out)
-        d_norm = 0.0 if first else _norm(out)
-        if d_norm >= RDA_EPS:
-            mean_norm = sum(wm * n for wm, n in zip(w, norms))
-            out *= np.float32(mean_norm / d_norm)
-            return out, mean_norm
-    # the weighted mean (embeddings, rule "mean", or RDA directions that cancel)
-    np.multiply(grads[0], np.float32(w[0]), out=out)
-    for g, wm in zip(grads[1:], w[1:]):
-        _axpy(wm, g, out)
-    return out, None
+    and its norm when it is RDA's (the mean norm), else None."""
+    scale, norm, rda = _merged_direction(grads, norms, weights, use_rda, out)
+    if scale != 1.0:
+        out *= np.float32(scale)
+    return out, (norm if rda else None)
 
 
 def _sgd_kind(optimizer) -> Optional[tuple[float, float, bool]]:
@@ -124,10 +165,53 @@ def _trace(state: Any) -> Optional[dict]:
     return None
 
 
+def _stepper(theta: np.ndarray, new: np.ndarray, trace: Optional[np.ndarray],
+             new_trace: Optional[np.ndarray], lr: float, momentum: float, nesterov: bool,
+             finite: list):
+    """The SGD / Nesterov step of one block, in cache: ``step(lo, hi, d, s)`` with ``G = s·d``
+    the block of the merged outer gradient. ``m' = G + μ·m``; ``Θ' = Θ − lr·(G + μ·m')``
+    (Nesterov, as ``Θ − lr·G − lr·μ·m'``), ``Θ − lr·m'`` (momentum) or ``Θ − lr·G``;
+    ``finite[0]`` turns False on a non-finite Θ'. Each block of Θ, m is read once and of Θ', m'
+    written once."""
+
+    def step(lo: int, hi: int, d: np.ndarray, s: float) -> None:
+        out = new[lo:hi]
+        if new_trace is None:
+            np.multiply(d, np.float32(-lr * s), out=out)
+        else:
+            m = new_trace[lo:hi]
+            np.multiply(trace[lo:hi], np.float32(momentum), out=m)
+            _axpy(s, d, m)
+            if nesterov:
+                np.multiply(d, np.float32(-lr * s), out=out)
+                _axpy(-lr * momentum, m, out)
+            else:
+                np.multiply(m, np.float32(-lr), out=out)
+        _axpy(1.0, theta[lo:hi], out)
+        if finite[0] and not math.isfinite(float(blas.sdot(out, out))):
+            finite[0] = bool(np.all(np.isfinite(out)))
+
+    return step
+
+
 def merge_and_step(optimizer, rda_paths: frozenset, grads: Sequence[dict],
                    norms: Sequence[dict], weights: Sequence[float], share: float, params: dict,
                    state: Any, pool: Optional[BufferPool] = None):
     """Merges the M outer gradients of one fragment and applies the outer optimizer.
+
+    Passes over memory per tensor of N values (one pass = N float32 read or written; a copy of
+    the M gradients makes 2M), with SGD / Nesterov (``_stepper``) in blocks of ``BLOCK``:
+
+    - weighted mean (embeddings, rule "mean"): one pass, M + 4 (read the M g's, Θ and m; write
+      m' and Θ'); the merged block never leaves the cache;
+    - RDA: M + 6: the direction ``Σ w φ(g)`` and its norm (read M, write it), then the step
+      (read it, Θ and m; write m' and Θ'). ‖φ(d)‖ must be known before the first value of the
+      step, hence the second pass; the length ``Σ w‖g‖`` comes from the pushes' norms;
+    - no momentum: two fewer (no m to read or write); the finiteness check and the norms are
+      taken from blocks in cache. For M = 4: 8 (mean) and 10 (RDA) against the copy's 8 (the
+      former kernel: about 28).
+
+    Other optimizers (adam) get the merged gradient as arrays and optax's compiled step.
 
     Args:
       optimizer: the outer optax transform (``outer.build``'s carry their kind: sgd and
@@ -139,55 +223,72 @@ def merge_and_step(optimizer, rda_paths: frozenset, grads: Sequence[dict],
       params: Θ of the fragment (not modified: earlier versions stay in the history).
       state: the outer optimizer's state (not modified; with a pool, sgd/Nesterov hand its
         momentum buffers back once the new state replaces it).
-      pool: where the merged gradient's scratch buffers come from and go back to.
+      pool: where scratch and momentum buffers come from and go back to.
 
     Returns:
       ``(new Θ, new state, every value finite, ‖merged outer gradient‖)``.
     """
+    with np.errstate(over="ignore", invalid="ignore"):   # a non-finite merge is refused, not logged
+        return _merge_and_step(optimizer, rda_paths, grads, norms, weights, share, params, state,
+                               pool)
+
+
+def _merge_and_step(optimizer, rda_paths, grads, norms, weights, share, params, state, pool):
     take = pool.take if pool is not None else (lambda shape: np.empty(shape, np.float32))
-    merged, norm_sq = {}, 0.0
-    for path, value in params.items():
-        out, norm = combine([g[path] for g in grads], [n[path] for n in norms], weights,
-                            path in rda_paths, take(value.shape))
-        if share != 1.0:
-            out *= np.float32(share)
-        norm_sq += (norm * share) ** 2 if norm is not None else _norm(out) ** 2
-        merged[path] = out
-    grad_norm = math.sqrt(norm_sq)
+    give = pool.give if pool is not None else (lambda array: None)
     sgd = _sgd_kind(optimizer)
+    trace = _trace(state) if sgd is not None else None
+    largest = max((int(np.size(v)) for v in params.values()), default=0)
+    block = take((min(largest, BLOCK),))
+    merged, new_params, norm_sq, finite = {}, {}, 0.0, [True]
+    new_trace = {} if trace is not None else None
+    for path, value in params.items():
+        gs = [g[path] for g in grads]
+        ns = [n[path] for n in norms]
+        use_rda = path in rda_paths
+        if sgd is None:     # the merged gradient itself, for optax
+            out = take(value.shape)
+            scale, norm, _ = _merged_direction(gs, ns, weights, use_rda, out)
+            if scale * share != 1.0:
+                out *= np.float32(scale * share)
+            norm_sq += (norm * share) ** 2
+            merged[path] = out
+            continue
+        lr, momentum, nesterov = sgd
+        new = np.empty(value.shape, np.float32)
+        m_new = take(value.shape) if trace is not None else None
+        step = _stepper(_flat(np.asarray(value, np.float32)), _flat(new),
+                        None if trace is None else _flat(np.asarray(trace[path], np.float32)),
+                        None if m_new is None else _flat(m_new), lr, momentum, nesterov, finite)
+        if not use_rda:     # one pass: each block of Σ w g is stepped while in cache
+            coefs = _coefficients(ns, weights, False)[1]
+            norm_sq += share ** 2 * _direction(
+                gs, coefs, block, step=lambda lo, hi, d, step=step: step(lo, hi, d, share))
+        else:               # the direction (and its norm), then the step
+            direction = take(value.shape)
+            scale, norm, _ = _merged_direction(gs, ns, weights, True, direction)
+            flat = _flat(direction)
+            for lo, hi in _blocks(flat.size):
+                step(lo, hi, flat[lo:hi], scale * share)
+            norm_sq += (norm * share) ** 2
+            give(direction)
+        new_params[path] = new
+        if new_trace is not None:
+            new_trace[path] = m_new
+    give(block)
+    grad_norm = math.sqrt(norm_sq)
     if sgd is None:
         new_params, new_state = outer_lib.outer_step(optimizer, merged, state, params)
+        finite = [all(np.isfinite(_norm(v)) or bool(np.all(np.isfinite(v)))
+                      for v in new_params.values())]
+        for v in merged.values():
+            give(v)
     else:
-        lr, momentum, nesterov = sgd
-        trace = _trace(state)
-        new_trace = {} if trace is not None else None
-        new_params = {}
-        for path, value in params.items():
-            g = merged[path]
-            new = np.array(value, np.float32, copy=True)
-            if trace is None:              # Θ − lr·g
-                _axpy(-lr, g, new)
-            else:                          # m ← g + μ·m, into a new buffer: a refused merge
-                m = take(value.shape)      # leaves the state as it was
-                np.multiply(np.asarray(trace[path], np.float32), np.float32(momentum), out=m)
-                m += g
-                new_trace[path] = m
-                if nesterov:                # Θ − lr·(g + μ·m)
-                    _axpy(-lr, g, new)
-                    _axpy(-lr * momentum, m, new)
-                else:                       # Θ − lr·m
-                    _axpy(-lr, m, new)
-            new_params[path] = new
         new_state = state if trace is None else tuple(
             part._replace(trace=new_trace) if getattr(part, "trace", None) is not None else part
             for part in state)
-    finite = all(np.isfinite(_norm(v)) or bool(np.all(np.isfinite(v)))
-                 for v in new_params.values())
-    if pool is not None:
-        for v in merged.values():
-            pool.give(v)
-        if finite and sgd is not None and _trace(state) is not None:
-            for v in _trace(state).values():   # the old momentum is no longer anyone's
+        if trace is not None:
+            for v in (trace.values() if finite[0] else ()):   # the old momentum is no one's
                 if isinstance(v, np.ndarray) and v.flags.writeable:
-                    pool.give(v)
-    return new_params, new_state, finite, grad_norm
+                    give(v)
+    return new_params, new_state, finite[0], grad_norm

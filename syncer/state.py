@@ -231,6 +231,13 @@ class FragmentJournal:
 
     def record(self, core: SyncerCore, p: int) -> None:
         """Writes fragment ``p`` as ``core`` holds it now (call right after its merge)."""
+        self.write(*self.entry(core, p))
+
+    def entry(self, core: SyncerCore, p: int) -> tuple[int, dict, dict]:
+        """What ``record`` writes, taken now: ``(p, arrays, meta)``. The arrays are the core's own
+        (not copied: a merge makes a new Θ and a new momentum rather than writing the old ones; the
+        caller keeps the fragment from merging again until ``write`` is done, since its next merge
+        hands the old momentum's buffers back to the pool)."""
         slot = core.slots[p]
         paths = sorted(slot.params)
         arrays = {f"param{i}": np.asarray(slot.params[path]) for i, path in enumerate(paths)}
@@ -239,6 +246,10 @@ class FragmentJournal:
         meta = {"fragment": p, "paths": paths, "version": int(slot.version),
                 "epoch": int(core.epoch), "merges": int(sum(core.versions)),
                 "ledger": _ledger_json(core)}
+        return p, arrays, meta
+
+    def write(self, p: int, arrays: dict, meta: dict) -> None:
+        """Writes one ``entry`` (from any thread): the file is complete once this returns."""
         tmp = self._path(p) + ".tmp"
         with open(tmp, "wb") as f:
             np.savez(f, meta=np.frombuffer(json.dumps(meta).encode(), np.uint8), **arrays)
@@ -297,3 +308,23 @@ class FragmentJournal:
             log.info("merge journal: fragments %s newer than the snapshot (versions %s)", taken,
                      [core.slots[p].version for p in taken])
         return taken
+
+
+class JournalWriter:
+    """Writes merge journal entries on one thread of its own, in the order they are submitted, so
+    the file write (an ``.npz`` of the fragment: as long as the merge itself at 4M parameters) is
+    off the syncer's event loop. ``submit`` takes the entry on the caller's thread and returns a
+    ``concurrent.futures.Future`` that resolves once the file is in place (or raises what the
+    write raised): the syncer answers a merge only after it (syncer/actor.py)."""
+
+    def __init__(self, journal: FragmentJournal):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.journal = journal
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="merge-journal")
+
+    def submit(self, core: SyncerCore, p: int):
+        return self._thread.submit(self.journal.write, *self.journal.entry(core, p))
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)

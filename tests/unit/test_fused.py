@@ -28,7 +28,9 @@ def grads_and_norms(rng, m, pool=None):
                                           ("sgd", {"lr": 0.5, "momentum": 0.8}),
                                           ("adam", {"lr": 1e-2})])
 @pytest.mark.parametrize("rule", [merge.MergeRule.RDA, merge.MergeRule.MEAN])
-def test_in_place_merge_and_step_match_the_reference(kind, kwargs, rule):
+@pytest.mark.parametrize("block", [fused.BLOCK, 16])   # 16: every tensor spans several blocks
+def test_in_place_merge_and_step_match_the_reference(kind, kwargs, rule, block, monkeypatch):
+    monkeypatch.setattr(fused, "BLOCK", block)
     rng = np.random.default_rng(0)
     pool = fused.BufferPool()
     params, gn = grads_and_norms(rng, 3, pool)
@@ -86,3 +88,41 @@ def test_buffers_come_back_to_the_pool():
     pool.give(a)
     assert pool.take((4, 3)) is a and pool.take((4, 3)) is not a
 
+
+
+@pytest.mark.parametrize("block", [fused.BLOCK, 1])
+def test_nesterov_merge_by_hand(block, monkeypatch):
+    """Hand-worked, exact in float32: lr 0.5, μ 0.5, Θ = 0, m = 0.
+    Mean of g₁ = (1, 2, 0, 4) and g₂ = (3, 2, 4, 0), weights 1 and 3: G = (2.5, 2, 3, 1).
+    Step 1: m' = G; Θ' = −0.5·(G + 0.5·G) = −0.75·G = (−1.875, −1.5, −2.25, −0.75).
+    Step 2 (same G): m'' = G + 0.5·G = 1.5·G; Θ'' = Θ' − 0.5·(G + 0.75·G) = −1.625·G
+    = (−4.0625, −3.25, −4.875, −1.625). ‖G‖ = √(6.25 + 4 + 9 + 1) = 4.5."""
+    monkeypatch.setattr(fused, "BLOCK", block)
+    pool = fused.BufferPool()
+    optimizer = outer.build("nesterov", lr=0.5, momentum=0.5)
+    params = {"w": np.zeros(4, np.float32)}
+    state = optimizer.init(params)
+    grads = [{"w": np.array([1, 2, 0, 4], np.float32)}, {"w": np.array([3, 2, 4, 0], np.float32)}]
+    norms = [{"w": float(np.linalg.norm(g["w"]))} for g in grads]
+    G = np.array([2.5, 2, 3, 1], np.float32)
+    for want_theta, want_m in [(-0.75 * G, G), (-1.625 * G, 1.5 * G)]:
+        params, state, finite, norm = fused.merge_and_step(
+            optimizer, frozenset(), grads, norms, [1.0, 3.0], 1.0, params, state, pool)
+        assert finite and norm == 4.5
+        np.testing.assert_array_equal(params["w"], want_theta)
+        np.testing.assert_array_equal(state[0].trace["w"], want_m)
+
+
+@pytest.mark.parametrize("block", [fused.BLOCK, 1])
+def test_rda_merge_by_hand(block, monkeypatch):
+    """RDA of (2, 0) and (0, 4), weights 1 and 3 (test above): 3.5·(1, 3)/√10, times the
+    participation share 0.5, stepped by plain SGD lr 1 from Θ = (1, 1)."""
+    monkeypatch.setattr(fused, "BLOCK", block)
+    optimizer = outer.build("sgd", lr=1.0, momentum=0.0)
+    params = {"w": np.ones(2, np.float32)}
+    grads = [{"w": np.array([2.0, 0.0], np.float32)}, {"w": np.array([0.0, 4.0], np.float32)}]
+    new, _, finite, norm = fused.merge_and_step(optimizer, frozenset({"w"}), grads,
+                                                [{"w": 2.0}, {"w": 4.0}], [1.0, 3.0], 0.5,
+                                                params, optimizer.init(params))
+    assert finite and norm == pytest.approx(1.75)
+    np.testing.assert_allclose(new["w"], 1 - 1.75 * np.array([1.0, 3.0]) / np.sqrt(10), rtol=1e-6)

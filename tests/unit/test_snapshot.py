@@ -192,3 +192,60 @@ def test_the_syncer_actor_journals_every_merge_and_a_restart_replays_it(tmp_path
     assert ready["restored_from"] is None and ready["journaled"] == [0]
     assert ready["versions"] == [3] and ready["epoch"] == 1
     np.testing.assert_array_equal(restarted.core.slots[0].params["w"], reply.update.params["w"])
+
+
+def test_the_journal_is_written_off_the_loop_and_the_merge_answered_once_durable(tmp_path,
+                                                                                  monkeypatch):
+    """The journal's file write is held on its thread: the syncer's loop still answers calls,
+    the merge is not answered and the fragment not merged again; once the file is written the
+    push gets its merge."""
+    import asyncio
+    import threading
+
+    from islands.syncer import codec as codec_lib
+    from islands.syncer.actor import Syncer, SyncerSpec
+
+    started, release = threading.Event(), threading.Event()
+    write = FragmentJournal.write
+
+    def held_write(self, p, arrays, meta):
+        started.set()
+        assert release.wait(timeout=60)
+        write(self, p, arrays, meta)
+
+    monkeypatch.setattr(FragmentJournal, "write", held_write)
+    codec = codec_lib.make_codec("none")
+    spec = SyncerSpec(fragments=[{"w": np.ones(4, np.float32)}],
+                      settings=SyncerSettings(outlier_norm_factor=None, grace_cap_s=0.0),
+                      outer_kind="nesterov", outer_kwargs={}, codec_kind="none",
+                      codec_block_size=64, checkpoint_dir=str(tmp_path / "syncer"))
+    entry = tmp_path / "syncer" / "journal" / "fragment-0.npz"
+
+    async def run():
+        syncer = Syncer(spec)
+        reg = await syncer.register("a", 0)
+        drift = {"w": np.full(4, -0.25, np.float32)}
+        reply = asyncio.ensure_future(syncer.push(Push(
+            "a", 0, codec_lib.encode_tree(codec, drift), 0, reg["epoch"], 64, 2, step=2,
+            tokens_done=128, session=reg["session"])))
+        await asyncio.get_running_loop().run_in_executor(None, started.wait)  # being written
+        status = await syncer.status()            # the loop is free meanwhile
+        held = (reply.done(), status["versions"], entry.exists(), 0 in syncer.journal_pending)
+        release.set()
+        answer = await asyncio.wait_for(reply, timeout=60)
+        syncer._loop_task.cancel()
+        return held, answer, syncer
+
+    held, answer, syncer = asyncio.run(run())
+    assert held == (False, [1], False, True)   # merged in memory, neither written nor answered
+    assert (answer.status, answer.version) == ("merged", 1)
+    assert entry.exists() and syncer.journal_pending == {}
+    fresh = build_one()
+    assert FragmentJournal(str(tmp_path / "syncer")).replay(fresh) == [0]
+    assert fresh.versions == (1,)
+    np.testing.assert_array_equal(fresh.slots[0].params["w"], answer.update.params["w"])
+
+
+def build_one():
+    return SyncerCore([{"w": np.ones(4, np.float32)}], SyncerSettings(outlier_norm_factor=None),
+                      outer.build("nesterov"), decode)
