@@ -35,6 +35,7 @@ K8S_VALUES = {
     ("pod", "extraVolumeMounts", "[]"): "io.k8s.api.core.v1.VolumeMount",
     ("head", "tolerations", "[]"): "io.k8s.api.core.v1.Toleration",
     ("regions", "*", "tolerations", "[]"): "io.k8s.api.core.v1.Toleration",
+    ("regions", "*", "affinity"): "io.k8s.api.core.v1.Affinity",
     ("networkPolicy", "extraIngress", "[]"): "io.k8s.api.networking.v1.NetworkPolicyIngressRule",
     ("dashboard", "ingress", "tls", "[]"): "io.k8s.api.networking.v1.IngressTLS",
     ("link", "server", "allowFrom", "[]"): "io.k8s.api.networking.v1.NetworkPolicyPeer",

@@ -5,10 +5,10 @@ the job waits for them (bounded by ``health.placement_timeout_s``, saying what i
 fails naming the region, in one line with rc 1 from the CLI. A re-run on the same persistent run
 dir (``--resume-or-start``, the chart's entrypoint) resumes the first run.
 
-No test of a node joining mid-wait: a second node cannot join a loopback-only cluster on this
-machine (``ray start --address`` refuses with ``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``, and with it
-on Ray rewrites the loopback address to the machine's and dials a port the head does not listen
-on). The wait's "the nodes arrive" path is tested on a fake clock in tests/unit/test_run_dir.py.
+A node joining mid-wait (a region's node 20 s after the job started, the job waiting and then
+training on it) is tests/integration/test_job_submit.py, against a `ray start` head: a second node
+joins a cluster on this machine only with multi-node Ray on, which the suite's in-process clusters
+keep off.
 """
 
 import json

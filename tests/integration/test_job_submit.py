@@ -3,6 +3,7 @@
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -13,6 +14,8 @@ import pytest
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
+
+from waiting import wait_for  # noqa: E402  (tests/integration/waiting.py)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -72,15 +75,18 @@ def _wait_until_started(proc: subprocess.Popen, log_path, timeout_s: float = 180
 def head(tmp_path_factory):
     home = tmp_path_factory.mktemp("home")
     # A private HOME: ray start writes its auth token to ~/.ray/auth_token, job submit reads it.
-    env = {**os.environ, "HOME": str(home)}
+    # Multi-node on: a region's node joins this head in one test (the suite turns it off so a
+    # local cluster stays on loopback; with it on, both nodes still bind 127.0.0.1 as told).
+    env = {**os.environ, "HOME": str(home), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "1"}
     # A fresh head makes its own token; a ray.init earlier in this process left
     # RAY_AUTH_MODE=token behind, which would make `ray start` demand an existing one.
     for name in ("RAY_ADDRESS", "RAY_AUTH_TOKEN_PATH", "RAY_AUTH_MODE", "RAY_AUTH_TOKEN"):
         env.pop(name, None)
     log = open(home / "ray-start.log", "w")
+    gcs_port = _free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--block", "--num-cpus", "3", "--node-ip-address", "127.0.0.1",
-         "--port", "0", "--dashboard-host", "127.0.0.1", "--dashboard-port", "8299",
+         "--port", str(gcs_port), "--dashboard-host", "127.0.0.1", "--dashboard-port", "8299",
          # free ports of its own: another Ray cluster on this machine may hold the defaults
          "--dashboard-agent-listen-port", str(_free_port()),
          "--dashboard-agent-grpc-port", str(_free_port()),
@@ -90,7 +96,7 @@ def head(tmp_path_factory):
         start_new_session=True)
     try:
         _wait_until_started(proc, home / "ray-start.log")
-        yield env
+        yield {**env, "RAY_ADDRESS": f"127.0.0.1:{gcs_port}"}
     finally:
         _stop_session(proc)
         log.close()
@@ -140,3 +146,63 @@ def test_ray_job_submit_trains_the_custom_task_example(head, tmp_path):
 
     params = ocp.StandardCheckpointer().restore(str(run_dir / "export" / "params"))
     assert set(params) == {"layer1", "layer2"} and params["layer1"]["w"].shape == (3, 32)
+
+
+def _job_logs(env, job_id: str) -> str:
+    return ray_cli("job", "logs", "--address", "http://127.0.0.1:8299", job_id, env=env,
+                   check=False).stdout
+
+
+def test_a_submitted_job_waits_for_region_nodes_that_join_later_then_trains(head, tmp_path):
+    """The cold start KubeRay makes: the job is submitted while a region's nodes are still on
+    their way. It waits (saying for what), the region's node joins 20 s after the job started,
+    and the job trains on it."""
+    job_dir = tmp_path / "job"
+    job_dir.mkdir()
+    (job_dir / "job.yaml").write_text(JOB_YAML.replace(
+        "  eu-west: {learners: 1}\n", "  eu-west: {learners: 1}\n  late: {learners: 1}\n")
+        + "health: {placement_timeout_s: 150}\n")
+    run_dir = tmp_path / "run"
+    submitted = ray_cli("job", "submit", "--no-wait", "--address", "http://127.0.0.1:8299",
+                        "--working-dir", str(job_dir), "--", sys.executable, "-m",
+                        "islands.orchestrator.cli", "run", "job.yaml", "--duration", "15",
+                        "--run-dir", str(run_dir), env=head, check=False)
+    found = re.search(r"raysubmit_\w+", submitted.stdout + submitted.stderr)
+    assert found, submitted.stdout[-2000:] + submitted.stderr[-2000:]
+    job_id, t_submitted = found.group(0), time.time()
+    wait_for(lambda: "waiting for capacity" in _job_logs(head, job_id), 120,
+             "the job to say it waits for region 'late'", every_s=1.0)
+    assert "region 'late' needs 1 'region:late' resources" in _job_logs(head, job_id)
+    # The region's node comes 20 s after the job started (a TPU pod still provisioning).
+    time.sleep(max(0.0, 20 - (time.time() - t_submitted)))
+    home = head["HOME"]
+    log = open(os.path.join(home, "late-node.log"), "w")
+    node = subprocess.Popen(
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--block", "--address",
+         head["RAY_ADDRESS"], "--node-ip-address", "127.0.0.1", "--num-cpus", "1",
+         "--dashboard-agent-listen-port", str(_free_port()),
+         "--dashboard-agent-grpc-port", str(_free_port()),
+         "--metrics-export-port", str(_free_port()),
+         "--resources", json.dumps({"region:late": 1}), "--disable-usage-stats"],
+        env=head,
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        _wait_until_started(node, os.path.join(home, "late-node.log"))
+        from ray.job_submission import JobStatus, JobSubmissionClient
+
+        jobs = JobSubmissionClient("http://127.0.0.1:8299")
+        status = wait_for(lambda: (s := jobs.get_job_status(job_id)).is_terminal() and s, 300,
+                          "the job to end", every_s=2.0,
+                          describe=lambda: _job_logs(head, job_id)[-3000:])
+        logs = _job_logs(head, job_id)
+        assert status == JobStatus.SUCCEEDED, logs[-3000:]
+        assert re.search(r"the cluster holds every region after (\d+)s", logs), logs[-3000:]
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert set(summary["regions"]) == {"us-east", "eu-west", "late"}
+        assert summary["merges"] > 0 and summary["tokens_applied"] > 0
+        events = [json.loads(line) for line in open(run_dir / "events.jsonl")]
+        late_started = [e for e in events if e.get("learner", "").startswith("late")]
+        assert late_started, "the late region's learner never appeared in the events"
+    finally:
+        _stop_session(node)
+        log.close()

@@ -374,6 +374,27 @@ def test_pod_values_reach_every_ray_pod_and_k8s_job_mode_is_admitted_and_locked_
     container = submitter["spec"]["containers"][0]
     assert container["securityContext"]["allowPrivilegeEscalation"] is False
     assert submitter["spec"]["securityContext"]["runAsNonRoot"] is True
+    # ...with the pods' annotations, placed like the head rather than on an accelerator node.
+    assert submitter["metadata"]["annotations"] == {"a": "b"}
+    assert "nodeSelector" not in submitter["spec"]
+    placed = only(objects({**values, "head": {"nodeSelector": {"pool": "cpu"}}}), "RayJob")
+    assert placed["spec"]["submitterPodTemplate"]["spec"]["nodeSelector"] == {"pool": "cpu"}
+
+
+def test_a_regions_affinity_replaces_the_pods_for_its_workers_only():
+    pinned = {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {
+        "nodeSelectorTerms": [{"matchExpressions": [
+            {"key": "topology.kubernetes.io/zone", "operator": "In", "values": ["us-east5-a"]}]}]}}}
+    shared = {"podAffinity": {}}
+    objs = objects({"pod": {"affinity": shared},
+                    "regions": {"east": {**LOCAL, "affinity": pinned}, "west": LOCAL}})
+    spec = only(objs, "RayJob")["spec"]["rayClusterSpec"]
+    groups = {g["groupName"]: g["template"]["spec"] for g in spec["workerGroupSpecs"]}
+    assert groups["east"]["affinity"] == pinned
+    assert groups["west"]["affinity"] == shared
+    assert spec["headGroupSpec"]["template"]["spec"]["affinity"] == shared
+    with pytest.raises(Exception, match="nodeAfinity|Additional properties"):   # typed by Kubernetes
+        render({"regions": {"east": {**LOCAL, "affinity": {"nodeAfinity": {}}}}})
 
 
 def test_no_region_is_merged_into_a_users_values_and_none_is_refused_by_name():
@@ -860,3 +881,98 @@ def test_notes_point_at_the_submitter_for_the_jobs_output():
     assert "-c ray-job-submitter" in sidecar and "-c ray-head\n" not in sidecar
     job_mode = render({"job": {"submissionMode": "K8sJobMode"}})["islands/templates/NOTES.txt"]
     assert "logs -f job/demo-islands" in job_mode
+
+
+# -- the guide's commands name what the chart renders -------------------------------------------
+GUIDE = os.path.join(REPO, "docs", "kubernetes.md")
+# Made by KubeRay from a RayJob, not rendered by the chart: the RayCluster (and its head Service
+# and generated token Secret) is read from the RayJob's status into these shell variables.
+KUBERAY_MADE = {"${CLUSTER}", "${CLUSTER}-head-svc", "${RC}"}
+
+
+def guide_commands() -> list[str]:
+    """Every command of the guide's bash blocks, continuation lines joined, comments dropped."""
+    with open(GUIDE) as f:
+        blocks = re.findall(r"```bash\n(.*?)```", f.read(), re.S)
+    lines = "\n".join(blocks).replace("\\\n", " ").splitlines()
+    return [re.sub(r"\s+#.*$", "", line).strip() for line in lines
+            if line.strip() and not line.lstrip().startswith("#")]
+
+
+def guide_releases() -> dict[str, list[list[dict]]]:
+    """The releases the guide installs, rendered under its names: ``release -> [objects, ...]``."""
+    releases: dict[str, list[list[dict]]] = {}
+    for cmd in guide_commands():
+        found = re.match(r"helm install (\S+) helm/islands -n (\S+) .*-f (\S+)", cmd)
+        if not found:
+            continue
+        release, namespace, values_file = found.groups()
+        # "my-values.yaml" is an example of deploy/helm/ with the user's edits: render each.
+        cases = (HOME_CASES[1:] if values_file == "my-values.yaml"
+                 else [os.path.basename(values_file)])
+        for case in cases:
+            values = with_regions(example_values(case))
+            for setting in re.findall(r"--set (\S+)=(\S+)", cmd):
+                values.setdefault("link", {}).setdefault("region", {})["home"] = setting[1]
+            text = chart().render(values, name=release, namespace=namespace)
+            objs = [o for path, body in text.items() if path.endswith(".yaml")
+                    for o in yaml.safe_load_all(body) if o]
+            releases.setdefault(release, []).append(objs)
+    return releases
+
+
+def _pod_templates(objs: list[dict]) -> list[dict]:
+    out = []
+    for obj in objs:
+        spec = obj.get("spec", {})
+        cluster = spec.get("rayClusterSpec", spec) if obj["kind"] in ("RayJob", "RayCluster") else {}
+        for group in [cluster.get("headGroupSpec")] + list(cluster.get("workerGroupSpecs", [])):
+            if group:
+                out.append(group["template"])
+    return out
+
+
+def test_the_guides_commands_name_rendered_objects():
+    releases = guide_releases()
+    assert set(releases) == {"islands", "islands-europe-west4"}, releases.keys()
+    everything = [o for renders in releases.values() for objs in renders for o in objs]
+    names = {(o["kind"], o["metadata"]["name"]) for o in everything}
+    secrets_used = {v["secret"]["secretName"] for t in _pod_templates(everything)
+                    for v in t["spec"].get("volumes", []) if "secret" in v}
+    checked = 0
+    for cmd in guide_commands():
+        if not cmd.startswith(("kubectl -n train", "HEAD=", "RC=", "CLUSTER=", "I=")):
+            continue
+        checked += 1
+        for kind, name in re.findall(r"\b(rayjob|raycluster|svc|job|secret)[ /](\$\{\w+\}[\w-]*|"
+                                     r"[a-z][\w-]*)", cmd):
+            if name in KUBERAY_MADE or kind == "secret" and name == "generic":
+                continue
+            if kind in ("rayjob", "job"):   # K8sJobMode's Job is named like its RayJob
+                assert ("RayJob", name) in names, cmd
+            elif kind == "svc":
+                assert ("Service", name) in names, cmd
+            elif kind == "raycluster":
+                raise AssertionError(f"a RayCluster by a rendered name in: {cmd}")
+        created = re.match(r"kubectl -n train create secret generic (\S+)", cmd)
+        if created and created.group(1) != "islands-ray-token-gitops":
+            assert created.group(1) in secrets_used, cmd
+        selector = re.search(r"-l (\S+)", cmd)
+        if selector:
+            wanted = dict(pair.split("=") for pair in selector.group(1).split(","))
+            pods = [t for t in _pod_templates(everything)
+                    if wanted.items() <= t["metadata"].get("labels", {}).items()]
+            assert pods, f"no rendered pod is selected by {selector.group(1)!r}: {cmd}"
+            container = re.search(r"-c (\S+)", cmd)
+            if container and container.group(1) != "ray-job-submitter":  # KubeRay's, in SidecarMode
+                assert any(c["name"] == container.group(1)
+                           for p in pods for c in p["spec"]["containers"]), cmd
+        exec_in = re.search(r"exec -it \$\{HEAD\} -c (\S+)", cmd)
+        if exec_in:
+            heads = [t for objs in releases["islands"] for t in _pod_templates(objs)[:1]]
+            assert all(any(c["name"] == exec_in.group(1) for c in h["spec"]["containers"])
+                       for h in heads), cmd
+    assert checked >= 12   # the parser still finds the guide's commands
+    # The GitOps token Secret of the guide is the one auth.existingSecret names.
+    job = only(objects({"auth": {"existingSecret": "islands-ray-token-gitops"}}), "RayJob")
+    assert job["spec"]["rayClusterSpec"]["authOptions"]["secretName"] == "islands-ray-token-gitops"

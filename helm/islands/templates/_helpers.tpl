@@ -258,10 +258,16 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 
 {{/* What every Ray pod of the release gets from `pod:` (service account, affinity, volumes). */}}
 {{- define "islands.podExtras" -}}
-{{- with .Values.pod.serviceAccountName }}
+{{- include "islands.podExtrasWith" (list . .Values.pod.affinity) }}
+{{- end -}}
+
+{{/* The same with the affinity given: (list $root $affinity); a region's own replaces pod.affinity. */}}
+{{- define "islands.podExtrasWith" -}}
+{{- $root := index . 0 }}
+{{- with $root.Values.pod.serviceAccountName }}
 serviceAccountName: {{ . }}
 {{- end }}
-{{- with .Values.pod.affinity }}
+{{- with index . 1 }}
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
@@ -481,7 +487,7 @@ workerGroupSpecs:
           {{- toYaml . | nindent 10 }}
         {{- end }}
       spec:
-        {{- include "islands.podExtras" $root | nindent 8 }}
+        {{- include "islands.podExtrasWith" (list $root ($region.affinity | default $root.Values.pod.affinity)) | nindent 8 }}
         securityContext:
           {{- toYaml $root.Values.podSecurityContext | nindent 10 }}
         {{- with $root.Values.imagePullSecrets }}
