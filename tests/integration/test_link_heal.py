@@ -3,20 +3,22 @@
 The same two clusters as ``test_link.py`` (its module fixture, a home and one remote region, each
 with one learner). Asserted: an agent actor killed mid-run is restarted by Ray in its own cluster
 and re-attaches to its running learner (the same process and incarnation, still merging); the
-home restarts nothing, its merged versions keep growing and its books balance. Then the home is
-killed without a word: the agent stops its learner and exits within
+home restarts nothing, its merged versions keep growing and its books balance. A pause at home
+holds across an agent restart; a learner that died while its agent was down is relaunched.
+Then the home is killed without a word: the agent stops its learner and exits within
 ``link.agent_home_timeout_s`` (20 s here), leaving no Ray daemon behind.
 """
 
 import json
 import os
 import signal
+import subprocess
 import time
 
 import pytest
 
-from test_link import (_home_events, _home_rows, _ray_processes_of, _wait_line,  # noqa: F401
-                       two_clusters)
+from test_link import (ISLANDS, _home_events, _home_rows, _ray_processes_of,  # noqa: F401
+                       _wait_line, two_clusters)
 from waiting import wait_for
 
 ray = pytest.importorskip("ray")
@@ -90,6 +92,58 @@ def test_a_killed_agent_comes_back_and_the_home_restarts_nothing(two_clusters):
                 if e["event"] in ("learner_restarted", "controller_restarted")]
 
 
+def _home_address(home) -> str:
+    """The home's Ray address, as the daemons of the cluster ``islands run`` started in its
+    own session were given it."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if os.getsid(int(pid)) != home.pid:
+                continue
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                args = f.read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        for arg in args:
+            if arg.startswith("--gcs-address="):
+                return arg.split("=", 1)[1]
+    raise AssertionError("no Ray daemon with a --gcs-address in the home's session")
+
+
+def _at_home(ctx, command: str) -> str:
+    """``islands pause`` or ``islands resume`` on the home's cluster."""
+    done = subprocess.run(ISLANDS + [command, "--address", _home_address(ctx["home"])],
+                          capture_output=True, text=True, env=ctx["env"], cwd=str(ctx["tmp"]),
+                          timeout=120)
+    assert done.returncode == 0, (done.stdout, done.stderr)
+    return done.stdout
+
+
+def test_the_homes_pause_holds_across_an_agent_restart(two_clusters):
+    """Paused at home, the agent restarts: its learner stays paused (the link passes the home's
+    pause on changes only, so the restarted agent takes it from the link), and resumes with
+    the home."""
+    ctx = two_clusters
+    link, agent = ctx["link"], ctx["agent"]
+    learner = ray.get_actor("islands:far:0", namespace="islands")
+    state = lambda: ray.get(learner.ping.remote(), timeout=30)["state"]  # noqa: E731
+    _at_home(ctx, "pause")
+    wait_for(lambda: state() == "paused", 60, "far:0 paused with its home", describe=state)
+    restarts = _agent_restarts(agent)
+    ray.kill(agent, no_restart=False)
+    back = wait_for(lambda: _restarted(agent, restarts + 1), 180, "the agent restarted")
+    assert back["learners_kept"] == ["far:0"], back
+    reason = ray.get(agent.status_table.remote(), timeout=30)["paused_reason"]
+    assert reason and reason.startswith("paused at home"), reason
+    assert state() == "paused"   # its first step held it before any call could reach it
+    t_resume = time.time()
+    _at_home(ctx, "resume")
+    wait_for(lambda: state() == "training", 60, "far:0 training again with its home",
+             describe=state)
+    status = lambda: ray.get(link.link_status.remote(), timeout=30)  # noqa: E731
+    wait_for(lambda: (status()["last_merged_s"] or 0) > t_resume, 120,
+             "a remote merge after the home resumed")
+
+
 def test_an_agent_restarted_after_its_learner_died_relaunches_it(two_clusters):
     """The learner dies while its agent is down: the restarted agent relaunches it (a new
     incarnation); the home mirrors that from the agent's reports and restarts nothing itself."""
@@ -144,6 +198,7 @@ def test_an_agent_whose_home_is_gone_stops_its_learner_and_exits(two_clusters):
     assert 20.0 - 2.0 <= said_s <= 20.0 + 5.0, f"{said_s:.1f}s"
     assert region.wait(timeout=180) == 0
     summary = json.loads((ctx["tmp"] / "far" / "summary.json").read_text())
-    assert summary["learners"]["far:0"]["state"] in ("retired", "stopped"), summary["learners"]
+    assert summary["learners"]["far:0"]["state"] == "retired", summary["learners"]
+    assert summary["books_balanced"], summary["fragment_tokens"]   # across its restarts
     wait_for(lambda: not _ray_processes_of(address) or None, 30,
              "the left agent's Ray daemons to exit", describe=lambda: _ray_processes_of(address))
