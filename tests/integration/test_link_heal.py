@@ -194,8 +194,9 @@ def test_an_agent_whose_home_is_gone_stops_its_learner_and_exits(two_clusters):
     said_s = time.time() - t_kill
     print(f"the agent left {said_s:.1f}s after its home was killed: {line.strip()}")
     assert "no answer from home for" in line and "agent_home_timeout_s = 20s" in line, line
-    # The last answer came up to a report period (1 s) before the kill.
-    assert 20.0 - 2.0 <= said_s <= 20.0 + 5.0, f"{said_s:.1f}s"
+    # Not before the timeout (the last answer came up to a report period, 1 s, before the
+    # kill); after it, as soon as the agent's next look at its link (0.25 s), on 2 loaded cores.
+    assert 20.0 - 2.0 <= said_s <= 20.0 + 10.0, f"{said_s:.1f}s"
     assert region.wait(timeout=180) == 0
     summary = json.loads((ctx["tmp"] / "far" / "summary.json").read_text())
     assert summary["learners"]["far:0"]["state"] == "retired", summary["learners"]
