@@ -185,6 +185,9 @@ def test_an_agent_whose_home_is_gone_stops_its_learner_and_exits(two_clusters):
     tells the agent its job ended, so it leaves on ``link.agent_home_timeout_s``."""
     ctx = two_clusters
     home, region = ctx["home"], ctx["region"]
+    # The home's books after every restart above, as it last wrote them: balanced.
+    last = _home_rows(ctx["tmp"] / "home")[-1]
+    assert last["tokens"]["balanced"] and _far(last)["state"] == "training", last["tokens"]
     address = ray.get_runtime_context().gcs_address
     ray.shutdown()   # this process leaves the region's cluster before that cluster ends
     t_kill = time.time()
