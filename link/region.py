@@ -153,6 +153,10 @@ def leave_reason(home_ended: Optional[str], since_ok_s: float,
     return None
 
 
+class AgentLost(RuntimeError):
+    """The region agent died and Ray no longer restarts it (its restarts are spent)."""
+
+
 class _Terminated(KeyboardInterrupt):
     """SIGTERM: left like Ctrl+C, through the same clean shutdown (a Kubernetes pod's stop)."""
 
@@ -170,6 +174,7 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
     Raises:
       LinkRefused: the home refused the region (a wrong token, not a remote region).
       ValueError: the job's config does not have this region as remote.
+      AgentLost: the agent died and Ray no longer restarts it; its learners were ended.
     """
     import ray
 
@@ -185,6 +190,7 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
     link = controller = None
     summary: dict = {}
     left: Optional[str] = None
+    lost: Optional[str] = None
     try:
         if started:  # the link's config says how many region resources to declare
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 2), namespace=NAMESPACE,
@@ -227,7 +233,12 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
             if left:
                 print(f"islands region: {left}: stopping the learners and leaving", flush=True)
                 break
-            events, index = ray.get(controller.events_since.remote(index))
+            try:  # waits while Ray restarts the agent; fails once Ray gave up on it
+                events, index = ray.get(controller.events_since.remote(index))
+            except ray.exceptions.RayActorError:
+                lost = "the region agent died and Ray no longer restarts it"
+                print(f"islands region: {lost}: stopping the learners and leaving", flush=True)
+                break
             for event in events:
                 if not quiet:
                     print(f"  region event {event['event']} "
@@ -242,7 +253,7 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
                 ray.get(link.close.remote(), timeout=10)
             except Exception:
                 pass
-        if controller is not None:
+        if controller is not None and not lost:
             try:
                 summary = ray.get(controller.shutdown.remote(), timeout=120)
                 summary["link"] = ray.get(link.link_status.remote(), timeout=10)
@@ -255,6 +266,8 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
             ray.shutdown()
         if previous_term is not None:
             signal.signal(signal.SIGTERM, previous_term)
+    if lost:   # its learners are ended (above): the caller exits with an error
+        raise AgentLost(lost)
     if left:
         summary["left"] = left
     return summary

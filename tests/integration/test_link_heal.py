@@ -4,8 +4,9 @@ The same two clusters as ``test_link.py`` (its module fixture, a home and one re
 with one learner). Asserted: an agent actor killed mid-run is restarted by Ray in its own cluster
 and re-attaches to its running learner (the same process and incarnation, still merging); the
 home restarts nothing, its merged versions keep growing and its books balance. A pause at home
-holds across an agent restart; a learner that died while its agent was down is relaunched.
-Then the home is killed without a word: the agent stops its learner and exits within
+holds across an agent restart; a learner that died while its agent was down is relaunched. An
+agent Ray no longer restarts fails its ``join`` (rc 1) after ending its learner. Then the home
+is killed without a word: a joined agent stops its learner and exits within
 ``link.agent_home_timeout_s`` (20 s here), leaving no Ray daemon behind.
 """
 
@@ -18,7 +19,7 @@ import time
 import pytest
 
 from test_link import (ISLANDS, _home_events, _home_rows, _ray_processes_of,  # noqa: F401
-                       _wait_line, two_clusters)
+                       _start_region, _stop, _wait_line, two_clusters)
 from waiting import wait_for
 
 ray = pytest.importorskip("ray")
@@ -178,6 +179,31 @@ def test_an_agent_restarted_after_its_learner_died_relaunches_it(two_clusters):
     # None of the home's own: no hang seen, no restart asked of the agent, never unreachable.
     assert not {"learner_unhealthy", "learner_restart_scheduled",
                 "learner_unreachable"} & set(kinds), kinds
+    # The agent's own books, across its two restarts and a relaunch: balanced.
+    books = ray.get(agent.summary.remote(), timeout=60)
+    assert books["books_balanced"], books["fragment_tokens"]
+
+
+def test_an_agent_ray_no_longer_restarts_ends_its_learner_and_the_join_fails(two_clusters):
+    """Ray gives up on an agent (its restarts spent; here ``ray.kill`` with no restart): the
+    ``join`` process ends its learner and exits 1, for whatever runs it to run it again (a
+    RayJob's ``backoffLimit``). Then a new agent joins, for the next test."""
+    ctx = two_clusters
+    region, home_dir = ctx["region"], ctx["tmp"] / "home"
+    address = ray.get_runtime_context().gcs_address
+    ray.kill(ctx["agent"], no_restart=True)
+    ray.shutdown()   # this process leaves the region's cluster before that cluster ends
+    line = _wait_line(region.lines, region, "stopping the learners and leaving", 60)
+    assert "the region agent died and Ray no longer restarts it" in line, line
+    assert region.wait(timeout=120) == 1
+    wait_for(lambda: not _ray_processes_of(address) or None, 30,
+             "the failed join's Ray daemons to exit", describe=lambda: _ray_processes_of(address))
+    seen = len(_home_events(home_dir))
+    ctx["region"], address = _start_region(ctx["join_args"], ctx["env"], ctx["tmp"])
+    ray.init(address=address, namespace="islands", log_to_driver=False)
+    wait_for(lambda: [e for e in _home_events(home_dir)[seen:] if e.get("learner") == "far:0"
+                      and e["event"] == "learner_restarted"], 180,
+             "far:0 taken back at home under the new agent")
 
 
 def test_an_agent_whose_home_is_gone_stops_its_learner_and_exits(two_clusters):
@@ -185,24 +211,27 @@ def test_an_agent_whose_home_is_gone_stops_its_learner_and_exits(two_clusters):
     tells the agent its job ended, so it leaves on ``link.agent_home_timeout_s``."""
     ctx = two_clusters
     home, region = ctx["home"], ctx["region"]
-    # The home's books after every restart above, as it last wrote them: balanced.
-    last = _home_rows(ctx["tmp"] / "home")[-1]
-    assert last["tokens"]["balanced"] and _far(last)["state"] == "training", last["tokens"]
-    address = ray.get_runtime_context().gcs_address
-    ray.shutdown()   # this process leaves the region's cluster before that cluster ends
-    t_kill = time.time()
-    os.killpg(home.pid, signal.SIGKILL)
-    home.wait(timeout=30)
-    line = _wait_line(region.lines, region, "stopping the learners and leaving", 20.0 + 30.0)
-    said_s = time.time() - t_kill
-    print(f"the agent left {said_s:.1f}s after its home was killed: {line.strip()}")
-    assert "no answer from home for" in line and "agent_home_timeout_s = 20s" in line, line
-    # Not before the timeout (the last answer came up to a report period, 1 s, before the
-    # kill); after it, as soon as the agent's next look at its link (0.25 s), on 2 loaded cores.
-    assert 20.0 - 2.0 <= said_s <= 20.0 + 10.0, f"{said_s:.1f}s"
-    assert region.wait(timeout=180) == 0
-    summary = json.loads((ctx["tmp"] / "far" / "summary.json").read_text())
-    assert summary["learners"]["far:0"]["state"] == "retired", summary["learners"]
-    assert summary["books_balanced"], summary["fragment_tokens"]   # across its restarts
-    wait_for(lambda: not _ray_processes_of(address) or None, 30,
-             "the left agent's Ray daemons to exit", describe=lambda: _ray_processes_of(address))
+    try:
+        # The home's books after every restart above, as it last wrote them: balanced.
+        last = _home_rows(ctx["tmp"] / "home")[-1]
+        assert last["tokens"]["balanced"] and _far(last)["state"] == "training", last["tokens"]
+        address = ray.get_runtime_context().gcs_address
+        ray.shutdown()   # this process leaves the region's cluster before that cluster ends
+        t_kill = time.time()
+        os.killpg(home.pid, signal.SIGKILL)
+        home.wait(timeout=30)
+        line = _wait_line(region.lines, region, "stopping the learners and leaving", 20.0 + 30.0)
+        said_s = time.time() - t_kill
+        print(f"the agent left {said_s:.1f}s after its home was killed: {line.strip()}")
+        assert "no answer from home for" in line and "agent_home_timeout_s = 20s" in line, line
+        # Not before the timeout (the last answer came up to a report period, 1 s, before the
+        # kill); after it, at the agent's next look at its link (0.25 s), on 2 loaded cores.
+        assert 20.0 - 2.0 <= said_s <= 20.0 + 10.0, f"{said_s:.1f}s"
+        assert region.wait(timeout=180) == 0
+        summary = json.loads((ctx["tmp"] / "far" / "summary.json").read_text())
+        assert summary["learners"]["far:0"]["state"] == "retired", summary["learners"]
+        assert summary["books_balanced"], summary["fragment_tokens"]
+        wait_for(lambda: not _ray_processes_of(address) or None, 30, "the left agent's Ray "
+                 "daemons to exit", describe=lambda: _ray_processes_of(address))
+    finally:
+        _stop(region)   # the fixture stops the agent it started, not this one
