@@ -294,9 +294,10 @@ class LinkClient:
 
     def home_state(self) -> dict:
         """What the agent decides to stay or leave on: whether the home said its job ended, and
-        seconds since the home last answered a call (or since this link started)."""
+        seconds since the home last answered a call (or since this link started); and the home's
+        pause as last passed on (a restarted agent starts from it)."""
         with self.lock:
-            return {"ended": self.home_ended,
+            return {"ended": self.home_ended, "paused": self.home_paused,
                     "since_ok_s": time.time() - (self.last_ok_s or self.started_s)}
 
     def link_status(self) -> dict:

@@ -55,22 +55,39 @@ class RegionController(Controller):
     """The region agent: the controller on the region's side of the link.
 
     Create with ``ray.remote(RegionController).options(**controller_options(run_dir))`` after
-    the ``LinkClient`` is up under ``islands:syncer``.
+    the ``LinkClient`` is up under ``islands:syncer``. Ray restarts it as it restarts the home's
+    controller: the base's recovery re-attaches the link (its one shard) and the learners still
+    running, and relaunches the ones gone; the home sees none of it but a short silence.
     """
 
     def __init__(self, config, run_dir: str, region: str, shard_base: int, num_shards: int):
-        super().__init__(config, run_dir)
-        self.region = region
+        # Set before the base's __init__, which recovers a restarted agent from them.
+        self.region, self.shard_base, self.num_shards = region, shard_base, num_shards
         self.last_cause: dict[str, str] = {}
         self.syncer = None   # the link client (the region's one syncer), once attached
-        self.fleet = fleet_lib.initial(dataclasses.replace(
-            self.fleet.settings, first_shard=shard_base, num_shards=num_shards))
+        super().__init__(config, run_dir)
+
+    def _fleet_settings(self) -> fleet_lib.FleetSettings:
+        return dataclasses.replace(super()._fleet_settings(), first_shard=self.shard_base,
+                                   num_shards=self.num_shards)
 
     def _start_syncer(self, epoch: int, restore: bool, syncer_shard: int = 0) -> None:
         # The link is the region's one syncer (a job with remote regions has one shard).
         ready = self.shards.attach(0, SYNCER_NAME, self.settings.placement_timeout_s)
         self.syncer = self.shards.handles[0]   # the link client, for the agent's own calls
         self.emit("link_ready", region=self.region, epoch=ready["epoch"])
+
+    def _recover(self) -> None:
+        super()._recover()
+        self.syncer = self.shards.handles[0]
+
+    def _recovery_observations(self) -> list:
+        """The home's pause as the link last heard it: the link tells changes only, and the
+        rebuilt fleet must hold (or resume) its learners as before the restart."""
+        import ray
+
+        state = ray.get(self.shards.handles[0].home_state.remote(), timeout=30)
+        return [fleet_lib.HomePause(state.get("paused"))]
 
     def evaluate_now(self) -> Optional[float]:
         """The home evaluates the global parameters; the region fetches nothing for it."""
@@ -136,6 +153,10 @@ def leave_reason(home_ended: Optional[str], since_ok_s: float,
     return None
 
 
+class AgentLost(RuntimeError):
+    """The region agent died and Ray no longer restarts it (its restarts are spent)."""
+
+
 class _Terminated(KeyboardInterrupt):
     """SIGTERM: left like Ctrl+C, through the same clean shutdown (a Kubernetes pod's stop)."""
 
@@ -153,6 +174,7 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
     Raises:
       LinkRefused: the home refused the region (a wrong token, not a remote region).
       ValueError: the job's config does not have this region as remote.
+      AgentLost: the agent died and Ray no longer restarts it; its learners were ended.
     """
     import ray
 
@@ -168,6 +190,7 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
     link = controller = None
     summary: dict = {}
     left: Optional[str] = None
+    lost: Optional[str] = None
     try:
         if started:  # the link's config says how many region resources to declare
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 2), namespace=NAMESPACE,
@@ -190,9 +213,11 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
         run_dir = os.path.abspath(run_dir or os.path.join(
             "runs", f"{config.name}-{settings.region}"))
         os.makedirs(run_dir, exist_ok=True)
-        controller = ray.remote(RegionController).options(
-            **{**controller_options(run_dir), "max_restarts": 0, "max_task_retries": 0}).remote(
-                config, run_dir, settings.region, joined["shard_base"], joined["num_shards"])
+        # A state file of an earlier join is not this agent's to recover from (Ray restarts
+        # it from the one it saves).
+        _remove(os.path.join(run_dir, "controller_state.json"))
+        controller = ray.remote(RegionController).options(**controller_options(run_dir)).remote(
+            config, run_dir, settings.region, joined["shard_base"], joined["num_shards"])
         ray.get(controller.start.remote())
         # Printed once the agent is up: tools that wait for this line can look it up at once.
         if not quiet:
@@ -208,7 +233,12 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
             if left:
                 print(f"islands region: {left}: stopping the learners and leaving", flush=True)
                 break
-            events, index = ray.get(controller.events_since.remote(index))
+            try:  # waits while Ray restarts the agent; fails once Ray gave up on it
+                events, index = ray.get(controller.events_since.remote(index))
+            except ray.exceptions.RayActorError:
+                lost = "the region agent died and Ray no longer restarts it"
+                print(f"islands region: {lost}: stopping the learners and leaving", flush=True)
+                break
             for event in events:
                 if not quiet:
                     print(f"  region event {event['event']} "
@@ -223,7 +253,7 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
                 ray.get(link.close.remote(), timeout=10)
             except Exception:
                 pass
-        if controller is not None:
+        if controller is not None and not lost:
             try:
                 summary = ray.get(controller.shutdown.remote(), timeout=120)
                 summary["link"] = ray.get(link.link_status.remote(), timeout=10)
@@ -236,9 +266,18 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
             ray.shutdown()
         if previous_term is not None:
             signal.signal(signal.SIGTERM, previous_term)
+    if lost:   # its learners are ended (above): the caller exits with an error
+        raise AgentLost(lost)
     if left:
         summary["left"] = left
     return summary
+
+
+def _remove(path: str) -> None:
+    try:
+        os.remove(path)
+    except FileNotFoundError:
+        pass
 
 
 def _kill_region_actors() -> None:

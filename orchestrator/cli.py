@@ -363,7 +363,7 @@ def _region_join(args) -> int:
     # Before gRPC starts: its own handshake logs would bury the one line that names the cause.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     from islands.link.client import ClientSettings, LinkRefused
-    from islands.link.region import join
+    from islands.link.region import AgentLost, join
     from islands.link.security import read_token
 
     try:
@@ -395,6 +395,9 @@ def _region_join(args) -> int:
     except ValueError as exc:
         print(f"islands region: {exc}", file=sys.stderr)
         return 2
+    except AgentLost as exc:   # a failure for whatever restarts this command (a RayJob's retry)
+        print(f"islands region: {exc}", file=sys.stderr)
+        return 1
     print(json.dumps({k: summary.get(k) for k in ("tokens_applied", "learner_restarts",
                                                    "link")}, default=str))
     return 0

@@ -76,7 +76,7 @@ class Controller:
         from . import build
 
         self.config, self.run_dir, self.resume = config, run_dir, resume
-        self.fleet = fleet_lib.initial(build.fleet_settings(config))
+        self.fleet = fleet_lib.initial(self._fleet_settings())
         self.books = Books(config.syncer.fragments)
         self.inbox: "queue.Queue[tuple[Any, Optional[Future]]]" = queue.Queue()
         self.running: dict[str, Incarnation] = {}
@@ -114,6 +114,11 @@ class Controller:
         self.state_path = os.path.join(run_dir, "controller_state.json")
         if restarted_actor():
             self._recover()
+
+    def _fleet_settings(self) -> fleet_lib.FleetSettings:
+        from . import build
+
+        return build.fleet_settings(self.config)
 
     # -- events ---------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
@@ -281,7 +286,7 @@ class Controller:
         self._refresh_syncer_status()
         ledger = self.syncer_status.get("ledger", {})
         now = time.time()
-        slots = []
+        slots, paused = [], []
         for row in saved["slots"]:
             slot = fleet_lib.Slot(
                 learner=row["learner"], region=row["region"], index=row["index"],
@@ -304,6 +309,8 @@ class Controller:
                                  "starting": fleet_lib.SlotState.STARTING}[info["state"]]
                 if slot.state == fleet_lib.SlotState.DRAINING:
                     running_state = fleet_lib.SlotState.DRAINING
+                if info["state"] == "paused":
+                    paused.append(slot.learner)
                 slots.append(dataclasses.replace(
                     slot, state=running_state, incarnation=info["incarnation"],
                     start_step=info["start_step"], launched_s=now, last_beat_s=now))
@@ -322,14 +329,24 @@ class Controller:
         # Spares waiting for promotion are not worth a recovery: end them; the fleet starts
         # new ones once nobody is starting.
         self.groups.end_stray_spares({x.actor for x in slots if x.actor})
-        for target in (self._owner_loop, self._eval_loop):
-            thread = threading.Thread(target=target, daemon=True, name=target.__name__)
-            thread.start()
-            self.threads.append(thread)
         self.emit("controller_restarted", restarts=self.restarts,
                   learners_kept=sorted(self.running),
                   relaunched=sorted(s.learner for s in slots
                                     if s.state == fleet_lib.SlotState.RESTARTING))
+        # The rebuilt fleet is not paused: its first step pauses the learners again if a reason
+        # still holds; else those found paused resume (nothing else would ever resume them).
+        self._step(self._recovery_observations())
+        if self.fleet.paused_reason is None:
+            for learner in paused:
+                self.groups.call(learner, "pause", False)
+        for target in (self._owner_loop, self._eval_loop):
+            thread = threading.Thread(target=target, daemon=True, name=target.__name__)
+            thread.start()
+            self.threads.append(thread)
+
+    def _recovery_observations(self) -> list:
+        """What a restarted controller's first step hears besides its rebuilt fleet."""
+        return []
 
     # -- the owner thread -----------------------------------------------------------------------
     def _owner_loop(self) -> None:
