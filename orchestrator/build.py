@@ -226,7 +226,16 @@ def syncer_options(config, run_dir: str) -> dict:
                 checkpoint_dir=snapshot_directory(config.syncer.checkpoint_dir, run_dir,
                                                   config.name),
                 snapshot_every_merges=config.syncer.snapshot_every_merges,
+                snapshot_min_interval_s=snapshot_min_interval_s(config.syncer),
                 journal=config.syncer.journal)
+
+
+def snapshot_min_interval_s(syncer) -> float:
+    """``syncer.snapshot_min_interval_s``, or its default: 30 s with the merge journal (which
+    already makes every merge durable), none without it (snapshots are all a restart has)."""
+    if syncer.snapshot_min_interval_s is not None:
+        return float(syncer.snapshot_min_interval_s)
+    return 30.0 if syncer.journal else 0.0
 
 
 def syncer_spec(config, template, run_dir: str, is_embedding=None) -> SyncerSpec:

@@ -150,6 +150,7 @@ class SyncerSection(_Section):
     merge_rule: Literal["rda", "mean"] = "rda"
     participation_scale: bool = True
     snapshot_every_merges: int = Field(10, ge=1)
+    snapshot_min_interval_s: Optional[float] = Field(None, ge=0)
     journal: bool = True
     checkpoint_dir: Optional[str] = None
     downlink_full_after_versions: Optional[int] = Field(8, ge=0)

@@ -153,8 +153,16 @@ FIELD_NOTES: dict[str, str] = {
                                   "merge, M registered learners), so that with K < M one round "
                                   "of every learner adds up to one synchronous-sized outer step.",
     "syncer.snapshot_every_merges": "Snapshot the syncer (Θ, outer state, versions, epoch, "
-                                    "ledger) whenever its total merge count is a multiple of "
-                                    "this.",
+                                    "ledger) once this many merges were made since the last "
+                                    "snapshot (and `syncer.snapshot_min_interval_s` has passed).",
+    "syncer.snapshot_min_interval_s": "Seconds at least between two snapshots. A snapshot writes "
+                                      "every fragment on the syncer's loop, which then merges "
+                                      "nothing: at a merge every few seconds (a real model), one "
+                                      "every 10 merges took a measurable share of the learners' "
+                                      "time. Default: 30 with `syncer.journal` on (a restart "
+                                      "loses no merge either way: the journal holds each "
+                                      "fragment's newest state), 0 with it off (the snapshot is "
+                                      "then all a restart has).",
     "syncer.journal": "Write each merged fragment (with its outer state and the ledger) to the "
                       "snapshot directory before the merge is answered, so a restarted syncer "
                       "loses no merged version between snapshots (one file per fragment, "

@@ -19,6 +19,7 @@ from typing import Any, Optional
 from . import downlink as downlink_lib
 from . import shards as shards_lib
 from .core import SyncerCore, SyncerSettings
+from .state import snapshot_due
 from .shards import SYNCER_NAME  # noqa: F401  (shard 0's name; shards.syncer_shard_name)
 from .validate import Push
 
@@ -71,6 +72,7 @@ class SyncerSpec:
     embedding_paths: Optional[tuple] = None   # the task's embedding tensors (else the prefix)
     checkpoint_dir: Optional[str] = None
     snapshot_every_merges: int = 10
+    snapshot_min_interval_s: float = 0.0   # and at least this long since the last snapshot
     # Write each merged fragment before answering its merge (syncer/state.py FragmentJournal), so
     # a restart loses no merged version.
     journal: bool = True
@@ -128,6 +130,8 @@ class Syncer:
                     self.journaled = [self._global(p) for p in self.journal.replay(
                         self.core, self.restored_from or 0)]
         self.started_s = time.time()
+        # The last snapshot (or the restored state): merges then, and when.
+        self.snapshot_merges, self.snapshot_s = sum(self.core.versions), time.monotonic()
         self.waiters: dict[int, dict[str, asyncio.Future]] = collections.defaultdict(dict)
         self.slowest_step_s = 1.0
         self.sync_s = 0.0        # EMA of merge + outer step time (ξ_sync)
@@ -205,8 +209,12 @@ class Syncer:
                                   "learners": list(result.learners), "reason": reason})
         # Computed now: the shadows each update leaves are recorded as this merge left them.
         updates = self.core.updates(result)
-        if self.store and sum(self.core.versions) % self.spec.snapshot_every_merges == 0:
+        if self.store and snapshot_due(sum(self.core.versions) - self.snapshot_merges,
+                                       time.monotonic() - self.snapshot_s,
+                                       self.spec.snapshot_every_merges,
+                                       self.spec.snapshot_min_interval_s):
             self.store.save(self.core)
+            self.snapshot_merges, self.snapshot_s = sum(self.core.versions), time.monotonic()
         if self.journal_writer is None:
             self._answer(p, g, result, updates)
             return

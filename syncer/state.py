@@ -198,6 +198,20 @@ def _ledger_json(core: SyncerCore) -> dict:
     return {name: dataclasses.asdict(entry) for name, entry in core.ledger.items()}
 
 
+def snapshot_due(merges_since: int, seconds_since: float, every_merges: int,
+                 min_interval_s: float) -> bool:
+    """Whether the syncer snapshots now: ``every_merges`` merges made since the last snapshot and
+    at least ``min_interval_s`` seconds gone by (a snapshot blocks the syncer's loop for as long
+    as it writes every fragment).
+
+    >>> snapshot_due(10, 0.0, 10, 0.0), snapshot_due(9, 99.0, 10, 0.0)
+    (True, False)
+    >>> snapshot_due(10, 29.9, 10, 30.0), snapshot_due(57, 30.0, 10, 30.0)
+    (False, True)
+    """
+    return merges_since >= every_merges and seconds_since >= min_interval_s
+
+
 class FragmentJournal:
     """Each fragment's newest merged state (Θ_p, its outer optimizer state, its version), plus the
     epoch and the ledger, written before the merge is answered.

@@ -25,7 +25,8 @@ TINY = {
     "data": {"max_bytes": 300_000, "batch_size": 4, "eval_batches": 2},
     "learner": {"min_step_time_s": 0.05, "eval_every_s": 5.0},
     "syncer": {"fragments": 2, "sync_every_steps": 4, "overlap_steps": 1,
-               "snapshot_every_merges": 1},
+               "snapshot_every_merges": 1,
+               "snapshot_min_interval_s": 0},
     "quorum": {"min_learners": 1, "grace_cap_s": 0.5},
     "compression": {"type": "int8"},
     # The syncer answers with int2 codes of the difference to each learner's copy (every test

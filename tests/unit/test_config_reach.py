@@ -43,6 +43,7 @@ CHANGES = {
     "learner.sharding": "fsdp",
     "syncer.merge_rule": "mean",
     "syncer.max_staleness": 3,
+    "syncer.snapshot_min_interval_s": 5.0,
     "syncer.checkpoint_dir": "/somewhere/checkpoints",
     "syncer.outer_optimizer.type": None,   # changes with the variant: covered by ALTERNATIVES
     "syncer.outer_optimizer.lr": 0.5,      # unset (by the rule) in the Nesterov default

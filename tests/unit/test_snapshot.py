@@ -249,3 +249,17 @@ def test_the_journal_is_written_off_the_loop_and_the_merge_answered_once_durable
 def build_one():
     return SyncerCore([{"w": np.ones(4, np.float32)}], SyncerSettings(outlier_norm_factor=None),
                       outer.build("nesterov"), decode)
+
+
+def test_the_snapshot_interval_defaults_follow_the_journal():
+    from islands.orchestrator.build import snapshot_min_interval_s
+    from islands.orchestrator.config import parse
+
+    def syncer(**kw):
+        return parse({"name": "j", "regions": {"a": {"learners": 1}}, "syncer": kw}).syncer
+
+    assert snapshot_min_interval_s(syncer()) == 30.0                  # the journal holds merges
+    assert snapshot_min_interval_s(syncer(journal=False)) == 0.0      # snapshots are all there is
+    assert snapshot_min_interval_s(syncer(snapshot_min_interval_s=5)) == 5.0
+    with pytest.raises(Exception, match="snapshot_min_interval_s"):
+        syncer(snapshot_min_interval_s=-1)
