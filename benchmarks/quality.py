@@ -52,12 +52,13 @@ REGIONS = ("us-east", "eu-west")
 FRAGMENTS, SYNC_EVERY = 12, 24
 
 
-def user_defaults(num_learners: int) -> dict:
-    """run_ours settings from the JobConfig defaults for this benchmark's H and M."""
+def user_defaults(num_learners: int, sync_every: int = SYNC_EVERY) -> dict:
+    """run_ours settings from the JobConfig defaults for this benchmark's H (or ``sync_every``)
+    and M."""
     config = JobConfig.model_validate({
         "name": "quality", "regions": {r: {"learners": num_learners // len(REGIONS)}
                                        for r in REGIONS},
-        "syncer": {"fragments": FRAGMENTS, "sync_every_steps": SYNC_EVERY}})
+        "syncer": {"fragments": FRAGMENTS, "sync_every_steps": sync_every}})
     options = build.syncer_options(config, "/tmp/unused")
     kind, kwargs = options["outer_kind"], dict(options["outer_kwargs"])
     return dict(outer_kind=kind, outer_kwargs=kwargs,

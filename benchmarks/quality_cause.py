@@ -11,7 +11,14 @@ only one of those:
 * ``inner lr ÷ 2``: the product with the inner AdamW's peak learning rate halved (its schedule's
   shape unchanged).
 
-    python benchmarks/quality_cause.py --steps 1000        # 3 seeds
+Neither of those closed the gap, so two more change what the first run pointed at instead:
+
+* ``H = 12``: every fragment merged twice as often (H = 12 instead of 24; the 12 fragments then
+  go out one per step), so the learners drift apart for half as long;
+* ``inner lr × 2``: the inner AdamW's peak learning rate doubled.
+
+    python benchmarks/quality_cause.py --steps 1000        # 3 seeds, every variant
+    python benchmarks/quality_cause.py --steps 1000 --variants product h12 lr_double
 
 Prints a table, then one JSON object as the last line; writes quality_cause.png and .json.
 """
@@ -31,19 +38,30 @@ def main() -> None:
     p = C.parser(__doc__)
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--seeds", type=int, default=3)
+    p.add_argument("--variants", nargs="+", default=None,
+                   help="which product runs (default: all): product batch32 lr_half h12 lr_double")
     args = p.parse_args()
     watch = C.Stopwatch()
     steps = args.steps or (240 if args.quick else 1000)
     ids = [f"{r}:{i}" for r in REGIONS for i in range(2)]
     m = len(ids)
-    product = {**user_defaults(m), "codec": "int4", "downlink": "int4", "min_learners": 1,
-               "overlap_steps": 2}
+    def product(sync_every: int) -> dict:   # the job defaults a user gets at this H
+        return {**user_defaults(m, sync_every), "codec": "int4", "downlink": "int4",
+                "min_learners": 1, "overlap_steps": 2}
+
     every = max(steps // 10, 1)
-    variants = {  # key -> (label, batch, steps, lr)
-        "product": ("product (batch 8)", 8, steps, LR),
-        "batch32": ("product, local batch 32 (¼ of the steps)", 32, steps // 4, LR),
-        "lr_half": ("product, inner lr ÷ 2", 8, steps, LR / 2),
+    variants = {  # key -> (label, batch, steps, lr, H)
+        "product": ("product (batch 8)", 8, steps, LR, SYNC_EVERY),
+        "batch32": ("product, local batch 32 (¼ of the steps)", 32, steps // 4, LR, SYNC_EVERY),
+        "lr_half": ("product, inner lr ÷ 2", 8, steps, LR / 2, SYNC_EVERY),
+        "h12": ("product, H = 12 (2× the merges)", 8, steps, LR, SYNC_EVERY // 2),
+        "lr_double": ("product, inner lr × 2", 8, steps, 2 * LR, SYNC_EVERY),
     }
+    unknown = set(args.variants or ()) - set(variants)
+    if unknown:
+        p.error(f"unknown --variants {sorted(unknown)}; choose from {sorted(variants)}")
+    if args.variants:
+        variants = {k: v for k, v in variants.items() if k in args.variants}
     results: dict[str, dict[int, float]] = {}
     for seed in range(args.seed, args.seed + args.seeds):
         fleet = inprocess.Fleet([1.0] * m, step_time_s=1.0, latency_s=0.05,
@@ -54,12 +72,12 @@ def main() -> None:
                       checkpoint_every_steps=10 ** 9)
         results.setdefault("dp", {})[seed] = dp.evals[-1][2]
         print(f"seed {seed}: data-parallel {dp.evals[-1][2]:.4f} ({watch()} s)", flush=True)
-        for key, (label, batch, n, lr) in variants.items():
+        for key, (label, batch, n, lr, sync_every) in variants.items():
             mine = C.make_setup(model_kwargs={}, num_learners=m, batch_size=batch,
                                 total_steps=n, lr=lr, seed=seed)
             rec = C.run_ours(mine, learner_ids=ids, fleet=fleet, num_fragments=FRAGMENTS,
-                             sync_every_steps=SYNC_EVERY, eval_every_steps=max(n // 10, 1),
-                             steps=n, **product)
+                             sync_every_steps=sync_every, eval_every_steps=max(n // 10, 1),
+                             steps=n, **product(sync_every))
             results.setdefault(key, {})[seed] = rec.evals[-1][2]
             print(f"seed {seed}: {label} {rec.evals[-1][2]:.4f} ({watch()} s)", flush=True)
     rows = []
