@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Optional
 
 
 # Seconds a CLI command may spend reaching the cluster: a TCP probe of the address, then
@@ -23,6 +24,29 @@ def _resolve_auto() -> str:
         return get_ray_address_from_environment("auto", None) or "auto"
     except Exception:
         return "auto"
+
+
+def _address_argument(argv: list) -> Optional[str]:
+    """The value of ``--address`` in ``argv`` (``--address X`` or ``--address=X``), or None."""
+    for i, arg in enumerate(argv):
+        if arg == "--address" and i + 1 < len(argv):
+            return argv[i + 1]
+        if arg.startswith("--address="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def _on_loopback(address: Optional[str]) -> bool:
+    """Whether ``address`` (None: the embedded cluster) is a cluster on this machine's loopback.
+
+    >>> [_on_loopback(a) for a in (None, "127.0.0.1:6379", "localhost:1", "10.0.0.2:6379",
+    ...                            "auto", "ray://127.0.0.1:10001")]
+    [True, True, True, False, False, True]
+    """
+    if address is None:
+        return True
+    host = address.split("://", 1)[-1].rsplit(":", 1)[0].strip("[]")
+    return host in ("localhost", "::1") or host.startswith("127.")
 
 
 def _connect(address):
@@ -257,11 +281,13 @@ def main(argv=None) -> int:
     check.add_argument("file")
 
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--address" not in argv and not os.environ.get("RAY_ADDRESS"):
-        # The embedded cluster is this machine's alone: it binds loopback, and a client of it
-        # must not "resolve" 127.0.0.1 to the network address (Ray reads this when imported).
+    if _on_loopback(_address_argument(argv) or os.environ.get("RAY_ADDRESS")):
+        # A cluster on this machine's loopback: the embedded one, or a region cluster that
+        # `islands region join` started (it prints its 127.0.0.1 address). A client of it must
+        # not "resolve" 127.0.0.1 to the network address (Ray reads this when imported)...
         os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-        # Local clusters use token auth (Ray >= 2.59); a client sends the token only in that mode.
+        # ...and such clusters use token auth (Ray >= 2.59); a client sends the token only in
+        # that mode.
         if os.path.exists(os.path.join(os.path.expanduser("~"), ".ray", "auth_token")):
             os.environ.setdefault("RAY_AUTH_MODE", "token")
     if argv[:1] == ["simulate"]:  # its own options (--quick, --chips, ...) pass through as they are

@@ -140,6 +140,7 @@ def two_clusters(tmp_path_factory):
 
         ray.init(address=address, namespace="islands", log_to_driver=False)
         yield {"port": port, "pki": pki, "tmp": tmp, "home": home, "region": region,
+               "address": address,
                "join_args": join_args, "env": env, "token_file": token_file,
                "home_lines": home_lines,
                "link": ray.get_actor("islands:syncer", namespace="islands"),
@@ -316,6 +317,30 @@ def test_link_errors_are_named_in_one_line_before_a_region_cluster_starts(two_cl
     new = [e for e in _home_events(tmp / "home")[seen:] if e.get("learner")]
     assert all(e["learner"] in ("home:0", "far:0") for e in new), new
     assert not [e for e in new if e["event"] in ("learner_restarted", "learner_launched")], new
+
+
+def test_the_cli_operates_the_region_cluster_at_the_address_join_printed(two_clusters):
+    """An operator's shell on the region's machine (none of the suite's Ray settings) reaches
+    the region cluster with the 127.0.0.1 address `islands region join` printed."""
+    from waiting import wait_for
+
+    env = {k: v for k, v in two_clusters["env"].items()
+           if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_AUTH_MODE", "RAY_ADDRESS")}
+    address = two_clusters["address"]
+
+    def islands(*args):
+        done = subprocess.run(ISLANDS + list(args) + ["--address", address], env=env,
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        return done.stdout
+
+    table = json.loads(islands("status", "--json"))
+    assert list(table["learners"]) == ["far:0"]   # the region cluster's own learners
+    assert "slowed far:0 x2.0" in islands("chaos", "slowdown", "far:0", "--factor", "2",
+                                          "--duration", "1")
+    wait_for(lambda: [e for e in _events(two_clusters["agent"])
+                      if e["event"] == "chaos" and e.get("target") == "far:0"], 60,
+             "the region agent's chaos event for far:0")
 
 
 def test_a_killed_agents_learner_is_failed_at_home_within_the_hang_timeout(two_clusters):
