@@ -229,9 +229,11 @@ class LinkClient:
 
         push = _numpy_push(push, codec_lib)
         self.counts["pushes"] += 1
-        if self.premerger is not None:
-            return self.premerger.push(push)
-        return self._send_push(push)
+        reply = (self.premerger.push(push) if self.premerger is not None
+                 else self._send_push(push))
+        if reply.status == "merged":   # the tokens a merge applied (WAN bytes per merged token)
+            self.counts["merged_tokens"] += push.c_tokens
+        return reply
 
     def _send_push(self, push):
         """One push over the WAN (a learner's, or its region's pre-merged one)."""

@@ -67,14 +67,36 @@ def premerged_drift(drifts: Sequence[Mapping[str, np.ndarray]], weights: Sequenc
     return out
 
 
-def group_key(push) -> tuple:
-    """Pushes pre-merge together when they are of one fragment, epoch and base (their outer
-    gradients share Θ − base, so their mean is the mean of their drifts)."""
-    return (push.fragment, push.epoch, push.base_version, push.base_shadow)
+def round_key(push) -> tuple:
+    """A region's round: one fragment of one syncer epoch. It closes when every live learner of
+    the region pushed it (whatever its base), or at the window."""
+    return (push.fragment, push.epoch)
+
+
+def base_key(push) -> tuple:
+    """Pushes of a round pre-merge together when they share a base: their outer gradients share
+    Θ − base, so their mean is the mean of their drifts. A round whose learners hold different
+    bases leaves as one push per base, together (they then merge together and adopt one version,
+    so their next round shares a base again)."""
+    return (push.base_version, push.base_shadow)
+
+
+def by_base(pushes: Sequence) -> list[list]:
+    """``pushes`` split by ``base_key``, in order of first appearance.
+
+    >>> from types import SimpleNamespace as P
+    >>> [[p.learner for p in part] for part in by_base([P(learner="a", base_version=3, base_shadow=0),
+    ...     P(learner="b", base_version=4, base_shadow=0), P(learner="c", base_version=3, base_shadow=0)])]
+    [['a', 'c'], ['b']]
+    """
+    parts: dict[tuple, list] = {}
+    for p in pushes:
+        parts.setdefault(base_key(p), []).append(p)
+    return list(parts.values())
 
 
 def group_push(region: str, pushes: Sequence, codes: Mapping, wire_bytes: int):
-    """The one push that carries ``pushes`` (same ``group_key``): the members keep everything
+    """The one push that carries ``pushes`` (same ``base_key``): the members keep everything
     but their codes; the counters are the members' sums (for the link's and the home's byte and
     token counts; the home weighs each member by its own)."""
     first = pushes[0]
@@ -143,7 +165,7 @@ class PreMerger:
         self.live: dict[str, int] = {}        # the region's registered learners: incarnation
         self.open: dict[tuple, _Group] = {}
         self.counts = {"groups": 0, "grouped_pushes": 0, "alone": 0, "fallbacks": 0,
-                       "window_closes": 0}
+                       "window_closes": 0, "split_rounds": 0}
 
     # -- membership (the link's register and forget) --------------------------------------------
     def registered(self, learner: str, incarnation: int) -> None:
@@ -167,7 +189,7 @@ class PreMerger:
         if push.base_shadow != 0 or push.members:
             return self.send(push)   # an encoded-downlink base cannot be averaged (refused)
         with self.cond:
-            key = group_key(push)
+            key = round_key(push)
             group = self.open.get(key)
             if group is None or push.learner in group.pushes:
                 group = self.open[key] = _Group(key, self.clock())
@@ -186,7 +208,10 @@ class PreMerger:
                     break   # this thread sends the round
                 left = group.opened_s + self.window_s - self.clock()
                 self.cond.wait(None if group.closed else max(left, 1e-3))
-        replies = self._send_group(list(group.pushes.values()))
+        try:
+            replies = self._send_group(list(group.pushes.values()))
+        except Exception as exc:   # never leave the round's other learners waiting
+            replies = {name: _not_sent(p, exc) for name, p in group.pushes.items()}
         with self.cond:
             group.replies = replies
             self.cond.notify_all()
@@ -196,6 +221,13 @@ class PreMerger:
         return set(self.live) <= set(group.pushes)
 
     def _send_group(self, pushes: list) -> dict:
+        parts = by_base(pushes)
+        if len(parts) == 1:
+            return self._send_part(parts[0])
+        self.counts["split_rounds"] += 1
+        return _in_parallel(self._send_part, parts)
+
+    def _send_part(self, pushes: list) -> dict:
         if len(pushes) == 1:
             self.counts["alone"] += 1
             return {pushes[0].learner: self.send(pushes[0])}
@@ -210,21 +242,43 @@ class PreMerger:
             # Refused as a whole before it entered a round (one member's identity, round or
             # base, or the mean's norm): each member goes alone and gets its own verdict.
             self.counts["fallbacks"] += 1
-            return self._send_each(pushes)
+            return _in_parallel(lambda p: {p.learner: self.send(p)}, pushes)
         if reply.status == "merged":
             self.encoder.merged(fragment, left)
         return {p.learner: reply for p in pushes}
 
-    def _send_each(self, pushes: list) -> dict:
-        replies: dict = {}
-        threads = [threading.Thread(target=lambda p=p: replies.__setitem__(p.learner,
-                                                                          self.send(p)))
-                   for p in pushes]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        return replies
+
+
+def _in_parallel(fn: Callable[..., dict], items: Sequence) -> dict:
+    """``fn(item)`` for each item on its own thread (each waits for its merge); the union of
+    their {learner: Reply}."""
+    out: dict = {}
+    lock = threading.Lock()
+
+    def run(item):
+        try:
+            got = fn(item)
+        except Exception as exc:
+            got = {p.learner: _not_sent(p, exc)
+                   for p in (item if isinstance(item, list) else [item])}
+        with lock:
+            out.update(got)
+
+    threads = [threading.Thread(target=run, args=(item,), daemon=True) for item in items]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def _not_sent(push, exc):
+    """The answer to a push whose round could not be sent: as a link that is down (the learner
+    keeps its drift and pushes it again)."""
+    from islands.syncer.actor import Reply
+
+    return Reply("rejected", push.fragment, push.epoch, reason="syncer_down",
+                 detail=f"the region's pre-merge failed: {exc!r}"[:300])
 
 
 # Refusals of a pre-merged push that are every member's: it entered the round and its merge was

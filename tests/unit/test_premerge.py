@@ -267,3 +267,16 @@ def test_a_refused_group_falls_back_to_each_learner_alone():
     assert replies["far:0"].reason == "unknown_learner"
     assert replies["far:1"].status.value == "merged"
     assert home.core.ledger["far:1"].merged_tokens_total == 96
+
+
+def test_a_round_whose_learners_hold_different_bases_leaves_as_one_push_per_base():
+    home = _Home()
+    merger = _merger(home, learners=("far:0", "far:1", "far:2"))
+    home.send(_push("far:2", 9, 32, 1))   # version 1 merged: far:2 now holds it
+    home.sent.clear()
+    older = [_push("far:0", 1, 64, 2), _push("far:1", 2, 96, 3)]               # base 0
+    newer = dataclasses.replace(_push("far:2", 3, 32, 1), base_version=1)       # base 1
+    replies = _push_all(merger, older + [newer])
+    assert sorted(len(p.members) for p in home.sent) == [0, 2]    # a pair from 0, one alone
+    assert merger.counts["split_rounds"] == 1 and merger.counts["window_closes"] == 0
+    assert {r.status.value for r in replies.values()} == {"merged"}
