@@ -6,7 +6,8 @@ with error feedback, P = 2, H = 8, τ = 2) and push through a real ``LinkClient`
 stand-in for the syncer, with its ``PreMerger`` when pre-merge is on) over a real link server
 (gRPC, chunked streams, the byte-counting relay) to a home backed by a real ``SyncerCore``
 (weighted mean, K = L: a round merges when every live learner is in, or 2 s after its first
-push). Reports are off (the link's periodic heartbeats are not pushes), so the bytes are the push
+push). Steps are padded to 50 ms (``learner.min_step_time_s``) so the threads keep one pace.
+Reports are off (the link's periodic heartbeats are not pushes), so the bytes are the push
 path's: the learners' pushes up and the merged fragments down, counted on the relay's socket.
 "Round latency" is a push's call until its reply, median; pre-merge adds the wait for the
 region's other learners (the flat round waits for them at home instead) and the region's decode,
@@ -31,6 +32,7 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 ROUND_TIMEOUT_S = 2.0
+STEP_S = 0.05   # each learner's inner step, padded (learner.min_step_time_s)
 
 
 class _CoreHome:
@@ -163,6 +165,12 @@ def _run(learners: int, premerge: bool, steps: int, seed: int) -> dict:
                 loop.adopt()
                 t0 = time.perf_counter()
                 float(loop.train(loop.batch()))
+                # Padded to STEP_S, as learner.min_step_time_s does: the threads share one
+                # interpreter, and unpaced one would run ahead of the others (real learners of
+                # one region run at one speed).
+                pad = STEP_S - (time.perf_counter() - t0)
+                if pad > 0:
+                    time.sleep(pad)
                 loop.record(time.perf_counter() - t0)
                 for plan_ in loop.pushes(0):
                     t = threading.Thread(target=send, args=(plan_.on_host().push,))
@@ -172,6 +180,12 @@ def _run(learners: int, premerge: bool, steps: int, seed: int) -> dict:
                 t.join()
             client.forget(names[i], 0, "finished")
 
+        if client.premerger is not None:   # compile the region's int4 encode before timing
+            for p in range(P):
+                zeros = {k: np.zeros_like(np.asarray(v)) for k, v in
+                         fragments.extract(params, plan, p).items()}
+                client.premerger.encoder.encode(p, zeros)
+        start = client.relay.counters()   # registrations (full fragments down) not counted
         t_start = time.perf_counter()
         threads = [threading.Thread(target=learner, args=(i,)) for i in range(learners)]
         for t in threads:
@@ -189,8 +203,8 @@ def _run(learners: int, premerge: bool, steps: int, seed: int) -> dict:
     merged = counts.get("merged_tokens", 0)
     return {"learners": learners, "mode": "premerge" if premerge else "flat",
             "wan_pushes": counts.get("wan_pushes", 0), "merged_tokens": merged,
-            "up_B_per_token": counters["up"] / max(merged, 1),
-            "down_B_per_token": counters["down"] / max(merged, 1),
+            "up_B_per_token": (counters["up"] - start["up"]) / max(merged, 1),
+            "down_B_per_token": (counters["down"] - start["down"]) / max(merged, 1),
             "eval_loss": loss, "round_ms": 1e3 * statistics.median(latencies),
             "merges": int(sum(core.versions)), "wall_s": wall_s,
             "premerge": (dict(client.premerger.counts) if client.premerger else None)}
@@ -198,7 +212,7 @@ def _run(learners: int, premerge: bool, steps: int, seed: int) -> dict:
 
 def main() -> None:
     args = parser(__doc__).parse_args()
-    steps = 48 if args.quick else 160
+    steps = 96 if args.quick else 240
     rows = []
     for learners in (2, 4):
         flat = _run(learners, False, steps, args.seed)

@@ -34,7 +34,8 @@ def premerge_weights(pushes: Sequence) -> list[float]:
     and cancels in the mean (the home applies it to the members, each as itself).
 
     >>> from types import SimpleNamespace as P
-    >>> premerge_weights([P(c_tokens=100, c_steps=1), P(c_tokens=300, c_steps=3), P(c_tokens=0, c_steps=0)])
+    >>> premerge_weights([P(c_tokens=100, c_steps=1), P(c_tokens=300, c_steps=3),
+    ...                   P(c_tokens=0, c_steps=0)])
     [10000.0, 30000.0, 0.0]
     """
     return [merge_lib.token_weight(p.c_tokens, p.c_steps) for p in pushes]
@@ -43,7 +44,8 @@ def premerge_weights(pushes: Sequence) -> list[float]:
 def premerged_drift(drifts: Sequence[Mapping[str, np.ndarray]], weights: Sequence[float]
                     ) -> dict[str, np.ndarray]:
     """``δ̄ = Σ w_i δ_i / Σ w_i`` per tensor (float32), the drift that merges at home as its
-    parts would: with ``g_i = Θ − base − δ_i`` and one base, ``Σ w_i g_i = (Σ w_i)(Θ − base − δ̄)``.
+    parts would: with ``g_i = Θ − base − δ_i`` and one base,
+    ``Σ w_i g_i = (Σ w_i)(Θ − base − δ̄)``.
     Weights that sum to 0 (nobody trained since the base) give the plain mean, as the syncer's
     merge does then. One drift comes back unchanged.
 
@@ -85,8 +87,8 @@ def by_base(pushes: Sequence) -> list[list]:
     """``pushes`` split by ``base_key``, in order of first appearance.
 
     >>> from types import SimpleNamespace as P
-    >>> [[p.learner for p in part] for part in by_base([P(learner="a", base_version=3, base_shadow=0),
-    ...     P(learner="b", base_version=4, base_shadow=0), P(learner="c", base_version=3, base_shadow=0)])]
+    >>> ps = [P(learner=n, base_version=v, base_shadow=0) for n, v in (("a", 3), ("b", 4), ("c", 3))]
+    >>> [[p.learner for p in part] for part in by_base(ps)]
     [['a', 'c'], ['b']]
     """
     parts: dict[tuple, list] = {}

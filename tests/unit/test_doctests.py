@@ -9,7 +9,8 @@ MODULES = ["islands.syncer.fragments", "islands.syncer.merge", "islands.syncer.q
            "islands.learners.core", "islands.learners.mesh", "islands.orchestrator.health",
            "islands.orchestrator.metrics", "islands.orchestrator.chaos",
            "islands.orchestrator.controller", "islands.orchestrator.accelerators",
-           "islands.orchestrator.fleet", "islands.link.region", "islands.link.client"]
+           "islands.orchestrator.fleet", "islands.link.region", "islands.link.client",
+           "islands.link.premerge", "islands.syncer.core"]
 
 
 @pytest.mark.parametrize("name", MODULES)
