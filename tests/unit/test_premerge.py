@@ -280,3 +280,68 @@ def test_a_round_whose_learners_hold_different_bases_leaves_as_one_push_per_base
     assert sorted(len(p.members) for p in home.sent) == [0, 2]    # a pair from 0, one alone
     assert merger.counts["split_rounds"] == 1 and merger.counts["window_closes"] == 0
     assert {r.status.value for r in replies.values()} == {"merged"}
+
+
+# -- the Syncer actor (without Ray) answers a pre-merged push ---------------------------------------
+def _actor_run(body):
+    import asyncio
+
+    from islands.syncer.actor import Syncer, SyncerSpec
+
+    spec = SyncerSpec(fragments=[{"w": np.zeros(4, np.float32), "e": np.ones((2, 3), np.float32)}],
+                      settings=SyncerSettings(outlier_norm_factor=None, grace_cap_s=30.0,
+                                              merge_rule=merge_lib.MergeRule.MEAN),
+                      outer_kind="nesterov", outer_kwargs={}, codec_kind="none",
+                      codec_block_size=64)
+
+    async def run():
+        syncer = Syncer(spec)
+        regs = {name: await syncer.register(name, 0) for name, *_ in PUSHES}
+        try:
+            return await body(syncer, regs)
+        finally:
+            syncer._loop_task.cancel()
+
+    return asyncio.run(run())
+
+
+def _signed(push, regs):
+    session = regs[push.learner]["session"] if push.learner in regs else ""
+    return dataclasses.replace(push, session=session, members=tuple(dataclasses.replace(
+                                   m, session=regs[m.learner]["session"]) for m in push.members))
+
+
+def test_the_syncer_answers_a_premerged_push_once_its_round_merged():
+    import asyncio
+
+    _, _, group, pushes = _flat_and_grouped()
+
+    async def body(syncer, regs):
+        await syncer.set_fleet(100.0)   # a grace window of grace_cap_s (30 s) after the quorum
+        pending = asyncio.ensure_future(syncer.push(_signed(group, regs)))
+        await asyncio.sleep(0.2)
+        assert not pending.done()   # K = 1, but home:0 is live and not in: the grace window
+        home = await asyncio.wait_for(syncer.push(_signed(pushes[2], regs)), 30)
+        merged = await asyncio.wait_for(pending, 30)
+        return merged, home, await syncer.status()
+
+    merged, home, status = _actor_run(body)
+    assert (merged.status.value, merged.version) == ("merged", 1) and home.version == 1
+    assert status["quorum_size"] == {0: 3}   # the round's learners: two in the group, one alone
+    assert {n: e["merged_tokens_total"] for n, e in status["ledger"].items()} == {
+        "far:0": 64, "far:1": 96, "home:0": 32}
+
+
+def test_forgetting_a_member_answers_the_premerged_push_dropped():
+    import asyncio
+
+    _, _, group, _ = _flat_and_grouped()
+
+    async def body(syncer, regs):
+        pending = asyncio.ensure_future(syncer.push(_signed(group, regs)))
+        await asyncio.sleep(0.2)
+        dropped = await syncer.forget("far:0", 0, "crash")
+        return dropped, await asyncio.wait_for(pending, 30)
+
+    dropped, reply = _actor_run(body)
+    assert dropped == 2 and reply.status.value == "dropped"
