@@ -2,10 +2,11 @@
 remote region of two learners in its own Ray cluster, on loopback, as test_link.py sets them up —
 once flat and once with ``link.premerge``, on the same seed and for the same time.
 
-Asserted with pre-merge on: the region trains (its learners' tokens merge at home), the home's
-books balance, the region's pushes left as pre-merged pairs, its WAN bytes up per merged token
-(the link relay's socket counts) are about half the flat run's (< 0.65), and the final eval loss
-is within a loose bound of the flat run's.
+Asserted with pre-merge on: the region trains (its learners' tokens merge at home), its pushes
+leave as pre-merged pairs, a remote learner killed mid-run is restarted by its agent and its
+pair's tokens are neither lost nor counted twice (the home's books balance), its WAN bytes up
+per merged token (the link relay's socket counts) are about half the flat run's (< 0.65), and
+the final eval loss is within a loose bound of the flat run's.
 """
 
 import json
@@ -18,13 +19,35 @@ import pytest
 import yaml
 
 from conftest import TINY_JOB
-from test_link import ISLANDS, _reader, _stop, _token_auth_in_this_process, _wait_line
+from test_link import (ISLANDS, _events, _reader, _stop, _token_auth_in_this_process, _wait,
+                       _wait_line)
 
-DURATION_S = 100
+DURATION_S = 120
+
+
+def _kill_one_remote_learner(address: str) -> None:
+    """Joins the region's cluster, waits for pre-merged rounds, kills far:1 through the agent's
+    chaos command and waits until its next incarnation is ready."""
+    import ray
+
+    ray.init(address=address, namespace="islands", log_to_driver=False)
+    try:
+        link = ray.get_actor("islands:syncer", namespace="islands")
+        agent = ray.get_actor("islands:controller", namespace="islands")
+        _wait(lambda: (ray.get(link.link_status.remote())["premerge"] or {}).get("groups", 0)
+              >= 5, 120, "5 pre-merged rounds")
+        before = len(_events(agent))
+        ray.get(agent.chaos_kill.remote("far:1"))
+        _wait(lambda: any(e["event"] == "learner_ready" and e.get("learner") == "far:1"
+                          and e.get("incarnation") == 1 for e in _events(agent)[before:]),
+              120, "far:1 incarnation 1 ready")
+    finally:
+        ray.shutdown()
 
 
 def _run(tmp, premerge: bool) -> dict:
-    """Runs the home for DURATION_S with the region joined; returns both summaries."""
+    """Runs the home for DURATION_S with the region joined (with pre-merge, a remote learner is
+    killed once); returns both summaries and the home's rows and events."""
     mode = "premerge" if premerge else "flat"
     tmp = tmp / mode
     tmp.mkdir()
@@ -60,7 +83,9 @@ def _run(tmp, premerge: bool) -> dict:
             start_new_session=True)
         region_lines: queue.Queue = queue.Queue()
         threading.Thread(target=_reader, args=(region, region_lines), daemon=True).start()
-        _wait_line(region_lines, region, "Ray cluster at", 240)
+        line = _wait_line(region_lines, region, "Ray cluster at", 240)
+        if premerge:
+            _kill_one_remote_learner(line.rsplit("Ray cluster at ", 1)[1].strip())
         # The home job ends at its duration and tells the agent, which leaves with its summary.
         assert home.wait(timeout=DURATION_S + 300) == 0
         assert region.wait(timeout=120) == 0
@@ -71,7 +96,9 @@ def _run(tmp, premerge: bool) -> dict:
     return {"home": json.loads((tmp / "home" / "summary.json").read_text()),
             "far": json.loads((tmp / "far" / "summary.json").read_text()),
             "rows": [json.loads(r) for r in (tmp / "home" / "metrics.jsonl").read_text()
-                     .splitlines()]}
+                     .splitlines()],
+            "events": [json.loads(r) for r in (tmp / "home" / "events.jsonl").read_text()
+                       .splitlines()]}
 
 
 def _bytes_per_merged_token(run) -> float:
@@ -97,6 +124,13 @@ def test_premerge_halves_the_regions_wan_bytes_per_merged_token(tmp_path):
         assert run["rows"][-1]["tokens"]["balanced"], run["rows"][-1]["tokens"]
     last = merged["rows"][-1]
     assert {"far:0", "far:1"} <= set(last["learners"]), sorted(last["learners"])
+    # The killed learner: failed and restarted by its agent (mirrored at home), its books
+    # settled; the home restarted nobody of its own.
+    failed = [e for e in merged["events"] if e["event"] == "learner_failed"]
+    assert [e["learner"] for e in failed] == ["far:1"], failed
+    assert any(e["event"] == "learner_restarted" and e["learner"] == "far:1"
+               for e in merged["events"])
+    print("tokens at the end:", json.dumps(last["tokens"]))
     # WAN bytes up per merged token: about 1/L with L = 2.
     ratio = _bytes_per_merged_token(merged) / _bytes_per_merged_token(flat)
     print(f"bytes up per merged token: flat {_bytes_per_merged_token(flat):.3f}, "
