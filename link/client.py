@@ -132,6 +132,7 @@ class LinkClient:
         self.started_s = time.time()
         self.home_ended: Optional[str] = None   # the home said its job ended (a report's reply)
         self.home_paused: Optional[str] = None  # the home's pause reason as the agent last heard it
+        self.premerger = None   # link.premerge: set from the job's config at hello()
         self.channel.subscribe(self._on_state, try_to_connect=True)
         self.reporter = threading.Thread(target=self._report_loop, daemon=True,
                                          name="islands-link-report")
@@ -202,6 +203,8 @@ class LinkClient:
             raise LinkRefused(f"{exc.code().name}: {exc.details()}") from None
         self.chunk_bytes, self.max_total_bytes = int(reply.chunk_bytes), int(reply.max_total_bytes)
         self.epoch = int(reply.epoch)
+        self.premerger = premerger(json.loads(reply.config_json), self.settings.region,
+                                   self._send_push)
         return {"epoch": self.epoch, "config": json.loads(reply.config_json),
                 "shard_base": int(reply.shard_base), "num_shards": int(reply.num_shards)}
 
@@ -215,15 +218,28 @@ class LinkClient:
                                pb.RegisterReply, self.settings.register_timeout_s)
         reg = wire.registration_from_pb(reply)
         self.epoch = reg["epoch"]
+        if self.premerger is not None:
+            self.premerger.registered(learner, incarnation)
         return reg
 
     def push(self, push):
-        """Sends a push and returns the home's reply when its round merged (or the refusal)."""
+        """Sends a push and returns the home's reply when its round merged (or the refusal);
+        with ``link.premerge``, as part of its region's one push of the round."""
         from islands.syncer import codec as codec_lib
-        from islands.syncer.actor import Reply
 
         push = _numpy_push(push, codec_lib)
         self.counts["pushes"] += 1
+        reply = (self.premerger.push(push) if self.premerger is not None
+                 else self._send_push(push))
+        if reply.status == "merged":   # the tokens a merge applied (WAN bytes per merged token)
+            self.counts["merged_tokens"] += push.c_tokens
+        return reply
+
+    def _send_push(self, push):
+        """One push over the WAN (a learner's, or its region's pre-merged one)."""
+        from islands.syncer.actor import Reply
+
+        self.counts["wan_pushes"] += 1
         try:
             reply = self._streamed("Push", wire.push_to_pb(push), pb.PushReply,
                                    self.settings.push_timeout_s)
@@ -240,6 +256,8 @@ class LinkClient:
         return reply
 
     def forget(self, learner: str, incarnation: Optional[int] = None, reason: str = "") -> int:
+        if self.premerger is not None:
+            self.premerger.forgotten(learner, incarnation)
         reply = self._unary("Forget", pb.ForgetRequest(learner=learner,
                                                        incarnation=-1 if incarnation is None
                                                        else incarnation, reason=reason),
@@ -306,7 +324,9 @@ class LinkClient:
                     "reconnects": self.reconnects, "epoch": self.epoch,
                     "last_ok_s": self.last_ok_s, "last_merged_s": self.last_merged_s,
                     "bytes": self.relay.counters(),
-                    "counts": dict(self.counts)}
+                    "counts": dict(self.counts),
+                    "premerge": (dict(self.premerger.counts) if self.premerger is not None
+                                 else None)}
 
     def close(self) -> None:
         self.closed.set()
@@ -376,6 +396,29 @@ class LinkClient:
         except Exception as exc:  # no agent: the home shows them unreachable once it sees that
             log.warning("link: could not pass the home's restarts %s to the agent: %r",
                         restarts, exc)
+
+
+def premerger(config: dict, region: str, send):
+    """The region's ``PreMerger`` when the job's config (a JobConfig as a dict) turns
+    ``link.premerge`` on, else None. Its window: ``link.premerge_window_s``, by default the
+    home's ``quorum.grace_cap_s`` (docs/regions.md#pre-merge)."""
+    from islands.orchestrator import build
+    from islands.orchestrator.config import JobConfig
+
+    job = JobConfig.model_validate(config)
+    if not job.link.premerge:
+        return None
+    from .premerge import Encoder, PreMerger
+
+    return PreMerger(region, Encoder(job.compression.type, build.codec_block_size(job)),
+                     premerge_window_s(job), send)
+
+
+def premerge_window_s(job) -> float:
+    """How long a region's round waits for its other learners after its first push."""
+    if job.link.premerge_window_s is not None:
+        return float(job.link.premerge_window_s)
+    return float(job.quorum.grace_cap_s)
 
 
 def _numpy_push(push, codec_lib):

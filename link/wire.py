@@ -81,7 +81,8 @@ def fragment_from_pb(msg: pb.Fragment) -> dict[str, np.ndarray]:
 
 # -- pushes and replies ---------------------------------------------------------------------------
 def push_to_pb(push) -> pb.PushRequest:
-    """A ``syncer.validate.Push`` whose codes are numpy ``codec.Code``s."""
+    """A ``syncer.validate.Push`` whose codes are numpy ``codec.Code``s (a pre-merged push's
+    members travel as PushRequests without codes)."""
     codes = [pb.Code(path=path, kind=c.kind, dtype=str(c.dtype), shape=list(c.shape),
                      block_size=int(c.block_size), payload=array_to_pb(c.payload),
                      scales=array_to_pb(c.scales))
@@ -91,10 +92,11 @@ def push_to_pb(push) -> pb.PushRequest:
         base_version=push.base_version, epoch=push.epoch, c_tokens=push.c_tokens,
         c_steps=push.c_steps, incarnation=push.incarnation, step=push.step,
         tokens_done=push.tokens_done, compute_s=push.compute_s, wire_bytes=push.wire_bytes,
-        session=push.session, fates_json=json.dumps(push.fates) if push.fates is not None else "")
+        session=push.session, fates_json=json.dumps(push.fates) if push.fates is not None else "",
+        members=[push_to_pb(m) for m in push.members])
 
 
-def push_from_pb(msg: pb.PushRequest):
+def push_from_pb(msg: pb.PushRequest, member: bool = False):
     from islands.syncer.codec import Code
     from islands.syncer.validate import Push
 
@@ -105,13 +107,19 @@ def push_from_pb(msg: pb.PushRequest):
         codes[c.path] = Code(kind=c.kind, payload=array_from_pb(c.payload),
                              scales=array_from_pb(c.scales), shape=tuple(int(d) for d in c.shape),
                              dtype=c.dtype, block_size=int(c.block_size))
+    if member and (codes or msg.members):
+        raise WireError("a pre-merged push's member carries no codes and no members")
+    members = tuple(push_from_pb(m, member=True) for m in msg.members)
+    if len({m.learner for m in members}) != len(members):
+        raise WireError("a learner appears twice in a pre-merged push")
     fates = _json(msg.fates_json, "fates_json") if msg.fates_json else None
     return Push(learner=msg.learner, fragment=int(msg.fragment), codes=codes,
                 base_version=int(msg.base_version), epoch=int(msg.epoch),
                 c_tokens=int(msg.c_tokens), c_steps=int(msg.c_steps),
                 incarnation=int(msg.incarnation), step=int(msg.step),
                 tokens_done=int(msg.tokens_done), compute_s=float(msg.compute_s),
-                wire_bytes=int(msg.wire_bytes), session=msg.session, fates=fates)
+                wire_bytes=int(msg.wire_bytes), session=msg.session, fates=fates,
+                members=members)
 
 
 def reply_to_pb(reply) -> pb.PushReply:

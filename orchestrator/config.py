@@ -415,6 +415,10 @@ class LinkSection(_Section):
     # A region agent that has not reached home for this long stops its learners and exits (the
     # home's value is the agent's: it comes with the job's config when the agent joins).
     agent_home_timeout_s: float = Field(300.0, gt=0, le=86400)
+    # Regional pre-merge (docs/regions.md#pre-merge): a remote region sends one push per fragment
+    # round, the token-weighted mean of its learners' drifts (read by the region's link client).
+    premerge: bool = False
+    premerge_window_s: Optional[float] = Field(None, gt=0, le=600)   # None: quorum.grace_cap_s
 
     @model_validator(mode="after")
     def _secure_off_loopback(self):
@@ -475,6 +479,11 @@ class JobConfig(_Section):
         if remote and self.downlink_compression.type != "none":
             raise _FieldError("downlink_compression", f"regions {remote} are remote, and an "
                               "encoded downlink does not cross the link yet: use type none")
+        if self.link.premerge and self.syncer.merge_rule != "mean":
+            raise _FieldError("link.premerge", "a pre-merged push merges exactly as its learners' "
+                              "pushes only under the weighted mean (RDA averages directions and "
+                              "lengths, which a region's mean does not keep): set "
+                              "syncer.merge_rule: mean, or link.premerge: false")
         if remote and self.syncer.shards > 1:
             raise _FieldError("syncer.shards", f"regions {remote} are remote, and the link "
                               f"talks to one syncer: syncer.shards ({self.syncer.shards}) must "

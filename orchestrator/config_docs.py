@@ -335,6 +335,13 @@ FIELD_NOTES: dict[str, str] = {
                                  "its learners and exits, so its cluster can be released (one "
                                  "told by the home that the job ended leaves at once). Set at "
                                  "home: agents take it from the job's config.",
+    "link.premerge": "Regional pre-merge: each remote region sends one push per fragment round, "
+                     "the token-weighted mean of its learners' drifts, and fans the home's reply "
+                     "out to them (WAN bytes per merged token fall about L-fold for L learners "
+                     "in the region). Needs `syncer.merge_rule: mean`; see docs/regions.md.",
+    "link.premerge_window_s": "With `link.premerge`: the longest a region's round waits for its "
+                              "other learners after its first push, seconds; null: "
+                              "`quorum.grace_cap_s`.",
 }
 
 # Rules that validators (or the job's start) enforce beyond a single field's bounds.
@@ -366,6 +373,7 @@ RULES: dict[str, str] = {
     "health.timeout_s": "> `health.heartbeat_s`",
     "link.port": "set when any region is `remote`",
     "link.tls": "required when `link.host` is not loopback and `link.port` is set",
+    "link.premerge": "only with `syncer.merge_rule: mean`",
     "chaos.events[].target@kill": "a configured learner, or `syncer`",
     "chaos.events[].target@region_loss": "a configured region",
     "chaos.events[].target@slowdown": "a configured learner or region",

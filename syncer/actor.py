@@ -271,17 +271,25 @@ class Syncer:
         g = push.fragment
         push = shards_lib.localize_push(self.spec.fragment_ids, push)
         verdict = self.core.accept_push(push, time.monotonic())
-        self.wire_bytes_up[push.learner] += push.wire_bytes
+        for name in [m.learner for m in push.members] or [push.learner]:
+            # A pre-merged push's bytes are its members' share of the link (link/premerge.py).
+            self.wire_bytes_up[name] += push.wire_bytes // max(1, len(push.members))
         if not verdict.ok:  # logged (WARNING) and recorded by the core
             params, version = (self.core.fragment(push.fragment)
                                if 0 <= push.fragment < len(self.core.slots) else (None, -1))
             # The current fragment rides along so the learner can start over from it.
             return Reply(ReplyStatus.REJECTED, g, self.core.epoch, params=params, version=version,
                          reason=verdict.reason.value, detail=verdict.detail)
-        future = asyncio.get_event_loop().create_future()
-        self.waiters[push.fragment][push.learner] = future
+        loop = asyncio.get_event_loop()
+        futures = []
+        for name in [m.learner for m in push.members] or [push.learner]:
+            futures.append(loop.create_future())
+            self.waiters[push.fragment][name] = futures[-1]
         self._wake.set()
-        return await future
+        replies = await asyncio.gather(*futures)
+        # A pre-merged push's members merge, are refused or are dropped together (core.forget
+        # drops a group whole), so their replies agree; any "dropped" answers the whole push.
+        return next((r for r in replies if r.status != ReplyStatus.MERGED), replies[0])
 
     # -- control --------------------------------------------------------------------------------
     async def forget(self, learner: str, incarnation: Optional[int] = None,
@@ -295,10 +303,12 @@ class Syncer:
         if reason:
             log.info("forget %s (incarnation %s): %s", learner, incarnation, reason)
         dropped = self.core.forget(learner)
-        for waiters in self.waiters.values():
-            future = waiters.pop(learner, None)
-            if future is not None and not future.done():
-                future.set_result(Reply(ReplyStatus.DROPPED, -1, self.core.epoch))
+        # Its pushes, and the members of a pre-merged push it was part of (dropped with it).
+        for name in {learner} | {push.learner for push in dropped}:
+            for waiters in self.waiters.values():
+                future = waiters.pop(name, None)
+                if future is not None and not future.done():
+                    future.set_result(Reply(ReplyStatus.DROPPED, -1, self.core.epoch))
         if self._wake:
             self._wake.set()
         return len(dropped)

@@ -7,6 +7,7 @@ in as ``now_s``; the caller owns the clock.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import time
@@ -68,6 +69,9 @@ class Contribution:
     arrived_s: float
     base: Optional[Fragment] = None   # exactly what the learner held (the downlink diffs from it)
     grad_norms: Optional[dict] = None  # ‖g_m‖ per tensor
+    # A member of a region's pre-merged push: the push's name. Its members share one outer
+    # gradient (the group's mean) and are merged, forgotten and answered together.
+    group: Optional[str] = None
 
 
 @dataclass
@@ -142,6 +146,30 @@ class MergeResult:
     refused: bool = False    # the merged fragment failed its check: Θ and the version unchanged
     # Per learner (aligned with ``learners``): (base id, base version, base) it pushed from.
     bases: tuple = ()
+
+
+def shared_gradients(contributions: Sequence[Contribution], weights: Sequence[float]
+                     ) -> tuple[list, list, list]:
+    """(outer gradients, their norms, weights) with the members of one pre-merged push folded
+    into one: their shared gradient once, with the sum of their weights (one pass over it, and
+    each buffer goes back to the pool once). ``Σ_i w_i ḡ = (Σ_i w_i) ḡ``: the weighted mean is
+    unchanged.
+
+    >>> g = {"w": None}
+    >>> c = [Contribution(None, g, 0, 0.0, group="r"), Contribution(None, g, 0, 0.0, group="r"),
+    ...      Contribution(None, {"w": None}, 0, 0.0)]
+    >>> shared_gradients(c, [1.0, 2.0, 4.0])[2]
+    [3.0, 4.0]
+    """
+    out: dict[int, list] = {}
+    for c, w in zip(contributions, weights, strict=True):
+        key = id(c.outer_grad)
+        if key in out:
+            out[key][2] += w
+        else:
+            out[key] = [c.outer_grad, c.grad_norms, w]
+    rows = list(out.values())
+    return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
 
 
 class SyncerCore:
@@ -225,6 +253,12 @@ class SyncerCore:
             contribution = slot.round.pop(learner, None)
             if contribution is not None:
                 dropped.append(contribution.push)
+                if contribution.group is not None:
+                    # Its drift is inside the group's mean: the group goes with it (its other
+                    # members are answered "dropped" and push their drift again).
+                    for mate in [n for n, c in slot.round.items()
+                                 if c.group == contribution.group]:
+                        dropped.append(slot.round.pop(mate).push)
                 self._recount_quorum(slot)
         self.learners.pop(learner, None)
         self.sessions.pop(learner, None)
@@ -266,6 +300,8 @@ class SyncerCore:
     def accept_push(self, push: Push, now_s: float) -> Accepted | Rejected:
         """Validates and stores a push in its fragment's open round. A refusal changes nothing
         but the refusal books (counts, the event, a learner's garbage streak)."""
+        if push.members:
+            return self._accept_group(push, now_s)
         verdict = self._judge(push)
         if verdict.ok or verdict.reason not in IDENTITY_REASONS:
             self._note_fates(push)
@@ -285,6 +321,64 @@ class SyncerCore:
         if slot.quorum_reached_at_s is None and len(slot.round) >= self.settings.min_learners:
             slot.quorum_reached_at_s = now_s
         return Accepted(verdict.staleness)
+
+    def _accept_group(self, push: Push, now_s: float) -> Accepted | Rejected:
+        """A region's pre-merged push (``link/premerge.py``): every member is checked as its own
+        push would be (identity, session, round, base, counters), the mean drift once (shapes,
+        finite, outlier norm). All or nothing: one refused member refuses the whole push (the
+        region then sends its members one by one, each judged alone). Accepted, each member
+        enters the round as itself (quorum, live set and ledger count learners) with the
+        group's one outer gradient and its own token weight: for the weighted mean that is
+        exactly the merge of the members' own gradients."""
+        refusal = self._group_refusal(push)
+        if refusal is None:
+            first = max(push.members, key=lambda m: m.c_steps)   # the norm's lr units
+            refusal = self._judge(dataclasses.replace(first, codes=push.codes))
+            if refusal.ok:
+                judged, refusal = refusal, None
+        if refusal is not None:
+            self._refused(push, refusal)
+            return refusal
+        for member in push.members:
+            self._note_fates(member)
+        slot = self.slots[push.fragment]
+        slot.recent_norms.append(judged.norm)
+        base = self._base_of(push.members[0])
+        grads, norms = fused.outer_gradient(slot.params, base, judged.drift, self.pool)
+        if not slot.round:
+            slot.round_opened_at_s = now_s
+        for member in push.members:
+            self.garbage_streak.pop(member.learner, None)
+            slot.round[member.learner] = Contribution(member, grads, judged.staleness, now_s,
+                                                      base, norms, group=push.learner)
+        if slot.quorum_reached_at_s is None and len(slot.round) >= self.settings.min_learners:
+            slot.quorum_reached_at_s = now_s
+        return Accepted(judged.staleness)
+
+    def _group_refusal(self, push: Push) -> Optional[Rejected]:
+        """Why a pre-merged push cannot enter the round as it is (None: it can, but for its
+        drift): a member of another fragment, epoch or base, a member refused by its own checks
+        (the reason is that member's), or a merge rule the mean does not reproduce."""
+        if self.settings.merge_rule != merge_lib.MergeRule.MEAN:
+            return Rejected(RejectReason.BAD_SHAPE, "a pre-merged push needs merge_rule mean "
+                            "(link.premerge): RDA of a mean is not the RDA of its parts")
+        for member in push.members:
+            if (member.fragment, member.epoch, member.base_version, member.base_shadow) != (
+                    push.fragment, push.epoch, push.base_version, push.base_shadow):
+                return Rejected(RejectReason.BAD_SHAPE, f"member {member.learner}: another "
+                                "fragment, epoch or base than its pre-merged push")
+            verdict = self._check(member)
+            if not verdict.ok:
+                return Rejected(verdict.reason, f"member {member.learner}: {verdict.detail}")
+            step, since_s = self.registered_at.get(member.learner, (None, 0.0))
+            problem = (check_counters(member.c_tokens, member.c_steps,
+                                      self.settings.tokens_per_step)
+                       or check_progress(member.step, member.tokens_done, step,
+                                         time.monotonic() - since_s,
+                                         self.settings.tokens_per_step))
+            if problem is not None:
+                return Rejected(problem.reason, f"member {member.learner}: {problem.detail}")
+        return None
 
     def _judge(self, push: Push):
         verdict = self._check(push)
@@ -444,12 +538,12 @@ class SyncerCore:
             path for path in slot.params
             if self.settings.merge_rule == merge_lib.MergeRule.RDA and not self.is_embedding(path))
         # In place, one pass per learner and a few for the step (syncer/fused.py).
+        grads, norms, weights = shared_gradients(contributions, weights)
         new_params, new_outer, finite, grad_norm = fused.merge_and_step(
-            self.outer, rda_paths, [c.outer_grad for c in contributions],
-            [c.grad_norms for c in contributions], weights, share, slot.params,
+            self.outer, rda_paths, grads, norms, weights, share, slot.params,
             slot.outer_state, self.pool)
-        for c in contributions:   # the round is closed: its buffers serve the next pushes
-            for g in c.outer_grad.values():
+        for g_m in grads:   # the round is closed: its buffers serve the next pushes
+            for g in g_m.values():
                 self.pool.give(g)
         if not finite:
             # Θ is never replaced by garbage: the round is refused whole and Θ stays as it was.

@@ -60,6 +60,9 @@ class Push:
       base_shadow: the id of the learner's base (``syncer/downlink.py``): 0, the exact global
         fragment of ``base_version``; otherwise the shadow the syncer recorded when it sent the
         encoded update the learner adopted.
+      members: a region's pre-merged push (``link/premerge.py``): one Push per learner it
+        carries, each with its own counters, identity and books and no codes; ``codes`` are
+        then the token-weighted mean of their drifts. Empty: an ordinary push.
     """
 
     learner: str
@@ -77,6 +80,7 @@ class Push:
     session: str = ""
     fates: Optional[Mapping[str, Any]] = None
     base_shadow: int = 0
+    members: tuple = ()
 
 
 @dataclass(frozen=True)

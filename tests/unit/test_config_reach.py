@@ -75,6 +75,10 @@ CHANGES = {
     # Read by a region's agent (link/region.py), not by the home's objects: test_link.py shows
     # an agent leaving within it.
     "link.agent_home_timeout_s": None,
+    # Read by a region's link client from the job's config (link/client.py premerger):
+    # test_premerge.py shows both reach its PreMerger.
+    "link.premerge": None,
+    "link.premerge_window_s": None,
 }
 
 

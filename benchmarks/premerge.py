@@ -1,0 +1,249 @@
+"""Regional pre-merge (``link.premerge``) against the flat link: WAN bytes per merged token, eval
+loss and the latency a round's push waits for its reply, at L = 2 and 4 learners in one region.
+
+One process, real parts: L learner threads train the tiny byte LM (real JAX steps, int4 codes
+with error feedback, P = 2, H = 8, τ = 2) and push through a real ``LinkClient`` (the region's
+stand-in for the syncer, with its ``PreMerger`` when pre-merge is on) over a real link server
+(gRPC, chunked streams, the byte-counting relay) to a home backed by a real ``SyncerCore``
+(weighted mean, K = L: a round merges when every live learner is in, or 2 s after its first
+push). Steps are padded to 50 ms (``learner.min_step_time_s``) so the threads keep one pace.
+Reports are off (the link's periodic heartbeats are not pushes), so the bytes are the push
+path's: the learners' pushes up and the merged fragments down, counted on the relay's socket.
+"Round latency" is a push's call until its reply, median; pre-merge adds the wait for the
+region's other learners (the flat round waits for them at home instead) and the region's decode,
+mean and re-encode.
+
+    python benchmarks/premerge.py [--quick]
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import statistics
+import sys
+import threading
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import finish, machine, parser, pyplot, save_figure, table  # noqa: E402
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+ROUND_TIMEOUT_S = 2.0
+STEP_S = 0.05   # each learner's inner step, padded (learner.min_step_time_s)
+
+
+class _CoreHome:
+    """The home's side for the link server: a real SyncerCore behind a lock; a push's call
+    returns when its round merged (every live learner in, or ROUND_TIMEOUT_S after the round
+    opened), like the Syncer actor's."""
+
+    def __init__(self, core):
+        self.core = core
+        self.cond = threading.Condition()
+        self.results: dict[int, tuple] = {}   # fragment -> (round number, params, version)
+        self.rounds = [0] * len(core.slots)
+
+    def epoch(self):
+        return 0
+
+    def register(self, learner, incarnation, adopted):
+        with self.cond:
+            epoch, frags = self.core.register(learner, incarnation)
+            self.cond.notify_all()
+        return {"epoch": epoch, "fragments": [f for f, _ in frags],
+                "versions": [v for _, v in frags], "session": ""}
+
+    def forget(self, learner, incarnation, reason):
+        with self.cond:
+            dropped = self.core.forget(learner)
+            self.cond.notify_all()
+        return len(dropped)
+
+    def push(self, push):
+        from islands.syncer.actor import Reply
+
+        p = push.fragment
+        with self.cond:
+            verdict = self.core.accept_push(push, time.monotonic())
+            if not verdict.ok:
+                params, version = self.core.fragment(p)
+                return Reply("rejected", p, 0, params, version, verdict.reason.value)
+            mine = self.rounds[p]
+            opened = self.core.slots[p].round_opened_at_s
+            while self.rounds[p] == mine:
+                slot = self.core.slots[p]
+                live = frozenset(self.core.learners)
+                if slot.round and (live <= set(slot.round)
+                                   or time.monotonic() >= opened + ROUND_TIMEOUT_S):
+                    result = self.core.merge(p, live_count=len(live))
+                    self.rounds[p] += 1
+                    self.results[p] = (result.params, result.version)
+                    self.cond.notify_all()
+                    break
+                if not slot.round:   # our round was dropped (a forget): not in a merge
+                    return Reply("dropped", p, 0)
+                self.cond.wait(max(0.01, opened + ROUND_TIMEOUT_S - time.monotonic()))
+            params, version = self.results[p]
+        return Reply("merged", p, 0, params, version)
+
+
+def _run(learners: int, premerge: bool, steps: int, seed: int) -> dict:
+    from islands.learners import data, inner, model
+    from islands.learners.core import LearnerCore
+    from islands.learners.loop import LearnerLoop
+    from islands.link.client import ClientSettings, LinkClient
+    from islands.link.server import ServerSettings, serve
+    from islands.orchestrator.config import JobConfig
+    from islands.syncer import codec as C
+    from islands.syncer import fragments, outer
+    from islands.syncer.core import SyncerCore, SyncerSettings
+    from islands.syncer.merge import MergeRule
+
+    cfg = model.ModelConfig(d_model=32, n_layers=1, n_heads=2, d_ff=64, seq_len=32)
+    batch, P, H, tau = 8, 2, 8, 2
+    params = model.init_params(cfg, jax.random.PRNGKey(seed))
+    plan = fragments.partition(params, P)
+    corpus = data.load_stdlib_corpus(max_bytes=400_000)
+    samplers = [data.ShardSampler(corpus.train, batch, cfg.seq_len, i, learners)
+                for i in range(learners)]
+    opt = inner.inner_optimizer(lr=3e-3, warmup_steps=20, total_steps=steps)
+    train_step = inner.make_train_step(cfg, opt)
+    evaluate = inner.make_eval_fn(cfg)
+    eval_set = data.eval_batches(corpus.eval, batch, cfg.seq_len, 4)
+    codec = C.make_codec("int4")
+    core = SyncerCore([fragments.extract(params, plan, p) for p in range(P)],
+                      SyncerSettings(min_learners=learners, overlap_steps=tau,
+                                     merge_rule=MergeRule.MEAN), outer.build(),
+                      lambda c: C.decode_tree(codec, c), is_embedding=model.is_embedding_path)
+    home = _CoreHome(core)
+    config = JobConfig.model_validate({
+        "regions": {"far": {"learners": learners, "remote": True}},
+        "syncer": {"fragments": P, "sync_every_steps": H, "overlap_steps": tau,
+                   "merge_rule": "mean"},
+        "link": {"port": 0, "premerge": premerge, "premerge_window_s": 5.0}})
+    server, port = serve(home, config.model_dump_json(), ServerSettings(port=0, token="bench"))
+    client = LinkClient(ClientSettings(home=f"127.0.0.1:{port}", region="far", token="bench",
+                                       tls=False, report_every_s=3600))
+    latencies: list[float] = []
+    lock = threading.Lock()
+    try:
+        client.hello()
+        names = [f"far:{i}" for i in range(learners)]
+        cores = []
+        for name in names:
+            reg = client.register(name, 0)
+            cores.append(LearnerCore(name, params, opt.init(params), plan, reg["versions"],
+                                     C.error_feedback(codec), C.tree_wire_bytes,
+                                     lambda c: C.decode_tree(codec, c), overlap_steps=tau,
+                                     merge_alpha=0.0))
+
+        def learner(i: int) -> None:
+            lc = cores[i]
+            loop = LearnerLoop(lc, train_step, lambda k: samplers[i].batch_at(k),
+                               batch * cfg.seq_len, P, H)
+            replies: queue.Queue = queue.Queue()
+            senders = []
+
+            def send(push):
+                t0 = time.perf_counter()
+                reply = client.push(push)
+                with lock:
+                    latencies.append(time.perf_counter() - t0)
+                replies.put((push, reply))
+
+            while lc.step < steps:
+                while not replies.empty():
+                    push, reply = replies.get()
+                    if reply.status == "merged":
+                        lc.offer_reply(push.fragment, reply.params, reply.version)
+                    else:
+                        lc.refused(push.fragment, reply.reason or reply.status.value,
+                                   reply.params, reply.version)
+                loop.adopt()
+                t0 = time.perf_counter()
+                float(loop.train(loop.batch()))
+                # Padded to STEP_S, as learner.min_step_time_s does: the threads share one
+                # interpreter, and unpaced one would run ahead of the others (real learners of
+                # one region run at one speed).
+                pad = STEP_S - (time.perf_counter() - t0)
+                if pad > 0:
+                    time.sleep(pad)
+                loop.record(time.perf_counter() - t0)
+                for plan_ in loop.pushes(0):
+                    t = threading.Thread(target=send, args=(plan_.on_host().push,))
+                    t.start()
+                    senders.append(t)
+            for t in senders:
+                t.join()
+            client.forget(names[i], 0, "finished")
+
+        if client.premerger is not None:   # compile the region's int4 encode before timing
+            for p in range(P):
+                zeros = {k: np.zeros_like(np.asarray(v)) for k, v in
+                         fragments.extract(params, plan, p).items()}
+                client.premerger.encoder.encode(p, zeros)
+        start = client.relay.counters()   # registrations (full fragments down) not counted
+        t_start = time.perf_counter()
+        threads = [threading.Thread(target=learner, args=(i,)) for i in range(learners)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        wall_s = time.perf_counter() - t_start
+        counters = client.relay.counters()
+        counts = dict(client.counts)
+        final = fragments.assembler(params)(core.params_flat())
+        loss = float(evaluate(final, eval_set))
+    finally:
+        client.close()
+        server.stop(0)
+    merged = counts.get("merged_tokens", 0)
+    return {"learners": learners, "mode": "premerge" if premerge else "flat",
+            "wan_pushes": counts.get("wan_pushes", 0), "merged_tokens": merged,
+            "up_B_per_token": (counters["up"] - start["up"]) / max(merged, 1),
+            "down_B_per_token": (counters["down"] - start["down"]) / max(merged, 1),
+            "eval_loss": loss, "round_ms": 1e3 * statistics.median(latencies),
+            "merges": int(sum(core.versions)), "wall_s": wall_s,
+            "premerge": (dict(client.premerger.counts) if client.premerger else None)}
+
+
+def main() -> None:
+    args = parser(__doc__).parse_args()
+    steps = 96 if args.quick else 240
+    rows = []
+    for learners in (2, 4):
+        flat = _run(learners, False, steps, args.seed)
+        pm = _run(learners, True, steps, args.seed)
+        pm["up_vs_flat"] = pm["up_B_per_token"] / flat["up_B_per_token"]
+        pm["down_vs_flat"] = pm["down_B_per_token"] / flat["down_B_per_token"]
+        pm["added_round_ms"] = pm["round_ms"] - flat["round_ms"]
+        rows += [flat, pm]
+        print(table([flat, pm], ["learners", "mode", "wan_pushes", "merged_tokens",
+                                 "up_B_per_token", "down_B_per_token", "eval_loss", "round_ms",
+                                 "merges"]), flush=True)
+    print(table(rows, ["learners", "mode", "wan_pushes", "merged_tokens", "up_B_per_token",
+                       "up_vs_flat", "down_B_per_token", "down_vs_flat", "eval_loss",
+                       "round_ms", "added_round_ms", "merges", "wall_s"]))
+    plt = pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
+    x = np.arange(2)
+    for k, mode in enumerate(("flat", "premerge")):
+        sel = [r for r in rows if r["mode"] == mode]
+        ax1.bar(x + (k - 0.5) * 0.4, [r["up_B_per_token"] for r in sel], 0.4, label=mode)
+        ax2.bar(x + (k - 0.5) * 0.4, [r["eval_loss"] for r in sel], 0.4, label=mode)
+    for ax, label in ((ax1, "WAN bytes up per merged token"), (ax2, "final eval loss")):
+        ax.set_xticks(x, ["L = 2", "L = 4"])
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.suptitle("Regional pre-merge vs flat link (tiny byte LM, int4)")
+    fig.tight_layout()
+    save_figure(fig, args.out, "premerge.png")
+    finish("premerge", {"benchmark": "premerge", "quick": args.quick, "steps": steps,
+                        "rows": rows, "machine": machine()}, args.out)
+
+
+if __name__ == "__main__":
+    main()
