@@ -102,6 +102,24 @@ def _start_region(join_args, env, cwd):
     return region, line.rsplit("Ray cluster at ", 1)[1].strip()
 
 
+def _start_home(config_file, duration_s: float, cwd):
+    """``islands run`` of a home job in its own session, up to its link's line; returns the
+    process, its output lines, the env (for the region's side) and the link's port."""
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1"}
+    env.pop("RAY_ADDRESS", None)
+    home = subprocess.Popen(ISLANDS + ["run", str(config_file), "--duration", str(duration_s)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            cwd=str(cwd), start_new_session=True)
+    lines: queue.Queue = queue.Queue()
+    threading.Thread(target=_reader, args=(home, lines), daemon=True).start()
+    try:
+        line = _wait_line(lines, home, "islands: link on", 240)
+    except BaseException:
+        _stop(home)
+        raise
+    return home, lines, env, int(line.split("link on ", 1)[1].split()[0].rsplit(":", 1)[1])
+
+
 @pytest.fixture(scope="module")
 def two_clusters(tmp_path_factory):
     from islands.link.security import throwaway_pki
@@ -120,17 +138,9 @@ def two_clusters(tmp_path_factory):
               "run": {"dashboard": False, "run_dir": str(tmp / "home")}}
     (tmp / "home.yaml").write_text(yaml.safe_dump(config))
     _token_auth_in_this_process()
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1"}
-    env.pop("RAY_ADDRESS", None)
-    home = subprocess.Popen(ISLANDS + ["run", str(tmp / "home.yaml"), "--duration", "900"],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=str(tmp), start_new_session=True)
-    home_lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_reader, args=(home, home_lines), daemon=True).start()
+    home, home_lines, env, port = _start_home(tmp / "home.yaml", 900, tmp)
     region = None
     try:
-        line = _wait_line(home_lines, home, "islands: link on", 240)
-        port = int(line.split("link on ", 1)[1].split()[0].rsplit(":", 1)[1])
         join_args = ["region", "join", "--home", f"127.0.0.1:{port}", "--region", "far",
                      "--token-file", str(token_file), "--ca-cert", pki.ca_cert,
                      "--client-cert", pki.client_cert, "--client-key", pki.client_key,

@@ -10,7 +10,6 @@ the final eval loss is within a loose bound of the flat run's.
 """
 
 import json
-import os
 import queue
 import subprocess
 import threading
@@ -19,8 +18,8 @@ import pytest
 import yaml
 
 from conftest import TINY_JOB
-from test_link import (ISLANDS, _events, _reader, _stop, _token_auth_in_this_process, _wait,
-                       _wait_line)
+from test_link import (ISLANDS, _events, _reader, _start_home, _stop,
+                       _token_auth_in_this_process, _wait, _wait_line)
 
 DURATION_S = 120
 
@@ -63,18 +62,9 @@ def _run(tmp, premerge: bool) -> dict:
                        "premerge_window_s": 3.0},
               "run": {"dashboard": False, "run_dir": str(tmp / "home")}}
     (tmp / "home.yaml").write_text(yaml.safe_dump(config))
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1"}
-    env.pop("RAY_ADDRESS", None)
-    home = subprocess.Popen(ISLANDS + ["run", str(tmp / "home.yaml"), "--duration",
-                                       str(DURATION_S)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            cwd=str(tmp), start_new_session=True)
-    home_lines: queue.Queue = queue.Queue()
-    threading.Thread(target=_reader, args=(home, home_lines), daemon=True).start()
+    home, _, env, port = _start_home(tmp / "home.yaml", DURATION_S, tmp)
     region = None
     try:
-        line = _wait_line(home_lines, home, "islands: link on", 240)
-        port = int(line.split("link on ", 1)[1].split()[0].rsplit(":", 1)[1])
         region = subprocess.Popen(
             ISLANDS + ["region", "join", "--home", f"127.0.0.1:{port}", "--region", "far",
                        "--token-file", str(token_file), "--insecure",
