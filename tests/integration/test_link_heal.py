@@ -212,9 +212,14 @@ def test_an_agent_whose_home_is_gone_stops_its_learner_and_exits(two_clusters):
     ctx = two_clusters
     home, region = ctx["home"], ctx["region"]
     try:
-        # The home's books after every restart above, as it last wrote them: balanced.
-        last = _home_rows(ctx["tmp"] / "home")[-1]
-        assert last["tokens"]["balanced"] and _far(last)["state"] == "training", last["tokens"]
+        # The home's books after every restart above, once far:0 trains again: balanced.
+        def far_training():
+            rows = _home_rows(ctx["tmp"] / "home")
+            return rows and _far(rows[-1]).get("state") == "training" and rows[-1]
+
+        last = wait_for(far_training, 120, "far:0 training at home",
+                        describe=lambda: _far(_home_rows(ctx["tmp"] / "home")[-1]))
+        assert last["tokens"]["balanced"], last["tokens"]
         address = ray.get_runtime_context().gcs_address
         ray.shutdown()   # this process leaves the region's cluster before that cluster ends
         t_kill = time.time()
