@@ -445,8 +445,12 @@ class JobConfig(_Section):
     learner: LearnerSection = LearnerSection()
     syncer: SyncerSection = SyncerSection()
     quorum: QuorumSection = QuorumSection()
-    compression: Compression = Int4Codec()
-    downlink_compression: Compression = NoneCodec(type="none")
+    # nf2 both ways by default: measured within 1 % of int4 pushes + fp32 replies (and of no
+    # compression) at 1 000 steps, 3 seeds, H = 24 and 96, for ~8× fewer bytes (BENCHMARKS.md).
+    compression: Compression = Nf2Codec(type="nf2", block_size=64)
+    # Unset with remote regions (or pre-merge): fp32 replies, which cross the link
+    # (_default_downlink); set explicitly, it is checked like any other value.
+    downlink_compression: Compression = Nf2Codec(type="nf2", block_size=256)
     regions: dict[str, RegionSection] = {"local": RegionSection(learners=2)}
     health: HealthSection = HealthSection()
     metrics: MetricsSection = MetricsSection()
@@ -465,6 +469,24 @@ class JobConfig(_Section):
                 raise ValueError(f"region name {name!r} must match {REGION_NAME.pattern} "
                                  "(it becomes the Ray resource region:<name>)")
         return regions
+
+    @model_validator(mode="before")
+    @classmethod
+    def _default_downlink(cls, data):
+        """The encoded downlink keeps a shadow of each learner's copy at the syncer, which does
+        not cross the link yet: a job with remote regions or pre-merge that leaves
+        ``downlink_compression`` unset gets fp32 replies instead of a refusal."""
+        if not isinstance(data, dict) or "downlink_compression" in data:
+            return data
+
+        def read(obj, key):
+            return obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
+
+        regions = data.get("regions") or {}
+        remote = isinstance(regions, dict) and any(read(r, "remote") for r in regions.values())
+        if remote or read(data.get("link") or {}, "premerge"):
+            return {**data, "downlink_compression": {"type": "none"}}
+        return data
 
     @model_validator(mode="after")
     def _cross_checks(self):

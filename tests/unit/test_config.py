@@ -29,7 +29,10 @@ def test_defaults_and_helpers():
     assert config.learner_ids() == ["us-east:0", "us-east:1", "eu-west:0"]
     assert config.region_resources() == {"region:us-east": 3.0, "region:eu-west": 1.0}
     assert config.speed_factor("us-east:1") == 0.5 and config.speed_factor("eu-west:0") == 1.0
-    assert config.compression.type == "int4" and config.syncer.outer_optimizer.lr is None
+    assert (config.compression.type, config.compression.block_size) == ("nf2", 64)
+    assert (config.downlink_compression.type, config.downlink_compression.block_size) == (
+        "nf2", 256)
+    assert config.syncer.outer_optimizer.lr is None
     # unset outer values come from the rule for H (syncer/outer.py): averaging at the default H = 8
     options = build.syncer_options(config, "/runs/x")
     assert (options["outer_kind"], options["outer_kwargs"]) == ("nesterov", {"lr": 1.0,
@@ -157,3 +160,17 @@ def test_a_region_agent_runs_no_warm_spares_whatever_the_home_keeps():
     assert parse(home).spares_of("home") == 1 and parse(home).spares_of("far") == 0
     agent = region_config(home, "far")
     assert agent.spares_of("far") == 0 and not agent.regions["far"].remote
+
+
+def test_the_downlink_default_is_fp32_where_an_encoded_one_cannot_go():
+    """Remote regions and pre-merge take fp32 replies when downlink_compression is left unset
+    (the encoded downlink's per-learner shadows do not cross the link); set, it is refused."""
+    remote = {"regions": {"a": {"learners": 1}, "far": {"learners": 1, "remote": True}},
+              "link": {"port": 7443}}
+    assert parse(remote).downlink_compression.type == "none"
+    assert parse(remote).compression.type == "nf2"   # pushes stay encoded
+    premerge = {"regions": {"a": {"learners": 2}}, "link": {"premerge": True},
+                "syncer": {"merge_rule": "mean"}}
+    assert parse(premerge).downlink_compression.type == "none"
+    with pytest.raises(ConfigError, match="downlink_compression: regions .*far.* are remote"):
+        parse({**remote, "downlink_compression": {"type": "nf2"}})
