@@ -122,6 +122,8 @@ class Setup:
     evaluate: Callable[[Any], float]
     num_params: int
     schedule: tuple = ()   # the inner lr schedule, as the syncer checks drifts against it
+    is_embedding: Callable[[str], bool] = model.is_embedding_path   # the merge's hint
+    name: str = "bytelm"
 
     def batch_for(self, i: int, k: int):
         return self.samplers[i].batch_at(k)
@@ -149,6 +151,33 @@ def make_setup(*, model_kwargs: dict, num_learners: int, batch_size: int, total_
                  tokens_per_batch=samplers[0].tokens_per_batch,
                  evaluate=lambda p: eval_fn(p, eval_set), num_params=model.num_params(params),
                  schedule=(lr, warmup_steps, total_steps, inner.END_LR_FRACTION))
+
+
+def task_setup(task_path: str, *, num_learners: int, total_steps: int, lr: float = 3e-3,
+               warmup_steps: int = 20, seed: int = 0, args: Optional[dict] = None) -> Setup:
+    """A :class:`Setup` from a user's Task (``learners/task.py``), e.g.
+    ``islands.tasks.flax_lm:task`` (the Flax + Grain reference task): the task's own init,
+    loss, Grain batches (shard i of ``num_learners`` through a ``TaskStream``), eval batches
+    and merge hint, with the project's inner AdamW unless the task brings its own optimizer.
+    Batches are ``Step`` s (index + batch), as the learner loop hands them to a task's step."""
+    from islands.learners import task as task_lib
+
+    task = task_lib.load_task(task_path, {**(args or {}), "seed": seed})
+    optimizer = task.optimizer or inner.inner_optimizer(lr=lr, warmup_steps=warmup_steps,
+                                                        total_steps=total_steps)
+    params = jax.jit(task.init_params)(jax.random.PRNGKey(seed))
+    streams = [task_lib.TaskStream(task, i, num_learners) for i in range(num_learners)]
+    evaluate, eval_set = task_lib.make_eval_fn(task), list(task.eval_batches())
+    loss = task_lib.scalar_loss(task)
+    return Setup(   # samplers: TaskStreams, whose batch_at is a ShardSampler's
+        cfg=None, params=params, optimizer=optimizer,
+        train_step=task_lib.make_train_step(task, optimizer, seed),
+        loss_fn=lambda p, step: loss(p, step.batch, task_lib.step_rng(seed, step.index)),
+        samplers=streams, tokens_per_batch=int(task.tokens(streams[0].batch_at(0).batch)),
+        evaluate=lambda p: evaluate(p, eval_set),
+        num_params=int(sum(np.size(x) for x in jax.tree_util.tree_leaves(params))),
+        schedule=(lr, warmup_steps, total_steps, inner.END_LR_FRACTION),
+        is_embedding=task.is_embedding, name=task_path)
 
 
 def run_ours(setup: Setup, *, learner_ids: Sequence[str], fleet: inprocess.Fleet,
@@ -186,7 +215,7 @@ def run_ours(setup: Setup, *, learner_ids: Sequence[str], fleet: inprocess.Fleet
         decode=lambda codes: codec_lib.decode_tree(c, codes),
         wire_bytes=codec_lib.tree_wire_bytes, learner_ids=list(learner_ids),
         merge_alpha=merge_alpha, carry_overlap=carry_overlap,
-        is_embedding=model.is_embedding_path, downlink=down)
+        is_embedding=setup.is_embedding, downlink=down)
     record = inprocess.run_inprocess(
         learners=learners, syncer=syncer, train_step=setup.train_step,
         batch_for=setup.batch_for, tokens_per_batch=setup.tokens_per_batch, fleet=fleet,

@@ -20,6 +20,8 @@ the all-reduce within one step, ``ring bytes / Δ``.
     python benchmarks/bandwidth.py --quick     # 300 steps; H = 24 and 96
     python benchmarks/bandwidth.py             # 1 500 steps; H ∈ {8, 24, 96}
     python benchmarks/bandwidth.py --quick --pairs nf2:128/nf2:128 --hs 24 96   # chosen rows
+    python benchmarks/bandwidth.py --task islands.tasks.flax_lm:task --pairs int4/none \
+        nf2:64/nf2:256 --hs 24 96      # the Flax + Grain reference task instead of the LM
 
 ``--pairs`` replaces the rows with ``up/down`` pairs (the uncompressed reference is added first,
 every H needs it); ``--hs`` chooses the H values.
@@ -111,6 +113,9 @@ def main() -> None:
     p.add_argument("--pairs", nargs="+", default=None, metavar="UP/DOWN",
                    help="rows to run instead of the default ones, e.g. nf2:128/nf2:128 "
                         "(none/none, the reference, is always run first)")
+    p.add_argument("--task", default=None, metavar="PATH",
+                   help="train a Task instead of the default LM, e.g. islands.tasks.flax_lm:task "
+                        "(the Flax + Grain reference task)")
     p.add_argument("--hs", nargs="+", type=int, default=None, metavar="H",
                    help="sync periods to run (default 24 96 with --quick, else 8 24 96)")
     args = p.parse_args()
@@ -126,8 +131,10 @@ def main() -> None:
                                                           if args.quick else PAIRS)]
     ids = [f"{r}:{i}" for r in REGIONS for i in range(2)]
     m = len(ids)
-    setup = C.make_setup(model_kwargs={}, num_learners=m, batch_size=8, total_steps=steps,
-                         seed=args.seed)
+    setup = (C.task_setup(args.task, num_learners=m, total_steps=steps, seed=args.seed)
+             if args.task else
+             C.make_setup(model_kwargs={}, num_learners=m, batch_size=8, total_steps=steps,
+                          seed=args.seed))
     n_tensors = len(jax.tree_util.tree_leaves(setup.params))
     fleet = inprocess.Fleet([1.0] * m, step_time_s=1.0, latency_s=0.05,
                             bandwidth_bytes_per_s=1e9 / 8, seed=args.seed)
@@ -198,8 +205,8 @@ def main() -> None:
         "goals": {f"ratio_ge_{GOAL_RATIO[h]:.0f}_at_H{h}_gap_le_1pct": any(
             met(r) for r in rows if r["H"] == h) for h in hs if h in GOAL_RATIO},
         "step_time_ms": delta_s * 1e3, "overlap_steps": TAU,
-        "model": {"params": setup.num_params, "tensors": n_tensors, "batch_size": 8,
-                  "seq_len": setup.cfg.seq_len, "tokens_per_batch": setup.tokens_per_batch},
+        "model": {"task": setup.name, "params": setup.num_params, "tensors": n_tensors,
+                  "tokens_per_batch": setup.tokens_per_batch},
         "runtime_s": watch(), "png": png, "machine": C.machine(),
     }
     C.finish("bandwidth", result, args.out)
