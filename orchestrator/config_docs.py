@@ -45,7 +45,8 @@ FIELD_NOTES: dict[str, str] = {
     "quorum": "When a fragment may merge.",
     "compression": "How a learner encodes its drift before pushing it. Default: "
                    "`{type: nf2, block_size: 64}` (2 bits a value; chosen by a 1 000-step, "
-                   "3-seed run against int4 pushes with fp32 replies: see BENCHMARKS.md).",
+                   "3-seed run on the default LM and the Flax task against int4 pushes with fp32 "
+                   "replies: see BENCHMARKS.md).",
     "downlink_compression": "How the syncer encodes its answer to a merged push: `none` sends "
                             "the merged fragment in fp32; any other codec sends the encoded "
                             "difference to the copy the syncer records for that learner (a "
