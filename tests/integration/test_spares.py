@@ -7,6 +7,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from conftest import TINY_JOB  # noqa: E402
 from islands.orchestrator.cli import format_status  # noqa: E402
 from islands.orchestrator.config import JobConfig  # noqa: E402
 from islands.orchestrator.controller import (NAMESPACE, Controller,  # noqa: E402
@@ -16,18 +17,10 @@ from waiting import wait_for  # noqa: E402  (tests/integration/waiting.py)
 pytestmark = pytest.mark.ray
 
 JOB = {
-    "name": "spares",
-    "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "seq_len": 32},
-    "data": {"max_bytes": 300_000, "batch_size": 4, "eval_batches": 2},
-    "learner": {"min_step_time_s": 0.05, "eval_every_s": 5.0},
-    "syncer": {"fragments": 2, "sync_every_steps": 4, "overlap_steps": 1},
-    "quorum": {"min_learners": 1, "grace_cap_s": 0.5},
-    "regions": {"a": {"learners": 2}},
+    **TINY_JOB, "name": "spares",
     # A backoff far longer than the test: only a promotion can bring the learner back in time.
     "health": {"heartbeat_s": 0.5, "timeout_s": 8.0, "spares": 1,
-               "restart": {"backoff_initial_s": 120.0, "backoff_max_s": 120.0}},
-    "metrics": {"enabled": False},
-}
+               "restart": {"backoff_initial_s": 120.0, "backoff_max_s": 120.0}}}
 
 
 @pytest.fixture(scope="module")

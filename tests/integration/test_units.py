@@ -10,6 +10,7 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from conftest import TINY_JOB  # noqa: E402
 from islands.learners.gang import member_name  # noqa: E402
 from islands.orchestrator.cli import format_status  # noqa: E402
 from islands.orchestrator.config import JobConfig  # noqa: E402
@@ -20,18 +21,11 @@ from waiting import wait_for  # noqa: E402  (tests/integration/waiting.py)
 pytestmark = pytest.mark.ray
 
 JOB = {
-    "name": "units",
-    "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "seq_len": 32},
-    "data": {"max_bytes": 300_000, "batch_size": 4, "eval_batches": 2},
-    "learner": {"min_step_time_s": 0.05, "eval_every_s": 3.0},
-    "syncer": {"fragments": 2, "sync_every_steps": 4, "overlap_steps": 1},
-    "quorum": {"min_learners": 1, "grace_cap_s": 0.5},
+    **TINY_JOB, "name": "units", "learner": {**TINY_JOB["learner"], "eval_every_s": 3.0},
     # Region "one": two one-process learners. Region "pair": one unit of 2 hosts (processes).
     "regions": {"one": {"learners": 2}, "pair": {"learners": 1, "hosts_per_learner": 2}},
     "health": {"heartbeat_s": 0.5, "timeout_s": 20.0,
-               "restart": {"backoff_initial_s": 0.5, "backoff_max_s": 1.0}},
-    "metrics": {"enabled": False},
-}
+               "restart": {"backoff_initial_s": 0.5, "backoff_max_s": 1.0}}}
 
 
 @pytest.fixture(scope="module")
