@@ -1,9 +1,10 @@
 """Regional pre-merge (``link.premerge``) against the flat link: WAN bytes per merged token, eval
 loss and the latency a round's push waits for its reply, at L = 2 and 4 learners in one region.
 
-One process, real parts: L learner threads train the tiny byte LM (real JAX steps, int4 codes
-with error feedback, P = 2, H = 8, τ = 2) and push through a real ``LinkClient`` (the region's
-stand-in for the syncer, with its ``PreMerger`` when pre-merge is on) over a real link server
+One process, real parts: L learner threads train the tiny byte LM (real JAX steps, the job's
+default codecs both ways — nf2:64 pushes with error feedback, nf2:256 encoded replies against
+per-learner shadows — or ``--codecs int4-fp32``: int4 pushes, fp32 replies; P = 2, H = 8,
+τ = 2) and push through a real ``LinkClient`` (the region's stand-in for the syncer, with its ``PreMerger`` when pre-merge is on) over a real link server
 (gRPC, chunked streams, the byte-counting relay) to a home backed by a real ``SyncerCore``
 (weighted mean, K = L: a round merges when every live learner is in, or 2 s after its first
 push). Steps are padded to 50 ms (``learner.min_step_time_s``) so the threads keep one pace.
@@ -13,7 +14,7 @@ path's: the learners' pushes up and the merged fragments down, counted on the re
 region's other learners (the flat round waits for them at home instead) and the region's decode,
 mean and re-encode.
 
-    python benchmarks/premerge.py [--quick]
+    python benchmarks/premerge.py [--quick] [--codecs nf2|int4-fp32]
 """
 
 from __future__ import annotations
@@ -80,17 +81,25 @@ class _CoreHome:
                                    or time.monotonic() >= opened + ROUND_TIMEOUT_S):
                     result = self.core.merge(p, live_count=len(live))
                     self.rounds[p] += 1
-                    self.results[p] = (result.params, result.version)
+                    # Per learner: the full fragment or its encoded update (downlink codec).
+                    self.results[p] = (self.core.updates(result), result.version)
                     self.cond.notify_all()
                     break
                 if not slot.round:   # our round was dropped (a forget): not in a merge
                     return Reply("dropped", p, 0)
                 self.cond.wait(max(0.01, opened + ROUND_TIMEOUT_S - time.monotonic()))
-            params, version = self.results[p]
-        return Reply("merged", p, 0, params, version)
+            updates, version = self.results[p]
+        # A pre-merged push's members share one update (syncer/core.py: updates).
+        name = push.members[0].learner if push.members else push.learner
+        return Reply("merged", p, 0, None, version, update=updates[name])
 
 
-def _run(learners: int, premerge: bool, steps: int, seed: int) -> dict:
+# Codecs, as (push codec, its block, downlink codec or None for fp32 replies, its block).
+CODECS = {"nf2": ("nf2", 64, "nf2", 256),      # the job's defaults
+          "int4-fp32": ("int4", 64, None, 0)}  # the first figures' setting
+
+
+def _run(learners: int, premerge: bool, steps: int, seed: int, codecs: str = "nf2") -> dict:
     from islands.learners import data, inner, model
     from islands.learners.core import LearnerCore
     from islands.learners.loop import LearnerLoop
@@ -98,6 +107,7 @@ def _run(learners: int, premerge: bool, steps: int, seed: int) -> dict:
     from islands.link.server import ServerSettings, serve
     from islands.orchestrator.config import JobConfig
     from islands.syncer import codec as C
+    from islands.syncer import downlink as downlink_lib
     from islands.syncer import fragments, outer
     from islands.syncer.core import SyncerCore, SyncerSettings
     from islands.syncer.merge import MergeRule
@@ -113,16 +123,21 @@ def _run(learners: int, premerge: bool, steps: int, seed: int) -> dict:
     train_step = inner.make_train_step(cfg, opt)
     evaluate = inner.make_eval_fn(cfg)
     eval_set = data.eval_batches(corpus.eval, batch, cfg.seq_len, 4)
-    codec = C.make_codec("int4")
+    up_kind, up_block, down_kind, down_block = CODECS[codecs]
+    codec = C.make_codec(up_kind, block_size=up_block)
+    down = downlink_lib.DownlinkSettings(
+        C.make_codec(down_kind, block_size=down_block) if down_kind else None)
     core = SyncerCore([fragments.extract(params, plan, p) for p in range(P)],
                       SyncerSettings(min_learners=learners, overlap_steps=tau,
                                      merge_rule=MergeRule.MEAN), outer.build(),
-                      lambda c: C.decode_tree(codec, c), is_embedding=model.is_embedding_path)
+                      lambda c: C.decode_tree(codec, c), is_embedding=model.is_embedding_path,
+                      downlink=down)
     home = _CoreHome(core)
     config = JobConfig.model_validate({
         "regions": {"far": {"learners": learners, "remote": True}},
         "syncer": {"fragments": P, "sync_every_steps": H, "overlap_steps": tau,
                    "merge_rule": "mean"},
+        "compression": {"type": up_kind, "block_size": up_block},   # the region's re-encode
         "link": {"port": 0, "premerge": premerge, "premerge_window_s": 5.0}})
     server, port = serve(home, config.model_dump_json(), ServerSettings(port=0, token="bench"))
     client = LinkClient(ClientSettings(home=f"127.0.0.1:{port}", region="far", token="bench",
@@ -158,7 +173,8 @@ def _run(learners: int, premerge: bool, steps: int, seed: int) -> dict:
                 while not replies.empty():
                     push, reply = replies.get()
                     if reply.status == "merged":
-                        lc.offer_reply(push.fragment, reply.params, reply.version)
+                        lc.offer_reply(push.fragment, reply.update if reply.update is not None
+                                       else reply.params, reply.version)
                     else:
                         lc.refused(push.fragment, reply.reason or reply.status.value,
                                    reply.params, reply.version)
@@ -180,7 +196,7 @@ def _run(learners: int, premerge: bool, steps: int, seed: int) -> dict:
                 t.join()
             client.forget(names[i], 0, "finished")
 
-        if client.premerger is not None:   # compile the region's int4 encode before timing
+        if client.premerger is not None:   # compile the region's re-encode before timing
             for p in range(P):
                 zeros = {k: np.zeros_like(np.asarray(v)) for k, v in
                          fragments.extract(params, plan, p).items()}
@@ -201,7 +217,7 @@ def _run(learners: int, premerge: bool, steps: int, seed: int) -> dict:
         client.close()
         server.stop(0)
     merged = counts.get("merged_tokens", 0)
-    return {"learners": learners, "mode": "premerge" if premerge else "flat",
+    return {"learners": learners, "mode": "premerge" if premerge else "flat", "codecs": codecs,
             "wan_pushes": counts.get("wan_pushes", 0), "merged_tokens": merged,
             "up_B_per_token": (counters["up"] - start["up"]) / max(merged, 1),
             "down_B_per_token": (counters["down"] - start["down"]) / max(merged, 1),
@@ -211,12 +227,16 @@ def _run(learners: int, premerge: bool, steps: int, seed: int) -> dict:
 
 
 def main() -> None:
-    args = parser(__doc__).parse_args()
+    p = parser(__doc__)
+    p.add_argument("--codecs", choices=sorted(CODECS), default="nf2",
+                   help="nf2: the job's defaults, nf2:64 pushes and nf2:256 replies (encoded "
+                        "downlink); int4-fp32: int4 pushes and fp32 replies")
+    args = p.parse_args()
     steps = 96 if args.quick else 240
     rows = []
     for learners in (2, 4):
-        flat = _run(learners, False, steps, args.seed)
-        pm = _run(learners, True, steps, args.seed)
+        flat = _run(learners, False, steps, args.seed, args.codecs)
+        pm = _run(learners, True, steps, args.seed, args.codecs)
         pm["up_vs_flat"] = pm["up_B_per_token"] / flat["up_B_per_token"]
         pm["down_vs_flat"] = pm["down_B_per_token"] / flat["down_B_per_token"]
         pm["added_round_ms"] = pm["round_ms"] - flat["round_ms"]
@@ -238,10 +258,12 @@ def main() -> None:
         ax.set_xticks(x, ["L = 2", "L = 4"])
         ax.set_ylabel(label)
         ax.legend()
-    fig.suptitle("Regional pre-merge vs flat link (tiny byte LM, int4)")
+    fig.suptitle(f"Regional pre-merge vs flat link (tiny byte LM, {args.codecs})")
     fig.tight_layout()
-    save_figure(fig, args.out, "premerge.png")
-    finish("premerge", {"benchmark": "premerge", "quick": args.quick, "steps": steps,
+    suffix = "" if args.codecs == "int4-fp32" else f"_{args.codecs}"
+    save_figure(fig, args.out, f"premerge{suffix}.png")
+    finish(f"premerge{suffix}", {"benchmark": "premerge", "codecs": args.codecs,
+                                 "quick": args.quick, "steps": steps,
                         "rows": rows, "machine": machine()}, args.out)
 
 

@@ -213,11 +213,16 @@ class LinkClient:
         return {"epoch": self.epoch, "versions": self.status_cache.get("versions"),
                 "restored_from": None}
 
-    def register(self, learner: str, incarnation: int, adopted: Optional[list] = None) -> dict:
-        reply = self._streamed("Register", wire.register_to_pb(learner, incarnation, adopted),
+    def register(self, learner: str, incarnation: int, adopted: Optional[list] = None,
+                 session: Optional[str] = None, syncer_shard: int = 0) -> dict:
+        """Registers with the home's syncer shard ``syncer_shard`` (the region's ``LinkShard``
+        actors pass theirs); ``session``: the one the learner carries to the other shards."""
+        reply = self._streamed("Register", wire.register_to_pb(learner, incarnation, adopted,
+                                                               session or "", syncer_shard),
                                pb.RegisterReply, self.settings.register_timeout_s)
         reg = wire.registration_from_pb(reply)
-        self.epoch = reg["epoch"]
+        if syncer_shard == 0:
+            self.epoch = reg["epoch"]
         if self.premerger is not None:
             self.premerger.registered(learner, incarnation)
         return reg
@@ -589,3 +594,45 @@ def check_local_files(settings: ClientSettings, now_s: Optional[float] = None) -
             when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(expiry))
             return f"{flag} {path} expired at {when}: the home would refuse it"
     return None
+
+
+class LinkShard:
+    """Syncer shard ``s`` > 0 of a home job with ``syncer.shards`` > 1, in a region's cluster
+    (named ``islands:syncer-<s>`` there, as the shard is at home): the region's learners find
+    every shard by name as they would at home; registrations name the shard, everything else is
+    the one ``LinkClient``'s (a push goes to the home shard that owns its fragment)."""
+
+    def __init__(self, syncer_shard: int, namespace: str, link_name: str = "islands:syncer"):
+        import ray
+
+        self.syncer_shard = int(syncer_shard)
+        self.link = ray.get_actor(link_name, namespace=namespace)
+        self.closed = threading.Event()
+
+    def _get(self, ref, timeout_s: Optional[float] = None):
+        import ray
+
+        return ray.get(ref, timeout=timeout_s)
+
+    def ready(self) -> dict:
+        return self._get(self.link.ready.remote(), 30)
+
+    def register(self, learner: str, incarnation: int, adopted: Optional[list] = None,
+                 session: Optional[str] = None) -> dict:
+        return self._get(self.link.register.remote(learner, incarnation, adopted, session,
+                                                   self.syncer_shard))
+
+    def push(self, push):
+        return self._get(self.link.push.remote(push))
+
+    def forget(self, learner: str, incarnation: Optional[int] = None, reason: str = "") -> int:
+        return 0   # the link forgets at every home shard at once (the agent calls it there)
+
+    def set_fleet(self, slowest_step_s: float, paused: bool = False) -> None:
+        """The home syncer's pace is the home controller's to set."""
+
+    def ping(self) -> str:
+        return "ok"
+
+    def wait_closed(self) -> None:
+        self.closed.wait()

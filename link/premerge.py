@@ -77,7 +77,9 @@ def round_key(push) -> tuple:
 
 def base_key(push) -> tuple:
     """Pushes of a round pre-merge together when they share a base: their outer gradients share
-    Θ − base, so their mean is the mean of their drifts. A round whose learners hold different
+    Θ − base, so their mean is the mean of their drifts. With an encoded downlink the base is a
+    shadow (its id); the home sends a group's members one update and one shadow, so learners
+    that merged together share a base again. A round whose learners hold different
     bases leaves as one push per base, together (they then merge together and adopt one version,
     so their next round shares a base again)."""
     return (push.base_version, push.base_shadow)
@@ -188,8 +190,8 @@ class PreMerger:
     def push(self, push):
         """Blocks until the home answered the round ``push`` is in; returns this learner's
         Reply."""
-        if push.base_shadow != 0 or push.members:
-            return self.send(push)   # an encoded-downlink base cannot be averaged (refused)
+        if push.members:
+            return self.send(push)
         with self.cond:
             key = round_key(push)
             group = self.open.get(key)

@@ -22,6 +22,7 @@ from typing import Optional
 from islands.learners.messages import beat_dict
 from islands.orchestrator import fleet as fleet_lib
 from islands.orchestrator.controller import Controller
+from islands.orchestrator.groups import SyncerShards
 from islands.orchestrator.runtime import NAMESPACE, ON_HEAD, SYNCER_NAME, controller_options
 
 log = logging.getLogger("islands.link")
@@ -29,8 +30,9 @@ log = logging.getLogger("islands.link")
 
 def region_config(config: dict, region: str):
     """The JobConfig the region's agent runs: the home job's, with only ``region`` (local to
-    this cluster, its WAN emulated on the link rather than in the learners), no chaos plan of
-    its own, no link server and no quorum (the home syncer's quorum is the one that counts).
+    this cluster, its WAN emulated on the link rather than in the learners, with the warm spares
+    ``health.spares`` gives it), no chaos plan of its own, no link server and no quorum (the
+    home syncer's quorum is the one that counts).
 
     Raises:
       ValueError: ``region`` is not a remote region of the job.
@@ -44,8 +46,9 @@ def region_config(config: dict, region: str):
                          f"{config.get('name')!r}; its remote regions are {remote}")
     mine = {**regions[region], "remote": False, "latency_ms": 0.0, "bandwidth_gbps": 1e6}
     metrics = {**config.get("metrics", {}), "enabled": False}
-    # No warm spares on the region's side yet (docs/architecture.md#warm-spares).
-    health = {**config.get("health", {}), "spares": 0}
+    # The region's warm spares are the agent's to keep, as the home keeps its own regions'.
+    health = {**config.get("health", {}),
+              "spares": JobConfig.model_validate(config).configured_spares(region)}
     return JobConfig.model_validate({**config, "regions": {region: mine}, "chaos": None,
                                      "link": {}, "metrics": metrics, "health": health,
                                      "quorum": {**config["quorum"], "min_learners": 1}})
@@ -71,8 +74,15 @@ class RegionController(Controller):
         return dataclasses.replace(super()._fleet_settings(), first_shard=self.shard_base,
                                    num_shards=self.num_shards)
 
+    def _init_shards(self) -> None:
+        """The agent's one syncer is the link, whatever ``syncer.shards`` the job has: the
+        home's shards are behind it (the region's learners reach shards s > 0 through the
+        ``LinkShard`` actors ``join`` starts; their forgets and statuses are the link's)."""
+        super()._init_shards()
+        self.shards = SyncerShards(1)
+        self.shard_status, self.shard_refusals_seen, self.started_epochs = [{}], [0], [0]
+
     def _start_syncer(self, epoch: int, restore: bool, syncer_shard: int = 0) -> None:
-        # The link is the region's one syncer (a job with remote regions has one shard).
         ready = self.shards.attach(0, SYNCER_NAME, self.settings.placement_timeout_s)
         self.syncer = self.shards.handles[0]   # the link client, for the agent's own calls
         self.emit("link_ready", region=self.region, epoch=ready["epoch"])
@@ -178,7 +188,7 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
     """
     import ray
 
-    from .client import LinkClient
+    from .client import LinkClient, LinkShard
 
     started = False
     previous_term = None
@@ -208,6 +218,13 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
         except ray.exceptions.RayTaskError as exc:
             raise (exc.cause if isinstance(getattr(exc, "cause", None), Exception) else exc)
         config = region_config(joined["config"], settings.region)
+        # The home's other syncer shards, by name (held here: an actor lives while its handle).
+        shard_links = []
+        for s in range(1, config.syncer.shards):
+            shard_links.append(ray.remote(LinkShard).options(
+                name=f"{SYNCER_NAME}-{s}", namespace=NAMESPACE, num_cpus=0, max_concurrency=128,
+                resources=dict(ON_HEAD)).remote(s, NAMESPACE, SYNCER_NAME))
+        ray.get([h.ping.remote() for h in shard_links])
         home_timeout_s = float(joined["config"].get("link", {}).get("agent_home_timeout_s",
                                                                       300.0))
         run_dir = os.path.abspath(run_dir or os.path.join(

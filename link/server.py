@@ -117,9 +117,13 @@ class LinkServicer(pb_grpc.LinkServicer):
 
     def Register(self, request_iterator, context):
         msg = self._read(request_iterator, pb.RegisterRequest, context)
-        learner, incarnation, adopted = wire.register_from_pb(msg)
+        learner, incarnation, adopted, session, syncer_shard = wire.register_from_pb(msg)
         self._remote_region(learner.rsplit(":", 1)[0], context)
-        reg = self._call(context, self.home.register, learner, incarnation, adopted)
+        if syncer_shard >= self.home.num_shards:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"syncer shard {syncer_shard}: the job has {self.home.num_shards}")
+        reg = self._call(context, self.home.register, learner, incarnation, adopted, session,
+                         syncer_shard)
         yield from self._send(wire.registration_to_pb(reg), context)
 
     def Push(self, request_iterator, context):
@@ -209,32 +213,43 @@ def serve(home, config_json: str, settings: ServerSettings, with_servicer: bool 
 
 
 class RayHome:
-    """The backend the link server calls in the home cluster: the syncer and controller actors."""
+    """The backend the link server calls in the home cluster: the syncer shards and the
+    controller, by name. A push goes to the shard that owns its fragment, a registration to the
+    shard the learner names, a forget to every shard (as the home controller's own)."""
 
     def __init__(self, namespace: str, syncer_name: str, controller_name: str, paths: list,
-                 timeout_s: float = 30.0):
+                 timeout_s: float = 30.0, owned: Optional[tuple] = None):
         self.namespace, self.syncer_name, self.controller_name = (namespace, syncer_name,
                                                                   controller_name)
         self.paths, self.timeout_s = paths, timeout_s
-        self._syncer = None
+        self.owned = owned or (tuple(range(len(paths))),)   # global fragment ids per shard
+        self.shard_of = {p: s for s, ids in enumerate(self.owned) for p in ids}
+        self._syncers: dict[int, Any] = {}
+
+    @property
+    def num_shards(self) -> int:
+        return len(self.owned)
 
     def _actor(self, name):
         import ray
 
         return ray.get_actor(name, namespace=self.namespace)
 
-    def _sync(self, method: str, *args, timeout_s: Optional[float] = None):
-        """Calls the syncer; after a syncer restart its new handle is looked up again."""
+    def _shard_name(self, s: int) -> str:
+        return self.syncer_name if s == 0 else f"{self.syncer_name}-{s}"
+
+    def _sync(self, method: str, *args, timeout_s: Optional[float] = None, shard: int = 0):
+        """Calls syncer shard ``shard``; after its restart the new handle is looked up again."""
         import ray
 
         for attempt in range(2):
-            if self._syncer is None:
-                self._syncer = self._actor(self.syncer_name)
+            if self._syncers.get(shard) is None:
+                self._syncers[shard] = self._actor(self._shard_name(shard))
             try:
-                return ray.get(getattr(self._syncer, method).remote(*args),
+                return ray.get(getattr(self._syncers[shard], method).remote(*args),
                                timeout=timeout_s or self.timeout_s)
             except ray.exceptions.RayActorError:
-                self._syncer = None
+                self._syncers[shard] = None
                 if attempt:
                     raise
         raise RuntimeError("unreachable")
@@ -242,14 +257,17 @@ class RayHome:
     def epoch(self) -> int:
         return int(self._sync("ready")["epoch"])
 
-    def register(self, learner, incarnation, adopted):
-        return self._sync("register", learner, incarnation, adopted or None)
+    def register(self, learner, incarnation, adopted, session: str = "", syncer_shard: int = 0):
+        return self._sync("register", learner, incarnation, adopted or None, session or None,
+                          shard=syncer_shard)
 
     def push(self, push):
         import ray
 
+        # An unknown fragment goes to shard 0, whose core refuses it as one.
+        shard = self.shard_of.get(push.fragment, 0)
         try:  # the reply comes when the round merges: no timeout of ours (the client's deadline)
-            return self._sync("push", push, timeout_s=3600.0)
+            return self._sync("push", push, timeout_s=3600.0, shard=shard)
         except ray.exceptions.RayActorError:
             from islands.syncer.actor import Reply
 
@@ -258,7 +276,8 @@ class RayHome:
                          detail="the home syncer restarted")
 
     def forget(self, learner, incarnation, reason):
-        return self._sync("forget", learner, incarnation, reason)
+        return sum(int(self._sync("forget", learner, incarnation, reason, shard=s))
+                   for s in range(self.num_shards))
 
     def report(self, report: dict) -> dict:
         import ray
@@ -267,23 +286,40 @@ class RayHome:
         return ray.get(controller.link_report.remote(report), timeout=self.timeout_s)
 
     def global_params(self):
-        return self._sync("global_params")
+        """(flat parameters, versions by global fragment id) from every shard."""
+        flat, versions = {}, [0] * len(self.paths)
+        for s, ids in enumerate(self.owned):
+            part, local = self._sync("global_params", shard=s)
+            flat.update(part)
+            for p, v in zip(ids, local, strict=True):
+                versions[p] = v
+        return flat, versions
 
     def fragment_paths(self) -> list:
         return self.paths
 
 
-def fragment_paths(config: dict) -> list[list[str]]:
-    """Each fragment's parameter paths for a JobConfig (as a dict); shapes only, no values."""
+def fragment_layout(config: dict) -> tuple[list[list[str]], tuple]:
+    """Each fragment's parameter paths for a JobConfig (as a dict), and the global fragment ids
+    each syncer shard owns (as the home controller assigns them); shapes only, no values."""
     from islands.orchestrator import build
     from islands.orchestrator.config import JobConfig
     from islands.learners.unit import build_training
     from islands.syncer import fragments as fragments_lib
+    from islands.syncer import shards as shards_lib
 
     job = JobConfig.model_validate(config)
     _, template, _, _ = build_training(build.training_spec(job), abstract=True)
     plan = fragments_lib.partition(template, job.syncer.fragments)
-    return [sorted(fragments_lib.extract(template, plan, p)) for p in range(plan.num_fragments)]
+    fragments = [fragments_lib.extract(template, plan, p) for p in range(plan.num_fragments)]
+    owned = (shards_lib.assign_fragments(shards_lib.fragment_sizes(fragments), job.syncer.shards)
+             if job.syncer.shards > 1 else (tuple(range(len(fragments))),))
+    return [sorted(f) for f in fragments], owned
+
+
+def fragment_paths(config: dict) -> list[list[str]]:
+    """Each fragment's parameter paths for a JobConfig (as a dict)."""
+    return fragment_layout(config)[0]
 
 
 class LinkServer:
@@ -293,8 +329,8 @@ class LinkServer:
                  namespace: str = "islands", syncer_name: str = "islands:syncer",
                  controller_name: str = "islands:controller"):
         self.settings = settings
-        self.home = RayHome(namespace, syncer_name, controller_name,
-                            fragment_paths(json.loads(config_json)))
+        paths, owned = fragment_layout(json.loads(config_json))
+        self.home = RayHome(namespace, syncer_name, controller_name, paths, owned=owned)
         self.job = json.loads(config_json).get("name")
         self.server, self.port, self.servicer = serve(self.home, config_json, settings,
                                                       with_servicer=True)

@@ -80,33 +80,43 @@ def fragment_from_pb(msg: pb.Fragment) -> dict[str, np.ndarray]:
 
 
 # -- pushes and replies ---------------------------------------------------------------------------
+def codes_to_pb(codes: Mapping[str, Any]) -> list:
+    """``{path: codec.Code}`` (numpy) as ``Code`` messages."""
+    return [pb.Code(path=path, kind=c.kind, dtype=str(c.dtype), shape=list(c.shape),
+                    block_size=int(c.block_size), payload=array_to_pb(c.payload),
+                    scales=array_to_pb(c.scales))
+            for path, c in codes.items()]
+
+
+def codes_from_pb(msgs: Iterable[pb.Code], what: str = "push") -> dict:
+    from islands.syncer.codec import Code
+
+    codes = {}
+    for c in msgs:
+        if c.path in codes:
+            raise WireError(f"code {c.path!r} appears twice in a {what}")
+        codes[c.path] = Code(kind=c.kind, payload=array_from_pb(c.payload),
+                             scales=array_from_pb(c.scales), shape=tuple(int(d) for d in c.shape),
+                             dtype=c.dtype, block_size=int(c.block_size))
+    return codes
+
+
 def push_to_pb(push) -> pb.PushRequest:
     """A ``syncer.validate.Push`` whose codes are numpy ``codec.Code``s (a pre-merged push's
     members travel as PushRequests without codes)."""
-    codes = [pb.Code(path=path, kind=c.kind, dtype=str(c.dtype), shape=list(c.shape),
-                     block_size=int(c.block_size), payload=array_to_pb(c.payload),
-                     scales=array_to_pb(c.scales))
-             for path, c in push.codes.items()]
     return pb.PushRequest(
-        learner=push.learner, fragment=push.fragment, codes=codes,
+        learner=push.learner, fragment=push.fragment, codes=codes_to_pb(push.codes),
         base_version=push.base_version, epoch=push.epoch, c_tokens=push.c_tokens,
         c_steps=push.c_steps, incarnation=push.incarnation, step=push.step,
         tokens_done=push.tokens_done, compute_s=push.compute_s, wire_bytes=push.wire_bytes,
         session=push.session, fates_json=json.dumps(push.fates) if push.fates is not None else "",
-        members=[push_to_pb(m) for m in push.members])
+        members=[push_to_pb(m) for m in push.members], base_shadow=int(push.base_shadow))
 
 
 def push_from_pb(msg: pb.PushRequest, member: bool = False):
-    from islands.syncer.codec import Code
     from islands.syncer.validate import Push
 
-    codes = {}
-    for c in msg.codes:
-        if c.path in codes:
-            raise WireError(f"code {c.path!r} appears twice in a push")
-        codes[c.path] = Code(kind=c.kind, payload=array_from_pb(c.payload),
-                             scales=array_from_pb(c.scales), shape=tuple(int(d) for d in c.shape),
-                             dtype=c.dtype, block_size=int(c.block_size))
+    codes = codes_from_pb(msg.codes)
     if member and (codes or msg.members):
         raise WireError("a pre-merged push's member carries no codes and no members")
     members = tuple(push_from_pb(m, member=True) for m in msg.members)
@@ -119,58 +129,84 @@ def push_from_pb(msg: pb.PushRequest, member: bool = False):
                 incarnation=int(msg.incarnation), step=int(msg.step),
                 tokens_done=int(msg.tokens_done), compute_s=float(msg.compute_s),
                 wire_bytes=int(msg.wire_bytes), session=msg.session, fates=fates,
-                members=members)
+                members=members, base_shadow=int(msg.base_shadow))
 
 
 def reply_to_pb(reply) -> pb.PushReply:
     """A ``syncer.actor.Reply``. A merged fragment crosses as a full fp32 fragment (a
-    ``FullUpdate`` is unwrapped); encoded downlink updates do not cross the link (JobConfig
-    refuses a remote region with an encoded downlink)."""
-    from islands.syncer.downlink import FullUpdate
+    ``FullUpdate`` is unwrapped), an encoded downlink's ``DiffUpdate`` as its codes and shadow
+    ids (the learner across the link applies them to its own copy, as a local one does)."""
+    from islands.syncer.downlink import DiffUpdate, FullUpdate
 
-    params = reply.params
-    if params is None and reply.update is not None:
-        if not isinstance(reply.update, FullUpdate):
-            raise WireError("an encoded downlink update cannot cross the link")
-        params = reply.update.params
-    msg = pb.PushReply(status=reply.status, fragment=int(reply.fragment), epoch=int(reply.epoch),
-                       version=int(reply.version), reason=reply.reason, detail=reply.detail,
-                       has_params=params is not None)
+    params, update = reply.params, reply.update
+    if params is None and isinstance(update, FullUpdate):
+        params, update = update.params, None
+    elif update is not None and not isinstance(update, DiffUpdate):
+        raise WireError(f"a reply's update must be a FullUpdate or DiffUpdate, got "
+                        f"{type(update).__name__}")
+    msg = pb.PushReply(status=str(reply.status), fragment=int(reply.fragment),
+                       epoch=int(reply.epoch), version=int(reply.version), reason=reply.reason,
+                       detail=reply.detail, has_params=params is not None,
+                       has_update=update is not None)
     if params is not None:
         msg.params.CopyFrom(fragment_to_pb(params))
+    if update is not None:
+        if int(update.version) != int(reply.version):
+            raise WireError(f"an update of version {update.version} in a reply of version "
+                            f"{reply.version}")
+        msg.update_codes.extend(codes_to_pb(update.codes))
+        msg.update_from, msg.update_to = int(update.from_id), int(update.to_id)
     return msg
 
 
 def reply_from_pb(msg: pb.PushReply):
     from islands.syncer.actor import Reply
+    from islands.syncer.downlink import DiffUpdate
 
     if msg.status not in ("merged", "rejected", "dropped"):
         raise WireError(f"unknown reply status {msg.status!r}")
+    if msg.has_update and (msg.has_params or msg.status != "merged"):
+        raise WireError("an encoded update comes only with a merged reply, and without params")
     params = fragment_from_pb(msg.params) if msg.has_params else None
+    update = (DiffUpdate(codes_from_pb(msg.update_codes, "reply"), int(msg.update_from),
+                         int(msg.update_to), int(msg.version)) if msg.has_update else None)
     return Reply(msg.status, int(msg.fragment), int(msg.epoch), params, int(msg.version),
-                 msg.reason, msg.detail)
+                 msg.reason, msg.detail, update=update)
 
 
-def register_to_pb(learner: str, incarnation: int, adopted: Optional[list]) -> pb.RegisterRequest:
+def register_to_pb(learner: str, incarnation: int, adopted: Optional[list], session: str = "",
+                   syncer_shard: int = 0) -> pb.RegisterRequest:
     return pb.RegisterRequest(learner=learner, incarnation=incarnation, adopted=[
-        pb.AdoptedFragment(version=int(v), fragment=fragment_to_pb(f)) for v, f in adopted or []])
+        pb.AdoptedFragment(version=int(v), fragment=fragment_to_pb(f)) for v, f in adopted or []],
+        session=session or "", syncer_shard=int(syncer_shard))
 
 
-def register_from_pb(msg: pb.RegisterRequest) -> tuple[str, int, list]:
-    return msg.learner, int(msg.incarnation), [(int(a.version), fragment_from_pb(a.fragment))
-                                               for a in msg.adopted]
+def register_from_pb(msg: pb.RegisterRequest) -> tuple[str, int, list, str, int]:
+    """(learner, incarnation, adopted, session ("" for a fresh one), syncer shard)."""
+    return (msg.learner, int(msg.incarnation),
+            [(int(a.version), fragment_from_pb(a.fragment)) for a in msg.adopted],
+            msg.session, int(msg.syncer_shard))
 
 
 def registration_to_pb(reg: Mapping) -> pb.RegisterReply:
     """The dict ``Syncer.register`` returns."""
+    ids = reg.get("fragment_ids")
     return pb.RegisterReply(epoch=int(reg["epoch"]), versions=[int(v) for v in reg["versions"]],
                             session=reg["session"],
-                            fragments=[fragment_to_pb(f) for f in reg["fragments"]])
+                            fragments=[fragment_to_pb(f) for f in reg["fragments"]],
+                            fragment_ids=[int(p) for p in (ids if ids is not None
+                                                           else range(len(reg["fragments"])))],
+                            syncer_shard=int(reg.get("syncer_shard") or 0))
 
 
 def registration_from_pb(msg: pb.RegisterReply) -> dict:
+    if len(msg.fragment_ids) != len(msg.fragments) or len(msg.versions) != len(msg.fragments):
+        raise WireError(f"a registration of {len(msg.fragments)} fragments names "
+                        f"{len(msg.fragment_ids)} ids and {len(msg.versions)} versions")
     return {"epoch": int(msg.epoch), "fragments": [fragment_from_pb(f) for f in msg.fragments],
-            "versions": [int(v) for v in msg.versions], "session": msg.session}
+            "versions": [int(v) for v in msg.versions], "session": msg.session,
+            "fragment_ids": [int(p) for p in msg.fragment_ids],
+            "syncer_shard": int(msg.syncer_shard)}
 
 
 def _json(text: str, field: str) -> Any:

@@ -448,8 +448,7 @@ class JobConfig(_Section):
     # nf2 both ways by default: measured within 1 % of int4 pushes + fp32 replies (and of no
     # compression) at 1 000 steps, 3 seeds, H = 24 and 96, for ~8× fewer bytes (BENCHMARKS.md).
     compression: Compression = Nf2Codec(type="nf2", block_size=64)
-    # Unset with remote regions (or pre-merge): fp32 replies, which cross the link
-    # (_default_downlink); set explicitly, it is checked like any other value.
+    # Across the link too: the codes cross it, and the learner applies them to its own copy.
     downlink_compression: Compression = Nf2Codec(type="nf2", block_size=256)
     regions: dict[str, RegionSection] = {"local": RegionSection(learners=2)}
     health: HealthSection = HealthSection()
@@ -470,24 +469,6 @@ class JobConfig(_Section):
                                  "(it becomes the Ray resource region:<name>)")
         return regions
 
-    @model_validator(mode="before")
-    @classmethod
-    def _default_downlink(cls, data):
-        """The encoded downlink keeps a shadow of each learner's copy at the syncer, which does
-        not cross the link yet: a job with remote regions or pre-merge that leaves
-        ``downlink_compression`` unset gets fp32 replies instead of a refusal."""
-        if not isinstance(data, dict) or "downlink_compression" in data:
-            return data
-
-        def read(obj, key):
-            return obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
-
-        regions = data.get("regions") or {}
-        remote = isinstance(regions, dict) and any(read(r, "remote") for r in regions.values())
-        if remote or read(data.get("link") or {}, "premerge"):
-            return {**data, "downlink_compression": {"type": "none"}}
-        return data
-
     @model_validator(mode="after")
     def _cross_checks(self):
         total = self.total_learners
@@ -498,18 +479,11 @@ class JobConfig(_Section):
         if remote and self.link.port is None:
             raise _FieldError("link.port", f"regions {remote} are remote (they join over the "
                               "link) but link.port is not set")
-        if remote and self.downlink_compression.type != "none":
-            raise _FieldError("downlink_compression", f"regions {remote} are remote, and an "
-                              "encoded downlink does not cross the link yet: use type none")
         if self.link.premerge and self.syncer.merge_rule != "mean":
             raise _FieldError("link.premerge", "a pre-merged push merges exactly as its learners' "
                               "pushes only under the weighted mean (RDA averages directions and "
                               "lengths, which a region's mean does not keep): set "
                               "syncer.merge_rule: mean, or link.premerge: false")
-        if remote and self.syncer.shards > 1:
-            raise _FieldError("syncer.shards", f"regions {remote} are remote, and the link "
-                              f"talks to one syncer: syncer.shards ({self.syncer.shards}) must "
-                              "be 1 with remote regions")
         spares = self.health.spares
         if isinstance(spares, dict):
             for name, n in spares.items():
@@ -518,9 +492,6 @@ class JobConfig(_Section):
                                       f"regions are {sorted(self.regions)}")
                 if n < 0:
                     raise _FieldError(f"health.spares.{name}", f"must be >= 0, got {n}")
-                if self.regions[name].remote and n > 0:
-                    raise _FieldError(f"health.spares.{name}", f"region {name!r} is remote: its "
-                                      "agent starts its learners (spares are not supported there)")
         elif spares < 0:
             raise _FieldError("health.spares", f"must be >= 0, got {spares}")
         for name, region in self.regions.items():
@@ -551,9 +522,14 @@ class JobConfig(_Section):
                 for i in range(region.learners)]
 
     def spares_of(self, region: str) -> int:
-        """Warm spares kept for ``region`` (none for a remote region: its agent runs it)."""
+        """Warm spares this job's controller keeps for ``region`` (none for a remote region: its
+        agent keeps them, ``configured_spares``)."""
         if self.regions[region].remote:
             return 0
+        return self.configured_spares(region)
+
+    def configured_spares(self, region: str) -> int:
+        """``health.spares`` for ``region`` as written (an int is every region's)."""
         spares = self.health.spares
         return int(spares.get(region, 0) if isinstance(spares, dict) else spares)
 

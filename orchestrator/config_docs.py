@@ -51,9 +51,9 @@ FIELD_NOTES: dict[str, str] = {
                             "the merged fragment in fp32; any other codec sends the encoded "
                             "difference to the copy the syncer records for that learner (a "
                             "shadow), so both ends hold the same bits. Default: "
-                            "`{type: nf2, block_size: 256}`; with remote regions or "
-                            "`link.premerge` and this left unset, `none` (the shadows do not "
-                            "cross the link yet).",
+                            "`{type: nf2, block_size: 256}`, for remote regions too (the "
+                            "codes cross the link; with `link.premerge` a region's learners "
+                            "that merged together share one shadow and one reply).",
     "regions": "The regions and their learners, by region name.",
     "health": "Failure detection and the restart policy.",
     "metrics": "The Prometheus endpoint.",
@@ -248,7 +248,8 @@ FIELD_NOTES: dict[str, str] = {
     "health.spares": "Warm spare learner processes kept per region (an int for every region, "
                      "or {region: n}): each has imported JAX, built the task, compiled the step "
                      "and found the syncer, and takes a failed (or new) learner's place at once. "
-                     "Each holds a learner's resources (its `region:<name>` unit and devices).",
+                     "Each holds a learner's resources (its `region:<name>` unit and devices). "
+                     "A remote region's agent keeps that region's spares in its own cluster.",
     "health.straggler_window_s": "Seconds a learner must stay slow before it is called a "
                                  "straggler (a moment of slowness is timing noise).",
     "health.straggler_min_excess_s": "Slow also means at least this many seconds above the "

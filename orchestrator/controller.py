@@ -298,6 +298,13 @@ class Controller:
             if slot.state in fleet_lib.GONE:
                 slots.append(slot)
                 continue
+            if self.config.regions[slot.region].remote:
+                # Its agent runs it in the region's own cluster: nothing here to re-attach or
+                # relaunch. It is kept as saved; the agent's next report (every second) says
+                # how it is, and its beats time from now.
+                slots.append(dataclasses.replace(slot, last_beat_s=now))
+                self.running[slot.learner] = Incarnation(slot.incarnation, remote=True)
+                continue
             # Still running? then it keeps training under the new controller.
             info = self.groups.reattach(slot.learner, slot.actor or slot.learner,
                                         self.config.regions[slot.region].devices().hosts)

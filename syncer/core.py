@@ -146,6 +146,9 @@ class MergeResult:
     refused: bool = False    # the merged fragment failed its check: Θ and the version unchanged
     # Per learner (aligned with ``learners``): (base id, base version, base) it pushed from.
     bases: tuple = ()
+    # Per learner: the pre-merged push it came in (None: its own push). A group's members share
+    # one base, so they are sent one update and keep one shadow (they pre-merge again next round).
+    groups: tuple = ()
 
 
 def shared_gradients(contributions: Sequence[Contribution], weights: Sequence[float]
@@ -575,19 +578,32 @@ class SyncerCore:
             staleness=tuple(c.staleness for c in contributions), reason=reason,
             outer_grad_norm=grad_norm,
             bases=tuple((c.push.base_shadow, c.push.base_version, c.base)
-                        for c in contributions))
+                        for c in contributions),
+            groups=tuple(c.group for c in contributions))
 
     def updates(self, result: MergeResult) -> dict[str, Any]:
         """What each learner of a merge is sent back (``downlink.FullUpdate`` or ``DiffUpdate``);
-        records the shadow each encoded update leaves. Call once per merge, right after it."""
+        records the shadow each encoded update leaves. Call once per merge, right after it.
+
+        The members of one pre-merged push share their base, so they get the same update and the
+        same shadow (one id): the region fans one reply out, and their next pushes share a base
+        again and pre-merge again."""
         out = {}
         history = self.slots[result.fragment].history
-        for name, (base_id, base_version, base) in zip(result.learners, result.bases,
-                                                       strict=True):
+        groups = result.groups or (None,) * len(result.learners)
+        made: dict[tuple, tuple] = {}   # (group, base id, base version) -> (update, shadow)
+        for name, (base_id, base_version, base), group in zip(result.learners, result.bases,
+                                                              groups, strict=True):
             key = (name, result.fragment)
-            update, shadow = downlink_lib.make_update(
-                self.downlink, base, base_id, base_version, result.params, result.version,
-                next(self._shadow_ids), history.get(base_version))
+            shared = (group, base_id, base_version) if group is not None else None
+            if shared in made:
+                update, shadow = made[shared]
+            else:
+                update, shadow = downlink_lib.make_update(
+                    self.downlink, base, base_id, base_version, result.params, result.version,
+                    next(self._shadow_ids), history.get(base_version))
+                if shared is not None:
+                    made[shared] = (update, shadow)
             if shadow is None:
                 self.shadows.pop(key, None)
             else:

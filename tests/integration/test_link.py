@@ -130,6 +130,9 @@ def two_clusters(tmp_path_factory):
     token_file.write_text("the-right-token\n")
     config = {**TINY_JOB, "name": "linktest",
               "regions": {"home": {"learners": 1}, "far": {"learners": 1, "remote": True}},
+              # Two syncer shards (one fragment each) and the default encoded downlink (nf2
+              # replies): both cross the link.
+              "syncer": {**TINY_JOB["syncer"], "shards": 2},
               "health": {"timeout_s": 30.0},  # two clusters on 2 cores: no false hangs
               "link": {"port": 0, "token_file": str(token_file), "max_message_bytes": 8 << 20,
                        "keepalive_s": 2.0, "agent_home_timeout_s": 20.0,
@@ -217,10 +220,20 @@ def test_remote_merges_partition_and_a_local_restart(two_clusters):
 
     link, agent = two_clusters["link"], two_clusters["agent"]
     status = lambda: ray.get(link.link_status.remote())  # noqa: E731
-    # 1. The remote learner's pushes merge at home.
+    # 1. The remote learner's pushes merge at home, on both syncer shards (one fragment each),
+    # and its replies are encoded updates: down is about up (nf2:256 replies vs nf2:64 pushes),
+    # where fp32 fragments would be ~14x up.
     _wait(lambda: status()["counts"].get("pushes_merged", 0) >= 3, 300, "3 remote merges")
     first = status()
     assert first["bytes"]["up"] > 0 and first["bytes"]["down"] > 0
+    ledger = _wait(lambda: (ray.get(link.status.remote())["ledger"].get("far:0") or {})
+                   if len((ray.get(link.status.remote())["ledger"].get("far:0") or {})
+                          .get("merged_steps") or {}) == 2 else None, 120,
+                   "far:0 merged on both shards")
+    assert sorted(int(p) for p in ledger["merged_steps"]) == [0, 1]
+    beat = _wait(lambda: next((b for b in [ray.get(agent.snapshot.remote())["learners"].get("far:0")]
+                               if b and b.get("wire_bytes_up_total")), None), 60, "far:0 bytes")
+    assert 0 < beat["wire_bytes_down_total"] < 2 * beat["wire_bytes_up_total"], beat
 
     # 2. A 10 s partition of the link: no restart; contributing again within seconds of its end.
     before = len(_events(agent))

@@ -141,36 +141,38 @@ def test_union_errors_name_the_yaml_path(raw, message):
     assert message in str(info.value)
 
 
-def test_a_remote_region_with_an_encoded_downlink_is_refused():
-    from islands.orchestrator.config import ConfigError, parse
+def test_a_remote_region_takes_any_downlink_codec():
+    """The encoded downlink crosses the link (its codes do; the shadow stays at home and the
+    learner applies the codes to its own copy), so remote regions are not refused one."""
+    from islands.orchestrator.config import parse
 
-    with pytest.raises(ConfigError, match="downlink_compression"):
-        parse({"regions": {"a": {"learners": 1, "remote": True}}, "link": {"port": 7000},
-               "downlink_compression": {"type": "int4"}})
+    job = parse({"regions": {"a": {"learners": 1, "remote": True}}, "link": {"port": 7000},
+                 "downlink_compression": {"type": "int4"}})
+    assert job.downlink_compression.type == "int4"
 
 
-def test_a_region_agent_runs_no_warm_spares_whatever_the_home_keeps():
-    """health.spares: 1 means every local region of the home; the agent's config makes its
-    region local, so it must say 0 explicitly (spares are not supported over the link yet)."""
+def test_a_region_agent_keeps_the_warm_spares_the_home_gives_its_region():
+    """health.spares as written applies to remote regions too, but their agent keeps them: the
+    home's fleet keeps none for a remote region, the agent's config (its region local) does."""
     from islands.link.region import region_config
 
-    home = {"name": "j", "quorum": {"min_learners": 1}, "health": {"spares": 1},
-            "link": {"port": 50051},
-            "regions": {"home": {"learners": 2}, "far": {"learners": 2, "remote": True}}}
-    assert parse(home).spares_of("home") == 1 and parse(home).spares_of("far") == 0
-    agent = region_config(home, "far")
-    assert agent.spares_of("far") == 0 and not agent.regions["far"].remote
+    for spares, far in ((1, 1), ({"home": 2}, 0), ({"far": 2}, 2)):
+        home = {"name": "j", "quorum": {"min_learners": 1}, "health": {"spares": spares},
+                "link": {"port": 50051},
+                "regions": {"home": {"learners": 2}, "far": {"learners": 2, "remote": True}}}
+        assert parse(home).spares_of("far") == 0   # the home runs none there
+        agent = region_config(home, "far")
+        assert agent.spares_of("far") == far and not agent.regions["far"].remote
 
 
-def test_the_downlink_default_is_fp32_where_an_encoded_one_cannot_go():
-    """Remote regions and pre-merge take fp32 replies when downlink_compression is left unset
-    (the encoded downlink's per-learner shadows do not cross the link); set, it is refused."""
+def test_the_downlink_default_is_the_same_with_remote_regions_and_premerge():
+    """nf2:256 replies everywhere: remote regions and pre-merge no longer fall back to fp32."""
     remote = {"regions": {"a": {"learners": 1}, "far": {"learners": 1, "remote": True}},
               "link": {"port": 7443}}
-    assert parse(remote).downlink_compression.type == "none"
-    assert parse(remote).compression.type == "nf2"   # pushes stay encoded
     premerge = {"regions": {"a": {"learners": 2}}, "link": {"premerge": True},
                 "syncer": {"merge_rule": "mean"}}
-    assert parse(premerge).downlink_compression.type == "none"
-    with pytest.raises(ConfigError, match="downlink_compression: regions .*far.* are remote"):
-        parse({**remote, "downlink_compression": {"type": "nf2"}})
+    for raw in (remote, premerge):
+        down = parse(raw).downlink_compression
+        assert (down.type, down.block_size) == ("nf2", 256)
+        assert parse({**raw, "downlink_compression": {"type": "none"}}).downlink_compression.type \
+            == "none"

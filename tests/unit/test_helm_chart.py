@@ -808,9 +808,6 @@ def test_link_notes_say_how_to_join():
      "regions.local.maxLearners: 1 is below learners (2)"),
     ({"regions": {"local": {**LOCAL, "minLearners": 4}}},
      "regions.local.minLearners: 4 is above maxLearners (3)"),
-    ({"regions": {"local": LOCAL, "far": {"learners": 1, "remote": True}},
-      "link": {"server": {"enabled": True, **LINK_SECRETS}}, "jobConfig": {"syncer": {"shards": 2}}},
-     "jobConfig.syncer.shards: regions far are remote, and the link talks to one syncer"),
     ({"job": {"extraArgs": ["--resume"]}}, "job.extraArgs: --resume: the chart's entrypoint "
                                            "already passes --resume-or-start"),
     # KubeRay's own rules that its CRD schema does not carry

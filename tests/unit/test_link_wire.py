@@ -106,17 +106,65 @@ def test_the_checked_in_generated_code_is_current(tmp_path):
             f"{name} is stale: run python -m islands.link.codegen"
 
 
-def test_a_merged_full_update_crosses_as_its_fragment_and_a_diff_is_refused():
+def test_a_merged_full_update_crosses_as_its_fragment_and_a_diff_as_its_codes():
     import numpy as np
 
     from islands.link import wire
+    from islands.syncer import codec as C
+    from islands.syncer import downlink
     from islands.syncer.actor import Reply
     from islands.syncer.downlink import DiffUpdate, FullUpdate
 
     fragment = {"w": np.arange(6, dtype=np.float32).reshape(2, 3)}
     reply = Reply("merged", 1, 3, None, 7, update=FullUpdate(fragment, 7))
     back = wire.reply_from_pb(wire.reply_to_pb(reply))
-    assert back.status == "merged" and back.version == 7
+    assert back.status == "merged" and back.version == 7 and back.update is None
     np.testing.assert_array_equal(back.params["w"], fragment["w"])
-    with pytest.raises(wire.WireError, match="encoded downlink"):
-        wire.reply_to_pb(Reply("merged", 1, 3, None, 7, update=DiffUpdate({}, 0, 1, 7)))
+    # An encoded update: the learner across the link resolves it to the same bits as the
+    # shadow the syncer recorded (the docstring example of syncer/downlink.py).
+    settings = downlink.DownlinkSettings(C.make_codec("int2", block_size=4))
+    base = {"w": np.array([1.0, 1.0, 1.0, 1.0], np.float32)}
+    new = {"w": np.array([1.75, 0.75, 1.0, 1.25], np.float32)}
+    update, shadow = downlink.make_update(settings, base, 0, 3, new, 4, 7)
+    back = wire.reply_from_pb(wire.reply_to_pb(Reply("merged", 1, 3, None, 4, update=update)))
+    assert isinstance(back.update, DiffUpdate) and back.params is None
+    assert (back.update.from_id, back.update.to_id, back.update.version) == (0, 7, 4)
+    assert downlink.update_bytes(back.update) == downlink.update_bytes(update) == 5
+    got, version, new_id = downlink.resolve(back.update, base, 0)
+    assert (version, new_id) == (4, 7)
+    np.testing.assert_array_equal(got["w"], shadow.params["w"])
+    assert got["w"].tolist() == [1.75, 0.75, 1.25, 1.25]
+    with pytest.raises(wire.WireError, match="version 4 in a reply of version 5"):
+        wire.reply_to_pb(Reply("merged", 1, 3, None, 5, update=update))
+    # A push's base shadow crosses too (the syncer checks it against the shadow it holds).
+    push, _ = _push()
+    import dataclasses
+
+    shadowed = dataclasses.replace(push, base_shadow=(5 << 32) + 9)
+    assert wire.push_from_pb(wire.push_to_pb(shadowed)).base_shadow == (5 << 32) + 9
+    assert wire.push_from_pb(wire.push_to_pb(push)).base_shadow == 0
+
+
+def test_a_registration_names_its_syncer_shard_and_session_and_the_reply_its_fragment_ids():
+    from islands.link import link_pb2 as pb
+
+    held = [(4, {"w": np.ones(3, np.float32)})]
+    msg = wire.parse(wire.register_to_pb("far:0", 2, held, "sess", 1).SerializeToString(),
+                     pb.RegisterRequest)
+    learner, incarnation, adopted, session, shard = wire.register_from_pb(msg)
+    assert (learner, incarnation, session, shard) == ("far:0", 2, "sess", 1)
+    assert adopted[0][0] == 4 and adopted[0][1]["w"].tolist() == [1.0, 1.0, 1.0]
+    # A shard owning global fragments 1 and 3 answers with them, in its order.
+    reg = {"epoch": 5, "fragments": [{"a": np.zeros(2, np.float32)}, {"b": np.ones(1, np.float32)}],
+           "versions": [7, 9], "session": "sess", "fragment_ids": [1, 3], "syncer_shard": 1}
+    back = wire.registration_from_pb(wire.registration_to_pb(reg))
+    assert (back["fragment_ids"], back["versions"], back["syncer_shard"], back["epoch"]) == (
+        [1, 3], [7, 9], 1, 5)
+    # A single syncer's registration (no ids) counts its fragments from 0.
+    single = wire.registration_from_pb(wire.registration_to_pb(
+        {"epoch": 0, "fragments": reg["fragments"], "versions": [1, 2], "session": "s"}))
+    assert single["fragment_ids"] == [0, 1] and single["syncer_shard"] == 0
+    broken = wire.registration_to_pb(reg)
+    del broken.fragment_ids[:]
+    with pytest.raises(wire.WireError, match="names 0 ids"):
+        wire.registration_from_pb(broken)

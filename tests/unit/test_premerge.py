@@ -345,3 +345,50 @@ def test_forgetting_a_member_answers_the_premerged_push_dropped():
 
     dropped, reply = _actor_run(body)
     assert dropped == 2 and reply.status.value == "dropped"
+
+
+# -- pre-merge with the encoded downlink ------------------------------------------------------------
+def test_a_groups_members_share_one_update_and_one_shadow_so_they_premerge_again():
+    """The home sends a group's members one encoded update (one shadow id); each applies it to the
+    base it shares with the others, so the next round's pushes share a base again (by_base keeps
+    them together) and the home accepts their next pre-merged push against that shadow."""
+    from islands.link.premerge import by_base
+    from islands.syncer import downlink
+
+    int4 = C.make_codec("int4", 4)
+    frag = {"w": np.zeros(4, np.float32), "e": np.ones((2, 3), np.float32)}
+    core = SyncerCore([frag], SyncerSettings(merge_rule=merge_lib.MergeRule.MEAN, min_learners=1,
+                                             outlier_norm_factor=None),
+                      outer_lib.build("nesterov", lr=0.7, momentum=0.9),
+                      lambda codes: C.decode_tree(FP32, codes),
+                      downlink=downlink.DownlinkSettings(int4))
+    held = {}
+    for name in ("far:0", "far:1", "home:0"):
+        core.register(name, 0)
+        held[name] = ({k: v.copy() for k, v in frag.items()}, 0, downlink.EXACT)
+    for rnd in range(2):
+        pushes = [dataclasses.replace(_push(name, 10 * rnd + i, 64 * (i + 1), i + 1, step=rnd + 1),
+                                      base_version=held[name][1], base_shadow=held[name][2])
+                  for i, name in enumerate(("far:0", "far:1"))]
+        assert len(by_base(pushes)) == 1   # one base: one pre-merged push
+        mean = premerged_drift([C.decode_tree(FP32, p.codes) for p in pushes],
+                               premerge_weights(pushes))
+        codes = C.to_numpy(C.encode_tree(FP32, mean))
+        group = group_push("far", pushes, codes, C.tree_wire_bytes(codes))
+        assert core.accept_push(group, 0.0).ok, rnd
+        result = core.merge(0, live_count=2)
+        updates = core.updates(result)
+        assert updates["far:0"] is updates["far:1"]   # one reply fans out to both
+        assert isinstance(updates["far:0"], downlink.DiffUpdate)
+        assert core.shadows[("far:0", 0)] is core.shadows[("far:1", 0)]
+        for name in ("far:0", "far:1"):
+            base, _, base_id = held[name]
+            got, version, new_id = downlink.resolve(updates[name], base, base_id)
+            assert version == rnd + 1 and new_id == updates[name].to_id != downlink.EXACT
+            held[name] = (got, version, new_id)
+            for k in got:   # bit for bit the shadow the home keeps
+                np.testing.assert_array_equal(got[k], core.shadows[(name, 0)].params[k])
+    # One of them alone (a window that closed without the other) is judged on the same shadow.
+    alone = dataclasses.replace(_push("far:0", 99, 32, 1, step=3), base_version=held["far:0"][1],
+                                base_shadow=held["far:0"][2])
+    assert core.accept_push(alone, 0.0).ok

@@ -66,8 +66,7 @@ def test_config_field_and_its_checks():
         JobConfig.model_validate({**base, "syncer": {"fragments": 4, "shards": 5}})
     remote = {**base, "regions": {"a": {"learners": 1}, "b": {"learners": 1, "remote": True}},
               "link": {"port": 50000}, "syncer": {"fragments": 4, "shards": 2}}
-    with pytest.raises(Exception, match=r"syncer.shards \(2\) must be 1 with remote regions"):
-        JobConfig.model_validate(remote)
+    assert JobConfig.model_validate(remote).syncer.shards == 2   # the link routes by fragment
     assert ConfigError  # the CLI reports these as a ConfigError naming the field
 
 
@@ -217,3 +216,23 @@ def test_a_killed_shard_restarts_alone_and_no_version_goes_back(tmp_path):
                 s.store.close()
 
     asyncio.run(scenario())
+
+
+def test_the_link_routes_fragments_to_the_shards_the_home_controller_gives_them():
+    """The home's link server routes a remote push by fragment with ``fragment_layout``; it must
+    be the assignment the controller starts the shards with (build.syncer_spec + shard_specs)."""
+    from islands.learners.unit import build_training
+    from islands.link.server import fragment_layout
+    from islands.orchestrator import build
+    from islands.orchestrator.config import JobConfig
+    from islands.syncer.shards import shard_specs
+
+    for fragments, shards in ((4, 2), (5, 3)):
+        job = JobConfig.model_validate({"name": "t", "regions": {"a": {"learners": 1}},
+                                        "syncer": {"fragments": fragments, "shards": shards}})
+        _, template, _, _ = build_training(build.training_spec(job))
+        specs = shard_specs(build.syncer_spec(job, template, "/tmp/unused"), shards)
+        paths, owned = fragment_layout(job.model_dump(mode="json"))
+        assert owned == tuple(spec.fragment_ids for spec in specs)
+        assert len(paths) == fragments and sorted(p for ids in owned for p in ids) == list(
+            range(fragments))
