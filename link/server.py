@@ -119,9 +119,10 @@ class LinkServicer(pb_grpc.LinkServicer):
         msg = self._read(request_iterator, pb.RegisterRequest, context)
         learner, incarnation, adopted, session, syncer_shard = wire.register_from_pb(msg)
         self._remote_region(learner.rsplit(":", 1)[0], context)
-        if syncer_shard >= self.home.num_shards:
+        shards = getattr(self.home, "num_shards", 1)   # a home backend without shards has one
+        if syncer_shard >= shards:
             context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                          f"syncer shard {syncer_shard}: the job has {self.home.num_shards}")
+                          f"syncer shard {syncer_shard}: the job has {shards}")
         reg = self._call(context, self.home.register, learner, incarnation, adopted, session,
                          syncer_shard)
         yield from self._send(wire.registration_to_pb(reg), context)

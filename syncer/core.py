@@ -151,6 +151,32 @@ class MergeResult:
     groups: tuple = ()
 
 
+def regions_to_rejoin(learners: Sequence[str], bases: Sequence[tuple],
+                      groups: Sequence[Optional[str]]) -> frozenset:
+    """Regions whose learners of one merge must all get the full fragment: a region with a
+    pre-merged push in the merge and learners there from more than one base (a round that left
+    as several pushes). Each part would otherwise get its own encoded update and keep its own
+    shadow, and the region's pushes would never share a base, nor pre-merge, again; the full
+    fragment gives them one (exact) base. Names are ``region:index``, a group's
+    ``region:premerge``.
+
+    >>> regions_to_rejoin(["r:0", "r:1", "r:2", "s:0"],
+    ...                   [(7, 3, None), (7, 3, None), (9, 3, None), (5, 2, None)],
+    ...                   ["r:premerge", "r:premerge", None, None])
+    frozenset({'r'})
+    >>> regions_to_rejoin(["r:0", "r:1"], [(7, 3, None), (7, 3, None)],
+    ...                   ["r:premerge", "r:premerge"])
+    frozenset()
+    """
+    grouped = {g.rsplit(":", 1)[0] for g in groups if g is not None}
+    bases_of: dict[str, set] = {}
+    for name, (base_id, base_version, _), group in zip(learners, bases, groups, strict=True):
+        region = name.rsplit(":", 1)[0]
+        if region in grouped:
+            bases_of.setdefault(region, set()).add((base_id, base_version))
+    return frozenset(r for r, seen in bases_of.items() if len(seen) > 1)
+
+
 def shared_gradients(contributions: Sequence[Contribution], weights: Sequence[float]
                      ) -> tuple[list, list, list]:
     """(outer gradients, their norms, weights) with the members of one pre-merged push folded
@@ -591,12 +617,15 @@ class SyncerCore:
         out = {}
         history = self.slots[result.fragment].history
         groups = result.groups or (None,) * len(result.learners)
+        rejoin = regions_to_rejoin(result.learners, result.bases, groups)
         made: dict[tuple, tuple] = {}   # (group, base id, base version) -> (update, shadow)
         for name, (base_id, base_version, base), group in zip(result.learners, result.bases,
                                                               groups, strict=True):
             key = (name, result.fragment)
             shared = (group, base_id, base_version) if group is not None else None
-            if shared in made:
+            if name.rsplit(":", 1)[0] in rejoin:
+                update, shadow = downlink_lib.FullUpdate(result.params, result.version), None
+            elif shared in made:
                 update, shadow = made[shared]
             else:
                 update, shadow = downlink_lib.make_update(

@@ -392,3 +392,45 @@ def test_a_groups_members_share_one_update_and_one_shadow_so_they_premerge_again
     alone = dataclasses.replace(_push("far:0", 99, 32, 1, step=3), base_version=held["far:0"][1],
                                 base_shadow=held["far:0"][2])
     assert core.accept_push(alone, 0.0).ok
+
+
+def test_a_region_split_across_bases_gets_the_full_fragment_and_shares_a_base_again():
+    """A round of the region that left as a pre-merged pair and a learner alone from another
+    base (its own shadow): all three get the full fragment, so their next pushes share one
+    exact base and pre-merge together; a learner of another region keeps its encoded update."""
+    from islands.link.premerge import by_base
+    from islands.syncer import downlink
+
+    int4 = C.make_codec("int4", 4)
+    frag = {"w": np.zeros(4, np.float32), "e": np.ones((2, 3), np.float32)}
+    core = SyncerCore([frag], SyncerSettings(merge_rule=merge_lib.MergeRule.MEAN, min_learners=1,
+                                             outlier_norm_factor=None),
+                      outer_lib.build("nesterov", lr=0.7, momentum=0.9),
+                      lambda codes: C.decode_tree(FP32, codes),
+                      downlink=downlink.DownlinkSettings(int4))
+    for name in ("far:0", "far:1", "far:2", "home:0"):
+        core.register(name, 0)
+    # Round 1: far:2 and home:0 merge alone and get shadows of their own.
+    for i, name in enumerate(("far:2", "home:0")):
+        assert core.accept_push(_push(name, i, 32, 1), 0.0).ok
+    first = core.updates(core.merge(0, live_count=4))
+    assert all(isinstance(u, downlink.DiffUpdate) for u in first.values())
+    # Round 2: far:0 + far:1 pre-merged from the exact base v1, far:2 alone from its shadow.
+    pair = [dataclasses.replace(_push(n, 5 + i, 64, 2, step=2), base_version=1)
+            for i, n in enumerate(("far:0", "far:1"))]
+    mean = premerged_drift([C.decode_tree(FP32, p.codes) for p in pair], premerge_weights(pair))
+    codes = C.to_numpy(C.encode_tree(FP32, mean))
+    assert core.accept_push(group_push("far", pair, codes, C.tree_wire_bytes(codes)), 0.0).ok
+    alone = dataclasses.replace(_push("far:2", 7, 32, 1, step=2), base_version=1,
+                                base_shadow=first["far:2"].to_id)
+    other = dataclasses.replace(_push("home:0", 8, 32, 1, step=2), base_version=1,
+                                base_shadow=first["home:0"].to_id)
+    assert core.accept_push(alone, 0.0).ok and core.accept_push(other, 0.0).ok
+    second = core.updates(core.merge(0, live_count=4))
+    for name in ("far:0", "far:1", "far:2"):
+        assert isinstance(second[name], downlink.FullUpdate) and second[name].version == 2
+        assert (name, 0) not in core.shadows
+    assert isinstance(second["home:0"], downlink.DiffUpdate)   # not of the split region
+    nxt = [dataclasses.replace(_push(n, 9, 32, 1, step=3), base_version=2)
+           for n in ("far:0", "far:1", "far:2")]
+    assert len(by_base(nxt)) == 1
