@@ -308,6 +308,13 @@ def test_warm_spares_are_pods_of_their_group_and_reach_the_job():
     config = job_config(objs)
     assert config.health.spares == {"local": 1} and config.spares_of("local") == 1
     assert config.region_resources() == {"region:local": 4.0}
+    # A remote region's spares reach the home's JobConfig for its agent (none at home).
+    home = objects({"regions": {"local": LOCAL, "far": {"learners": 1, "remote": True,
+                                                          "spares": 2}},
+                    "link": {"server": {"enabled": True, **LINK_SECRETS}}})
+    config = job_config(home)
+    assert config.health.spares == {"far": 2} and config.spares_of("far") == 0
+    assert config.configured_spares("far") == 2
 
 
 def test_the_console_is_served_on_the_head_behind_its_service_and_token():

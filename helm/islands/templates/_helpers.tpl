@@ -200,7 +200,8 @@ app.kubernetes.io/managed-by: {{ .Release.Service }}
 {{- $_ := set $r "hosts_per_learner" (int $shape.hosts) -}}
 {{- end -}}
 {{- end -}}
-{{- if and (not $region.remote) (gt (int (default 0 (get $region "spares"))) 0) -}}
+{{- /* A remote region's spares are its agent's to keep (its release's pods grow by them). */ -}}
+{{- if gt (int (default 0 (get $region "spares"))) 0 -}}
 {{- $_ := set $spares $name (int (get $region "spares")) -}}
 {{- end -}}
 {{- $_ := set $regions $name $r -}}
