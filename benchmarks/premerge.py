@@ -234,11 +234,13 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of each setting, seeds seed, seed+1, ... (the threads' timing "
                         "makes one run's eval loss move by a few per cent)")
+    p.add_argument("--sizes", type=int, nargs="+", default=[2, 4],
+                   help="learners per region to run (L)")
     args = p.parse_args()
     steps = 96 if args.quick else 240
     runs = []
     for seed in range(args.seed, args.seed + args.repeats):
-        for learners in (2, 4):
+        for learners in args.sizes:
             flat = _run(learners, False, steps, seed, args.codecs)
             pm = _run(learners, True, steps, seed, args.codecs)
             for row in (flat, pm):
@@ -257,7 +259,7 @@ def main() -> None:
                        "wall_s"]))
     # Per setting, the mean over the runs (what the figures and BENCHMARKS.md quote).
     rows = []
-    for learners in (2, 4):
+    for learners in args.sizes:
         for mode in ("flat", "premerge"):
             sel = [r for r in runs if r["learners"] == learners and r["mode"] == mode]
             row = {"learners": learners, "mode": mode, "runs": len(sel)}
@@ -272,18 +274,20 @@ def main() -> None:
                            "round_ms", "added_round_ms"]))
     plt = pyplot()
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(9, 3.5))
-    x = np.arange(2)
+    x = np.arange(len(args.sizes))
     for k, mode in enumerate(("flat", "premerge")):
         sel = [r for r in rows if r["mode"] == mode]
         ax1.bar(x + (k - 0.5) * 0.4, [r["up_B_per_token"] for r in sel], 0.4, label=mode)
         ax2.bar(x + (k - 0.5) * 0.4, [r["eval_loss"] for r in sel], 0.4, label=mode)
     for ax, label in ((ax1, "WAN bytes up per merged token"), (ax2, "final eval loss")):
-        ax.set_xticks(x, ["L = 2", "L = 4"])
+        ax.set_xticks(x, [f"L = {n}" for n in args.sizes])
         ax.set_ylabel(label)
         ax.legend()
     fig.suptitle(f"Regional pre-merge vs flat link (tiny byte LM, {args.codecs})")
     fig.tight_layout()
     suffix = "" if args.codecs == "int4-fp32" else f"_{args.codecs}"
+    if args.sizes != [2, 4] or args.seed != 0:
+        suffix += f"_L{'-'.join(map(str, args.sizes))}_seed{args.seed}"
     save_figure(fig, args.out, f"premerge{suffix}.png")
     finish(f"premerge{suffix}", {"benchmark": "premerge", "codecs": args.codecs,
                                  "quick": args.quick, "steps": steps, "runs": runs,

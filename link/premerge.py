@@ -233,8 +233,14 @@ class PreMerger:
 
     def _send_part(self, pushes: list) -> dict:
         if len(pushes) == 1:
+            # Alone in its round, but still the region's: sent as a group of one (its own codes,
+            # nothing averaged or re-encoded), so the home knows the region pre-merges and can
+            # give a round split across bases one base again (syncer/core.py:
+            # regions_to_rejoin). Its verdict is its own: no fallback.
             self.counts["alone"] += 1
-            return {pushes[0].learner: self.send(pushes[0])}
+            push = pushes[0]
+            return {push.learner: self.send(group_push(self.region, pushes, push.codes,
+                                                       push.wire_bytes))}
         fragment = pushes[0].fragment
         drift = premerged_drift([self.encoder.decode(p.codes) for p in pushes],
                                 premerge_weights(pushes))

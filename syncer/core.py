@@ -366,7 +366,8 @@ class SyncerCore:
             if refusal.ok:
                 judged, refusal = refusal, None
         if refusal is not None:
-            self._refused(push, refusal)
+            # A group of one is its learner's own push: booked as that learner's refusal.
+            self._refused(push.members[0] if len(push.members) == 1 else push, refusal)
             return refusal
         for member in push.members:
             self._note_fates(member)

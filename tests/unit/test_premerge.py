@@ -243,8 +243,11 @@ def test_the_window_sends_a_round_without_a_silent_learner():
     merger = _merger(home, window_s=0.3)
     replies = _push_all(merger, [_push("far:0", 1, 64, 2)])   # far:1 never pushes
     assert replies["far:0"].status.value == "merged"
-    assert len(home.sent) == 1 and not home.sent[0].members   # alone: sent as it is
+    # Alone: a group of one, with its own codes as they were (nothing re-encoded).
+    assert len(home.sent) == 1 and [m.learner for m in home.sent[0].members] == ["far:0"]
+    assert home.sent[0].codes is not None and home.sent[0].learner == "far:premerge"
     assert merger.counts == {**merger.counts, "alone": 1, "window_closes": 1}
+    assert home.core.ledger["far:0"].merged_tokens_total == 64
 
 
 def test_a_forgotten_learner_is_not_waited_for():
@@ -277,7 +280,7 @@ def test_a_round_whose_learners_hold_different_bases_leaves_as_one_push_per_base
     older = [_push("far:0", 1, 64, 2), _push("far:1", 2, 96, 3)]               # base 0
     newer = dataclasses.replace(_push("far:2", 3, 32, 1), base_version=1)       # base 1
     replies = _push_all(merger, older + [newer])
-    assert sorted(len(p.members) for p in home.sent) == [0, 2]    # a pair from 0, one alone
+    assert sorted(len(p.members) for p in home.sent) == [1, 2]    # a pair from 0, one alone
     assert merger.counts["split_rounds"] == 1 and merger.counts["window_closes"] == 0
     assert {r.status.value for r in replies.values()} == {"merged"}
 
@@ -434,3 +437,16 @@ def test_a_region_split_across_bases_gets_the_full_fragment_and_shares_a_base_ag
     nxt = [dataclasses.replace(_push(n, 9, 32, 1, step=3), base_version=2)
            for n in ("far:0", "far:1", "far:2")]
     assert len(by_base(nxt)) == 1
+
+
+def test_a_lone_push_refused_is_booked_once_under_its_learner():
+    """A group of one refused (here: its epoch is stale) is that learner's refusal, counted
+    once and named by the learner, and not sent again alone."""
+    home = _Home()
+    merger = _merger(home, window_s=0.2)
+    stale = dataclasses.replace(_push("far:0", 1, 64, 2), epoch=5)
+    reply = _push_all(merger, [stale])["far:0"]
+    assert reply.reason == "stale_epoch" and len(home.sent) == 1
+    assert home.core.refusals_total == 1
+    assert [r["learner"] for r in home.core.refusals] == ["far:0"]
+    assert merger.counts["fallbacks"] == 0
