@@ -1,25 +1,26 @@
 """WAN realism: how far the region's link bandwidth can fall before the flat link falls behind,
 and whether ``link.premerge`` still keeps up there; plus one lossy, far link (50 ms, 1 % loss).
 
-L = 4 learners of one region train the tiny byte LM (real JAX steps, the job's default codec
-— nf2, block 64 — with error feedback, P = 2, H = 8, τ = 2, steps padded to 200 ms) and push through a real ``LinkClient``
-(with its ``PreMerger`` for pre-merge) over the region's relay, which caps its bandwidth (each
-direction), adds latency and plays segment loss as TCP retransmission delays
-(``islands.faults.segment_arrival_s``), to a real link server and a home backed by a real
-``SyncerCore`` (weighted mean, K = L) — the set-up of ``benchmarks/premerge.py``, whose home it
-reuses. The caps sweep down from none until both modes fell behind (or the list ends).
+L = 4 learners of one region train the tiny byte LM (real JAX steps, the job's default codec,
+nf2 with block 64, with error feedback; P = 2, H = 8, τ = 2; steps padded to 200 ms) and push
+through a real ``LinkClient`` (with its ``PreMerger`` for pre-merge) over the region's relay,
+which caps its bandwidth (each direction), adds latency and plays segment loss as TCP
+retransmission delays (``islands.faults.segment_arrival_s``), to a real link server and a home
+backed by a real ``SyncerCore`` (weighted mean, K = L): the set-up of ``benchmarks/premerge.py``,
+whose home it reuses. The caps sweep down from none until both modes fell behind (or the list
+ends).
 
 Per run: **merged tokens/s**, the tokens of the pushes whose merged reply arrived while the
 learners trained, per second of training (a token counts once per fragment it is merged in, as
 the link counts them; a learner does not push a fragment again until its last push of it is
 answered, so a link that cannot carry the offered bytes shows up as rounds that merge later and
-less often, and tokens still unmerged when training ends); **merged share**, the same tokens
-over those trained (P × L × steps × tokens per batch), the rate with the training pace divided
-out; **WAN bytes per merged token** (both directions, counted on
-the relay's socket; registrations excluded); **round latency** (a push's call to its reply,
-median). A mode "keeps up" at a cap while its merged tokens/s stays at or above 90 % of its own
-uncapped rate, compared per token trained (the merged share): on a shared CPU the training pace
-itself differs from run to run.
+less often, and as tokens still unmerged when training ends); **merged share**, the same tokens
+over those trained (P × L × steps × tokens per batch): the rate with the training pace divided
+out; **WAN bytes per merged token** (both directions, counted on the relay's socket;
+registrations excluded); **round latency** (a push's call to its reply, median). A mode "keeps
+up" at a cap while its merged tokens/s stays at or above 90 % of its own uncapped rate, compared
+per token trained (the merged share): on a shared CPU the training pace itself differs from run
+to run.
 
     python benchmarks/wan.py [--quick]
 """
@@ -199,9 +200,9 @@ def keeps_up(row: dict, uncapped: dict) -> bool:
 
 def main() -> None:
     args = parser(__doc__).parse_args()
-    steps = 48 if args.quick else 160
-    caps = ([1.0, 0.5, 0.25, 0.125] if args.quick
-            else [4.0, 2.0, 1.5, 1.0, 0.75, 0.5, 0.375, 0.25, 0.125])
+    steps = 32 if args.quick else 120
+    caps = ([1.0, 0.5, 0.25] if args.quick
+            else [2.0, 1.0, 0.75, 0.5, 0.375, 0.25, 0.125])
     _setup(steps, args.seed)
     for mode in (False, True):   # compiles the learners' and the region's encodes
         run(mode, steps, args.seed, stop_at=2 * H)
