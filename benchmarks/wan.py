@@ -198,6 +198,36 @@ def keeps_up(row: dict, uncapped: dict) -> bool:
     return row["merged_share"] >= KEEPS_UP * uncapped["merged_share"]
 
 
+def plot(rows: list, out_dir: str) -> str:
+    """wan.png: each mode's merged tokens/s (per token trained) ÷ its uncapped one, and its
+    round latency, against the cap."""
+    plt = pyplot()
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
+    caps = sorted({r["cap_mbps"] for r in rows if r["cap_mbps"] is not None})
+    for mode, marker in (("flat", "o"), ("premerge", "s")):
+        ref = next(r for r in rows if r["mode"] == mode and r["cap_mbps"] is None
+                   and r["loss_rate"] == 0)["merged_share"]
+        sel = [r for r in rows if r["mode"] == mode and r["loss_rate"] == 0
+               and r["cap_mbps"] is not None]
+        ax1.plot([r["cap_mbps"] for r in sel], [r["merged_share"] / ref for r in sel],
+                 marker=marker, label=mode)
+        ax2.plot([r["cap_mbps"] for r in sel], [r["round_ms"] for r in sel], marker=marker,
+                 label=mode)
+    ax1.axhline(KEEPS_UP, color="grey", ls="--", lw=1)
+    ax1.set_ylabel("merged tokens/s ÷ own uncapped\n(per token trained)")
+    ax2.set_ylabel("round latency, ms (median)")
+    ax2.set_yscale("log")
+    for ax in (ax1, ax2):
+        ax.set_xscale("log")
+        ax.minorticks_off()
+        ax.set_xticks(caps, [f"{c:g}" for c in caps])
+        ax.set_xlabel("relay bandwidth cap, Mbit/s (each direction)")
+        ax.legend()
+    fig.suptitle(f"L = {LEARNERS} learners in one region: flat link vs pre-merge under a cap")
+    fig.tight_layout()
+    return save_figure(fig, out_dir, "wan.png")
+
+
 def main() -> None:
     args = parser(__doc__).parse_args()
     steps = 32 if args.quick else 120
@@ -230,8 +260,8 @@ def main() -> None:
         row["keeps_up"] = keeps_up(row, uncapped[row["mode"]])
     rows += lossy
     columns = ["mode", "cap_mbps", "latency_ms", "loss_rate", "merged_tok_per_s",
-               "merged_share", "keeps_up", "merges_per_s", "wan_B_per_token", "round_ms", "wan_pushes", "merges", "losses",
-               "train_s"]
+               "merged_share", "keeps_up", "merges_per_s", "wan_B_per_token", "round_ms",
+               "wan_pushes", "merges", "losses", "train_s"]
     print(table(rows, columns))
     # The cap where flat first falls behind, and whether pre-merge keeps up there.
     flat_behind = behind.get("flat")
@@ -242,27 +272,7 @@ def main() -> None:
                "premerge_falls_behind_at_mbps": behind.get("premerge")}
     print(verdict)
 
-    plt = pyplot()
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 3.8))
-    for mode, marker in (("flat", "o"), ("premerge", "s")):
-        sel = [r for r in rows if r["mode"] == mode and r["loss_rate"] == 0
-               and r["cap_mbps"] is not None]
-        ref = uncapped[mode]["merged_share"]
-        ax1.plot([r["cap_mbps"] for r in sel], [r["merged_share"] / ref for r in sel],
-                 marker=marker, label=mode)
-        ax2.plot([r["cap_mbps"] for r in sel], [r["round_ms"] for r in sel], marker=marker,
-                 label=mode)
-    ax1.axhline(KEEPS_UP, color="grey", ls="--", lw=1)
-    ax1.set_ylabel("merged tokens/s ÷ own uncapped\n(per token trained)")
-    ax2.set_ylabel("round latency, ms (median)")
-    ax2.set_yscale("log")
-    for ax in (ax1, ax2):
-        ax.set_xscale("log")
-        ax.set_xlabel("relay bandwidth cap, Mbit/s (each direction)")
-        ax.legend()
-    fig.suptitle(f"L = {LEARNERS} learners in one region: flat link vs pre-merge under a cap")
-    fig.tight_layout()
-    save_figure(fig, args.out, "wan.png")
+    plot(rows, args.out)
     finish("wan", {"benchmark": "wan", "quick": args.quick, "steps": steps,
                    "learners": LEARNERS, "keeps_up_threshold": KEEPS_UP, "verdict": verdict,
                    "rows": rows, "machine": machine()}, args.out)

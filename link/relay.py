@@ -2,10 +2,10 @@
 
 Every byte the link moves (TLS records, HTTP/2 frames, keepalive pings: what a WAN would carry)
 passes one of its sockets, so the link's wire bytes are counted here, per direction. The same
-place applies the region's emulated WAN (``islands.faults``: latency, bandwidth, segment loss and
-the chaos network faults) and partitions: while one is in force every relayed connection is reset and new
-ones are refused, as a firewall dropping the route would look to gRPC (which then reconnects with
-backoff once it ends).
+place applies the region's emulated WAN (``islands.faults``: latency, bandwidth, segment loss
+and the chaos network faults) and partitions: while one is in force every relayed connection is
+reset and new ones are refused, as a firewall dropping the route would look to gRPC (which then
+reconnects with backoff once it ends).
 """
 
 from __future__ import annotations
