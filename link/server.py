@@ -258,7 +258,7 @@ class Partitionable:
         with self.lock:
             if time.time() < self.until_s - 0.01:   # extended meanwhile: its own timer heals
                 return
-            for attempt in range(50):   # the port is ours: a rebind can race the old close
+            for _ in range(50):   # the port is ours: a rebind can race the old close
                 try:
                     self.server, _ = _start(self.servicer, self.settings, self.port)
                     break
