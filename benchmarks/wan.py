@@ -231,7 +231,7 @@ def plot(rows: list, out_dir: str) -> str:
 def main() -> None:
     args = parser(__doc__).parse_args()
     steps = 32 if args.quick else 120
-    caps = ([1.0, 0.5, 0.25] if args.quick
+    caps = ([1.0, 0.25] if args.quick
             else [2.0, 1.0, 0.75, 0.5, 0.375, 0.25, 0.125])
     _setup(steps, args.seed)
     for mode in (False, True):   # compiles the learners' and the region's encodes
