@@ -16,6 +16,11 @@ from typing import Optional, Sequence
 
 
 SYNCER_TARGET = "syncer"
+HOME_TARGET = "@home"  # a partition of the home: every remote region's link at once (never a
+                       # region name: those are [a-z0-9-])
+
+# TCP's floor on a retransmission timeout (Linux's TCP_RTO_MIN, RFC 6298 suggests 1 s).
+MIN_RTO_S = 0.2
 
 
 def syncer_shard_of(target: str) -> int:
@@ -40,8 +45,8 @@ class FaultKind(str, enum.Enum):
     EXIT = "exit"                  # hard process exit inside one learner (os._exit)
     REGION_LOSS = "region_loss"    # target = region: every learner of it dies (lost slice / node)
     SLOWDOWN = "slowdown"          # target = learner (or region): step time × factor for a while
-    NETWORK = "network"            # target = region: extra latency and/or bandwidth cap for a while
-    PARTITION = "partition"        # target = region: no traffic in or out for a while
+    NETWORK = "network"            # target = region: extra latency, bandwidth cap, loss for a while
+    PARTITION = "partition"        # target = region (or HOME_TARGET: every remote region's link)
     SYNCER_KILL = "syncer_kill"    # target = "syncer"
     HANG = "hang"                  # target = learner: no steps, no heartbeats (found by timeout)
 
@@ -63,6 +68,18 @@ def _check_time(name: str, value: float, *, positive: bool = False) -> float:
     return float(value)
 
 
+def check_loss_rate(name: str, value: float) -> float:
+    """``value`` as a loss probability per segment, 0 ≤ x < 1 (1 would never deliver).
+
+    >>> check_loss_rate("loss_rate", 0.01)
+    0.01
+    """
+    if isinstance(value, bool) or not isinstance(value, (int, float)) \
+            or not 0.0 <= value < 1.0:
+        raise ValueError(f"{name} must be a number with 0 <= {name} < 1, got {value!r}")
+    return float(value)
+
+
 @dataclass(frozen=True)
 class Fault:
     """One planned fault.
@@ -76,10 +93,12 @@ class Fault:
       factor: slowdown: step time multiplier (≥ 1).
       extra_latency_ms: network: added one-way latency.
       bandwidth_gbps: network: bandwidth cap (None: no cap).
+      loss_rate: network: probability that a relayed segment is lost (0 ≤ x < 1; see
+        ``segment_arrival_s``).
 
     Raises:
       ValueError: naming the field, for a negative or non-finite time, an empty target, a
-        slowdown factor below 1 or a non-positive bandwidth cap.
+        slowdown factor below 1, a non-positive bandwidth cap or a loss rate outside [0, 1).
     """
 
     at_s: float
@@ -89,6 +108,7 @@ class Fault:
     factor: float = 1.0
     extra_latency_ms: float = 0.0
     bandwidth_gbps: Optional[float] = None
+    loss_rate: float = 0.0
 
     def __post_init__(self):
         try:
@@ -107,6 +127,7 @@ class Fault:
             raise ValueError(f"factor must be a finite number >= 1, got {self.factor!r}")
         if self.bandwidth_gbps is not None:
             _check_time("bandwidth_gbps", self.bandwidth_gbps, positive=True)
+        object.__setattr__(self, "loss_rate", check_loss_rate("loss_rate", self.loss_rate))
         if self.kind in (FaultKind.SLOWDOWN, FaultKind.NETWORK, FaultKind.PARTITION) \
                 and self.duration_s <= 0:
             raise ValueError(f"duration_s must be > 0 for a {self.kind.value} fault, "
@@ -130,10 +151,55 @@ class Fault:
 
 @dataclass(frozen=True)
 class Link:
-    """A region's link at one moment."""
+    """A region's link at one moment: one-way latency, bandwidth, and the probability that a
+    segment is lost (emulated by the region's relay only: ``segment_arrival_s``)."""
 
     latency_s: float
     bandwidth_bytes_per_s: float
+    loss_rate: float = 0.0
+
+    def __post_init__(self):
+        check_loss_rate("loss_rate", self.loss_rate)
+
+
+def rto_s(latency_s: float) -> float:
+    """TCP's retransmission timeout on a link of one-way ``latency_s``: twice the round trip,
+    at least ``MIN_RTO_S`` (the RTO is about SRTT + 4·RTTVAR, floored; 2·RTT is a steady link's).
+
+    >>> rto_s(0.05), rto_s(0.15)
+    (0.2, 0.6)
+    """
+    return max(MIN_RTO_S, 2.0 * (2.0 * latency_s))
+
+
+def segment_arrival_s(now_s: float, nbytes: int, link: Link, free_at_s: float,
+                      last_arrival_s: float, lost: bool) -> tuple[float, float]:
+    """When a segment read at ``now_s`` reaches the far end, and when the link is free again.
+
+    A TCP relay cannot drop bytes, so it plays what a lost packet does to a TCP stream: the
+    segment arrives one retransmission timeout late (``rto_s``), and, the stream being in order,
+    everything sent behind it waits for it at the receiver (head-of-line blocking): that wait,
+    not the lost bytes, is what loss costs a TCP stream. The sender keeps sending meanwhile, so
+    the bandwidth is not held. Congestion control's rate cut after a loss is not played.
+
+    Args:
+      now_s: when the relay read the segment.
+      nbytes: its size.
+      link: the link as it is now.
+      free_at_s: when the link finishes sending what is ahead of it (bytes / bandwidth each).
+      last_arrival_s: when the segment ahead of it arrives.
+      lost: whether it is lost (a draw of the direction's seeded ``random.Random``).
+
+    Returns:
+      (arrival_s, free_at_s after it).
+
+    >>> link = Link(0.05, 1e6)   # 50 ms, 1 MB/s: 1000 bytes take 1 ms
+    >>> [round(t, 6) for t in segment_arrival_s(0.02, 1000, link, 0.0, 0.061, lost=True)]
+    [0.271, 0.021]
+    """
+    free_at = max(now_s, free_at_s) + nbytes / link.bandwidth_bytes_per_s
+    arrival = free_at + link.latency_s + (rto_s(link.latency_s) if lost else 0.0)
+    return max(arrival, last_arrival_s), free_at
 
 
 class FaultWindows:
@@ -141,7 +207,7 @@ class FaultWindows:
 
     A driver ``add``s each fault that ``FaultPlan.due`` hands it; queries at a time see the windows
     covering it. Overlapping slowdowns take the largest factor; overlapping degradations add their
-    latencies and take the smallest bandwidth cap.
+    latencies, take the smallest bandwidth cap and lose independently (1 − Π(1 − p)).
     """
 
     def __init__(self):
@@ -179,7 +245,10 @@ class FaultWindows:
         active = self._active(self.networks.get(region, ()), t)
         latency = base.latency_s + sum(f.extra_latency_ms for f in active) / 1e3
         caps = [f.bandwidth_gbps * 1e9 / 8 for f in active if f.bandwidth_gbps is not None]
-        return Link(latency, min([base.bandwidth_bytes_per_s] + caps))
+        delivered = 1.0 - base.loss_rate
+        for f in active:
+            delivered *= 1.0 - f.loss_rate
+        return Link(latency, min([base.bandwidth_bytes_per_s] + caps), 1.0 - delivered)
 
     def arrival_s(self, region: str, t: float, nbytes: float, base: Link) -> float:
         """Arrival time of ``nbytes`` sent over ``region``'s link at ``t``: wait out a partition,

@@ -61,6 +61,13 @@ class ClientSettings:
     report_every_s: float = 1.0
     latency_ms: float = 0.0           # the emulated WAN on the relay
     bandwidth_gbps: Optional[float] = None
+    loss_rate: float = 0.0            # per relayed segment, played as a TCP retransmit (Relay)
+    loss_seed: int = 0
+
+    def __post_init__(self):
+        from islands.faults import check_loss_rate
+
+        check_loss_rate("loss_rate", self.loss_rate)
 
     @property
     def host_port(self) -> tuple[str, int]:
@@ -109,7 +116,7 @@ class LinkClient:
         bandwidth = (settings.bandwidth_gbps * 1e9 / 8 if settings.bandwidth_gbps
                      else float("inf"))
         self.relay = Relay(settings.host_port, settings.region, settings.latency_ms / 1e3,
-                           bandwidth)
+                           bandwidth, settings.loss_rate, settings.loss_seed)
         self.chunk_bytes = wire.DEFAULT_CHUNK_BYTES
         self.max_total_bytes = wire.DEFAULT_MAX_TOTAL_BYTES
         self.channel = open_channel(settings, f"127.0.0.1:{self.relay.port}", self.chunk_bytes)

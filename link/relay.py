@@ -2,22 +2,23 @@
 
 Every byte the link moves (TLS records, HTTP/2 frames, keepalive pings: what a WAN would carry)
 passes one of its sockets, so the link's wire bytes are counted here, per direction. The same
-place applies the region's emulated WAN (``islands.faults``: latency, bandwidth and the chaos
-network faults) and partitions: while one is in force every relayed connection is reset and new
-ones are refused, as a firewall dropping the route would look to gRPC (which then reconnects with
-backoff once it ends).
+place applies the region's emulated WAN (``islands.faults``: latency, bandwidth, segment loss
+and the chaos network faults) and partitions: while one is in force every relayed connection is
+reset and new ones are refused, as a firewall dropping the route would look to gRPC (which then
+reconnects with backoff once it ends).
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import random
 import socket
 import threading
 import time
 from typing import Optional
 
-from islands.faults import Fault, FaultWindows, Link
+from islands.faults import Fault, FaultWindows, Link, check_loss_rate, segment_arrival_s
 
 log = logging.getLogger("islands.link")
 
@@ -31,18 +32,26 @@ class Relay:
       upstream: (host, port) of the home's link server.
       region: the region whose faults apply (``islands.faults`` targets).
       latency_s, bandwidth_bytes_per_s: the emulated WAN (0 and inf: none).
+      loss_rate: probability that a read (a segment) is lost, played as TCP's retransmission
+        delay (``islands.faults.segment_arrival_s``); bytes are never dropped nor reordered.
+      seed: the loss draws' seed: one ``random.Random`` per direction, shared by the
+        direction's connections, so a run's losses repeat exactly.
     """
 
     def __init__(self, upstream: tuple[str, int], region: str, latency_s: float = 0.0,
-                 bandwidth_bytes_per_s: float = float("inf")):
+                 bandwidth_bytes_per_s: float = float("inf"), loss_rate: float = 0.0,
+                 seed: int = 0):
         self.upstream, self.region = upstream, region
-        self.base = Link(latency_s, bandwidth_bytes_per_s)
+        self.base = Link(latency_s, bandwidth_bytes_per_s,
+                         check_loss_rate("loss_rate", loss_rate))
+        self._rng = {d: random.Random(f"{seed}/{d}") for d in ("up", "down")}
         self.windows = FaultWindows()
         self.lock = threading.Lock()
         self.bytes_up = 0       # region -> home
         self.bytes_down = 0     # home -> region
         self.connections = 0
         self.resets = 0
+        self.losses = 0         # segments played as lost (both directions)
         self._open: set = set()
         self._closed = threading.Event()
         self._listener = socket.create_server(("127.0.0.1", 0))
@@ -70,7 +79,8 @@ class Relay:
     def counters(self) -> dict:
         with self.lock:
             return {"up": self.bytes_up, "down": self.bytes_down,
-                    "connections": self.connections, "resets": self.resets}
+                    "connections": self.connections, "resets": self.resets,
+                    "losses": self.losses}
 
     def close(self) -> None:
         self._closed.set()
@@ -119,9 +129,11 @@ class Relay:
 
     def _pipe(self, src: socket.socket, dst: socket.socket, direction: str) -> None:
         """A reader that stamps each read with its emulated arrival time and a writer that
-        delivers it then; the link is busy for bytes / bandwidth per read (serialized)."""
+        delivers it then; the link is busy for bytes / bandwidth per read (serialized), and a
+        lost read holds itself and what follows back by one RTO (``segment_arrival_s``)."""
         q: "queue.Queue" = queue.Queue()
-        free_at = [0.0]
+        free_at, last_arrival = [0.0], [0.0]
+        rng = self._rng[direction]
 
         def read():
             while True:
@@ -139,9 +151,11 @@ class Relay:
                     else:
                         self.bytes_down += len(data)
                     link = self.windows.link(self.region, now, self.base)
-                depart = max(now, free_at[0])
-                free_at[0] = depart + len(data) / link.bandwidth_bytes_per_s
-                q.put((free_at[0] + link.latency_s, data))
+                    lost = rng.random() < link.loss_rate   # one draw per read, lossy or not
+                    self.losses += lost
+                last_arrival[0], free_at[0] = segment_arrival_s(
+                    now, len(data), link, free_at[0], last_arrival[0], lost)
+                q.put((last_arrival[0], data))
 
         def write():
             while True:

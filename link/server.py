@@ -189,6 +189,13 @@ def serve(home, config_json: str, settings: ServerSettings, with_servicer: bool 
     Without a certificate the server is plaintext (loopback trials and tests only; a job config
     that binds another address must give one: checked in JobConfig).
     """
+    servicer = LinkServicer(home, config_json, settings)
+    server, port = _start(servicer, settings, settings.port)
+    return (server, port, servicer) if with_servicer else (server, port)
+
+
+def _start(servicer: LinkServicer, settings: ServerSettings, port: int):
+    """A gRPC server for ``servicer`` on ``port`` (0: any); (server, bound port)."""
     options = [("grpc.max_receive_message_length", settings.max_message_bytes),
                ("grpc.max_send_message_length", settings.max_message_bytes),
                ("grpc.keepalive_time_ms", int(settings.keepalive_s * 1000)),
@@ -199,18 +206,83 @@ def serve(home, config_json: str, settings: ServerSettings, with_servicer: bool 
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=settings.max_workers,
                                                     thread_name_prefix="islands-link"),
                          interceptors=[TokenInterceptor(settings.token)], options=options)
-    servicer = LinkServicer(home, config_json, settings)
     pb_grpc.add_LinkServicer_to_server(servicer, server)
-    address = f"{settings.host}:{settings.port}"
+    address = f"{settings.host}:{port}"
     if settings.cert_file:
-        port = server.add_secure_port(address, server_credentials(
+        bound = server.add_secure_port(address, server_credentials(
             settings.cert_file, settings.key_file, settings.client_ca_file))
     else:
-        port = server.add_insecure_port(address)
-    if port == 0:
+        bound = server.add_insecure_port(address)
+    if bound == 0:
         raise OSError(f"link server could not bind {address}")
     server.start()
-    return (server, port, servicer) if with_servicer else (server, port)
+    return server, bound
+
+
+class Partitionable:
+    """A link server the home's network can fail under: ``partition(duration_s)`` stops it at
+    once (every region's connection is closed and its calls in flight are cancelled, as a home
+    whose network fails looks from every region at the same moment) and serves again on the same
+    port, with the same servicer (its regions' state), when the window ends. Meanwhile each
+    region's connection attempts are refused; their channels retry with backoff, as under a
+    region's own partition (``Relay``)."""
+
+    def __init__(self, servicer: LinkServicer, settings: ServerSettings, server, port: int):
+        self.servicer, self.settings, self.server, self.port = servicer, settings, server, port
+        self.lock = threading.Lock()
+        self.until_s = 0.0           # the window's end (wall clock); 0: none
+        self.partitions = 0
+        self._timer: Optional[threading.Timer] = None
+
+    def partition(self, duration_s: float) -> float:
+        """Cuts every region's link for ``duration_s`` (a window in force is extended);
+        returns when it ends (wall clock)."""
+        if not duration_s > 0:
+            raise ValueError(f"duration_s must be > 0, got {duration_s}")
+        with self.lock:
+            end = time.time() + duration_s
+            was_up = self.until_s == 0.0
+            self.until_s = max(self.until_s, end)
+            self.partitions += 1
+            if self._timer is not None:
+                self._timer.cancel()
+            self._timer = threading.Timer(self.until_s - time.time(), self._heal)
+            self._timer.daemon = True
+            server = self.server if was_up else None
+        if server is not None:
+            server.stop(grace=None).wait(5)   # cancels calls in flight, closes the connections
+        self._timer.start()
+        log.warning("link: home partitioned for %.1fs (every region's link is cut)", duration_s)
+        return self.until_s
+
+    def partitioned(self) -> bool:
+        with self.lock:
+            return self.until_s > 0.0
+
+    def _heal(self) -> None:
+        with self.lock:
+            if time.time() < self.until_s - 0.01:   # extended meanwhile: its own timer heals
+                return
+            for _ in range(50):   # the port is ours: a rebind can race the old close
+                try:
+                    self.server, _ = _start(self.servicer, self.settings, self.port)
+                    break
+                except (OSError, RuntimeError) as exc:
+                    last = exc
+                    time.sleep(0.1)
+            else:
+                log.error("link: could not serve again on port %d: %r", self.port, last)
+                return
+            self.until_s = 0.0
+        log.warning("link: the home's partition ended; serving again on port %d", self.port)
+
+    def stop(self, grace: float) -> None:
+        with self.lock:
+            if self._timer is not None:
+                self._timer.cancel()
+            self.until_s = 0.0
+            server = self.server
+        server.stop(grace=grace).wait(5)
 
 
 class RayHome:
@@ -333,8 +405,9 @@ class LinkServer:
         paths, owned = fragment_layout(json.loads(config_json))
         self.home = RayHome(namespace, syncer_name, controller_name, paths, owned=owned)
         self.job = json.loads(config_json).get("name")
-        self.server, self.port, self.servicer = serve(self.home, config_json, settings,
-                                                      with_servicer=True)
+        server, self.port, self.servicer = serve(self.home, config_json, settings,
+                                                 with_servicer=True)
+        self.net = Partitionable(self.servicer, settings, server, self.port)
 
     def address(self) -> str:
         return f"{self.settings.host}:{self.port}"
@@ -358,8 +431,17 @@ class LinkServer:
             time.sleep(0.1)
         return told
 
+    def partition(self, duration_s: float) -> float:
+        """The home's network fails for ``duration_s``: every region's link is cut at once
+        (``islands chaos partition --home``); returns when it ends (wall clock)."""
+        return self.net.partition(duration_s)
+
+    def partition_status(self) -> dict:
+        return {"partitioned": self.net.partitioned(), "until_s": self.net.until_s,
+                "partitions": self.net.partitions}
+
     def stop(self) -> None:
-        self.server.stop(grace=1.0).wait(5)
+        self.net.stop(grace=1.0)
 
     def ping(self) -> str:
         return "ok"

@@ -23,8 +23,8 @@ from typing import Iterator, Mapping, Optional, Sequence
 
 import numpy as np
 
-from islands.faults import (LEARNER_LOSS_KINDS, SYNCER_TARGET, Fault, FaultKind,  # noqa: F401
-                            FaultWindows, Link, _check_time)
+from islands.faults import (HOME_TARGET, LEARNER_LOSS_KINDS, SYNCER_TARGET, Fault,  # noqa: F401
+                            FaultKind, FaultWindows, Link, _check_time)
 
 KILL_MODES: tuple[str, ...] = ("kill", "exit")
 
@@ -72,10 +72,12 @@ class FaultPlan:
                               factor=factor))
 
     def degrade(self, region: str, at_s: float, duration_s: float, extra_latency_ms: float = 0.0,
-                bandwidth_gbps: Optional[float] = None) -> "FaultPlan":
-        """``region``'s link gets ``extra_latency_ms`` and a ``bandwidth_gbps`` cap for a while."""
+                bandwidth_gbps: Optional[float] = None, loss_rate: float = 0.0) -> "FaultPlan":
+        """``region``'s link gets ``extra_latency_ms``, a ``bandwidth_gbps`` cap and a segment
+        ``loss_rate`` (played on a remote region's relay only) for a while."""
         return self.add(Fault(at_s, FaultKind.NETWORK, region, duration_s=duration_s,
-                              extra_latency_ms=extra_latency_ms, bandwidth_gbps=bandwidth_gbps))
+                              extra_latency_ms=extra_latency_ms, bandwidth_gbps=bandwidth_gbps,
+                              loss_rate=loss_rate))
 
     def partition(self, region: str, at_s: float, duration_s: float) -> "FaultPlan":
         """No traffic in or out of ``region`` for ``duration_s``."""

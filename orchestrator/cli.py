@@ -9,6 +9,8 @@ import os
 import sys
 from typing import Optional
 
+from islands.faults import HOME_TARGET
+
 
 # Seconds a CLI command may spend reaching the cluster: a TCP probe of the address, then
 # ray.init and the controller lookup as a whole (Ray itself retries a dead GCS for minutes).
@@ -114,6 +116,17 @@ slowdown_factor = _number("factor", 1.0, False, "a slowdown multiplies step time
 non_negative_ms = _number("milliseconds", 0.0, True, "extra latency")
 positive_gbps = _number("gbps", 0.0, False, "a bandwidth cap")
 non_negative_seconds = _number("seconds", 0.0, True, "a delay in seconds")
+
+
+def loss_rate(text: str) -> float:
+    """An argparse type: a segment loss probability, 0 <= x < 1 (1 would deliver nothing)."""
+    value = non_negative_fraction(text)
+    if value >= 1.0:
+        raise argparse.ArgumentTypeError(f"must be < 1 (a loss probability), got {text}")
+    return value
+
+
+non_negative_fraction = _number("loss_rate", 0.0, True, "a loss probability")
 
 
 def format_status(table: dict) -> str:
@@ -227,10 +240,16 @@ def main(argv=None) -> int:
     net.add_argument("--latency-ms", type=non_negative_ms, default=200.0,
                      help="extra one-way latency")
     net.add_argument("--bandwidth-gbps", type=positive_gbps, default=None, help="bandwidth cap")
+    net.add_argument("--loss-rate", type=loss_rate, default=0.0,
+                     help="probability a segment is lost (0 <= x < 1; a TCP retransmit delay)")
     net.add_argument("--duration", type=positive_seconds, default=30.0)
     net.add_argument("--address", default=None)
-    part = chaos_sub.add_parser("partition", help="cut a region off the syncer for a while")
-    part.add_argument("target", metavar="REGION")
+    part = chaos_sub.add_parser("partition", help="cut a region (or, with --home, every remote "
+                                                  "region) off the syncer for a while")
+    part.add_argument("target", metavar="REGION", nargs="?")
+    part.add_argument("--home", action="store_true",
+                      help="partition the home: its link server drops every region's link "
+                           "(run it in the home cluster)")
     part.add_argument("--duration", type=positive_seconds, default=30.0)
     part.add_argument("--address", default=None)
 
@@ -258,6 +277,9 @@ def main(argv=None) -> int:
                       help="emulated one-way WAN latency on the link")
     join.add_argument("--bandwidth-gbps", type=positive_gbps, default=None,
                       help="emulated WAN bandwidth of the link")
+    join.add_argument("--loss-rate", type=loss_rate, default=0.0,
+                      help="emulated WAN segment loss (0 <= x < 1), played as TCP's "
+                           "retransmission delay")
     join.add_argument("--duration", type=positive_seconds, default=None,
                       help="seconds (default: until Ctrl+C)")
     join.add_argument("--run-dir", default=None)
@@ -295,6 +317,9 @@ def main(argv=None) -> int:
 
         return simulate_main(argv[1:])
     args = parser.parse_args(argv)
+    if args.command == "chaos" and args.action == "partition" \
+            and (args.target is None) == (not args.home):
+        parser.error("islands chaos partition: give a REGION or --home (not both)")
 
     if args.command == "config":  # no Ray: it only reads the file
         return _config_command(args)
@@ -372,10 +397,11 @@ def main(argv=None) -> int:
                 print(ray.get(controller.chaos_region_loss.remote(args.target, args.repair)))
             elif args.action == "network":
                 print(ray.get(controller.chaos_network.remote(
-                    args.target, args.duration, args.latency_ms, args.bandwidth_gbps)))
+                    args.target, args.duration, args.latency_ms, args.bandwidth_gbps,
+                    loss_rate=args.loss_rate)))
             elif args.action == "partition":
-                print(ray.get(controller.chaos_network.remote(args.target, args.duration,
-                                                              partition=True)))
+                print(ray.get(controller.chaos_network.remote(
+                    HOME_TARGET if args.home else args.target, args.duration, partition=True)))
             else:
                 print(ray.get(controller.chaos_hang.remote(args.target, args.duration)))
     except ray.exceptions.RayTaskError as exc:
@@ -397,7 +423,7 @@ def _region_join(args) -> int:
             home=args.home, region=args.region, token=read_token(args.token_file),
             ca_file=args.ca_cert, cert_file=args.client_cert, key_file=args.client_key,
             tls=not args.insecure, server_name=args.server_name, latency_ms=args.latency_ms,
-            bandwidth_gbps=args.bandwidth_gbps)
+            bandwidth_gbps=args.bandwidth_gbps, loss_rate=args.loss_rate)
         settings.host_port  # noqa: B018 - validates HOST:PORT now
     except (ValueError, OSError) as exc:
         print(f"islands region: {exc}", file=sys.stderr)

@@ -14,6 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from islands import DEFAULT_OVERLAP
+from islands.faults import HOME_TARGET
 from islands.syncer import codec_kinds
 
 from . import accelerators
@@ -330,6 +331,7 @@ class NetworkEvent(_Section):
     duration_s: float = Field(gt=0)
     extra_latency_ms: float = Field(0.0, ge=0)
     bandwidth_gbps: Optional[float] = Field(None, gt=0)
+    loss_rate: float = Field(0.0, ge=0, lt=1)
 
 
 ChaosEvent = Annotated[Union[KillEvent, RegionLossEvent, SlowdownEvent, NetworkEvent],
@@ -385,7 +387,7 @@ class ChaosSection(_Section):
             elif event.type == "network":
                 plan.degrade(event.target, event.at_s, event.duration_s,
                              extra_latency_ms=event.extra_latency_ms,
-                             bandwidth_gbps=event.bandwidth_gbps)
+                             bandwidth_gbps=event.bandwidth_gbps, loss_rate=event.loss_rate)
             else:
                 plan.partition(event.target, event.at_s, event.duration_s)
         return plan.sorted()
@@ -503,8 +505,10 @@ class JobConfig(_Section):
         if self.chaos is not None:
             learners, regions = set(self.learner_ids()), set(self.regions)
             syncers = {"syncer"} | {f"syncer:{s}" for s in range(self.syncer.shards)}
+            home = {HOME_TARGET} if any(r.remote for r in self.regions.values()) else set()
             allowed = {"kill": learners | syncers, "slowdown": learners | regions,
-                       "region_loss": regions, "network": regions, "partition": regions}
+                       "region_loss": regions, "network": regions,
+                       "partition": regions | home}
             for i, event in enumerate(self.chaos.events):
                 if event.target not in allowed[event.type]:
                     raise _FieldError(f"chaos.events.{i}.target",

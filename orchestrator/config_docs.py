@@ -305,7 +305,8 @@ FIELD_NOTES: dict[str, str] = {
     "chaos.events[].target@region_loss": "The region.",
     "chaos.events[].target@slowdown": "A learner (`<region>:<i>`) or a region (all its "
                                       "learners).",
-    "chaos.events[].target@network": "The region.",
+    "chaos.events[].target@network": "The region; a `partition` may also target `@home` (every "
+                                      "remote region's link: the home's network fails).",
     "chaos.events[].at_s": "When, seconds from the job's start.",
     "chaos.events[].mode": "`ray_kill`, or `exit` (a hard process exit inside the learner). The "
                            "syncer is always killed with `ray_kill`.",
@@ -314,6 +315,9 @@ FIELD_NOTES: dict[str, str] = {
     "chaos.events[].factor": "Step-time multiplier.",
     "chaos.events[].extra_latency_ms": "Added one-way latency (`network` only).",
     "chaos.events[].bandwidth_gbps": "Bandwidth cap, Gbit/s (`network` only); null: no cap.",
+    "chaos.events[].loss_rate": "Probability that a relayed segment is lost, played as TCP's "
+                                "retransmission delay (`network` only; a remote region's relay "
+                                "plays it, the in-cluster emulation does not).",
     # run
     "run.duration_s": "How long `islands run` trains, seconds (`--duration` overrides it).",
     "run.run_dir": "The run directory; `{name}` becomes the job name (`--run-dir` overrides it).",
@@ -384,7 +388,7 @@ RULES: dict[str, str] = {
     "chaos.events[].target@kill": "a configured learner, or `syncer`",
     "chaos.events[].target@region_loss": "a configured region",
     "chaos.events[].target@slowdown": "a configured learner or region",
-    "chaos.events[].target@network": "a configured region",
+    "chaos.events[].target@network": "a configured region (`partition`: or `@home` with remote regions)",
 }
 
 INTRO = """\

@@ -24,7 +24,7 @@ from typing import Any, Optional
 from . import fleet as fleet_lib
 from .books import Books
 from islands.learners.fates import newest
-from .chaos import Fault, FaultKind
+from .chaos import HOME_TARGET, Fault, FaultKind
 from islands.learners.messages import Heartbeat
 
 from .fleet import SlotState
@@ -614,6 +614,13 @@ class Controller:
         for learner in a.learners:
             self.groups.call(learner, "link_fault", a.fault)
 
+    def _do_partitionhome(self, a) -> None:
+        """The link server (the home's side of every region's link) goes down for the window."""
+        import ray
+        from islands.link.server import LINK_SERVER_NAME
+
+        ray.get_actor(LINK_SERVER_NAME, namespace=NAMESPACE).partition.remote(a.fault.duration_s)
+
     def _do_restartremote(self, a) -> None:
         """Goes to the region's agent with the reply to its next report (the home has no handle
         on a learner in another cluster)."""
@@ -823,12 +830,19 @@ class Controller:
         return f"lost region {region}"
 
     def chaos_network(self, region: str, duration_s: float, extra_latency_ms: float = 0.0,
-                      bandwidth_gbps: Optional[float] = None, partition: bool = False) -> str:
-        """Degrades (or, with ``partition``, silences) a region's link for ``duration_s``."""
+                      bandwidth_gbps: Optional[float] = None, partition: bool = False,
+                      loss_rate: float = 0.0) -> str:
+        """Degrades (or, with ``partition``, silences) a region's link for ``duration_s``;
+        ``region`` ``HOME_TARGET`` ("@home", a partition only) cuts every remote region's link."""
         kind = FaultKind.PARTITION if partition else FaultKind.NETWORK
+        if region == HOME_TARGET and not partition:
+            raise ValueError("a network fault targets one region; the home can be partitioned "
+                             "(islands chaos partition --home), not degraded")
         self._command(fleet_lib.Chaos(Fault(time.time(), kind, region, duration_s=duration_s,
                                             extra_latency_ms=extra_latency_ms,
-                                            bandwidth_gbps=bandwidth_gbps)))
+                                            bandwidth_gbps=bandwidth_gbps, loss_rate=loss_rate)))
+        if region == HOME_TARGET:
+            return f"partition of the home (every remote region's link) for {duration_s}s"
         return f"{kind.value} on {region} for {duration_s}s"
 
     # -- the end --------------------------------------------------------------------------------

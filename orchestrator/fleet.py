@@ -32,7 +32,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence, Union
 
-from .chaos import Fault, FaultKind
+from .chaos import HOME_TARGET, Fault, FaultKind
 from .health import Cause, RestartDecision, RestartPolicy, death_cause, detect, grown_target
 
 
@@ -484,6 +484,13 @@ class LinkFault:
 
 
 @dataclass(frozen=True)
+class PartitionHome:
+    """The home's network fails: the link server cuts every remote region's link for a while."""
+
+    fault: Fault
+
+
+@dataclass(frozen=True)
 class RestartRemote:
     """Ask a remote learner's region agent to restart this incarnation (the home found it hung)."""
 
@@ -759,11 +766,20 @@ class _Machine:
             self.note("chaos", None, action="slowdown", target=fault.target, factor=fault.factor,
                       duration_s=fault.duration_s)
             self.actions.append(Slowdown(tuple(s.learner for s in targets), fault))
+        elif kind == FaultKind.PARTITION and fault.target == HOME_TARGET:
+            remote = sorted(name for name, plan in self.settings.regions.items() if plan.remote)
+            if not remote:
+                raise CommandError("a home partition cuts the link to the remote regions, and "
+                                   "this job has none here (run it in the home cluster of a "
+                                   "job with remote regions)")
+            self.note("chaos", None, action="partition", target=HOME_TARGET,
+                      duration_s=fault.duration_s, regions=remote)
+            self.actions.append(PartitionHome(fault))
         elif kind in (FaultKind.NETWORK, FaultKind.PARTITION):
             self.region_known(fault.target)
             self.note("chaos", None, action=kind.value, target=fault.target,
                       duration_s=fault.duration_s, extra_latency_ms=fault.extra_latency_ms,
-                      bandwidth_gbps=fault.bandwidth_gbps)
+                      bandwidth_gbps=fault.bandwidth_gbps, loss_rate=fault.loss_rate)
             self.set(link_faults=self.fleet.link_faults + (fault,))
             learners = tuple(s.learner for s in self.fleet.in_region(fault.target)
                              if s.state in LIVE)

@@ -105,7 +105,12 @@ def _start_region(join_args, env, cwd):
 def _start_home(config_file, duration_s: float, cwd):
     """``islands run`` of a home job in its own session, up to its link's line; returns the
     process, its output lines, the env (for the region's side) and the link's port."""
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1"}
+    # Its own state dir: the home's embedded cluster address (home_address) is this module's,
+    # not the user's file that any other `islands run` on the machine rewrites.
+    xdg = cwd / "xdg"
+    xdg.mkdir(mode=0o700, exist_ok=True)
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1",
+           "XDG_RUNTIME_DIR": str(xdg)}
     env.pop("RAY_ADDRESS", None)
     home = subprocess.Popen(ISLANDS + ["run", str(config_file), "--duration", str(duration_s)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
@@ -274,6 +279,67 @@ def test_remote_merges_partition_and_a_local_restart(two_clusters):
                 and e.get("learner") != "far:0"]
     failed = [e for e in home_events if e["event"] == "learner_failed"]
     assert failed and all(e["learner"] == "far:0" for e in failed)
+
+
+def test_a_home_partition_shorter_than_the_agents_timeout_restarts_nothing(two_clusters):
+    """``islands chaos partition --home`` at home: the link server drops every region's link for
+    8 s (below link.agent_home_timeout_s, 20 s here, and health.timeout_s, 30 s). The remote
+    learner trains on through it, nothing restarts on either side, the agent stays, merges
+    resume within seconds of its end, and the home's books balance."""
+    import ray
+
+    from waiting import wait_for
+
+    ctx, home_dir = two_clusters, two_clusters["tmp"] / "home"
+    link, agent = ctx["link"], ctx["agent"]
+    status = lambda: ray.get(link.link_status.remote())  # noqa: E731
+    step = lambda: int(ray.get(agent.status_table.remote())["learners"]["far:0"].get(  # noqa
+        "step") or 0)
+    wait_for(lambda: status()["connected"] and (status()["last_merged_s"] or 0)
+             > time.time() - 30, 180, "the region merging at home", describe=status)
+    home_address = (ctx["tmp"] / "xdg" / "islands" / "embedded_cluster_address").read_text()
+    seen_home, seen_region = len(_home_events(home_dir)), len(_events(agent))
+    reconnects = status()["reconnects"]
+    done = subprocess.run(ISLANDS + ["chaos", "partition", "--home", "--duration", "8",
+                                     "--address", home_address.strip()],
+                          env=ctx["env"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "partition of the home" in done.stdout
+    cut = wait_for(lambda: next((e for e in _home_events(home_dir)[seen_home:]
+                                 if e["event"] == "chaos" and e.get("target") == "@home"), None),
+                   30, "the home's chaos event")
+    assert cut["regions"] == ["far"] and cut["duration_s"] == 8.0
+    t_cut, end = cut["t"], cut["t"] + 8.0
+    # The region's link goes down, and its learner trains on while it is.
+    wait_for(lambda: not status()["connected"], 8.0, "the region's link to go down",
+             describe=status)
+    step_down, left = step(), end - 0.5 - time.time()
+    assert left > 1.0, f"the link went down {8 - left:.1f}s into the 8 s window"
+    wait_for(lambda: step() >= step_down + 2, left,
+             "the remote learner's steps during the partition", describe=step)
+    assert not status()["connected"]   # still inside the window
+    # Merges resume within seconds of its end, over a reconnected channel.
+    merged_after = wait_for(lambda: (status()["last_merged_s"] or 0) > end
+                            and status()["last_merged_s"], 60, "a merge after the partition",
+                            describe=status)
+    print(f"home partition at {t_cut:.1f}: first merge {merged_after - end:.1f}s after its end")
+    assert merged_after - end < 20.0
+    assert status()["reconnects"] > reconnects
+    # Nothing restarted on either side; the agent did not leave.
+    home_new = _home_events(home_dir)[seen_home:]
+    assert not [e for e in home_new if e["event"] in (
+        "learner_failed", "learner_restarted", "learner_unreachable", "learner_unhealthy")], [
+        e["event"] for e in home_new]
+    region_new = [e["event"] for e in _events(agent)[seen_region:]]
+    assert "learner_failed" not in region_new and "learner_restarted" not in region_new
+    assert ctx["region"].poll() is None, "the agent left during a partition shorter than " \
+        "link.agent_home_timeout_s"
+    # The home's books balance in a snapshot taken after the merges resumed.
+    row = wait_for(lambda: next((r for r in reversed(_home_rows(home_dir))
+                                 if r["t"] > merged_after), None),
+                   60, "a home snapshot after the merges resumed")
+    assert row["tokens"]["balanced"], row["tokens"]
+    assert row["learners"]["far:0"]["state"] == "training"
 
 
 def _home_rows(home_dir):

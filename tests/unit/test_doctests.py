@@ -10,7 +10,8 @@ MODULES = ["islands.syncer.fragments", "islands.syncer.merge", "islands.syncer.q
            "islands.orchestrator.metrics", "islands.orchestrator.chaos",
            "islands.orchestrator.controller", "islands.orchestrator.accelerators",
            "islands.orchestrator.fleet", "islands.link.region", "islands.link.client",
-            "islands.syncer.state", "islands.link.premerge", "islands.syncer.core"]
+            "islands.syncer.state", "islands.link.premerge", "islands.syncer.core",
+           "islands.faults"]
 
 
 @pytest.mark.parametrize("name", MODULES)
