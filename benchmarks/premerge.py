@@ -94,6 +94,35 @@ class _CoreHome:
         return Reply("merged", p, 0, None, version, update=updates[name])
 
 
+def register_cores(client, names, params, opt, plan, codec, tau: int) -> list:
+    """Registers each learner over the link and builds its ``LearnerCore`` (error feedback on
+    the pushes' codec, no merge blend)."""
+    from islands.learners.core import LearnerCore
+    from islands.syncer import codec as C
+
+    cores = []
+    for name in names:
+        reg = client.register(name, 0)
+        cores.append(LearnerCore(name, params, opt.init(params), plan, reg["versions"],
+                                 C.error_feedback(codec), C.tree_wire_bytes,
+                                 lambda c: C.decode_tree(codec, c), overlap_steps=tau,
+                                 merge_alpha=0.0))
+    return cores
+
+
+def take_replies(lc, replies: "queue.Queue") -> None:
+    """Hands the learner core every reply that arrived: a merged one (a full fragment or an
+    encoded update) is offered for adoption, a refusal re-bases or keeps the drift."""
+    while not replies.empty():
+        push, reply = replies.get()
+        if reply.status == "merged":
+            lc.offer_reply(push.fragment, reply.update if reply.update is not None
+                           else reply.params, reply.version)
+        else:
+            lc.refused(push.fragment, reply.reason or reply.status.value, reply.params,
+                       reply.version)
+
+
 # Codecs, as (push codec, its block, downlink codec or None for fp32 replies, its block).
 CODECS = {"nf2": ("nf2", 64, "nf2", 256),      # the job's defaults
           "int4-fp32": ("int4", 64, None, 0)}  # the first figures' setting
@@ -101,7 +130,6 @@ CODECS = {"nf2": ("nf2", 64, "nf2", 256),      # the job's defaults
 
 def _run(learners: int, premerge: bool, steps: int, seed: int, codecs: str = "nf2") -> dict:
     from islands.learners import data, inner, model
-    from islands.learners.core import LearnerCore
     from islands.learners.loop import LearnerLoop
     from islands.link.client import ClientSettings, LinkClient
     from islands.link.server import ServerSettings, serve
@@ -147,13 +175,7 @@ def _run(learners: int, premerge: bool, steps: int, seed: int, codecs: str = "nf
     try:
         client.hello()
         names = [f"far:{i}" for i in range(learners)]
-        cores = []
-        for name in names:
-            reg = client.register(name, 0)
-            cores.append(LearnerCore(name, params, opt.init(params), plan, reg["versions"],
-                                     C.error_feedback(codec), C.tree_wire_bytes,
-                                     lambda c: C.decode_tree(codec, c), overlap_steps=tau,
-                                     merge_alpha=0.0))
+        cores = register_cores(client, names, params, opt, plan, codec, tau)
 
         def learner(i: int) -> None:
             lc = cores[i]
@@ -170,14 +192,7 @@ def _run(learners: int, premerge: bool, steps: int, seed: int, codecs: str = "nf
                 replies.put((push, reply))
 
             while lc.step < steps:
-                while not replies.empty():
-                    push, reply = replies.get()
-                    if reply.status == "merged":
-                        lc.offer_reply(push.fragment, reply.update if reply.update is not None
-                                       else reply.params, reply.version)
-                    else:
-                        lc.refused(push.fragment, reply.reason or reply.status.value,
-                                   reply.params, reply.version)
+                take_replies(lc, replies)
                 loop.adopt()
                 t0 = time.perf_counter()
                 float(loop.train(loop.batch()))

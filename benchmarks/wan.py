@@ -1,8 +1,8 @@
 """WAN realism: how far the region's link bandwidth can fall before the flat link falls behind,
 and whether ``link.premerge`` still keeps up there; plus one lossy, far link (50 ms, 1 % loss).
 
-L = 4 learners of one region train the tiny byte LM (real JAX steps, the job's default codec,
-nf2 with block 64, with error feedback; P = 2, H = 8, τ = 2; steps padded to 200 ms) and push
+L = 4 learners of one region train the tiny byte LM (real JAX steps, the job's default codecs:
+nf2:64 pushes with error feedback and nf2:256 encoded replies, or ``--replies fp32``; P = 2, H = 8, τ = 2; steps padded to 200 ms) and push
 through a real ``LinkClient`` (with its ``PreMerger`` for pre-merge) over the region's relay,
 which caps its bandwidth (each direction), adds latency and plays segment loss as TCP
 retransmission delays (``islands.faults.segment_arrival_s``), to a real link server and a home
@@ -22,7 +22,10 @@ up" at a cap while its merged tokens/s stays at or above 90 % of its own uncappe
 per token trained (the merged share): on a shared CPU the training pace itself differs from run
 to run.
 
-    python benchmarks/wan.py [--quick]
+    python benchmarks/wan.py [--quick] [--replies nf2|fp32]
+
+``--replies fp32`` (whole merged fragments back, ``downlink_compression: none``) is the setting of
+the first figures; the default is the job's: nf2 both ways (``wan_nf2.{json,png}``).
 """
 
 from __future__ import annotations
@@ -37,7 +40,7 @@ from functools import lru_cache
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import finish, machine, parser, pyplot, save_figure, table  # noqa: E402
-from premerge import _CoreHome  # noqa: E402
+from premerge import _CoreHome, register_cores, take_replies  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -67,15 +70,17 @@ def _setup(steps: int, seed: int):
 
 
 def run(premerge: bool, steps: int, seed: int, bandwidth_mbps=None, latency_ms: float = 0.0,
-        loss_rate: float = 0.0, stop_at=None) -> dict:
+        loss_rate: float = 0.0, stop_at=None, replies: str = "nf2") -> dict:
     """One run of L learners over the relay's emulated WAN (to step ``stop_at``: a warm-up);
-    its row."""
-    from islands.learners.core import LearnerCore
+    its row. ``replies``: "nf2", the job's encoded downlink (nf2:256 against per-learner
+    shadows), or "fp32" (whole merged fragments)."""
     from islands.learners.loop import LearnerLoop
     from islands.link.client import ClientSettings, LinkClient
     from islands.link.server import ServerSettings, serve
     from islands.orchestrator.config import JobConfig
+    from islands.faults import Fault
     from islands.syncer import codec as C
+    from islands.syncer import downlink as downlink_lib
     from islands.syncer import fragments, outer
     from islands.syncer.core import SyncerCore, SyncerSettings
     from islands.syncer.merge import MergeRule
@@ -88,29 +93,29 @@ def run(premerge: bool, steps: int, seed: int, bandwidth_mbps=None, latency_ms: 
                    "merge_rule": "mean"},
         "link": {"port": 0, "premerge": premerge, "premerge_window_s": 5.0}})
     codec = C.make_codec(config.compression.type, config.compression.block_size)
+    down = config.downlink_compression
+    downlink = downlink_lib.DownlinkSettings(
+        C.make_codec(down.type, block_size=down.block_size) if replies == "nf2" else None)
     core = SyncerCore([fragments.extract(params, plan, p) for p in range(P)],
                       SyncerSettings(min_learners=LEARNERS, overlap_steps=TAU,
                                      merge_rule=MergeRule.MEAN), outer.build(),
-                      lambda c: C.decode_tree(codec, c), is_embedding=model.is_embedding_path)
+                      lambda c: C.decode_tree(codec, c), is_embedding=model.is_embedding_path,
+                      downlink=downlink)
     server, port = serve(_CoreHome(core), config.model_dump_json(),
                          ServerSettings(port=0, token="bench"))
     client = LinkClient(ClientSettings(
         home=f"127.0.0.1:{port}", region="far", token="bench", tls=False, report_every_s=3600,
-        latency_ms=latency_ms, loss_rate=loss_rate, loss_seed=seed,
-        bandwidth_gbps=None if bandwidth_mbps is None else bandwidth_mbps / 1e3))
+        latency_ms=latency_ms, loss_rate=loss_rate, loss_seed=seed))
     latencies: list[float] = []
     merged_at: list[tuple[float, int]] = []   # (reply time, the push's tokens)
     lock = threading.Lock()
     try:
         client.hello()
         names = [f"far:{i}" for i in range(LEARNERS)]
-        cores = []
-        for name in names:
-            reg = client.register(name, 0)
-            cores.append(LearnerCore(name, params, opt.init(params), plan, reg["versions"],
-                                     C.error_feedback(codec), C.tree_wire_bytes,
-                                     lambda c: C.decode_tree(codec, c), overlap_steps=TAU,
-                                     merge_alpha=0.0))
+        cores = register_cores(client, names, params, opt, plan, codec, TAU)
+        if bandwidth_mbps is not None:   # after the registrations (full fragments, uncounted)
+            client.link_fault(Fault(time.time(), "network", "far", duration_s=1e6,
+                                    bandwidth_gbps=bandwidth_mbps / 1e3))
         trained = threading.Barrier(LEARNERS + 1)
 
         def learner(i: int) -> None:
@@ -131,13 +136,7 @@ def run(premerge: bool, steps: int, seed: int, bandwidth_mbps=None, latency_ms: 
                 replies.put((push, reply))
 
             while lc.step < (stop_at or steps):
-                while not replies.empty():
-                    push, reply = replies.get()
-                    if reply.status == "merged":
-                        lc.offer_reply(push.fragment, reply.params, reply.version)
-                    else:
-                        lc.refused(push.fragment, reply.reason or reply.status.value,
-                                   reply.params, reply.version)
+                take_replies(lc, replies)
                 loop.adopt()
                 t0 = time.perf_counter()
                 float(loop.train(loop.batch()))
@@ -198,7 +197,7 @@ def keeps_up(row: dict, uncapped: dict) -> bool:
     return row["merged_share"] >= KEEPS_UP * uncapped["merged_share"]
 
 
-def plot(rows: list, out_dir: str) -> str:
+def plot(rows: list, out_dir: str, name: str = "wan", replies: str = "nf2") -> str:
     """wan.png: each mode's merged tokens/s (per token trained) ÷ its uncapped one, and its
     round latency, against the cap."""
     plt = pyplot()
@@ -223,22 +222,32 @@ def plot(rows: list, out_dir: str) -> str:
         ax.set_xticks(caps, [f"{c:g}" for c in caps])
         ax.set_xlabel("relay bandwidth cap, Mbit/s (each direction)")
         ax.legend()
-    fig.suptitle(f"L = {LEARNERS} learners in one region: flat link vs pre-merge under a cap")
+    fig.suptitle(f"L = {LEARNERS} learners in one region: flat link vs pre-merge under a cap "
+                 f"(nf2 pushes, {replies} replies)")
     fig.tight_layout()
-    return save_figure(fig, out_dir, "wan.png")
+    return save_figure(fig, out_dir, f"{name}.png")
+
+
+# Caps swept, Mbit/s: fp32 replies carry ~7x the bytes of nf2 ones, so their sweep sits higher.
+CAPS = {("nf2", False): [0.2, 0.1, 0.075, 0.05, 0.035, 0.025, 0.0125],
+        ("nf2", True): [0.1, 0.025],
+        ("fp32", False): [2.0, 1.0, 0.75, 0.5, 0.375, 0.25, 0.125],
+        ("fp32", True): [1.0, 0.25]}
 
 
 def main() -> None:
-    args = parser(__doc__).parse_args()
+    p = parser(__doc__)
+    p.add_argument("--replies", choices=("nf2", "fp32"), default="nf2",
+                   help="nf2: the job's encoded downlink (default); fp32: whole fragments")
+    args = p.parse_args()
     steps = 32 if args.quick else 120
-    caps = ([1.0, 0.25] if args.quick
-            else [2.0, 1.0, 0.75, 0.5, 0.375, 0.25, 0.125])
+    caps = CAPS[(args.replies, args.quick)]
     _setup(steps, args.seed)
     for mode in (False, True):   # compiles the learners' and the region's encodes
-        run(mode, steps, args.seed, stop_at=2 * H)
+        run(mode, steps, args.seed, stop_at=2 * H, replies=args.replies)
     rows, uncapped, behind = [], {}, {}
     for mode in (False, True):
-        row = run(mode, steps, args.seed)
+        row = run(mode, steps, args.seed, replies=args.replies)
         row["keeps_up"] = True
         uncapped[row["mode"]] = row
         rows.append(row)
@@ -246,7 +255,7 @@ def main() -> None:
     for cap in caps:
         for mode in (False, True):
             name = "premerge" if mode else "flat"
-            row = run(mode, steps, args.seed, bandwidth_mbps=cap)
+            row = run(mode, steps, args.seed, bandwidth_mbps=cap, replies=args.replies)
             row["keeps_up"] = keeps_up(row, uncapped[name])
             if not row["keeps_up"]:
                 behind.setdefault(name, cap)
@@ -254,7 +263,7 @@ def main() -> None:
             print(table([row], list(row)), flush=True)
         if len(behind) == 2:
             break
-    lossy = [run(mode, steps, args.seed, latency_ms=50.0, loss_rate=0.01)
+    lossy = [run(mode, steps, args.seed, latency_ms=50.0, loss_rate=0.01, replies=args.replies)
              for mode in (False, True)]
     for row in lossy:
         row["keeps_up"] = keeps_up(row, uncapped[row["mode"]])
@@ -272,10 +281,11 @@ def main() -> None:
                "premerge_falls_behind_at_mbps": behind.get("premerge")}
     print(verdict)
 
-    plot(rows, args.out)
-    finish("wan", {"benchmark": "wan", "quick": args.quick, "steps": steps,
-                   "learners": LEARNERS, "keeps_up_threshold": KEEPS_UP, "verdict": verdict,
-                   "rows": rows, "machine": machine()}, args.out)
+    name = "wan" if args.replies == "fp32" else "wan_nf2"
+    plot(rows, args.out, name, args.replies)
+    finish(name, {"benchmark": "wan", "replies": args.replies, "quick": args.quick,
+                  "steps": steps, "learners": LEARNERS, "keeps_up_threshold": KEEPS_UP,
+                  "verdict": verdict, "rows": rows, "machine": machine()}, args.out)
 
 
 if __name__ == "__main__":

@@ -125,6 +125,17 @@ def _start_home(config_file, duration_s: float, cwd):
     return home, lines, env, int(line.split("link on ", 1)[1].split()[0].rsplit(":", 1)[1])
 
 
+def _close(region, home) -> None:
+    """This process leaves the cluster it joined; the region's and the home's processes end."""
+    import ray
+
+    if ray.is_initialized():
+        ray.shutdown()
+    if region is not None:
+        _stop(region)
+    _stop(home)
+
+
 @pytest.fixture(scope="module")
 def two_clusters(tmp_path_factory):
     from islands.link.security import throwaway_pki
@@ -164,13 +175,7 @@ def two_clusters(tmp_path_factory):
                "link": ray.get_actor("islands:syncer", namespace="islands"),
                "agent": ray.get_actor("islands:controller", namespace="islands")}
     finally:
-        import ray
-
-        if ray.is_initialized():
-            ray.shutdown()
-        if region is not None:
-            _stop(region)
-        _stop(home)
+        _close(region, home)
 
 
 def _stub(ctx, token=None):

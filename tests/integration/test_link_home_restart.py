@@ -9,14 +9,13 @@ learner keeps merging through it, again with no restart; the home's books balanc
 """
 
 import json
-import os
 import time
 
 import pytest
 import yaml
 
 from conftest import TINY_JOB
-from test_link import (_home_events, _home_rows, _start_home, _start_region, _stop,
+from test_link import (_close, _home_events, _home_rows, _start_home, _start_region,
                        _token_auth_in_this_process, _wait)
 
 
@@ -35,19 +34,10 @@ def home_and_region(tmp_path_factory):
               "run": {"dashboard": False, "run_dir": str(tmp / "home")}}
     (tmp / "home.yaml").write_text(yaml.safe_dump(config))
     _token_auth_in_this_process()
-    # The home's embedded cluster writes its address under $XDG_RUNTIME_DIR/islands: a
-    # directory of this module's own, so this process can join that cluster.
+    # _start_home gives the home its own $XDG_RUNTIME_DIR (tmp/xdg), where its embedded
+    # cluster's address is written: this process joins that cluster.
+    home, _, env, port = _start_home(tmp / "home.yaml", 900, tmp)
     xdg = tmp / "xdg"
-    xdg.mkdir(mode=0o700)
-    before = os.environ.get("XDG_RUNTIME_DIR")
-    os.environ["XDG_RUNTIME_DIR"] = str(xdg)
-    try:
-        home, _, env, port = _start_home(tmp / "home.yaml", 900, tmp)
-    finally:
-        if before is None:
-            os.environ.pop("XDG_RUNTIME_DIR", None)
-        else:
-            os.environ["XDG_RUNTIME_DIR"] = before
     region = None
     try:
         region, region_address = _start_region(["region", "join", "--home", f"127.0.0.1:{port}", "--region",
@@ -61,13 +51,7 @@ def home_and_region(tmp_path_factory):
                "region_address": region_address,
                "controller": ray.get_actor("islands:controller", namespace="islands")}
     finally:
-        import ray
-
-        if ray.is_initialized():
-            ray.shutdown()
-        if region is not None:
-            _stop(region)
-        _stop(home)
+        _close(region, home)
 
 
 def _far(home_dir) -> dict:

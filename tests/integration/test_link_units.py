@@ -14,14 +14,14 @@ import pytest
 import yaml
 
 from conftest import TINY_JOB
-from test_link import (_home_events, _home_rows, _start_home, _start_region, _stop,
+from test_link import (_close, _home_events, _home_rows, _start_home, _start_region,
                        _token_auth_in_this_process, _wait)
 
 pytestmark = pytest.mark.slow
 
 
-def _ledger(controller_free_rows) -> dict:
-    rows = [r for r in controller_free_rows if "pair:0" in (r.get("learners") or {})]
+def _ledger(rows) -> dict:
+    rows = [r for r in rows if "pair:0" in (r.get("learners") or {})]
     return rows[-1]["learners"]["pair:0"] if rows else {}
 
 
@@ -75,8 +75,4 @@ def test_a_remote_two_host_unit_trains_and_restarts_as_a_unit_in_its_region(tmp_
         assert len(restarts) == 1 and restarts[0].get("remote"), restarts
         _wait(lambda: tokens().get("balanced"), 60, "books balanced")
     finally:
-        if ray.is_initialized():
-            ray.shutdown()
-        if region is not None:
-            _stop(region)
-        _stop(home)
+        _close(region, home)

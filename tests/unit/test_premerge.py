@@ -351,6 +351,20 @@ def test_forgetting_a_member_answers_the_premerged_push_dropped():
 
 
 # -- pre-merge with the encoded downlink ------------------------------------------------------------
+def _shadowed_core():
+    """A mean-merging core whose replies are int4 updates against per-learner shadows; and its
+    initial fragment."""
+    from islands.syncer import downlink
+
+    frag = {"w": np.zeros(4, np.float32), "e": np.ones((2, 3), np.float32)}
+    core = SyncerCore([frag], SyncerSettings(merge_rule=merge_lib.MergeRule.MEAN, min_learners=1,
+                                             outlier_norm_factor=None),
+                      outer_lib.build("nesterov", lr=0.7, momentum=0.9),
+                      lambda codes: C.decode_tree(FP32, codes),
+                      downlink=downlink.DownlinkSettings(C.make_codec("int4", 4)))
+    return core, frag
+
+
 def test_a_groups_members_share_one_update_and_one_shadow_so_they_premerge_again():
     """The home sends a group's members one encoded update (one shadow id); each applies it to the
     base it shares with the others, so the next round's pushes share a base again (by_base keeps
@@ -358,13 +372,7 @@ def test_a_groups_members_share_one_update_and_one_shadow_so_they_premerge_again
     from islands.link.premerge import by_base
     from islands.syncer import downlink
 
-    int4 = C.make_codec("int4", 4)
-    frag = {"w": np.zeros(4, np.float32), "e": np.ones((2, 3), np.float32)}
-    core = SyncerCore([frag], SyncerSettings(merge_rule=merge_lib.MergeRule.MEAN, min_learners=1,
-                                             outlier_norm_factor=None),
-                      outer_lib.build("nesterov", lr=0.7, momentum=0.9),
-                      lambda codes: C.decode_tree(FP32, codes),
-                      downlink=downlink.DownlinkSettings(int4))
+    core, frag = _shadowed_core()
     held = {}
     for name in ("far:0", "far:1", "home:0"):
         core.register(name, 0)
@@ -404,13 +412,7 @@ def test_a_region_split_across_bases_gets_the_full_fragment_and_shares_a_base_ag
     from islands.link.premerge import by_base
     from islands.syncer import downlink
 
-    int4 = C.make_codec("int4", 4)
-    frag = {"w": np.zeros(4, np.float32), "e": np.ones((2, 3), np.float32)}
-    core = SyncerCore([frag], SyncerSettings(merge_rule=merge_lib.MergeRule.MEAN, min_learners=1,
-                                             outlier_norm_factor=None),
-                      outer_lib.build("nesterov", lr=0.7, momentum=0.9),
-                      lambda codes: C.decode_tree(FP32, codes),
-                      downlink=downlink.DownlinkSettings(int4))
+    core, _ = _shadowed_core()
     for name in ("far:0", "far:1", "far:2", "home:0"):
         core.register(name, 0)
     # Round 1: far:2 and home:0 merge alone and get shadows of their own.
