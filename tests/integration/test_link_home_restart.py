@@ -1,17 +1,23 @@
 """A home restart keeps a remote region's work: a home with two syncer shards and a region joined
 over the link (two local Ray clusters on loopback, as test_link.py sets them up).
 
-Asserted: the region keeps a warm spare in its own cluster and promotes it when its learner is
-killed, and the home sees the learner come back and merge; a killed home syncer shard restarts alone (epoch + 1) and the remote learner, which
+Asserted: a killed home syncer shard restarts alone (epoch + 1) and the remote learner, which
 pushes through the link to it, re-registers with that shard only and merges there again, with
 no restart of its own; a killed home controller comes back (Ray restarts it) and the remote
 learner keeps merging through it, again with no restart; the home's books balance throughout.
+Then the region keeps a warm spare in its own cluster and promotes it when its learner is
+killed, and the home sees the learner come back and merge.
+
+Slow: ``python -m pytest -m slow tests/integration/test_link_home_restart.py`` (about 4 min).
 """
 
 import json
 import time
 
 import pytest
+
+# Two clusters and two restarts: about 4 minutes on 2 cores, beyond the default suite's budget.
+pytestmark = pytest.mark.slow
 import yaml
 
 from conftest import TINY_JOB
