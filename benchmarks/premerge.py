@@ -25,7 +25,6 @@ import statistics
 import sys
 import threading
 import time
-from typing import Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import finish, machine, parser, pyplot, save_figure, table  # noqa: E402
@@ -129,8 +128,7 @@ CODECS = {"nf2": ("nf2", 64, "nf2", 256),      # the job's defaults
           "int4-fp32": ("int4", 64, None, 0)}  # the first figures' setting
 
 
-def _run(learners: int, premerge: bool, steps: int, seed: int, codecs: str = "nf2",
-         region_codec: Optional[str] = None) -> dict:
+def _run(learners: int, premerge: bool, steps: int, seed: int, codecs: str = "nf2") -> dict:
     from islands.learners import data, inner, model
     from islands.learners.loop import LearnerLoop
     from islands.link.client import ClientSettings, LinkClient
@@ -167,10 +165,7 @@ def _run(learners: int, premerge: bool, steps: int, seed: int, codecs: str = "nf
         "regions": {"far": {"learners": learners, "remote": True}},
         "syncer": {"fragments": P, "sync_every_steps": H, "overlap_steps": tau,
                    "merge_rule": "mean"},
-        # the region's re-encode of the mean: the pushes' codec unless --region-codec says
-        "compression": ({"type": up_kind, "block_size": up_block} if region_codec is None
-                        else {"type": region_codec.split(":")[0],
-                              "block_size": int((region_codec.split(":") + ["64"])[1])}),
+        "compression": {"type": up_kind, "block_size": up_block},   # the region's re-encode
         "link": {"port": 0, "premerge": premerge, "premerge_window_s": 5.0}})
     server, port = serve(home, config.model_dump_json(), ServerSettings(port=0, token="bench"))
     client = LinkClient(ClientSettings(home=f"127.0.0.1:{port}", region="far", token="bench",
@@ -254,9 +249,6 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=1,
                    help="runs of each setting, seeds seed, seed+1, ... (the threads' timing "
                         "makes one run's eval loss move by a few per cent)")
-    p.add_argument("--region-codec", default=None,
-                   help="KIND[:BLOCK]: the codec the region re-encodes its mean with (default: "
-                        "the pushes'; e.g. none, int4:64) — to see what that rounding costs")
     p.add_argument("--sizes", type=int, nargs="+", default=[2, 4],
                    help="learners per region to run (L)")
     args = p.parse_args()
@@ -265,7 +257,7 @@ def main() -> None:
     for seed in range(args.seed, args.seed + args.repeats):
         for learners in args.sizes:
             flat = _run(learners, False, steps, seed, args.codecs)
-            pm = _run(learners, True, steps, seed, args.codecs, args.region_codec)
+            pm = _run(learners, True, steps, seed, args.codecs)
             for row in (flat, pm):
                 row["seed"] = seed
             pm["up_vs_flat"] = pm["up_B_per_token"] / flat["up_B_per_token"]
@@ -311,8 +303,6 @@ def main() -> None:
     suffix = "" if args.codecs == "int4-fp32" else f"_{args.codecs}"
     if args.sizes != [2, 4] or args.seed != 0:
         suffix += f"_L{'-'.join(map(str, args.sizes))}_seed{args.seed}"
-    if args.region_codec:
-        suffix += "_region-" + args.region_codec.replace(":", "-")
     save_figure(fig, args.out, f"premerge{suffix}.png")
     finish(f"premerge{suffix}", {"benchmark": "premerge", "codecs": args.codecs,
                                  "quick": args.quick, "steps": steps, "runs": runs,
