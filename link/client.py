@@ -19,6 +19,7 @@ import random
 import socket
 import threading
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Optional
 
@@ -54,7 +55,10 @@ class ClientSettings:
     server_name: Optional[str] = None  # the name in the home's certificate (default: HOST)
     call_timeout_s: float = 10.0      # every unary call's deadline
     register_timeout_s: float = 120.0
-    push_timeout_s: float = 300.0     # a push's deadline, waiting for its round's merge included
+    # A push's deadline, its round's merge included. At least the job's
+    # link.agent_home_timeout_s once joined: a push is given up on only when the agent leaves too
+    # (a push given up on may have merged at home, and its drift would go again).
+    push_timeout_s: float = 300.0
     keepalive_s: float = 2.0
     backoff_initial_s: float = 0.25
     backoff_max_s: float = 4.0
@@ -140,6 +144,7 @@ class LinkClient:
         self.home_ended: Optional[str] = None   # the home said its job ended (a report's reply)
         self.home_paused: Optional[str] = None  # the home's pause reason as the agent last heard it
         self.premerger = None   # link.premerge: set from the job's config at hello()
+        self.push_timeout_s = settings.push_timeout_s
         self.channel.subscribe(self._on_state, try_to_connect=True)
         self.reporter = threading.Thread(target=self._report_loop, daemon=True,
                                          name="islands-link-report")
@@ -210,8 +215,10 @@ class LinkClient:
             raise LinkRefused(f"{exc.code().name}: {exc.details()}") from None
         self.chunk_bytes, self.max_total_bytes = int(reply.chunk_bytes), int(reply.max_total_bytes)
         self.epoch = int(reply.epoch)
-        self.premerger = premerger(json.loads(reply.config_json), self.settings.region,
-                                   self._send_push)
+        config = json.loads(reply.config_json)
+        self.push_timeout_s = max(self.settings.push_timeout_s, float(
+            config.get("link", {}).get("agent_home_timeout_s", 0.0)))
+        self.premerger = premerger(config, self.settings.region, self._send_push)
         return {"epoch": self.epoch, "config": json.loads(reply.config_json),
                 "shard_base": int(reply.shard_base), "num_shards": int(reply.num_shards)}
 
@@ -252,9 +259,12 @@ class LinkClient:
         from islands.syncer.actor import Reply
 
         self.counts["wan_pushes"] += 1
+        request = wire.push_to_pb(push)
+        # Its retries (after a cut connection) carry the same id: the home merges it once and
+        # answers each retry with that merge's reply (server.py: PushOnce).
+        request.push_id = uuid.uuid4().hex
         try:
-            reply = self._streamed("Push", wire.push_to_pb(push), pb.PushReply,
-                                   self.settings.push_timeout_s)
+            reply = self._streamed("Push", request, pb.PushReply, self.push_timeout_s)
         except (TimeoutError, grpc.RpcError) as exc:
             self.counts["pushes_lost"] += 1
             detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
@@ -273,7 +283,7 @@ class LinkClient:
         reply = self._unary("Forget", pb.ForgetRequest(learner=learner,
                                                        incarnation=-1 if incarnation is None
                                                        else incarnation, reason=reason),
-                            self.settings.push_timeout_s)
+                            self.push_timeout_s)
         return int(reply.dropped)
 
     def set_fleet(self, slowest_step_s: float, paused: bool = False) -> None:

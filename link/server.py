@@ -8,6 +8,7 @@ size limits; ``LinkServer`` is the thin Ray actor the job starts when ``link.por
 
 from __future__ import annotations
 
+import collections
 import json
 import logging
 import threading
@@ -59,6 +60,88 @@ def shard_plan(config: dict, region: str) -> tuple[int, int]:
     return base, sum(int(s["learners"]) for s in config["regions"].values())
 
 
+class PushOnce:
+    """Exactly-once pushes over a link that retries. The region's link sends a push again when
+    its connection is cut before the reply arrived (a partition, a reset, a home whose link
+    server restarted in place); the home may have taken it already and merged it. Each push
+    carries an id that its retries share: the first arrival goes to the syncer, a retry waits
+    for that one's reply and gets the same reply. Only a first arrival that failed (the home
+    call raised: the syncer never answered it) lets a retry go to the syncer itself.
+
+    The replies of the last ``keep`` pushes are kept (a learner's next push of a fragment comes
+    only after its reply, so a few per learner and fragment is plenty); a push still in flight is
+    never let go of.
+    """
+
+    def __init__(self, keep: int = 4096):
+        self.keep = int(keep)
+        self.lock = threading.Lock()
+        self.entries: collections.OrderedDict = collections.OrderedDict()  # id -> _Taken
+        # arrivals, taken, answered_again, retried_after_failure
+        self.counts = collections.Counter()
+
+    def run(self, push_id: str, take, is_active=lambda: True, poll_s: float = 0.25):
+        """``take()`` (the push to the syncer) once for ``push_id``; its reply to every arrival.
+
+        Raises:
+          ConnectionAbortedError: this arrival's own call ended (``is_active()`` turned False)
+            while the first one was still in flight: nobody is left to answer.
+        """
+        if not push_id:
+            return take()
+        with self.lock:
+            self.counts["arrivals"] += 1
+        while True:
+            with self.lock:
+                entry = self.entries.get(push_id)
+                first = entry is None
+                if first:
+                    entry = self.entries[push_id] = _Taken()
+                    self.counts["taken"] += 1
+                    self._trim()
+            if first:
+                try:
+                    entry.reply = take()
+                except BaseException:
+                    with self.lock:
+                        self.entries.pop(push_id, None)
+                    entry.failed = True
+                    entry.done.set()
+                    raise
+                entry.done.set()
+                return entry.reply
+            while not entry.done.wait(poll_s):
+                if not is_active():
+                    raise ConnectionAbortedError(f"push {push_id}: the caller left")
+            if not entry.failed:
+                with self.lock:
+                    self.counts["answered_again"] += 1
+                return entry.reply
+            with self.lock:
+                self.counts["retried_after_failure"] += 1
+
+    def _trim(self) -> None:
+        """Lets go of the oldest answered pushes beyond ``keep`` (under the lock)."""
+        excess = len(self.entries) - self.keep
+        for push_id in list(self.entries):
+            if excess <= 0:
+                break
+            if self.entries[push_id].done.is_set():
+                del self.entries[push_id]
+                excess -= 1
+
+
+class _Taken:
+    """A push the home took: its reply once the syncer answered."""
+
+    __slots__ = ("done", "reply", "failed")
+
+    def __init__(self):
+        self.done = threading.Event()
+        self.reply = None
+        self.failed = False
+
+
 class LinkServicer(pb_grpc.LinkServicer):
     def __init__(self, home, config_json: str, settings: ServerSettings):
         self.home, self.settings = home, settings
@@ -67,6 +150,7 @@ class LinkServicer(pb_grpc.LinkServicer):
         self.lock = threading.Lock()
         self.regions: dict[str, dict] = {}   # per region: what its agent last reported
         self.ended: Optional[str] = None     # set when the home job ends: agents are told so
+        self.pushes = PushOnce()             # kept across a partition (the same servicer)
 
     # -- helpers --------------------------------------------------------------------------------
     def _read(self, stream, message_type, context):
@@ -133,7 +217,11 @@ class LinkServicer(pb_grpc.LinkServicer):
             push = wire.push_from_pb(msg)
         except wire.WireError as exc:
             context.abort(grpc.StatusCode[exc.code], str(exc))
-        reply = self._call(context, self.home.push, push)
+        try:
+            reply = self.pushes.run(msg.push_id, lambda: self._call(context, self.home.push, push),
+                                    context.is_active)
+        except ConnectionAbortedError as exc:
+            context.abort(grpc.StatusCode.CANCELLED, str(exc))
         yield from self._send(wire.reply_to_pb(reply), context)
 
     def Forget(self, request, context):
