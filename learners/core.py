@@ -217,9 +217,9 @@ class LearnerCore:
     def push_refused(self, p: int, fragment: Optional[Fragment] = None,
                      version: Optional[int] = None) -> None:
         """The syncer refused the push. With the current global fragment at hand, start over from
-        it (the refused drift is dropped: pushing it again would be refused again and only grow);
-        otherwise keep the counters and try again at the next due step. The residual of earlier,
-        applied pushes is kept either way."""
+        it (the refused drift and the error-feedback residual are dropped: pushing them again would
+        be refused again and only grow); otherwise keep the counters and the residual and try
+        again at the next due step."""
         track = self.tracks[p]
         track.in_flight_since_step = None
         track.pending_ef_state = None
@@ -228,6 +228,11 @@ class LearnerCore:
         if fragment is not None and version is not None:
             self.fates.discarded(p, REFUSED)
             self.adopt(p, fragment, version)
+            # Starting over means the error-feedback residual too: it rides in every push until
+            # one merges, so a residual the syncer refuses (say, the rounding error of a push
+            # that spanned a long partition, large against a few steps' drift) would get every
+            # following push refused as an outlier, and the learner quarantined.
+            track.ef_state = self._placed_residual(self.error_feedback.init(track.base))
         else:
             self.fates.returned(p)
 

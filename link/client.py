@@ -135,6 +135,7 @@ class LinkClient:
                                    "registered": {}, "quarantined": {}, "rejected": {},
                                    "staleness_counts": {}}
         self.counts = collections.Counter()   # calls, retries, refusals by kind
+        self.in_flight = collections.Counter()   # (learner, fragment): pushes not answered yet
         self.connected = False
         self.reconnects = 0
         self.last_ok_s: Optional[float] = None
@@ -248,8 +249,20 @@ class LinkClient:
 
         push = _numpy_push(push, codec_lib)
         self.counts["pushes"] += 1
-        reply = (self.premerger.push(push) if self.premerger is not None
-                 else self._send_push(push))
+        key = (push.learner, push.fragment)
+        with self.lock:
+            self.in_flight[key] += 1
+            if self.in_flight[key] > 1:   # a learner pushes a fragment again only once answered
+                self.counts["pushes_while_unanswered"] += 1
+                log.warning("link: %s pushed fragment %d (step %d) while %d earlier push(es) of "
+                            "it are unanswered", push.learner, push.fragment, push.step,
+                            self.in_flight[key] - 1)
+        try:
+            reply = (self.premerger.push(push) if self.premerger is not None
+                     else self._send_push(push))
+        finally:
+            with self.lock:
+                self.in_flight[key] -= 1
         if reply.status == "merged":   # the tokens a merge applied (WAN bytes per merged token)
             self.counts["merged_tokens"] += push.c_tokens
         return reply
@@ -268,6 +281,10 @@ class LinkClient:
         except (TimeoutError, grpc.RpcError) as exc:
             self.counts["pushes_lost"] += 1
             detail = exc.details() if isinstance(exc, grpc.RpcError) else str(exc)
+            code = exc.code().name if isinstance(exc, grpc.RpcError) else "DEADLINE"
+            self.counts[f"pushes_lost_{code}"] += 1
+            log.warning("link: push of %s fragment %d given up (%s): %s", push.learner,
+                        push.fragment, code, detail)
             # Nothing to start over from: the learner keeps its drift for the next push.
             return Reply("rejected", push.fragment, push.epoch, reason=LINK_DOWN,
                          detail=f"the push could not reach home: {detail}"[:300])

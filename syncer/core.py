@@ -446,7 +446,8 @@ class SyncerCore:
                 if norm <= factor:
                     return _Judged(verdict.staleness, drift, norm)
             return Rejected(RejectReason.OUTLIER_NORM,
-                            f"drift norm {norm:.4g} > {limit:.4g} (in units of the inner step)")
+                            f"drift norm {norm:.4g} > {limit:.4g} (in units of the inner step; "
+                            f"{push.c_steps} steps to step {push.step})")
         slot.outlier_learners = set()
         return _Judged(verdict.staleness, drift, norm)
 

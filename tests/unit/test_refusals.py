@@ -181,3 +181,55 @@ def test_a_first_push_with_impossible_cumulative_counters_is_refused_and_moves_n
     assert core.accept_push(honest, 0.0).ok
     core.merge(0, "test")
     assert core.ledger["a:0"].applied_step == 1
+
+
+def test_an_outlier_refusal_starts_over_without_the_error_feedback_residual():
+    """A push that spanned many steps (held back by a partition) merges, and its rounding error
+    stays behind as the error-feedback residual, large against a few steps' drift: the next
+    push carries it and is refused as an outlier. Starting over from the carried fragment drops
+    that residual too, so the push after is judged on its own drift and merges (before, the
+    residual rode along in every push: three refusals in a row quarantined the learner)."""
+    nf2 = codec_lib.make_codec("nf2", block_size=64)
+    decode = lambda codes: codec_lib.decode_tree(nf2, codes)  # noqa: E731
+    n = 64
+    core = SyncerCore([{"w": np.zeros(n, np.float32)}],
+                      SyncerSettings(min_learners=1, grace_cap_s=0.0, overlap_steps=0,
+                                     merge_rule=MergeRule.MEAN, outlier_norm_factor=10.0,
+                                     inner_schedule=(1e-2, 1, 10_000, 1.0)),
+                      outer.build("sgd", lr=1.0, momentum=0.0), decode)
+    params = {"w": jnp.zeros(n)}
+    _, frags = core.register("far:0", 0)
+    learner = LearnerCore("far:0", params, optax.sgd(1.0).init(params),
+                          fragments.partition(params, 1), [v for _, v in frags],
+                          codec_lib.error_feedback(nf2), codec_lib.tree_wire_bytes, decode,
+                          overlap_steps=0)
+    rng = np.random.default_rng(0)
+
+    def train(steps, scale):   # ``steps`` inner steps that moved each value by about ``scale``
+        learner.params = {"w": learner.params["w"] + jnp.asarray(
+            rng.normal(0.0, scale, n), jnp.float32)}
+        for _ in range(steps):
+            learner.record_step(8, 0.1)
+
+    def push_and_judge():
+        plan = learner.make_push(0, core.epoch)
+        verdict = core.accept_push(plan.push, 0.0)
+        if verdict.ok:
+            result = core.merge(0, "test")
+            learner.offer_reply(0, result.params, result.version)
+            assert learner.adopt_ready() == [0]
+        else:
+            current, version = core.fragment(0)
+            learner.refused(0, verdict.reason.value, current, version)
+        return verdict
+
+    train(100, 0.5)   # the long push: 100 steps, scaled norm ≈ 0.5 / 0.01 / 100 = 0.5
+    assert push_and_judge().ok
+    residual = np.linalg.norm(np.asarray(learner.tracks[0].ef_state.residual["w"]))
+    assert residual > 0.5   # nf2 leaves about a quarter of a norm-4 drift behind
+    train(1, 0.005)   # one step: its own scaled norm ≈ 0.5, with the residual ≈ 12
+    refused = push_and_judge()
+    assert refused.reason == RejectReason.OUTLIER_NORM
+    assert not np.any(np.asarray(learner.tracks[0].ef_state.residual["w"]))
+    train(1, 0.005)
+    assert push_and_judge().ok
