@@ -39,6 +39,8 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import finish, machine, parser, pyplot, save_figure, table  # noqa: E402
 
+from islands.studies.lockstep import CoreHome  # noqa: E402
+
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
@@ -49,65 +51,6 @@ PREMERGE_WINDOW_S = 5.0
 # guard against a hang.
 LOCKSTEP_TIMEOUT_S = 60.0
 STEP_S = 0.05   # each learner's inner step, padded (learner.min_step_time_s)
-
-
-class _CoreHome:
-    """The home's side for the link server: a real SyncerCore behind a lock; a push's call
-    returns when its round merged (every live learner in, or ``timeout_s`` after the round
-    opened), like the Syncer actor's."""
-
-    def __init__(self, core, timeout_s: float = ROUND_TIMEOUT_S):
-        self.timeout_s = timeout_s
-        self.core = core
-        self.cond = threading.Condition()
-        self.results: dict[int, tuple] = {}   # fragment -> (round number, params, version)
-        self.rounds = [0] * len(core.slots)
-
-    def epoch(self):
-        return 0
-
-    def register(self, learner, incarnation, adopted, session="", syncer_shard=0):
-        with self.cond:
-            epoch, frags = self.core.register(learner, incarnation)
-            self.cond.notify_all()
-        return {"epoch": epoch, "fragments": [f for f, _ in frags],
-                "versions": [v for _, v in frags], "session": ""}
-
-    def forget(self, learner, incarnation, reason):
-        with self.cond:
-            dropped = self.core.forget(learner)
-            self.cond.notify_all()
-        return len(dropped)
-
-    def push(self, push):
-        from islands.syncer.actor import Reply
-
-        p = push.fragment
-        with self.cond:
-            verdict = self.core.accept_push(push, time.monotonic())
-            if not verdict.ok:
-                params, version = self.core.fragment(p)
-                return Reply("rejected", p, 0, params, version, verdict.reason.value)
-            mine = self.rounds[p]
-            opened = self.core.slots[p].round_opened_at_s
-            while self.rounds[p] == mine:
-                slot = self.core.slots[p]
-                live = frozenset(self.core.learners)
-                if slot.round and (live <= set(slot.round)
-                                   or time.monotonic() >= opened + self.timeout_s):
-                    result = self.core.merge(p, live_count=len(live))
-                    self.rounds[p] += 1
-                    # Per learner: the full fragment or its encoded update (downlink codec).
-                    self.results[p] = (self.core.updates(result), result.version)
-                    self.cond.notify_all()
-                    break
-                if not slot.round:   # our round was dropped (a forget): not in a merge
-                    return Reply("dropped", p, 0)
-                self.cond.wait(max(0.01, opened + self.timeout_s - time.monotonic()))
-            updates, version = self.results[p]
-        # A pre-merged push's members share one update (syncer/core.py: updates).
-        name = push.members[0].learner if push.members else push.learner
-        return Reply("merged", p, 0, None, version, update=updates[name])
 
 
 def register_cores(client, names, params, opt, plan, codec, tau: int) -> list:
@@ -198,7 +141,7 @@ def _run(learners: int, premerge: bool, steps: int, seed: int, codecs: str = "nf
                                      tokens_per_step=batch * cfg.seq_len), outer.build(),
                       lambda c: C.decode_tree(codec, c), is_embedding=model.is_embedding_path,
                       downlink=down)
-    home = _CoreHome(core, LOCKSTEP_TIMEOUT_S if lockstep else ROUND_TIMEOUT_S)
+    home = CoreHome(core, LOCKSTEP_TIMEOUT_S if lockstep else ROUND_TIMEOUT_S)
     config = JobConfig.model_validate({
         "regions": {"far": {"learners": learners, "remote": True}},
         "syncer": {"fragments": P, "sync_every_steps": H, "overlap_steps": tau,

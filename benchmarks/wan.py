@@ -40,7 +40,9 @@ from functools import lru_cache
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _common import finish, machine, parser, pyplot, save_figure, table  # noqa: E402
-from premerge import _CoreHome, register_cores, take_replies  # noqa: E402
+from premerge import ROUND_TIMEOUT_S, register_cores, take_replies  # noqa: E402
+
+from islands.studies.lockstep import CoreHome  # noqa: E402
 
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
@@ -101,7 +103,7 @@ def run(premerge: bool, steps: int, seed: int, bandwidth_mbps=None, latency_ms: 
                                      merge_rule=MergeRule.MEAN), outer.build(),
                       lambda c: C.decode_tree(codec, c), is_embedding=model.is_embedding_path,
                       downlink=downlink)
-    server, port = serve(_CoreHome(core), config.model_dump_json(),
+    server, port = serve(CoreHome(core, ROUND_TIMEOUT_S), config.model_dump_json(),
                          ServerSettings(port=0, token="bench"))
     client = LinkClient(ClientSettings(
         home=f"127.0.0.1:{port}", region="far", token="bench", tls=False, report_every_s=3600,

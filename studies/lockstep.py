@@ -7,12 +7,15 @@ the tiny byte LM with JAX. What is left between a flat and a pre-merged run on o
 pre-merge itself does: the region's mean re-encoded (with its own error feedback) instead of L
 codes crossing, and one shared update coming back instead of L.
 
-Used by ``tests/unit/test_premerge_lockstep.py`` and ``benchmarks/premerge_lockstep.py``.
+Used by ``tests/unit/test_premerge_lockstep.py`` and ``benchmarks/premerge_lockstep.py``;
+``CoreHome`` (a SyncerCore as the link server's home, with an optional round timeout) also by
+``benchmarks/premerge.py`` and ``benchmarks/wan.py``.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from typing import Optional
 
 import jax
@@ -22,14 +25,17 @@ import numpy as np
 STEPS, H, TAU, BATCH = 48, 8, 2, 8
 
 
-class LockstepHome:
-    """The home backend behind the link server: a SyncerCore; a push's call returns when its
-    round holds every live learner (all of them push each round here) and merged."""
+class CoreHome:
+    """The home backend behind a link server: a real ``SyncerCore`` behind a lock. A push's call
+    returns when its round merged: when every live learner is in, or (with ``round_timeout_s``)
+    that long after the round opened, as the Syncer actor's grace window would; None waits for
+    every live learner (lockstep: all of them push each round)."""
 
-    def __init__(self, core):
+    def __init__(self, core, round_timeout_s: Optional[float] = None):
         self.core = core
+        self.round_timeout_s = round_timeout_s
         self.cond = threading.Condition()
-        self.results: dict[int, tuple] = {}
+        self.results: dict[int, tuple] = {}   # fragment -> (updates by learner, version)
         self.rounds = [0] * len(core.slots)
 
     def epoch(self):
@@ -38,34 +44,46 @@ class LockstepHome:
     def register(self, learner, incarnation, adopted, session="", syncer_shard=0):
         with self.cond:
             epoch, frags = self.core.register(learner, incarnation)
+            self.cond.notify_all()
         return {"epoch": epoch, "fragments": [f for f, _ in frags],
                 "versions": [v for _, v in frags], "session": ""}
 
     def forget(self, learner, incarnation, reason):
         with self.cond:
-            return len(self.core.forget(learner))
+            dropped = self.core.forget(learner)
+            self.cond.notify_all()
+        return len(dropped)
 
     def push(self, push):
         from islands.syncer.actor import Reply
 
         p = push.fragment
         with self.cond:
-            verdict = self.core.accept_push(push, 0.0)
+            verdict = self.core.accept_push(push, time.monotonic())
             if not verdict.ok:
                 params, version = self.core.fragment(p)
                 return Reply("rejected", p, 0, params, version, verdict.reason.value)
             mine = self.rounds[p]
+            opened = self.core.slots[p].round_opened_at_s
+            deadline = None if self.round_timeout_s is None else opened + self.round_timeout_s
             while self.rounds[p] == mine:
+                slot = self.core.slots[p]
                 live = frozenset(self.core.learners)
-                if live <= set(self.core.slots[p].round):
+                if slot.round and (live <= set(slot.round)
+                                   or (deadline is not None and time.monotonic() >= deadline)):
                     result = self.core.merge(p, live_count=len(live))
                     self.rounds[p] += 1
+                    # Per learner: the full fragment or its encoded update (downlink codec).
                     self.results[p] = (self.core.updates(result), result.version)
                     self.cond.notify_all()
                     break
-                if not self.cond.wait(60):
+                if not slot.round:   # the round was dropped (a forget): not in a merge
+                    return Reply("dropped", p, 0)
+                wait_s = 60.0 if deadline is None else max(0.01, deadline - time.monotonic())
+                if not self.cond.wait(wait_s) and deadline is None:
                     raise RuntimeError("a lockstep round never filled")
             updates, version = self.results[p]
+        # A pre-merged push's members share one update (syncer/core.py: updates).
         name = push.members[0].learner if push.members else push.learner
         return Reply("merged", p, 0, None, version, update=updates[name])
 
@@ -115,7 +133,7 @@ def train_region(learners: int, premerge: bool, seed: int = 0, codec_kind: str =
                       lambda c: C.decode_tree(codec, c), is_embedding=model.is_embedding_path,
                       downlink=downlink_lib.DownlinkSettings(
                           C.make_codec(downlink_kind, block_size=256) if downlink_kind else None))
-    home = LockstepHome(core)
+    home = CoreHome(core)
     config = JobConfig.model_validate({
         "regions": {"far": {"learners": learners, "remote": True}},
         "syncer": {"fragments": 1, "sync_every_steps": H, "overlap_steps": TAU,
