@@ -4,20 +4,14 @@ jax.distributed over gloo), in its own Ray cluster, on loopback as test_link.py 
 
 Asserted: the unit trains and its merges reach the home's books; killing one of its hosts in the
 region restarts the whole unit there once, which the home sees as that learner's one restart
-(its agent's), and the unit merges again; the home's books balance.
-
-Slow (three Ray clusters' worth of processes on 2 cores: about 4 minutes):
-``python -m pytest -m slow tests/integration/test_link_units.py``.
+(its agent's), and the unit merges again; the home's books balance. About 1 minute on 2 cores.
 """
 
-import pytest
 import yaml
 
 from conftest import TINY_JOB
 from test_link import (_close, _home_events, _home_rows, _start_home, _start_region,
                        _token_auth_in_this_process, _wait)
-
-pytestmark = pytest.mark.slow
 
 
 def _ledger(rows) -> dict:
