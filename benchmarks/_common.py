@@ -191,7 +191,8 @@ def run_ours(setup: Setup, *, learner_ids: Sequence[str], fleet: inprocess.Fleet
              eval_every_steps: int = 0, codec_block_size: int = codec_lib.DEFAULT_BLOCK_SIZE,
              downlink: str = "none",
              downlink_block_size: int = codec_lib.DEFAULT_BLOCK_SIZE,
-             merge_alpha: float = 0.0, carry_overlap: bool = CARRY_OVERLAP) -> inprocess.RunRecord:
+             merge_alpha: float = 0.0, carry_overlap: bool = CARRY_OVERLAP,
+             staleness_discount: float = 0.0) -> inprocess.RunRecord:
     """Decoupled DiLoCo in the in-process driver (docs/architecture.md#the-algorithm defaults: RDA merge, outer Nesterov
     0.7/0.9, α = 0, error feedback; ``outer_kind="sgd"`` is sgd(1.0), plain averaging;
     ``outer_kwargs`` sets the outer optimizer's lr and momentum). ``codec`` encodes the pushes,
@@ -203,6 +204,7 @@ def run_ours(setup: Setup, *, learner_ids: Sequence[str], fleet: inprocess.Fleet
     settings = SyncerSettings(min_learners=min_learners, overlap_steps=overlap_steps,
                               grace_gamma=grace_gamma, grace_cap_s=grace_cap_s,
                               merge_rule=MergeRule(merge_rule),
+                              staleness_discount=staleness_discount,
                               inner_schedule=setup.schedule or None,
                               tokens_per_step=setup.tokens_per_batch)
     syncer, learners = inprocess.build_syncer_and_learners(
