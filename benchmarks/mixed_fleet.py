@@ -28,6 +28,9 @@ the reference for the uniform fleet's gap.
 
     python benchmarks/mixed_fleet.py                       # 1000 steps, 3 seeds, every variant
     python benchmarks/mixed_fleet.py --variants base constant_lr --dp
+    # four equal learners with ±10 % noise only, K = M (every merge waits for all):
+    python benchmarks/mixed_fleet.py --variants base --fleets uniform --uniform-noise 0.1 \
+        --quorum-all --name mixed_fleet_noisy_k_all
 
 Prints a table, then one JSON object as the last line; writes mixed_fleet.png and .json.
 """
@@ -131,7 +134,8 @@ def main() -> None:
                 for name in args.fleets:
                     if variant == "noisy_uniform" and name == "mixed" and seed in results.get(
                             "base", {}).get("mixed", {}):   # the same run as base's
-                        results[variant].setdefault(name, {})[seed] = results["base"][name][seed]
+                        results.setdefault(variant, {}).setdefault(name, {})[seed] = (
+                            results["base"][name][seed])
                         continue
                     fleet = inprocess.Fleet(speeds[name], step_time_s=1.0,
                                             step_noise=(0.1 if name == "mixed"
