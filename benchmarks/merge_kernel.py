@@ -9,7 +9,7 @@ over copied bytes per second, i.e. copy time ÷ merge time; each repetition time
 the copy back to back, so load on the machine hits both alike. Goal: ≥ 0.5 at 10M and 30M
 parameters.
 
-BLAS runs single-threaded, as in the syncer actor (``orchestrator/runtime.py:single_thread_env``
+BLAS runs single-threaded, as in the syncer actor (``orchestrator/runtime.py:process_env``
 sets ``OMP_NUM_THREADS=1``, which OpenBLAS follows): ``--blas-threads N`` sets
 ``OPENBLAS_NUM_THREADS`` for this process instead (it must be set before numpy loads, so the
 option re-executes the script with it).

@@ -8,7 +8,7 @@ Two modes:
   the learner steps as fast as it can; its step counter is read from the controller's snapshots,
   timed by the learner's own heartbeat clock) against the bare loop ``batch → train_step →
   float(loss)`` on the same model, batch stream and corpus. The learner runs with the controller's
-  single-thread XLA environment (``runtime.single_thread_env``), so the bare loop runs in a subprocess
+  single-thread XLA environment of a CPU learner (``runtime.process_env``), so the bare loop runs in a subprocess
   started with exactly those environment variables, once before the service starts and once after
   it stops (never at the same time: the machine has 2 cores).
 * ``--mode inprocess``: no Ray at all (``ray`` is never imported; the GPU machine has none). The
@@ -540,10 +540,12 @@ def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
 
 def run_ray(preset_name: str, duration_s: float, warmup_s: float,
             task_name: str = "bytelm", snapshot_every_merges: Optional[int] = None) -> dict:
-    from islands.orchestrator.runtime import single_thread_env
+    from islands.orchestrator.runtime import Role, process_env, ray_env_vars
 
     run_dir = tempfile.mkdtemp(prefix="islands-overhead-")
-    env_vars = single_thread_env(os.path.join(run_dir, "jax_cache"))
+    # The bare loop runs with a CPU learner's own environment (runtime.process_env).
+    env_vars = ray_env_vars(process_env(Role.LEARNER, jax_cache_dir=os.path.join(run_dir,
+                                                                                 "jax_cache")))
     runs = []
     try:
         bare_before = run_bare_subprocess(preset_name, duration_s, env_vars, task_name)

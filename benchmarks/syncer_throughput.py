@@ -6,7 +6,7 @@ round is M learners' ``accept_push`` (decode the int4 drift, validate, reconstru
 ``θ_m = Θ(base) + δ``) and one ``merge`` (RDA per tensor + the outer Nesterov step). Fragments of
 1M, 10M and 100M float32 parameters (``--quick``: 1M, 10M, 30M), made of ≤ 4M-element tensors.
 The ceiling is ``np.copyto`` of the same M·4·n bytes (payload bytes; memory traffic is twice that).
-JAX runs with the syncer actor's environment (single-thread XLA, ``runtime.single_thread_env``).
+JAX runs with the syncer actor's environment (single-thread XLA, ``runtime.process_env``).
 
 Most learners sustained: one syncer is one event loop, so it keeps up while the work arriving per
 second fits in a second. A learner pushes r = P / (H·ξ_step) fragments of N/P parameters per

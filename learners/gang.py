@@ -27,13 +27,14 @@ unit fail and restarts it whole.
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import socket
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
+
+from .devices import apply_env, check_devices
 
 log = logging.getLogger("islands.learner")
 
@@ -77,7 +78,8 @@ class MemberInfo:
     host_index: int
     hosts: int
     coordinator: str
-    env: dict = field(default_factory=dict)
+    env: dict = field(default_factory=dict)   # the leader's (``runtime.process_env``)
+    device_request: Any = None                 # learners/devices.py: checked like the leader
 
 
 def member_name(learner: str, incarnation: int, host: int) -> str:
@@ -92,19 +94,24 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def join_unit(coordinator: str, hosts: int, host_index: int) -> None:
-    """Joins this process to its unit's ``jax.distributed`` (before anything else uses JAX).
-    CPU units run their collectives over gloo."""
+def join_unit(coordinator: str, hosts: int, host_index: int, request=None) -> None:
+    """Joins this process to its unit's ``jax.distributed`` (before anything else uses JAX) and
+    checks this host's devices (learners/devices.py). CPU units run their collectives over
+    gloo; GPU and TPU units over their own interconnect."""
     import jax
 
-    if os.environ.get("JAX_PLATFORMS", "") == "cpu":
+    if _accelerator(request) == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator, num_processes=hosts, process_id=host_index,
                                initialization_timeout=int(MEMBER_START_TIMEOUT_S),
                                heartbeat_timeout_seconds=UNIT_HEARTBEAT_TIMEOUT_S)
     # Every process publishes its devices when its backend starts, and each one's backend start
     # waits for all of them: start it here, on every host, before anyone waits on another.
-    jax.devices()
+    check_devices(request)
+
+
+def _accelerator(request) -> str:
+    return request.accelerator if request is not None else "cpu"
 
 
 class Gang:
@@ -118,6 +125,7 @@ class Gang:
 
         self.hosts = spec.hosts
         self.learner = spec.learner
+        self.request = spec.device_request
         self.seq = 0
         group = get_current_placement_group()
         if group is None:
@@ -127,7 +135,8 @@ class Gang:
         self.coordinator = f"{ip}:{free_port()}"
         self.members, self.runs = [], []
         for host in range(1, spec.hosts):
-            info = MemberInfo(spec.learner, host, spec.hosts, self.coordinator, dict(spec.env))
+            info = MemberInfo(spec.learner, host, spec.hosts, self.coordinator, dict(spec.env),
+                              spec.device_request)
             options = dict(spec.member_options)
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
                 group, placement_group_bundle_index=host)
@@ -138,7 +147,7 @@ class Gang:
             self.runs.append(member.run.remote())
 
     def join(self) -> None:
-        join_unit(self.coordinator, self.hosts, 0)
+        join_unit(self.coordinator, self.hosts, 0, self.request)
 
     def start(self, state: StartState) -> None:
         for member in self.members:
@@ -177,7 +186,7 @@ class GangMember:
     leader, and replays the leader's steps. Created by ``Gang`` only."""
 
     def __init__(self, info: MemberInfo, training):
-        os.environ.update(info.env)   # before JAX loads in this process
+        apply_env(info.env)   # before JAX loads in this process, replacing what it inherited
         self.info = info
         self.training = training
         self.inbox: "queue.Queue" = queue.Queue()
@@ -221,7 +230,7 @@ class GangMember:
                            meshed_steps, place_learner_state)
 
         info, tspec = self.info, self.training
-        join_unit(info.coordinator, info.hosts, info.host_index)
+        join_unit(info.coordinator, info.hosts, info.host_index, info.device_request)
         task = build_task(tspec)
         task, template, optimizer, train_step = build_training(tspec, abstract=True, task=task)
         state: StartState = self.started.get(timeout=MEMBER_START_TIMEOUT_S)
@@ -230,7 +239,8 @@ class GangMember:
         layout = learner_layout(tspec, task, template, optimizer, first_batch, jax.devices())
         train_step, batch_at = meshed_steps(layout, train_step, stream.batch_at)
         params = assembler(template)(state.flat)
-        params, opt_state = place_learner_state(layout, optimizer, params, state.opt_state)
+        params, opt_state = place_learner_state(layout, optimizer, params, state.opt_state,
+                                                state.start_step)
         core = _learner_core(tspec, state.learner, params, opt_state, list(state.versions),
                              state.incarnation, state.start_step, state.session, layout)
         loop = LearnerLoop(core, train_step, batch_at, int(task.tokens(first_batch)),

@@ -73,6 +73,26 @@ def inner_optimizer(lr: float = 3e-3, warmup_steps: int = 20, total_steps: int =
                     weight_decay=weight_decay, mask=_matrices_only))
 
 
+def at_schedule_step(opt_state, step: int):
+    """``opt_state`` with every learning-rate schedule's count (optax ``ScaleByScheduleState``)
+    set to ``step``; everything else (Adam's moments and their own count) unchanged.
+
+    A restarted learner resumes its data at ``step`` and its pushes say so; the syncer's outlier
+    bound reads the schedule there (``syncer/validate.py: lr_sum``). A fresh state (count 0)
+    would warm up to the peak rate instead, 10× the end of a finished cosine, and a peer's
+    count is the peer's step, not this learner's. Keeps each count's dtype, host or device.
+
+    >>> import jax.numpy as jnp
+    >>> s = at_schedule_step(inner_optimizer().init({"w": jnp.zeros((2, 2))}), 4744)
+    >>> int(s[1][0].count), int(s[1][2].count)   # Adam's count, the schedule's
+    (0, 4744)
+    """
+    is_schedule = lambda node: isinstance(node, optax.ScaleByScheduleState)  # noqa: E731
+    return jax.tree_util.tree_map(
+        lambda node: node._replace(count=node.count * 0 + step) if is_schedule(node) else node,
+        opt_state, is_leaf=is_schedule)
+
+
 def make_train_step(cfg: ModelConfig, optimizer: optax.GradientTransformation) -> TrainStep:
     """A jitted ``train_step(params, opt_state, batch) -> (params, opt_state, loss)``.
 

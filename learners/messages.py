@@ -57,6 +57,8 @@ class Heartbeat:
     timings: dict = dataclasses.field(default_factory=dict)
     fates: dict = dataclasses.field(default_factory=dict)   # the training thread's token books
     profiler: Optional[str] = None
+    # What JAX gave the learner at start (learners/devices.py ``DeviceReport.as_dict``).
+    devices: Optional[dict] = None
 
     def __post_init__(self):
         object.__setattr__(self, "state", LearnerState(self.state))

@@ -1,5 +1,13 @@
 """A small decoder-only transformer LM in plain JAX: params are a nested dict of float32 arrays.
 
+Mixed precision (``ModelConfig.compute_dtype="bfloat16"``): the params, their gradients and the
+inner optimizer's state stay float32 (the syncer, codecs and fragments never see anything else);
+inside the forward pass each matmul's operands are cast to bfloat16. The residual stream, the
+RMSNorm statistics, the attention softmax, the logits and the loss (log-softmax and
+cross-entropy) stay float32; the attention scores and the logits are bfloat16 products
+accumulated into float32 (``preferred_element_type``). Gradients flow back through the casts and
+arrive float32. ``"float32"`` (the default) runs exactly the float32 graph it always ran.
+
 The tree reads like the model (``params["blocks"]["0"]["attn"]["wq"]``), so fragment paths
 (``"blocks/0/attn/wq"``), snapshots and merge rules (docs/architecture.md#the-algorithm) name tensors the same way. The
 output head is tied to the token embedding, so ``embed/tokens`` is both the first and last layer.
@@ -9,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Sequence, Union
+from typing import Any, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +28,8 @@ Params = dict[str, Any]
 # uniform distribution: logits std ≈ 0.02·√d_model, and the loss at init is ≈ ln(vocab_size).
 EMBED_INIT_STD = 0.02
 RMS_NORM_EPS = 1e-6
+# What ``ModelConfig.compute_dtype`` may name: the dtype of the forward pass's matmuls.
+COMPUTE_DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -33,9 +43,12 @@ class ModelConfig:
       n_heads: attention heads per block; must divide ``d_model``.
       d_ff: hidden width of the MLP.
       seq_len: longest input the model takes (rows of the position embedding).
+      compute_dtype: ``"float32"`` or ``"bfloat16"``: the dtype of the forward pass's matmuls
+        (the module docstring says what stays float32). Params are float32 either way.
 
     Raises:
-      ValueError: naming the field, when a size is not a positive int or heads don't divide width.
+      ValueError: naming the field, when a size is not a positive int, heads don't divide width,
+        or ``compute_dtype`` is not one of :data:`COMPUTE_DTYPES`.
     """
 
     vocab_size: int = 256
@@ -44,9 +57,15 @@ class ModelConfig:
     n_heads: int = 4
     d_ff: int = 256
     seq_len: int = 64
+    compute_dtype: str = "float32"
 
     def __post_init__(self):
+        if self.compute_dtype not in COMPUTE_DTYPES:
+            raise ValueError(f"compute_dtype must be one of {list(COMPUTE_DTYPES)}, got "
+                             f"{self.compute_dtype!r}")
         for field in fields(self):
+            if field.name == "compute_dtype":
+                continue
             value = getattr(self, field.name)
             # bool is an int subclass; ``n_layers=True`` is a mistake, not one layer.
             if not isinstance(value, int) or isinstance(value, bool):
@@ -60,6 +79,16 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def mixed(self) -> bool:
+        """Whether the matmuls run in a narrower dtype than the float32 params."""
+        return self.compute_dtype != "float32"
+
+    @property
+    def dtype(self) -> Any:
+        """The matmuls' operand dtype, as a jnp dtype."""
+        return jnp.dtype(self.compute_dtype)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
@@ -104,6 +133,16 @@ def init_params(cfg: ModelConfig, key: jax.Array) -> Params:
     }
 
 
+def _mm(x: jax.Array, w: jax.Array, cfg: ModelConfig,
+        out_dtype: Optional[Any] = None) -> jax.Array:
+    """``x @ w`` with both operands in the compute dtype; float32 runs the plain ``x @ w``.
+
+    ``out_dtype``: the product's dtype when mixed (float32 accumulates and returns float32)."""
+    if not cfg.mixed:
+        return x @ w
+    return jnp.matmul(x.astype(cfg.dtype), w.astype(cfg.dtype), preferred_element_type=out_dtype)
+
+
 def _rms_norm(x_BxLxD: jax.Array, scale_D: jax.Array) -> jax.Array:
     inv_rms_BxLx1 = jax.lax.rsqrt(jnp.mean(x_BxLxD * x_BxLxD, axis=-1, keepdims=True)
                                   + RMS_NORM_EPS)
@@ -114,19 +153,22 @@ def _attention(block: Params, x_BxLxD: jax.Array, cfg: ModelConfig) -> jax.Array
     batch, length, _ = x_BxLxD.shape
     heads, head_dim = cfg.n_heads, cfg.head_dim
 
-    def project(name: str) -> jax.Array:  # [B, L, H, Dh]
-        return (x_BxLxD @ block["attn"][name]).reshape(batch, length, heads, head_dim)
+    def project(name: str) -> jax.Array:  # [B, L, H, Dh], in the compute dtype
+        return _mm(x_BxLxD, block["attn"][name], cfg).reshape(batch, length, heads, head_dim)
 
     q_BxLxHxK, k_BxLxHxK, v_BxLxHxK = project("wq"), project("wk"), project("wv")
-    scores_BxHxLxL = jnp.einsum("blhk,bmhk->bhlm", q_BxLxHxK, k_BxLxHxK) / math.sqrt(head_dim)
+    # Mixed: bf16 products accumulated into fp32 scores, so the mask and softmax run in fp32.
+    extra = {"preferred_element_type": jnp.float32} if cfg.mixed else {}
+    scores_BxHxLxL = jnp.einsum("blhk,bmhk->bhlm", q_BxLxHxK, k_BxLxHxK,
+                                **extra) / math.sqrt(head_dim)
     causal_LxL = jnp.tril(jnp.ones((length, length), bool))
     # finfo.min rather than -inf: a fully masked row can't occur (the diagonal is always kept),
     # but -inf would turn any such row into NaNs instead of a harmless uniform.
     scores_BxHxLxL = jnp.where(causal_LxL[None, None], scores_BxHxLxL,
                                jnp.finfo(scores_BxHxLxL.dtype).min)
-    weights_BxHxLxL = jax.nn.softmax(scores_BxHxLxL, axis=-1)
+    weights_BxHxLxL = jax.nn.softmax(scores_BxHxLxL, axis=-1).astype(v_BxLxHxK.dtype)
     out_BxLxD = jnp.einsum("bhlm,bmhk->blhk", weights_BxHxLxL, v_BxLxHxK).reshape(x_BxLxD.shape)
-    return out_BxLxD @ block["attn"]["wo"]
+    return _mm(out_BxLxD, block["attn"]["wo"], cfg)
 
 
 def forward(params: Params, tokens_BxL: jax.Array, cfg: ModelConfig) -> jax.Array:
@@ -138,7 +180,8 @@ def forward(params: Params, tokens_BxL: jax.Array, cfg: ModelConfig) -> jax.Arra
       cfg: model dimensions.
 
     Returns:
-      float32 logits ``[B, L, V]``.
+      float32 logits ``[B, L, V]`` (with ``cfg.compute_dtype`` bfloat16 too: bf16 products,
+      float32 accumulation).
 
     Raises:
       ValueError: if ``tokens_BxL`` is not 2-D or longer than ``cfg.seq_len``.
@@ -152,11 +195,13 @@ def forward(params: Params, tokens_BxL: jax.Array, cfg: ModelConfig) -> jax.Arra
                + params["embed"]["positions"][None, :length, :])
     for i in range(cfg.n_layers):
         block = params["blocks"][str(i)]
+        # The residual stream h stays float32: a bf16 branch output is promoted as it is added.
         h_BxLxD = h_BxLxD + _attention(block, _rms_norm(h_BxLxD, block["ln1"]["scale"]), cfg)
         x_BxLxD = _rms_norm(h_BxLxD, block["ln2"]["scale"])
-        h_BxLxD = h_BxLxD + jax.nn.gelu(x_BxLxD @ block["mlp"]["w_in"]) @ block["mlp"]["w_out"]
+        h_BxLxD = h_BxLxD + _mm(jax.nn.gelu(_mm(x_BxLxD, block["mlp"]["w_in"], cfg)),
+                                block["mlp"]["w_out"], cfg)
     h_BxLxD = _rms_norm(h_BxLxD, params["ln_f"]["scale"])
-    return h_BxLxD @ params["embed"]["tokens"].T  # tied head
+    return _mm(h_BxLxD, params["embed"]["tokens"].T, cfg, jnp.float32)  # tied head
 
 
 def loss_fn(params: Params, tokens_BxL_plus_1: jax.Array, cfg: ModelConfig) -> jax.Array:

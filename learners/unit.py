@@ -20,6 +20,7 @@ from islands import CARRY_OVERLAP
 from islands.syncer import downlink as downlink_lib
 from islands.syncer.codec_kinds import DEFAULT_BLOCK_SIZE
 
+from .devices import DeviceRequest, apply_env, check_devices
 from .gang import replay
 from .messages import Heartbeat, LearnerState, known_stats
 
@@ -77,10 +78,13 @@ class LearnerSpec:
     # gives it a learner's identity; it prepares everything it can without one and waits.
     spare: bool = False
     profiler: bool = False   # start a JAX profiler server in this process (learner.profiler)
-    # XLA/JAX settings, applied in the actor before JAX loads. Set here rather than as a Ray
-    # runtime_env, which would make Ray start a dedicated worker process for every restart
-    # instead of taking a pre-started one (about a second of each recovery).
+    # The process's whole JAX/XLA environment (``runtime.process_env``: a value, or None for
+    # removed), applied in the actor before JAX loads, replacing whatever it inherited. Set here
+    # rather than as a Ray runtime_env, which would make Ray start a dedicated worker process for
+    # every restart instead of taking a pre-started one (about a second of each recovery).
     env: dict = field(default_factory=dict)
+    # The devices it must find at start (learners/devices.py); None: not checked (by hand).
+    device_request: Optional[DeviceRequest] = None
     # A unit of several hosts (learners/gang.py): this actor is host 0 and starts the others
     # in its placement group's other bundles, with these Ray options (CPUs, devices, region).
     hosts: int = 1
@@ -181,15 +185,22 @@ def learner_layout(spec: TrainingSpec, task, template, optimizer, first_batch, d
     return layout
 
 
-def place_learner_state(layout, optimizer, params, opt_state=None):
+def place_learner_state(layout, optimizer, params, opt_state=None,
+                        start_step: Optional[int] = None):
     """(params, inner state) where the learner keeps them: on its mesh when it has a layout
-    (a peer's numpy state is laid out like its own; without one a fresh state is made there)."""
+    (a peer's numpy state is laid out like its own; without one a fresh state is made there).
+    ``start_step``: the schedule's count is set to it, where the learner resumes (a restart with
+    no live peer starts a fresh state; docs/architecture.md#failures-and-reintegration); None:
+    the state's own counts are kept."""
+    from .inner import at_schedule_step
+
     if layout is None:
-        return params, (opt_state if opt_state is not None else optimizer.init(params))
-    params = layout.place_params(params)
-    opt_state = (layout.place_opt_state(opt_state) if opt_state is not None
-                 else layout.init_opt_state(optimizer, params))
-    return params, opt_state
+        opt_state = opt_state if opt_state is not None else optimizer.init(params)
+    else:
+        params = layout.place_params(params)
+        opt_state = (layout.place_opt_state(opt_state) if opt_state is not None
+                     else layout.init_opt_state(optimizer, params))
+    return params, (opt_state if start_step is None else at_schedule_step(opt_state, start_step))
 
 
 def meshed_steps(layout, train_step, batch_at):
@@ -231,7 +242,7 @@ class LearnerUnit:
     """One learner. Create with ``ray.remote(LearnerUnit).options(name=..., max_concurrency=8)``."""
 
     def __init__(self, spec: LearnerSpec):
-        os.environ.update(spec.env)  # before anything imports JAX in this process
+        apply_env(spec.env)  # before anything imports JAX in this process
         self.spec = spec
         self.state = LearnerState.STARTING
         self.stop_event = threading.Event()
@@ -270,6 +281,13 @@ class LearnerUnit:
         return {"learner": spec.learner, "incarnation": spec.incarnation, "state": self.state,
                 "pid": os.getpid(), "node_id": _node_id(), "shard_index": spec.shard_index,
                 "start_step": spec.start_step, "speed_factor": spec.speed_factor}
+
+    def environment(self) -> dict:
+        """This process's JAX/XLA and visible-device variables as it runs with them (what
+        ``runtime.process_env`` set, and what Ray set for its devices)."""
+        from .devices import ENVIRONMENT_SHOWN
+
+        return {k: os.environ.get(k) for k in ENVIRONMENT_SHOWN}
 
     def wait_done(self) -> dict:
         """Returns when ``run`` has returned (with its stats) or raises what it raised: the
@@ -380,6 +398,9 @@ class LearnerUnit:
 
         spec, tspec = self.spec, self.spec.training
         t_start = time.time()
+        # Before anything else: a learner on the wrong devices must not train at all.
+        self.stats["devices"] = check_devices(spec.device_request).as_dict()
+        self.timings["devices_s"] = time.time() - t_start
         if spec.profiler and self.stats.get("profiler") is None:
             self.stats["profiler"] = start_profiler()
         # Zero-copy from the object store when the controller shared the built-in corpus.
@@ -408,7 +429,6 @@ class LearnerUnit:
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> dict:
         """Trains until stopped or drained; returns the final stats. Its future is the liveness probe."""
-        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
         try:
             self._run()
         except Exception as exc:
@@ -471,7 +491,8 @@ class LearnerUnit:
             self.gang.start(StartState(spec.learner, spec.incarnation, spec.shard_index,
                                        spec.num_shards, spec.start_step, flat,
                                        tuple(reg["versions"]), reg["session"], opt_state))
-        params, opt_state = place_learner_state(layout, optimizer, params, opt_state)
+        params, opt_state = place_learner_state(layout, optimizer, params, opt_state,
+                                                spec.start_step)
         with self.lock:
             self.core = _learner_core(tspec, spec.learner, params, opt_state, reg["versions"],
                                       spec.incarnation, spec.start_step, reg["session"], layout)

@@ -23,7 +23,8 @@ from islands.learners.messages import beat_dict
 from islands.orchestrator import fleet as fleet_lib
 from islands.orchestrator.controller import Controller
 from islands.orchestrator.groups import SyncerShards
-from islands.orchestrator.runtime import NAMESPACE, ON_HEAD, SYNCER_NAME, controller_options
+from islands.orchestrator.runtime import (NAMESPACE, ON_HEAD, SYNCER_NAME, Role,
+                                          controller_options, cpu_runtime_env)
 
 log = logging.getLogger("islands.link")
 
@@ -120,7 +121,9 @@ class RegionController(Controller):
         if self.syncer is None:
             return
         slots = [{"learner": s.learner, "incarnation": s.incarnation, "state": s.state.value,
-                  "shard": s.shard, "last_cause": self.last_cause.get(s.learner, "")}
+                  "shard": s.shard, "last_cause": self.last_cause.get(s.learner, ""),
+                  # The home mirrors this count: one restart budget per learner, the agent's.
+                  "restarts_json": json.dumps({c.value: n for c, n in s.restarts})}
                  for s in self.fleet.slots.values()]
         self.syncer.set_slots.remote(slots)
 
@@ -176,6 +179,34 @@ def _on_sigterm(signum, frame):
     raise _Terminated()
 
 
+def end_previous_agent(timeout_s: float = 30.0) -> list[str]:
+    """Ends every ``islands:*`` actor of the connected cluster (a previous join's agent, link,
+    learners and spares, left behind when its ``islands region join`` process was killed: they
+    are detached) and waits until their names are free; returns the names it ended.
+
+    A join that found them would otherwise launch learners whose names the orphans hold (a
+    restart loop) while the orphans train on through its link."""
+    import ray
+
+    def ours() -> list[str]:
+        return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                      if a.get("namespace") == NAMESPACE and a["name"].startswith("islands:"))
+
+    ended = ours()
+    for name in ended:
+        try:
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+        except ValueError:   # gone meanwhile
+            pass
+    deadline = time.time() + timeout_s
+    while ours() and time.time() < deadline:
+        time.sleep(0.2)
+    if ours():
+        raise RuntimeError(f"actors of a previous join still hold their names after "
+                           f"{timeout_s:.0f}s: {', '.join(ours())}")
+    return ended
+
+
 def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = None,
          address: Optional[str] = None, quiet: bool = False) -> dict:
     """Joins the home job as ``settings.region`` and runs until ``duration_s`` (None: until
@@ -206,12 +237,17 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 2), namespace=NAMESPACE,
                      include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
                      resources={f"region:{settings.region}": 64})
+        else:  # a cluster of its own may hold the actors of a join that was killed
+            ended = end_previous_agent()
+            if ended and not quiet:
+                print(f"islands region: ended {len(ended)} actors a previous join left in this "
+                      f"cluster ({', '.join(ended)})", flush=True)
         # After ray.init, which installs its own SIGTERM handler (sys.exit(15), no cleanup).
         if threading.current_thread() is threading.main_thread():
             previous_term = signal.signal(signal.SIGTERM, _on_sigterm)
         link = ray.remote(LinkClient).options(
             name=SYNCER_NAME, namespace=NAMESPACE, num_cpus=0.1, max_concurrency=128,
-            resources=dict(ON_HEAD)).remote(
+            resources=dict(ON_HEAD), runtime_env=cpu_runtime_env(Role.REGION_AGENT)).remote(
                 settings)
         try:
             joined = ray.get(link.hello.remote())
@@ -223,7 +259,8 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
         for s in range(1, config.syncer.shards):
             shard_links.append(ray.remote(LinkShard).options(
                 name=f"{SYNCER_NAME}-{s}", namespace=NAMESPACE, num_cpus=0, max_concurrency=128,
-                resources=dict(ON_HEAD)).remote(s, NAMESPACE, SYNCER_NAME))
+                resources=dict(ON_HEAD),
+                runtime_env=cpu_runtime_env(Role.REGION_AGENT)).remote(s, NAMESPACE, SYNCER_NAME))
         ray.get([h.ping.remote() for h in shard_links])
         home_timeout_s = float(joined["config"].get("link", {}).get("agent_home_timeout_s",
                                                                       300.0))
@@ -239,7 +276,7 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
         # Printed once the agent is up: tools that wait for this line can look it up at once.
         if not quiet:
             print(f"islands region: {settings.region} joined job {config.name!r} at "
-                  f"{settings.home} (epoch {joined['epoch']}, shards {joined['shard_base']}.. of "
+                  f"{settings.home} (epoch {joined['epoch']}, data shards {joined['shard_base']}.. of "
                   f"{joined['num_shards']}); Ray cluster at "
                   f"{ray.get_runtime_context().gcs_address}", flush=True)
         t0 = time.time()
@@ -256,6 +293,9 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
                 lost = "the region agent died and Ray no longer restarts it"
                 print(f"islands region: {lost}: stopping the learners and leaving", flush=True)
                 break
+            if events:   # the agent's own event log, as a home run dir's (one JSON a line)
+                with open(os.path.join(run_dir, "events.jsonl"), "a") as f:
+                    f.writelines(json.dumps(e, default=str) + "\n" for e in events)
             for event in events:
                 if not quiet:
                     print(f"  region event {event['event']} "

@@ -16,8 +16,10 @@ TOKEN_HEADER = "authorization"
 TOKEN_ENV = "ISLANDS_LINK_TOKEN"
 
 
-def read_token(token_file: Optional[str], env: str = TOKEN_ENV) -> str:
+def read_token(token_file: Optional[str], env: str = TOKEN_ENV,
+               option: str = "link.token_file") -> str:
     """The link token from ``token_file`` (stripped), else from the environment variable ``env``.
+    ``option``: what the user sets the file with, for the message (a region: ``--token-file``).
 
     Raises:
       ValueError: neither gives a token (the message names both places).
@@ -30,7 +32,7 @@ def read_token(token_file: Optional[str], env: str = TOKEN_ENV) -> str:
         return token
     token = os.environ.get(env, "").strip()
     if not token:
-        raise ValueError(f"no link token: set link.token_file or the {env} environment variable")
+        raise ValueError(f"no link token: set {option} or the {env} environment variable")
     return token
 
 

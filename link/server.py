@@ -243,7 +243,8 @@ class LinkServicer(pb_grpc.LinkServicer):
             return pb.ReportReply(status_json=json.dumps({"ended": self.ended}))
         report = {"region": request.region, "t": time.time(),
                   "slots": [{"learner": s.learner, "incarnation": int(s.incarnation),
-                             "state": s.state, "shard": int(s.shard), "last_cause": s.last_cause}
+                             "state": s.state, "shard": int(s.shard), "last_cause": s.last_cause,
+                             "restarts_json": s.restarts_json}
                             for s in request.slots],
                   "beats": beats,
                   "link_bytes": {"up": int(request.link_bytes_up),

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from islands.learners.devices import DeviceRequest
 from islands.learners.unit import LearnerSpec, TrainingSpec
 from islands.syncer import fragments as fragments_lib
 from islands.syncer.actor import SyncerSpec
@@ -137,10 +138,10 @@ def learner_devices(config, region: str):
 
 
 def learner_spec(config, training: TrainingSpec, launch, corpus_ref=None,
-                 env: Optional[dict] = None) -> LearnerSpec:
-    """The spec of one learner incarnation the fleet decided to launch (a ``fleet.Launch``);
-    ``env`` (``runtime.single_thread_env``) gets the region's device platform and flags."""
-    from .runtime import host_options, learner_env
+                 jax_cache_dir: Optional[str] = None) -> LearnerSpec:
+    """The spec of one learner incarnation the fleet decided to launch (a ``fleet.Launch``):
+    its whole environment (``runtime.process_env``) and the devices it must find at start."""
+    from .runtime import Role, host_options, process_env
 
     region = config.regions[launch.region]
     devices = region.devices()
@@ -151,10 +152,20 @@ def learner_spec(config, training: TrainingSpec, launch, corpus_ref=None,
         min_step_time_s=config.learner.min_step_time_s, latency_ms=region.latency_ms,
         bandwidth_gbps=region.bandwidth_gbps, heartbeat_s=config.health.heartbeat_s,
         peer=f"islands:{launch.peer_actor or launch.peer}" if launch.peer else None,
-        corpus_ref=corpus_ref, env=learner_env(env or {}, devices),
+        corpus_ref=corpus_ref, env=process_env(Role.LEARNER, devices, jax_cache_dir),
+        device_request=device_request(launch.region, devices),
         syncer_shards=config.syncer.shards, profiler=config.learner.profiler,
         hosts=devices.hosts,
         member_options=host_options(launch.region, devices) if devices.hosts > 1 else {})
+
+
+def device_request(region: str, devices) -> DeviceRequest:
+    """What a learner of ``region`` must find at start (learners/devices.py), with what it asked
+    Ray for, for the message when it does not."""
+    from .accelerators import ray_request
+
+    asked = ", ".join(f"{k}={v}" for k, v in ray_request(devices).items()) or "no accelerator"
+    return DeviceRequest(region, devices.accelerator, devices.devices_per_host, asked)
 
 
 # What a promoted spare takes from the learner spec it stands in for (the rest is the job's).
@@ -167,16 +178,19 @@ def identity(spec: LearnerSpec) -> dict:
 
 
 def spare_spec(config, training: TrainingSpec, name: str, region: str, corpus_ref=None,
-               env: Optional[dict] = None) -> LearnerSpec:
+               jax_cache_dir: Optional[str] = None) -> LearnerSpec:
     """A warm spare of ``region``: a learner spec with no identity yet (``spare``), on the
-    region's devices (its environment is set before JAX loads, so it is the learner's)."""
-    from .runtime import learner_env
+    region's devices (its environment is set before JAX loads, and its devices are checked when
+    it prepares, so a promoted spare is the learner it stands in for)."""
+    from .runtime import Role, process_env
 
     r = config.regions[region]
+    devices = r.devices()
     return LearnerSpec(learner=name, shard_index=0, num_shards=1, training=training,
                        min_step_time_s=config.learner.min_step_time_s, latency_ms=r.latency_ms,
                        bandwidth_gbps=r.bandwidth_gbps, heartbeat_s=config.health.heartbeat_s,
-                       corpus_ref=corpus_ref, env=learner_env(env or {}, r.devices()),
+                       corpus_ref=corpus_ref, env=process_env(Role.SPARE, devices, jax_cache_dir),
+                       device_request=device_request(region, devices),
                        syncer_shards=config.syncer.shards, spare=True,
                        profiler=config.learner.profiler)
 

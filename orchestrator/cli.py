@@ -129,11 +129,24 @@ def loss_rate(text: str) -> float:
 non_negative_fraction = _number("loss_rate", 0.0, True, "a loss probability")
 
 
+def devices_text(devices: Optional[dict]) -> str:
+    """What a learner reported JAX gave it: "gpu 1× NVIDIA H200" ("-" before its first beat).
+
+    >>> devices_text({"backend": "gpu", "kind": "NVIDIA H200", "count": 1}), devices_text(None)
+    ('gpu 1× NVIDIA H200', '-')
+    """
+    if not devices or devices.get("backend") is None:
+        return "-"
+    return f"{devices['backend']} {devices.get('count', 0)}× {devices.get('kind')}"
+
+
 def format_status(table: dict) -> str:
-    rows = [("LEARNER", "REGION", "UNIT", "STATE", "STEP", "TOKENS", "RESTARTS", "LAST BEAT")]
+    rows = [("LEARNER", "REGION", "UNIT", "DEVICES", "STATE", "STEP", "TOKENS", "RESTARTS",
+             "LAST BEAT")]
     for name, l in sorted(table["learners"].items()):
         beat = l.get("last_heartbeat_s")
-        rows.append((name, l["region"], l.get("unit") or "-", l["state"], str(l.get("step") or 0),
+        rows.append((name, l["region"], l.get("unit") or "-", devices_text(l.get("devices")),
+                     l["state"], str(l.get("step") or 0),
                      f"{int(l.get('tokens_done') or 0):,d}", str(sum(l["restarts"].values())),
                      "-" if beat is None else f"{beat:.1f}s ago"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -151,6 +164,8 @@ def format_status(table: dict) -> str:
         lines.append(f"spare {name}: region {spare['region']}  {spare['state']}")
     if table.get("paused_reason"):
         lines.append(f"PAUSED: {table['paused_reason']}")
+    for region, message in sorted((table.get("misconfigured") or {}).items()):
+        lines.append(f"MISCONFIGURED region {region}: {message}")
     return "\n".join(lines)
 
 
@@ -173,6 +188,14 @@ def _config_command(args) -> int:
 
 
 def main(argv=None) -> int:
+    # The CLI (``islands run`` and ``islands region join`` included) is a driver: it may build
+    # the model on the CPU to check a config, but never opens an accelerator or preallocates
+    # its memory; the learners get their own platform (runtime.process_env).
+    from islands.learners.devices import apply_env
+
+    from .runtime import Role, process_env
+
+    apply_env(process_env(Role.DRIVER))
     parser = argparse.ArgumentParser(
         prog="islands", description=__doc__,
         epilog="Documentation: docs/README.md (architecture, configuration, metrics, operations).")
@@ -286,6 +309,11 @@ def main(argv=None) -> int:
     join.add_argument("--address", default=None,
                       help="the region's Ray cluster (default: start an embedded one)")
 
+    leave = region_sub.add_parser("leave", help="end a region agent and its learners in the "
+                                                "region's Ray cluster (after its join was killed)")
+    leave.add_argument("--address", default=None,
+                       help="the region's Ray cluster (default: $RAY_ADDRESS)")
+
     report = sub.add_parser("report", help="plots and report.md from a run dir")
     report.add_argument("run_dir")
 
@@ -349,7 +377,7 @@ def main(argv=None) -> int:
         print(json.dumps({k: summary.get(k) for k in keys}))
         return 0
     if args.command == "region":
-        return _region_join(args)
+        return _region_leave(args) if args.action == "leave" else _region_join(args)
     if args.command == "export":  # no Ray: it reads the run dir's snapshots
         from .export import ExportError, export_run
         from islands.learners.task import TaskError
@@ -411,6 +439,25 @@ def main(argv=None) -> int:
     return 0
 
 
+def _region_leave(args) -> int:
+    import ray
+
+    from islands.link.region import end_previous_agent
+
+    ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto",
+             namespace="islands", log_to_driver=False)
+    try:
+        ended = end_previous_agent()
+    except RuntimeError as exc:
+        print(f"islands region: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        ray.shutdown()
+    print(f"islands region: ended {len(ended)} actors" + (f" ({', '.join(ended)})" if ended
+                                                          else ": none was running"))
+    return 0
+
+
 def _region_join(args) -> int:
     # Before gRPC starts: its own handshake logs would bury the one line that names the cause.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
@@ -420,7 +467,7 @@ def _region_join(args) -> int:
 
     try:
         settings = ClientSettings(
-            home=args.home, region=args.region, token=read_token(args.token_file),
+            home=args.home, region=args.region, token=read_token(args.token_file, option="--token-file"),
             ca_file=args.ca_cert, cert_file=args.client_cert, key_file=args.client_key,
             tls=not args.insecure, server_name=args.server_name, latency_ms=args.latency_ms,
             bandwidth_gbps=args.bandwidth_gbps, loss_rate=args.loss_rate)

@@ -38,6 +38,8 @@ class ModelSection(_Section):
     n_heads: int = Field(4, ge=1)
     d_ff: int = Field(256, ge=1)
     seq_len: int = Field(64, ge=2)
+    # The forward pass's matmul dtype; params, grads and optimizer state stay float32.
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
 
     @model_validator(mode="after")
     def _heads_divide(self):

@@ -81,6 +81,12 @@ FIELD_NOTES: dict[str, str] = {
     "model.n_heads": "Attention heads per block.",
     "model.d_ff": "Hidden width of each block's MLP.",
     "model.seq_len": "Tokens per training window (and rows of the position embedding).",
+    "model.compute_dtype": "Dtype of the forward pass's matmuls: `bfloat16` casts weights and "
+                           "activations to bf16 for them (mixed precision) while the params, "
+                           "gradients, inner optimizer state and everything the syncer sees stay "
+                           "`float32`, as do the norms, the softmax, the logits and the loss "
+                           "(docs/tasks.md#mixed-precision). `float32` runs the unchanged fp32 "
+                           "model.",
     # data
     "data.corpus": "`stdlib` (the Python standard library's own `.py` sources, present wherever "
                    "Python is; no network) or a directory whose `.py` files are the corpus.",

@@ -219,6 +219,7 @@ def console_state(controller: Any, allow_chaos: bool) -> dict:
     return finite({
         "job": controller.config.name, "t": now, "elapsed_s": snap["elapsed_s"],
         "allow_chaos": allow_chaos, "paused_reason": snap["paused_reason"],
+        "misconfigured": dict(controller.fleet.misconfigured),
         "operator_paused": controller.fleet.operator_paused,
         "regions": {name: {"target": controller.fleet.targets.get(name, 0),
                            "max_learners": region.max_learners, "remote": region.remote}

@@ -32,7 +32,7 @@ from .groups import LearnerGroups, SyncerShards, cluster_view, restarted_actor, 
 from .metrics import window_to_save
 from .snapshot import finite
 from .runtime import (CONTROLLER_NAME, NAMESPACE, SYNCER_NAME, controller_options,  # noqa: F401
-                      enable_compile_cache, learner_actor_name, single_thread_env,
+                      enable_compile_cache, learner_actor_name,
                       syncer_options)
 
 log = logging.getLogger("islands.controller")
@@ -460,6 +460,12 @@ class Controller:
         beat = Heartbeat.of(beat)
         run = self.running.get(beat.learner)
         if run is not None and run.number == beat.incarnation:
+            if beat.devices is not None and run.beat.get("devices") is None:
+                # Its first beat: the devices it proved at start, once per incarnation.
+                devices = beat.devices
+                self.emit("learner_devices", learner=beat.learner, incarnation=beat.incarnation,
+                          backend=devices.get("backend"), platform=devices.get("platform"),
+                          device_kind=devices.get("kind"), count=devices.get("count"))
             run.beat = beat.as_dict()
             slot = self.fleet.slots.get(beat.learner)
             if slot is not None and beat.step_time_s and beat.training:
@@ -527,7 +533,7 @@ class Controller:
         from . import build
 
         spec = build.learner_spec(self.config, self.training, a, self.corpus_ref,
-                                  single_thread_env(self.jax_cache_dir))
+                                  self.jax_cache_dir)
         error = self.groups.launch(a.learner, a.incarnation, a.region,
                                    build.learner_devices(self.config, a.region), spec,
                                    a.link_faults, spare=a.spare,
@@ -541,7 +547,7 @@ class Controller:
         from . import build
 
         spec = build.spare_spec(self.config, self.training, a.name, a.region, self.corpus_ref,
-                                single_thread_env(self.jax_cache_dir))
+                                self.jax_cache_dir)
         error = self.groups.launch_spare(a.name, a.region,
                                          build.learner_devices(self.config, a.region), spec)
         if error is not None:   # an earlier spare's name is not released yet
@@ -659,7 +665,8 @@ class Controller:
                 s["learner"], region, int(s["incarnation"]), s["state"], int(s.get("shard", 0)),
                 beat.get("step_time_s"), s.get("last_cause") or "",
                 beat=int(beat.get("incarnation", -1)) == int(s["incarnation"]),
-                agent_alive=agent_alive), None))
+                agent_alive=agent_alive, restarts=fleet_lib.restart_counts(s.get("restarts_json"))),
+                None))
         with self.lock:
             status = dict(self.syncer_status)
             restarts = self.remote_restarts.pop(region, [])
@@ -769,6 +776,15 @@ class Controller:
                 "goodput_s": split["goodput_s"], "badput_s": dict(self.badput_high),
                 "unsettled_s": split["unsettled_s"]}
 
+    def learner_goodput(self, learner: str) -> float:
+        """One learner slot's goodput: its applied inner-step seconds (every incarnation) over
+        the seconds its slot was allocated (restarts included)."""
+        from .books import goodput
+
+        live = self._live_fates().get(learner)
+        useful = self.books.learner_tokens(learner, live).applied_s / self.books.num_fragments
+        return goodput(useful, self.books.allocated_s(time.time(), learner))
+
     def snapshot(self) -> dict:
         """One row of metrics.jsonl and the source of every exported metric."""
         from .snapshot import job_snapshot
@@ -785,7 +801,8 @@ class Controller:
         return {"learners": snap["learners"],
                 "syncer": {k: snap["syncer"].get(k)
                            for k in ("epoch", "versions", "merges", "shards")},
-                "paused_reason": snap["paused_reason"], "spares": snap.get("spares") or {}}
+                "paused_reason": snap["paused_reason"], "spares": snap.get("spares") or {},
+                "misconfigured": dict(self.fleet.misconfigured)}
 
     # -- operator commands ----------------------------------------------------------------------
     def scale(self, region: str, n: int) -> str:

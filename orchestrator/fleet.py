@@ -32,6 +32,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence, Union
 
+from islands.learners.devices import MISMATCH_MARK as DEVICE_MISMATCH_MARK
+from islands.learners.devices import is_device_mismatch
+
 from .chaos import HOME_TARGET, Fault, FaultKind
 from .health import Cause, RestartDecision, RestartPolicy, death_cause, detect, grown_target
 
@@ -54,6 +57,22 @@ LIVE = frozenset({SlotState.STARTING, SlotState.TRAINING, SlotState.PAUSED, Slot
 GONE = frozenset({SlotState.FAILED, SlotState.RETIRED})
 # A remote incarnation the home found hung: down here whatever its agent's last report said.
 HOME_FAILED = frozenset({SlotState.RESTARTING, SlotState.UNREACHABLE})
+
+
+def restart_counts(text: Optional[str]) -> Optional[tuple]:
+    """A region agent's restart counts as its report carries them (JSON ``{cause: n}``), in
+    ``Slot.restarts`` form; None when the report has none (an agent of an older version).
+    Unknown causes are dropped.
+
+    >>> restart_counts('{"quarantine": 1, "crash": 2, "new": 4}'), restart_counts("")
+    (((<Cause.CRASH: 'crash'>, 2), (<Cause.QUARANTINE: 'quarantine'>, 1)), None)
+    """
+    if not text:
+        return None
+    import json
+
+    known = {c.value: c for c in Cause}
+    return tuple(sorted((known[k], int(n)) for k, n in json.loads(text).items() if k in known))
 
 
 def agent_reporting(now_s: float, last_report_s: float, heartbeat_timeout_s: float) -> bool:
@@ -184,6 +203,9 @@ class FleetState:
     home_paused: Optional[str] = None     # a region agent: its home's pause reason (HomePause)
     agents_seen: Mapping[str, float] = field(default_factory=dict)  # remote region -> last report
     syncer_shards: Mapping[int, SyncerShard] = field(default_factory=dict)
+    # Regions whose learners (or spares) failed their device check, with its message: none of
+    # their learners restarts, no spare is kept, and a scale-up is refused with the message.
+    misconfigured: Mapping[str, str] = field(default_factory=dict)
 
     def live(self) -> list[Slot]:
         return [s for s in self.slots.values() if s.state in LIVE]
@@ -305,6 +327,7 @@ class RemoteReport:
     last_cause: str = ""                # why its previous incarnation ended, if it did
     beat: bool = True                   # a heartbeat of this incarnation came with the report
     agent_alive: bool = True            # the region agent (not only its link) is reporting
+    restarts: Optional[tuple] = None    # the agent's restart counts ((Cause, n), ...): mirrored
 
 
 @dataclass(frozen=True)
@@ -642,7 +665,10 @@ class _Machine:
         if slot.state == SlotState.DRAINING:  # it died on its way out: it leaves all the same
             self.retire(slot, f"drained (ended with: {obs.error or 'clean exit'})"[:300])
             return
-        if obs.error is None or obs.crashed:
+        if is_device_mismatch(obs.error):
+            self.set_misconfigured(slot.region, obs.error)
+            cause = Cause.CONFIG
+        elif obs.error is None or obs.crashed:
             cause = Cause.CRASH
         else:
             cause = death_cause(slot.node_id, self.fleet.alive_nodes or frozenset({slot.node_id}),
@@ -655,6 +681,17 @@ class _Machine:
             return
         self.note("learner_quarantined", slot.learner, incarnation=slot.incarnation,
                   detail=obs.detail[:300])
+        if slot.remote:
+            # Its agent hears of the quarantine over the link and restarts it, counting it in
+            # the learner's one budget (mirrored here from its reports): none is spent here.
+            self.actions.append(Forget(slot.learner, slot.incarnation, Cause.QUARANTINE.value))
+            self.note("learner_failed", slot.learner, cause=Cause.QUARANTINE.value,
+                      incarnation=slot.incarnation, detail=obs.detail[:300], remote=True,
+                      **{"from": slot.state.value})
+            self.move(slot, SlotState.RESTARTING, "learner_restart_scheduled",
+                      cause=Cause.QUARANTINE.value, message="its region agent restarts it",
+                      delay_s=0.0)
+            return
         self.fail(slot, Cause.QUARANTINE, detail=obs.detail[:300])
 
     def on_launchfailed(self, obs: LaunchFailed) -> None:
@@ -708,6 +745,8 @@ class _Machine:
         spare = self.fleet.spares.get(obs.name)
         if spare is None:
             return  # promoted already (its run is a learner's now) or already buried
+        if is_device_mismatch(obs.error):   # a new spare would fail the same way
+            self.set_misconfigured(spare.region, obs.error)
         self.drop_spare(spare, obs.error or "ended")
 
     def on_scale(self, obs: Scale) -> None:
@@ -720,6 +759,10 @@ class _Machine:
                                "(islands scale with that cluster's address)")
         if obs.n < 0:
             raise CommandError(f"learner count must be >= 0, got {obs.n}")
+        if obs.region in self.fleet.misconfigured and obs.n > len(
+                [s for s in self.fleet.in_region(obs.region) if s.state not in GONE]):
+            raise CommandError(f"region {obs.region}: its learners cannot train there: "
+                               f"{self.fleet.misconfigured[obs.region]}")
         if obs.n > plan.max_learners:
             raise CommandError(f"region {obs.region}: {obs.n} exceeds max_learners "
                                f"({plan.max_learners})")
@@ -836,7 +879,9 @@ class _Machine:
         slot = self.put(dataclasses.replace(
             slot, incarnation=r.incarnation, shard=r.shard,
             last_beat_s=self.now if r.beat else slot.last_beat_s,
-            step_time_s=r.step_time_s or slot.step_time_s))
+            step_time_s=r.step_time_s or slot.step_time_s,
+            # One restart budget per learner: its agent's (the home never counts its own).
+            restarts=r.restarts if r.restarts is not None else slot.restarts))
         if state in LIVE and (new_incarnation or slot.state not in LIVE):
             first = slot.launched_s is None
             slot = self.put(dataclasses.replace(slot, launched_s=self.now,
@@ -924,6 +969,13 @@ class _Machine:
     def put_spare(self, spare: Spare) -> None:
         self.set(spares={**self.fleet.spares, spare.name: spare})
 
+    def set_misconfigured(self, region: str, error: str) -> None:
+        """A learner of ``region`` failed its device check: the region is misconfigured."""
+        if region not in self.fleet.misconfigured:
+            message = error[max(0, error.find(DEVICE_MISMATCH_MARK)):][:500]
+            self.set(misconfigured={**self.fleet.misconfigured, region: message})
+            self.note("region_misconfigured", None, region=region, message=message)
+
     def drop_spare(self, spare: Spare, reason: str) -> None:
         self.set(spares={k: v for k, v in self.fleet.spares.items() if k != spare.name})
         self.actions.append(KillSpare(spare.name))
@@ -951,7 +1003,7 @@ class _Machine:
                for x in self.fleet.slots.values()):
             return
         for region, plan in self.settings.regions.items():
-            if plan.remote or plan.spares <= 0:
+            if plan.remote or plan.spares <= 0 or region in self.fleet.misconfigured:
                 continue
             have = sum(1 for x in self.fleet.spares.values() if x.region == region)
             if have < plan.spares:  # one at a time: low priority
@@ -978,10 +1030,16 @@ class _Machine:
                   detail=detail, **{"from": slot.state.value})
         verdict = self.settings.policy.decide(slot.learner, cause, slot.restart_counts)
         slot = dataclasses.replace(slot, killed_at_s=None)
+        free = reintegration_failed(cause, slot.recovery)
+        if free:
+            verdict = dataclasses.replace(
+                verdict, decision=RestartDecision.RESTART,
+                message=f"restart {slot.learner} ({cause.value}): its restart after a "
+                        f"{dict(slot.recovery)['cause']} had not reintegrated; not counted")
         if verdict.decision == RestartDecision.RETIRE:
             self.move(slot, SlotState.FAILED, "learner_retired", reason=verdict.message)
             return
-        slot = slot.with_restart(cause)
+        slot = slot if free else slot.with_restart(cause)
         # The repair of a lost machine starts when the loss is seen.
         repair_s = max(0.0, slot.repair_until_s - died_s)
         restart_at = self.now + max(verdict.delay_s, repair_s)
@@ -1202,6 +1260,26 @@ class _Machine:
                     continue
                 self.put(dataclasses.replace(slot, state=SlotState.TRAINING))
                 self.actions.append(PauseLearner(slot.learner, False))
+
+
+def reintegration_failed(cause: Cause, recovery) -> bool:
+    """Whether a quarantine is the failure of a restart rather than of the learner: the
+    incarnation was restarted after another cause and none of its pushes was merged yet
+    (``Slot.recovery`` is kept until the first merged push). Such a quarantine spends no
+    budget; the one after it (the recovery's cause is then quarantine) does, so a learner
+    that pushes garbage whatever its state is still retired.
+
+    >>> pending = (("failed_s", 1.0), ("detected_s", 1.0), ("cause", "crash"), ("restarted_s", 2.0))
+    >>> reintegration_failed(Cause.QUARANTINE, pending), reintegration_failed(Cause.CRASH, pending)
+    (True, False)
+    >>> again = (("cause", "quarantine"), ("restarted_s", 5.0))
+    >>> reintegration_failed(Cause.QUARANTINE, again), reintegration_failed(Cause.QUARANTINE, None)
+    (False, False)
+    """
+    if cause != Cause.QUARANTINE or recovery is None:
+        return False
+    rec = dict(recovery)
+    return "restarted_s" in rec and rec.get("cause") not in (None, Cause.QUARANTINE.value)
 
 
 def _first(*values):

@@ -59,6 +59,17 @@ class _Spare:
     prepare_ref: Any      # None once seen
 
 
+def error_text(exc: Exception, limit: int) -> str:
+    """What a learner's failed call says: a failed device check as its own one line (it names
+    the configuration to fix), anything else as Ray's error, cut to ``limit``."""
+    from islands.learners.devices import DeviceMismatch
+
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, DeviceMismatch):
+        return str(cause)
+    return repr(exc)[:limit]
+
+
 class LearnerGroups:
     def __init__(self):
         self.units: dict[str, _Unit] = {}
@@ -198,7 +209,7 @@ class LearnerGroups:
                 error, preempted = str(exc)[:300] or "actor died", bool(
                     getattr(exc, "preempted", False))
             except Exception as exc:  # the training loop raised: a crash of the learner
-                error, crashed = repr(exc)[:500], True
+                error, crashed = error_text(exc, 500), True
             if error is None or crashed:
                 try:
                     ray.kill(unit.handle, no_restart=True)
@@ -223,7 +234,7 @@ class LearnerGroups:
             try:
                 out.append(SpareResult(name, ray.get(ref), None))
             except Exception as exc:
-                out.append(SpareResult(name, None, repr(exc)[:300]))
+                out.append(SpareResult(name, None, error_text(exc, 300)))
         return out
 
     def wait(self, other_refs: list, timeout_s: float) -> bool:

@@ -16,6 +16,7 @@ class Cause(str, enum.Enum):
     HANG = "hang"               # alive but no heartbeat for timeout_s
     STRAGGLER = "straggler"     # step time far above its region's median, for a whole window
     QUARANTINE = "quarantine"   # its drifts kept being refused as garbage: restart from a peer
+    CONFIG = "config"           # its devices are not what its region asked for: never restarted
 
 
 class RestartDecision(str, enum.Enum):
@@ -64,6 +65,9 @@ class RestartPolicy:
         budget nor counted in it (in an asynchronous job a slow learner costs only its own
         tokens, and retiring it would lose a learner for good).
         """
+        if cause == Cause.CONFIG:   # it would fail the same way on every restart
+            return Verdict(RestartDecision.RETIRE, 0.0, 1, 0,
+                           f"retire {learner}: a configuration failure is not restarted")
         same_budget = sum(n for c, n in restarts.items() if _budget_kind(c) == _budget_kind(cause))
         budget = self.budget_for(cause)
         attempt = same_budget + 1

@@ -28,6 +28,7 @@ import numpy as np
 from islands import CARRY_OVERLAP
 from islands.faults import LEARNER_LOSS_KINDS, Fault, FaultKind, FaultWindows, Link
 from islands.learners.core import LearnerCore
+from islands.learners.inner import at_schedule_step
 from islands.learners.loop import LearnerLoop
 from islands.orchestrator import fleet as fleet_lib
 from islands.orchestrator.books import Books
@@ -667,6 +668,8 @@ class _Driver:
             peer = None  # the peer died meanwhile: a fresh inner state
         opt_state = self.cores[peer].opt_state if peer is not None else self.opt_init(params)
         start_step = launch.start_step
+        # Its schedule resumes where its data does (a peer's count is the peer's own step).
+        opt_state = at_schedule_step(opt_state, start_step)
         core = LearnerCore(name, params, opt_state, old.plan, [v for _, v in frags],
                            old.error_feedback, old.wire_bytes, old.decode,
                            overlap_steps=old.overlap_steps, merge_alpha=old.merge_alpha,

@@ -19,7 +19,7 @@ import time
 from typing import Optional
 
 from .controller import CONTROLLER_NAME, NAMESPACE, Controller, controller_options
-from .runtime import ON_HEAD
+from .runtime import ON_HEAD, Role, cpu_runtime_env
 
 log = logging.getLogger("islands.job")
 
@@ -40,6 +40,14 @@ def start_ray(config, address: Optional[str]) -> bool:
         return False
     learners_cpu = 0.25 * sum(max(r.learners, r.max_learners or 0)
                               for r in config.regions.values())
+    if config.run.dashboard:
+        missing = dashboard_dependency_error()
+        if missing is not None:
+            from .config import ConfigError
+
+            raise ConfigError(f"run.dashboard: true starts Ray's dashboard, whose packages are "
+                              f"not installed here ({missing}); set run.dashboard: false or "
+                              "pip install 'ray[default]'")
     context = ray.init(address="local",
                        num_cpus=max(os.cpu_count() or 1, int(learners_cpu + 1.5)),
                        resources=config.region_resources(), namespace=NAMESPACE,
@@ -50,6 +58,15 @@ def start_ray(config, address: Optional[str]) -> bool:
               "metrics islands_*)", flush=True)
     _write_embedded_address(context.address_info["gcs_address"])
     return True
+
+
+def dashboard_dependency_error() -> Optional[str]:
+    """Why Ray's dashboard cannot start in this environment (its packages are missing), or None."""
+    try:
+        import ray.dashboard.optional_deps  # noqa: F401
+    except ImportError as exc:
+        return str(exc)
+    return None
 
 
 def islands_state_dir() -> str:
@@ -594,7 +611,8 @@ def _serve_link(config) -> Optional[str]:
     settings = build.link_server_settings(config, read_token(config.link.token_file))
     server = ray.remote(LinkServer).options(
         name=LINK_SERVER_NAME, namespace=NAMESPACE, num_cpus=0.1, max_concurrency=4,
-        resources=dict(ON_HEAD), lifetime="detached").remote(config.model_dump_json(), settings)
+        resources=dict(ON_HEAD), lifetime="detached",
+        runtime_env=cpu_runtime_env(Role.LINK_SERVER)).remote(config.model_dump_json(), settings)
     return ray.get(server.address.remote(), timeout=60)
 
 

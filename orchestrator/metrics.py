@@ -88,6 +88,10 @@ METRICS: tuple[MetricSpec, ...] = (
                "Merges of the fragments a syncer shard owns (the sum of their versions)"),
     MetricSpec("islands_learners", "gauge", ("state", "region"),
                "Learners by state and region; state=\"spare\" counts warm spares"),
+    MetricSpec("islands_learner_devices", "gauge", ("region", "kind"),
+               "Devices the region's live learners train on, by the kind JAX reports (e.g. "
+               "\"NVIDIA H200\", \"cpu\"); each learner proves them at start (a learner whose "
+               "devices differ from its region's request does not train)"),
     MetricSpec("islands_train_loss", "gauge", (), "Mean training loss of the training learners"),
     MetricSpec("islands_eval_loss", "gauge", (), "Held-out loss of the global parameters"),
     MetricSpec("islands_link_wire_bytes", "counter", ("direction", "region"),
@@ -201,6 +205,33 @@ def _counted_histogram(counts: Mapping[Any, int], bounds: Iterable[float]) -> tu
     return buckets, float(sum(v * n for v, n in items))
 
 
+LIVE_STATES = ("starting", "training", "paused", "draining")
+
+
+def device_counts(learners: Mapping[str, Mapping]) -> dict:
+    """``{(region, kind): devices}`` over the live learners that reported their devices.
+
+    >>> device_counts({"a:0": {"region": "a", "state": "training",
+    ...                        "devices": {"kind": "NVIDIA H200", "count": 1}},
+    ...                "a:1": {"region": "a", "state": "failed",
+    ...                        "devices": {"kind": "NVIDIA H200", "count": 1}}})
+    {('a', 'NVIDIA H200'): 1}
+    """
+    out: dict = {}
+    for learner in learners.values():
+        devices = learner.get("devices") or {}
+        if learner.get("state") in LIVE_STATES and devices.get("kind") is not None:
+            key = (learner["region"], str(devices["kind"]))
+            out[key] = out.get(key, 0) + int(devices.get("count") or 0)
+    return out
+
+
+def device_family(family, learners: Mapping[str, Mapping]):
+    for (region, kind), n in sorted(device_counts(learners).items()):
+        family.add_metric([region, kind], float(n))
+    return family
+
+
 def families(snap: Mapping[str, Any]) -> list:
     """All metric families of docs/metrics.md for one controller snapshot (pure).
 
@@ -248,6 +279,8 @@ def families(snap: Mapping[str, Any]) -> list:
         buckets.append(("+Inf", sum(h["counts"])))
         step_hist.add_metric([region], buckets, float(h["sum"]))
     out.append(step_hist)
+
+    out.append(device_family(gauge("islands_learner_devices"), snap["learners"]))
 
     steps = counter("islands_learner_steps")
     for name, learner in sorted(snap["learners"].items()):

@@ -3,11 +3,12 @@ XLA environment and the shared persistent compilation cache."""
 
 from __future__ import annotations
 
+import enum
 import os
-from typing import Any
+from typing import Any, Optional
 
-from .accelerators import (LearnerDevices, gang_strategy, ray_request, tpu_slice_request,
-                           unit_bundle, xla_device_flags)
+from .accelerators import (LearnerDevices, gang_strategy, learner_devices, ray_request,
+                           tpu_slice_request, unit_bundle, xla_device_flags)
 
 NAMESPACE = "islands"
 CONTROLLER_NAME = "islands:controller"
@@ -31,14 +32,14 @@ def controller_options(run_dir: str) -> dict:
     # learners); calls made while it restarts wait for it instead of failing.
     return dict(name=CONTROLLER_NAME, namespace=NAMESPACE, num_cpus=CPUS["controller"],
                 resources=dict(ON_HEAD), max_concurrency=16, max_restarts=CONTROLLER_MAX_RESTARTS, max_task_retries=-1,
-                runtime_env={"env_vars": single_thread_env(os.path.join(run_dir, "jax_cache"))})
+                runtime_env=cpu_runtime_env(Role.CONTROLLER, os.path.join(run_dir, "jax_cache")))
 
 
 # The syncer and the learners are detached: actors an actor creates die with it, and the job's
 # actors must outlive a controller restart. The job runner kills them when the job ends.
 def syncer_options(jax_cache_dir: str) -> dict:
     return dict(name=SYNCER_NAME, namespace=NAMESPACE, num_cpus=CPUS["syncer"], max_restarts=0,
-                resources=dict(ON_HEAD), max_concurrency=1000, runtime_env={"env_vars": single_thread_env(jax_cache_dir)},
+                resources=dict(ON_HEAD), max_concurrency=1000, runtime_env=cpu_runtime_env(Role.SYNCER, jax_cache_dir),
                 lifetime="detached")
 
 
@@ -103,32 +104,99 @@ def release_unit(learner: str, incarnation: int) -> None:
         pass
 
 
-def learner_env(base: dict, devices: LearnerDevices) -> dict:
-    """A learner's environment: ``base`` (``single_thread_env``) with its devices' platform and
-    flags. CPU learners stay pinned to the CPU (Ray does not hide a node's GPUs from an actor
-    that asked for none); GPU and TPU learners let JAX pick the devices Ray assigned them."""
-    env = dict(base)
-    env.pop("JAX_PLATFORMS", None)
-    if devices.jax_platform is not None:
-        env["JAX_PLATFORMS"] = devices.jax_platform
-    flags = xla_device_flags(devices)
-    if flags:
-        env["XLA_FLAGS"] = f"{flags} {env.get('XLA_FLAGS', '')}".strip()
+class Role(str, enum.Enum):
+    """The kinds of process a job runs. Each gets its whole environment from ``process_env``."""
+
+    DRIVER = "driver"              # ``islands run``, ``islands region join``, the CLI
+    CONTROLLER = "controller"      # the home controller, and a region agent's controller
+    SYNCER = "syncer"              # a syncer shard (and a region's link stand-ins for it)
+    LINK_SERVER = "link_server"    # the home's end of the region link
+    REGION_AGENT = "region_agent"  # a region's end of the link (its syncer stand-ins)
+    LEARNER = "learner"            # a learner unit's host 0
+    SPARE = "spare"                # a warm spare (a learner without an identity yet)
+    UNIT_HOST = "unit_host"        # a multi-host unit's other hosts
+
+    def __str__(self) -> str:
+        return self.value
+
+
+DEVICE_ROLES = frozenset({Role.LEARNER, Role.SPARE, Role.UNIT_HOST})
+# Every variable the job decides for its processes; ``process_env`` gives each one a value or
+# None (must not be set). Nothing else is touched: CUDA_VISIBLE_DEVICES and TPU_VISIBLE_CHIPS
+# are Ray's, set from what the learner asked for.
+MANAGED_ENV = ("JAX_PLATFORMS", "XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE",
+               "XLA_PYTHON_CLIENT_MEM_FRACTION", "OMP_NUM_THREADS", "JAX_COMPILATION_CACHE_DIR",
+               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+# The JAX platform of each accelerator (``JAX_PLATFORMS`` takes these names).
+JAX_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
+# Of a GPU share, what XLA may preallocate: the rest is for the CUDA context and cuDNN/cuBLAS
+# workspaces, which live outside XLA's pool.
+GPU_MEMORY_HEADROOM = 0.9
+SINGLE_THREAD_CPU_FLAGS = "--xla_cpu_multi_thread_eigen=false"
+
+
+def process_env(role: Role, devices: Optional[LearnerDevices] = None,
+                jax_cache_dir: Optional[str] = None) -> dict:
+    """The whole managed environment of one process of the job: ``{name: value or None}`` for
+    every name in ``MANAGED_ENV`` (None: removed), decided from the process's role and devices.
+
+    Ray passes an actor's ``runtime_env`` on to every actor it creates (and the embedded cluster
+    takes the driver's environment), so nothing may be left to inheritance: a learner created by
+    the CPU-pinned controller must still get its own platform. Only learners, spares and unit
+    hosts open an accelerator, each the one its region asked Ray for; every other process is
+    pinned to the CPU and preallocates nothing.
+
+    >>> process_env(Role.CONTROLLER)["JAX_PLATFORMS"], process_env(Role.DRIVER)["XLA_PYTHON_CLIENT_PREALLOCATE"]
+    ('cpu', 'false')
+    >>> env = process_env(Role.LEARNER, learner_devices("gpu", 0.25))
+    >>> env["JAX_PLATFORMS"], env["XLA_PYTHON_CLIENT_MEM_FRACTION"], env["XLA_FLAGS"]
+    ('cuda', '0.225', None)
+    >>> process_env(Role.SPARE, learner_devices("cpu", 4))["XLA_FLAGS"]
+    '--xla_force_host_platform_device_count=4 --xla_cpu_multi_thread_eigen=false'
+    """
+    role = Role(role)
+    if role in DEVICE_ROLES:
+        devices = devices if devices is not None else LearnerDevices()
+    elif devices is not None and devices.accelerator != "cpu":
+        raise ValueError(f"a {role} process opens no accelerator (asked for {devices.accelerator})")
+    else:
+        devices = LearnerDevices()
+    env: dict = dict.fromkeys(MANAGED_ENV)
+    env["JAX_PLATFORMS"] = JAX_PLATFORM[devices.accelerator]
+    env["OMP_NUM_THREADS"] = "1"   # several processes share a few cores
+    if devices.accelerator == "cpu":
+        # Small thread pools, N virtual devices for a CPU learner of N > 1, and never a GPU.
+        env["XLA_FLAGS"] = " ".join(f for f in (xla_device_flags(devices),
+                                                SINGLE_THREAD_CPU_FLAGS) if f)
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "false"
+    elif devices.accelerator == "gpu":
+        # XLA's pool takes its share of the card up front (a fractional learner shares it).
+        share = min(1.0, devices.devices_per_host) * GPU_MEMORY_HEADROOM
+        env["XLA_PYTHON_CLIENT_PREALLOCATE"] = "true"
+        env["XLA_PYTHON_CLIENT_MEM_FRACTION"] = f"{share:.6g}"
+    if jax_cache_dir is not None:
+        env.update({"JAX_COMPILATION_CACHE_DIR": jax_cache_dir,
+                    "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+                    "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"})
     return env
 
 
-def single_thread_env(jax_cache_dir: str) -> dict:
-    """Small CPU thread pools (several learners share a few cores), JAX on the CPU, and the shared
-    persistent compilation cache (a restarted learner loads its step instead of compiling it).
+def ray_env_vars(env: dict) -> dict:
+    """``env`` as a Ray ``runtime_env``'s ``env_vars`` (which can set, not remove: what must
+    be absent is left out, and the process removes it itself where it matters)."""
+    return {k: v for k, v in env.items() if v is not None}
 
-    The controller and the syncer run with it as is: they ask Ray for no accelerator, so they
-    must not open one. A learner's own devices replace the platform (``learner_env``)."""
-    return {"XLA_FLAGS": "--xla_cpu_multi_thread_eigen=false",
-            "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "OMP_NUM_THREADS": "1",
-            "JAX_PLATFORMS": "cpu",
-            "JAX_COMPILATION_CACHE_DIR": jax_cache_dir,
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
+
+def cpu_env(jax_cache_dir: Optional[str] = None, role: Role = Role.CONTROLLER) -> dict:
+    """The ``runtime_env`` env_vars of a process that runs JAX only on the CPU (controller,
+    syncer shards, link ends)."""
+    return ray_env_vars(process_env(role, jax_cache_dir=jax_cache_dir))
+
+
+def cpu_runtime_env(role: Role, jax_cache_dir: Optional[str] = None) -> dict:
+    """A CPU process's Ray ``runtime_env``: its variables set explicitly, not inherited."""
+    return {"env_vars": cpu_env(jax_cache_dir, role)}
 
 
 def enable_compile_cache(path: str) -> None:

@@ -33,6 +33,7 @@ class LearnerRow:
     wire_bytes_down_total: int
     slow_tolerated: int = 0      # incarnations let train on slow (after one straggler restart)
     unit: str = "1×1 cpu"        # hosts × devices per host, and the accelerator
+    devices: Optional[dict] = None   # what JAX gave it at start (learners/devices.py)
 
 
 def unit_shape(controller: Any, region: str) -> str:
@@ -146,7 +147,8 @@ def job_snapshot(controller: Any) -> JobSnapshot:
             timings=beat.get("timings"), steps_total=closed.get("steps", 0) + current_steps,
             wire_bytes_up_total=closed.get("up", 0) + up_now,
             wire_bytes_down_total=closed.get("down", 0) + down_now,
-            slow_tolerated=slot.slow_tolerated, unit=unit_shape(controller, slot.region))
+            slow_tolerated=slot.slow_tolerated, unit=unit_shape(controller, slot.region),
+            devices=beat.get("devices"))
     states = collections.Counter(row.state for row in learners.values())
     wire = {region: {"up": 0, "down": 0} for region in controller.config.regions}
     restarts: collections.Counter = collections.Counter()

@@ -53,13 +53,19 @@ class ByteWindows:
 
 
 def build_model(nnx, vocab_size: int, d_model: int, n_layers: int, n_heads: int, d_ff: int,
-                seq_len: int):
-    """The decoder LM class (built here so that importing this module needs no flax)."""
+                seq_len: int, compute_dtype: str = "float32"):
+    """The decoder LM class (built here so that importing this module needs no flax).
+
+    ``compute_dtype="bfloat16"``: the Linear layers compute in bf16 (``dtype``) on float32
+    params; the residual stream, the RMSNorms, the attention softmax and the logits (bf16
+    products accumulated into float32) stay float32, as in the built-in model."""
     head_dim = d_model // n_heads
+    mixed = compute_dtype != "float32"
+    linear_dtype = compute_dtype if mixed else None   # None: float32, as before this option
 
     class Block(nnx.Module):
         def __init__(self, rngs):
-            dense = functools.partial(nnx.Linear, use_bias=False, rngs=rngs)
+            dense = functools.partial(nnx.Linear, use_bias=False, dtype=linear_dtype, rngs=rngs)
             out_init = nnx.initializers.normal(1.0 / math.sqrt(2 * n_layers * d_model))
             self.norm_attn = nnx.RMSNorm(d_model, rngs=rngs)
             self.attn_q, self.attn_k, self.attn_v = (dense(d_model, d_model) for _ in range(3))
@@ -77,11 +83,13 @@ def build_model(nnx, vocab_size: int, d_model: int, n_layers: int, n_heads: int,
             split = lambda t: t.reshape(batch, length, n_heads, head_dim)  # noqa: E731
             q, k, v = split(self.attn_q(x_BxLxD)), split(self.attn_k(x_BxLxD)), split(
                 self.attn_v(x_BxLxD))
-            scores_BxHxLxL = jnp.einsum("blhk,bmhk->bhlm", q, k) / math.sqrt(head_dim)
+            extra = {"preferred_element_type": jnp.float32} if mixed else {}
+            scores_BxHxLxL = jnp.einsum("blhk,bmhk->bhlm", q, k, **extra) / math.sqrt(head_dim)
             causal_LxL = jnp.tril(jnp.ones((length, length), bool))
             scores_BxHxLxL = jnp.where(causal_LxL[None, None], scores_BxHxLxL,
                                        jnp.finfo(scores_BxHxLxL.dtype).min)
-            attended = jnp.einsum("bhlm,bmhk->blhk", jax.nn.softmax(scores_BxHxLxL, axis=-1), v)
+            weights_BxHxLxL = jax.nn.softmax(scores_BxHxLxL, axis=-1).astype(v.dtype)
+            attended = jnp.einsum("bhlm,bmhk->blhk", weights_BxHxLxL, v)
             h_BxLxD = h_BxLxD + self.attn_out(attended.reshape(batch, length, d_model))
             return h_BxLxD + self.mlp_out(jax.nn.gelu(self.mlp_in(self.norm_mlp(h_BxLxD))))
 
@@ -99,7 +107,13 @@ def build_model(nnx, vocab_size: int, d_model: int, n_layers: int, n_heads: int,
             h_BxLxD = self.embed(tokens_BxL) + self.pos_embed[...][None, :length, :]
             for i in range(n_layers):
                 h_BxLxD = getattr(self, f"block_{i}")(h_BxLxD)
-            return self.embed.attend(self.norm_out(h_BxLxD))  # tied head
+            if not mixed:
+                return self.embed.attend(self.norm_out(h_BxLxD))  # tied head
+            import jax.numpy as jnp
+
+            return jnp.matmul(self.norm_out(h_BxLxD).astype(compute_dtype),
+                              self.embed.embedding[...].astype(compute_dtype).T,
+                              preferred_element_type=jnp.float32)  # tied head, fp32 logits
 
     return DecoderLM
 
@@ -107,7 +121,7 @@ def build_model(nnx, vocab_size: int, d_model: int, n_layers: int, n_heads: int,
 def task(corpus: str = "stdlib", suffix: str = ".py", max_bytes: Optional[int] = 2_000_000,
          eval_fraction: float = 0.05, batch_size: int = 8, eval_batches: int = 8,
          seq_len: int = 64, d_model: int = 64, n_layers: int = 2, n_heads: int = 4,
-         d_ff: int = 256, seed: int = 0) -> Task:
+         d_ff: int = 256, seed: int = 0, compute_dtype: str = "float32") -> Task:
     """The Flax decoder LM over a Grain pipeline, as a :class:`Task`.
 
     Args:
@@ -119,11 +133,19 @@ def task(corpus: str = "stdlib", suffix: str = ".py", max_bytes: Optional[int] =
       batch_size, eval_batches: windows per batch (B); fixed held-out batches.
       seq_len, d_model, n_layers, n_heads, d_ff: model sizes (vocabulary: the 256 bytes).
       seed: Grain's shuffle seed.
+      compute_dtype: ``"float32"`` or ``"bfloat16"``, the dtype of the matmuls (params, grads
+        and optimizer state stay float32), as the built-in task's ``model.compute_dtype``.
 
     Raises:
       ImportError: naming the ``flax`` extra when flax or grain is missing.
-      ValueError: on sizes that do not fit (heads must divide ``d_model``).
+      ValueError: on sizes that do not fit (heads must divide ``d_model``), or an unknown
+        ``compute_dtype``.
     """
+    from islands.learners.model import COMPUTE_DTYPES
+
+    if compute_dtype not in COMPUTE_DTYPES:
+        raise ValueError(f"compute_dtype must be one of {list(COMPUTE_DTYPES)}, got "
+                         f"{compute_dtype!r}")
     nnx, grain = _import_flax()
     if d_model % n_heads:
         raise ValueError(f"d_model ({d_model}) must be divisible by n_heads ({n_heads})")
@@ -131,7 +153,7 @@ def task(corpus: str = "stdlib", suffix: str = ".py", max_bytes: Optional[int] =
                         ("seq_len", seq_len), ("n_layers", n_layers)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
-    model_cls = build_model(nnx, 256, d_model, n_layers, n_heads, d_ff, seq_len)
+    model_cls = build_model(nnx, 256, d_model, n_layers, n_heads, d_ff, seq_len, compute_dtype)
     graph, _ = nnx.split(nnx.eval_shape(lambda: model_cls(nnx.Rngs(0))))
     window = seq_len + 1
 

@@ -44,7 +44,7 @@ async function act(body) {
 // Rows and region blocks are built once and updated in place, so a poll never replaces the
 // field an operator is typing in or the button under the pointer.
 const rows = {}, regionBoxes = {};
-const HEADERS = ["learner", "state", "step", "steps/s", "tokens", "restarts", "incarnation", "last beat", "profiler", ""];
+const HEADERS = ["learner", "state", "step", "steps/s", "tokens", "restarts", "incarnation", "last beat", "devices", "profiler", ""];
 
 function learnerRow(name) {
   const drain = el("button", {class: "act", "data-drain": name, title: "finish in-flight pushes, then leave"}, "Drain");
@@ -56,18 +56,23 @@ function learnerRow(name) {
   return el("tr", {"data-learner": name}, ...cells, el("td", {}, drain, " ", restart));
 }
 
+// What JAX gave the learner at start, as it reported it ("gpu 1× NVIDIA H200").
+function devicesText(d) {
+  return d && d.backend ? `${d.backend} ${d.count}× ${d.kind}` : "–";
+}
+
 function updateRow(row, name, l) {
   const restarts = Object.entries(l.restarts || {}).map(([c, n]) => `${c} ${n}`).join(", ") || "0";
   const rate = l.step_time_s ? 1 / l.step_time_s : null;
   const c = row.cells, badge = c[1].firstChild;
   const text = [name, null, fmt.num(l.step), rate === null ? "–" : fmt.num(rate, 1) + "/s", fmt.num(l.tokens_done),
-                restarts, String(l.incarnation), fmt.secs(l.last_heartbeat_s), l.profiler || ""];
+                restarts, String(l.incarnation), fmt.secs(l.last_heartbeat_s), devicesText(l.devices), l.profiler || ""];
   text.forEach((t, i) => { if (t !== null && c[i].textContent !== t) c[i].textContent = t; });
   badge.className = "state " + l.state;
   badge.dataset.state = l.state;
   badge.textContent = l.state;
   const gone = l.state === "retired" || l.state === "failed";
-  for (const b of c[9].querySelectorAll("button")) b.disabled = gone;
+  for (const b of c[HEADERS.length - 1].querySelectorAll("button")) b.disabled = gone;
 }
 
 function regionBox(region, r) {
@@ -135,8 +140,10 @@ function renderBadput(g) {
 function render(s) {
   $("job").textContent = s.job;
   const st = $("status");
-  st.textContent = s.paused_reason ? "PAUSED: " + s.paused_reason : `training · ${fmt.secs(s.elapsed_s)}`;
-  st.className = "status " + (s.paused_reason ? "paused" : "ok");
+  const wrong = Object.entries(s.misconfigured || {}).map(([r, m]) => `region ${r}: ${m}`);
+  st.textContent = s.paused_reason ? "PAUSED: " + s.paused_reason
+    : wrong.length ? "MISCONFIGURED " + wrong.join("; ") : `training · ${fmt.secs(s.elapsed_s)}`;
+  st.className = "status " + (s.paused_reason || wrong.length ? "paused" : "ok");
   $("goodput-run").textContent = fmt.ratio(s.goodput.goodput);
   $("goodput-window").textContent = fmt.ratio(s.goodput.window && s.goodput.window.ratio);
   $("window-label").textContent = "last " + (s.goodput.window ? s.goodput.window.label : "window");

@@ -528,10 +528,36 @@ def test_an_agent_leaves_cleanly_on_sigterm_and_with_its_home_job(two_clusters):
     agents = []
     try:
         # 1. The agent comes back: the home takes far:0 back from unreachable.
+        seen = len(_home_events(home_dir))
         agent, address = _start_region(ctx["join_args"], ctx["env"], ctx["tmp"])
         agents.append(agent)
         wait_for(lambda: far_state() == "training", 180, "far:0 training at home again",
                  describe=far_state)
+        # ... and trains on there (issue 36: every rejoin's pushes were refused as outliers,
+        # with no live peer in its region, until it was quarantined and retired): the home
+        # merges 3 rounds of its new incarnation's pushes, none refused as garbage.
+        import ray
+
+        ray.init(address=address, namespace="islands", log_to_driver=False)
+        try:
+            link = ray.get_actor("islands:syncer", namespace="islands")
+            far = lambda: (ray.get(link.status.remote(), timeout=30).get(  # noqa: E731
+                "ledger") or {}).get("far:0") or {}
+            incarnation = _home_rows(home_dir)[-1]["learners"]["far:0"]["incarnation"]
+            first = wait_for(lambda: far().get("incarnation") == incarnation and far(), 120,
+                             "far:0's rejoined incarnation in the home's ledger",
+                             describe=lambda: (incarnation, far()))
+            wait_for(lambda: far().get("applied_step", 0) >= first["applied_step"] + 12
+                     and far().get("incarnation") == incarnation, 180,
+                     "far:0's rejoined incarnation merged 3 rounds at home",
+                     describe=lambda: (first, far()))
+        finally:
+            ray.shutdown()
+        new = [e for e in _home_events(home_dir)[seen:] if e.get("learner") == "far:0"]
+        garbage = [e for e in new if e["event"] == "push_refused" and e["reason"] in (
+            "outlier_norm", "non_finite", "bad_shape", "bad_counters")]
+        assert not garbage, garbage[:3]
+        assert not [e for e in new if e["event"] in ("learner_quarantined", "learner_retired")]
         # 2. SIGTERM: the agent stops its learner, shuts its cluster down and exits 0.
         assert _ray_processes_of(address), "no Ray daemons found for the region's cluster"
         agent.send_signal(signal.SIGTERM)

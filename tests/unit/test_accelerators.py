@@ -10,7 +10,9 @@ import pytest
 from islands.orchestrator import accelerators as acc
 from islands.orchestrator import build
 from islands.orchestrator.config import ConfigError, parse
-from islands.orchestrator.runtime import learner_env, learner_options, single_thread_env
+from islands.learners.devices import DeviceRequest
+from islands.orchestrator.runtime import (MANAGED_ENV, Role, learner_options, process_env,
+                                          ray_env_vars)
 
 
 # -- the TPU table, hand-checked against Cloud TPU's machine types ---------------------------------
@@ -181,36 +183,67 @@ def test_learner_options_ask_ray_for_the_devices():
     assert tpu["name"] == "islands:eu:1"
 
 
-def test_only_cpu_learners_are_pinned_to_the_cpu():
-    base = single_thread_env("/tmp/cache")
-    assert base["JAX_PLATFORMS"] == "cpu"   # the controller and the syncer
-    for devices in (acc.learner_devices("gpu", 0.5),
-                    acc.learner_devices("tpu", tpu_type="v6e", topology="2x2")):
-        env = learner_env(base, devices)
-        assert "JAX_PLATFORMS" not in env
-        assert env["XLA_FLAGS"] == base["XLA_FLAGS"]
-        assert env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"   # GPU sharers grow on demand
-    one = learner_env(base, acc.learner_devices("cpu"))
-    assert one == base
-    four = learner_env(base, acc.learner_devices("cpu", 4))
+def test_every_process_gets_its_platform_explicitly():
+    """Each role's whole environment is decided, JAX_PLATFORMS included: nothing is left for a
+    learner to inherit from the CPU-pinned controller that creates it."""
+    for role in (Role.DRIVER, Role.CONTROLLER, Role.SYNCER, Role.LINK_SERVER, Role.REGION_AGENT):
+        env = process_env(role, jax_cache_dir="/tmp/cache")
+        assert set(env) == set(MANAGED_ENV)
+        assert env["JAX_PLATFORMS"] == "cpu" and env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+        assert env["XLA_PYTHON_CLIENT_MEM_FRACTION"] is None
+    gpu = process_env(Role.LEARNER, acc.learner_devices("gpu", 0.5), "/tmp/cache")
+    assert gpu["JAX_PLATFORMS"] == "cuda" and gpu["XLA_FLAGS"] is None
+    assert gpu["XLA_PYTHON_CLIENT_PREALLOCATE"] == "true"
+    assert gpu["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.45"     # half a card, 0.9 of it
+    assert process_env(Role.SPARE, acc.learner_devices("gpu", 2))[
+        "XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.9"              # whole cards: 0.9 of each
+    tpu = process_env(Role.UNIT_HOST, acc.learner_devices("tpu", tpu_type="v6e", topology="2x2"))
+    assert tpu["JAX_PLATFORMS"] == "tpu" and tpu["XLA_FLAGS"] is None
+    four = process_env(Role.LEARNER, acc.learner_devices("cpu", 4))
     assert four["JAX_PLATFORMS"] == "cpu"
-    assert four["XLA_FLAGS"] == "--xla_force_host_platform_device_count=4 " + base["XLA_FLAGS"]
+    assert four["XLA_FLAGS"] == ("--xla_force_host_platform_device_count=4 "
+                                 "--xla_cpu_multi_thread_eigen=false")
+    assert process_env(Role.LEARNER)["XLA_FLAGS"] == "--xla_cpu_multi_thread_eigen=false"
+    with pytest.raises(ValueError, match="opens no accelerator"):
+        process_env(Role.SYNCER, acc.learner_devices("gpu"))
+    # Ray's runtime_env can only set: what must be absent is left out of it.
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in ray_env_vars(process_env(Role.CONTROLLER))
 
 
-def test_a_learner_spec_carries_its_regions_environment():
+def test_apply_env_replaces_inherited_values_and_removes_what_must_be_absent(monkeypatch):
+    from islands.learners.devices import apply_env
+
+    monkeypatch.setenv("JAX_PLATFORMS", "cpu")                 # inherited from the controller
+    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_multi_thread_eigen=false")
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.75")
+    env = process_env(Role.LEARNER, acc.learner_devices("tpu", tpu_type="v6e", topology="2x2"))
+    env.pop("JAX_PLATFORMS")   # this process runs JAX on the CPU: leave its platform alone
+    apply_env(env)
+    assert "XLA_FLAGS" not in os.environ and "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ
+    assert os.environ["OMP_NUM_THREADS"] == "1"
+
+
+def test_a_learner_spec_carries_its_regions_environment_and_device_request():
     from islands.orchestrator import fleet as fleet_lib
 
-    config = parse({"regions": {"g": {"learners": 1, "accelerator": "gpu"},
-                                "c": {"learners": 1, "devices_per_host": 2}}})
+    config = parse({"regions": {"g": {"learners": 1, "accelerator": "gpu",
+                                      "devices_per_host": 0.25},
+                                "c": {"learners": 1, "devices_per_host": 2}},
+                    "health": {"spares": {"g": 1}}})
     training = build.training_spec(config)
     launches = {a.region: a for a in fleet_lib.step(
-        fleet_lib.initial(build.fleet_settings(config)), [], 0.0).actions}
-    env = single_thread_env("/tmp/cache")
-    gpu = build.learner_spec(config, training, launches["g"], env=env).env
-    cpu = build.learner_spec(config, training, launches["c"], env=env).env
-    assert "JAX_PLATFORMS" not in gpu
-    assert cpu["JAX_PLATFORMS"] == "cpu" and "device_count=2" in cpu["XLA_FLAGS"]
-    assert build.learner_devices(config, "g") == acc.LearnerDevices("gpu", 1, 1)
+        fleet_lib.initial(build.fleet_settings(config)), [], 0.0).actions
+        if hasattr(a, "incarnation")}
+    gpu = build.learner_spec(config, training, launches["g"], jax_cache_dir="/tmp/cache")
+    cpu = build.learner_spec(config, training, launches["c"], jax_cache_dir="/tmp/cache")
+    spare = build.spare_spec(config, training, "spare:g:0", "g", jax_cache_dir="/tmp/cache")
+    assert gpu.env["JAX_PLATFORMS"] == "cuda" == spare.env["JAX_PLATFORMS"]
+    assert gpu.env["JAX_COMPILATION_CACHE_DIR"] == "/tmp/cache"
+    assert cpu.env["JAX_PLATFORMS"] == "cpu" and "device_count=2" in cpu.env["XLA_FLAGS"]
+    assert gpu.device_request == spare.device_request == DeviceRequest(
+        "g", "gpu", 0.25, "num_gpus=0.25")
+    assert cpu.device_request == DeviceRequest("c", "cpu", 2, "no accelerator")
+    assert build.learner_devices(config, "g") == acc.LearnerDevices("gpu", 0.25, 1)
 
 
 def test_virtual_cpu_devices_appear_in_jax():
@@ -218,8 +251,8 @@ def test_virtual_cpu_devices_appear_in_jax():
     import subprocess
     import sys
 
-    env = learner_env({**os.environ, **single_thread_env("/tmp/cache")},
-                      acc.learner_devices("cpu", 3))
+    env = {**os.environ, **ray_env_vars(process_env(Role.LEARNER, acc.learner_devices("cpu", 3),
+                                                    "/tmp/cache"))}
     out = subprocess.run([sys.executable, "-c", "import jax; print(len(jax.local_devices()))"],
                          env=env, capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "3"

@@ -36,6 +36,7 @@ CHANGES = {
     "name": "another-job",
     "model.d_model": 128,      # n_heads must divide it
     "model.n_heads": 8,
+    "model.compute_dtype": "bfloat16",
     "data.corpus": "/some/corpus/dir",
     "task.path": "my_pkg.tasks:make",
     "task.args": None,         # only with another task.path: test_task_args_reach_the_learners

@@ -11,7 +11,8 @@ MODULES = ["islands.syncer.fragments", "islands.syncer.merge", "islands.syncer.q
            "islands.orchestrator.controller", "islands.orchestrator.accelerators",
            "islands.orchestrator.fleet", "islands.link.region", "islands.link.client",
             "islands.syncer.state", "islands.link.premerge", "islands.syncer.core",
-           "islands.faults"]
+           "islands.faults", "islands.learners.devices", "islands.orchestrator.runtime",
+           "islands.orchestrator.cli"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -693,3 +693,89 @@ def test_a_dead_syncer_shard_restarts_alone_at_its_next_epoch_once():
     assert set(states(up).values()) == {"training"}
     stopping = F.step(up, [F.Stop()], 4.0).fleet
     assert not F.step(stopping, [F.SyncerEnded(0, 5)], 4.1).actions
+
+
+# -- issue 36: a restart's failure to reintegrate is not the learner's fault ----------------------
+def test_a_quarantine_before_a_restarts_first_merge_spends_no_budget_once():
+    """Issue 36: a learner killed once, restarted without a peer, was quarantined 5 times in a row
+    and retired (crash budget spent). The first quarantine of a restart that has not
+    reintegrated yet (no merged push) is free; the next counts, so garbage still retires."""
+    fleet = F.step(training(), [F.RunEnded("a:1", 0, "actor died")], 2.0).fleet
+    fleet = F.step(fleet, [], 3.0).fleet                      # relaunched after the 0.5 s backoff
+    fleet = F.step(fleet, [F.Beat("a:1", 1, True, 0.1, node_id="n1")], 4.0).fleet
+    assert fleet.slots["a:1"].restart_counts == {Cause.CRASH: 1}
+    free = F.step(fleet, [F.Quarantine("a:1", 1, "outlier_norm")], 5.0)
+    assert names(free) == ["learner_quarantined", "learner_failed", "learner_restart_scheduled"]
+    assert "not counted" in free.transitions[-1].fields["message"]
+    assert free.fleet.slots["a:1"].restart_counts == {Cause.CRASH: 1}
+    fleet = F.step(free.fleet, [], 10.0).fleet
+    fleet = F.step(fleet, [F.Beat("a:1", 2, True, 0.1, node_id="n1")], 11.0).fleet
+    counted = F.step(fleet, [F.Quarantine("a:1", 2, "outlier_norm")], 12.0)
+    assert counted.fleet.slots["a:1"].restart_counts == {Cause.CRASH: 1, Cause.QUARANTINE: 1}
+    # Budget 2 spent by the crash and that quarantine: the next quarantine retires it.
+    fleet = F.step(counted.fleet, [], 20.0).fleet
+    fleet = F.step(fleet, [F.Beat("a:1", 3, True, 0.1, node_id="n1")], 21.0).fleet
+    retired = F.step(fleet, [F.Quarantine("a:1", 3, "outlier_norm")], 22.0)
+    assert retired.fleet.slots["a:1"].state == SlotState.FAILED
+
+
+def test_a_quarantine_after_the_restart_merged_counts():
+    fleet = F.step(training(), [F.RunEnded("a:1", 0, "actor died")], 2.0).fleet
+    fleet = F.step(fleet, [], 3.0).fleet
+    fleet = F.step(fleet, [F.Beat("a:1", 1, True, 0.1, node_id="n1")], 4.0).fleet
+    fleet = F.step(fleet, [F.Applied({"a:1": (1, 20, 512)})], 5.0).fleet   # reintegrated
+    counted = F.step(fleet, [F.Quarantine("a:1", 1, "non_finite")], 6.0)
+    assert counted.fleet.slots["a:1"].restart_counts == {Cause.CRASH: 1, Cause.QUARANTINE: 1}
+
+
+def test_the_home_mirrors_a_remote_learners_restart_count_and_keeps_none_of_its_own():
+    """Issue 36: the home and the region agent each counted the restart budget of the same
+    incarnation. The agent counts (it restarts); the home mirrors its reports."""
+    fleet = F.step(F.initial(remote_settings()), [
+        F.RemoteReport("r:0", "r", 0, "training", 2, 0.1)], 1.0).fleet
+    quarantined = F.step(fleet, [F.Quarantine("r:0", 0, "outlier_norm")], 2.0)
+    assert names(quarantined)[:3] == ["learner_quarantined", "learner_failed",
+                                      "learner_restart_scheduled"]
+    assert "Kill" not in kinds(quarantined)   # not this cluster's actor: its agent restarts it          # no Kill: it is not this cluster's actor
+    assert quarantined.fleet.slots["r:0"].restart_counts == {}
+    back = F.step(quarantined.fleet, [F.RemoteReport(
+        "r:0", "r", 1, "training", 2, 0.1, "quarantine",
+        restarts=F.restart_counts('{"quarantine": 1}'))], 3.0)
+    assert back.fleet.slots["r:0"].restart_counts == {Cause.QUARANTINE: 1}
+    assert back.fleet.slots["r:0"].state == SlotState.TRAINING
+
+
+# -- a failed device check ------------------------------------------------------------------------
+MISMATCH = ("device check failed: region a asked Ray for num_gpus=1 and needs 1 gpu device(s); "
+            "JAX gave it 1 cpu device(s) (cpu), backend cpu; likely cause: JAX_PLATFORMS=cpu "
+            "reached the learner")
+
+
+def test_a_failed_device_check_retires_the_learner_and_marks_its_region_once():
+    fleet = training()
+    result = F.step(fleet, [F.RunEnded("a:1", 0, MISMATCH, crashed=True)], 5.0)
+    assert names(result) == ["region_misconfigured", "learner_failed", "learner_retired"]
+    assert result.transitions[1].fields["cause"] == "config"
+    assert "not restarted" in result.transitions[2].fields["reason"]
+    slot = result.fleet.slots["a:1"]
+    assert slot.state == SlotState.FAILED and slot.restart_at_s is None and slot.restarts == ()
+    assert result.fleet.misconfigured == {"a": MISMATCH}
+    # Nothing restarts later, and a second learner of the region is not noted again.
+    later = F.step(result.fleet, [F.RunEnded("a:0", 0, MISMATCH, crashed=True)], 6.0)
+    assert names(later) == ["learner_failed", "learner_retired"]
+    assert not [a for a in later.actions if isinstance(a, F.Launch)]
+    # A scale-up of the region is refused with the check's line; other regions scale as ever.
+    with pytest.raises(F.CommandError, match="its learners cannot train there: device check"):
+        F.step(later.fleet, [F.Scale("a", 2)], 6.5)
+    assert "scaled" in names(F.step(later.fleet, [F.Scale("b", 2)], 6.5))
+
+
+def test_a_spare_that_fails_its_device_check_is_not_replaced():
+    s = settings(regions={"a": F.RegionPlan(1, 2, spares=1)})
+    fleet = F.step(F.initial(s), [], 0.0).fleet
+    launched = F.step(fleet, [F.Beat("a:0", 0, True, 0.1)], 1.0)
+    assert F.LaunchSpare("spare:a:0", "a") in launched.actions
+    ended = F.step(launched.fleet, [F.SpareEnded("spare:a:0", MISMATCH)], 3.0)
+    assert names(ended) == ["region_misconfigured", "spare_ended"]
+    for t in (4.0, 10.0, 100.0):   # a spare that died of anything else would be replaced
+        assert not [a for a in F.step(ended.fleet, [], t).actions if isinstance(a, F.LaunchSpare)]

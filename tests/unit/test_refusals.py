@@ -6,6 +6,8 @@ the median window down; merge weights came from unchecked counters; one learner 
 another; a non-finite merge could replace Θ.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -233,3 +235,76 @@ def test_an_outlier_refusal_starts_over_without_the_error_feedback_residual():
     assert not np.any(np.asarray(learner.tracks[0].ef_state.residual["w"]))
     train(1, 0.005)
     assert push_and_judge().ok
+
+
+# -- issue 36: a restart without a peer, and the garbage probes ------------------------------------
+def test_a_fresh_inner_state_resumes_at_the_schedule_of_its_resume_step():
+    """A restart with no live peer starts a fresh AdamW state. Its schedule count used to be 0:
+    it warmed up to the peak rate, 10× the end of a finished cosine that the syncer expected
+    at the resume step, and every push was refused as an outlier. At the resume step its first
+    update is Adam's first (bias-corrected: sign(g)) times the schedule's rate there."""
+    from islands.learners.inner import at_schedule_step, inner_optimizer
+
+    opt = inner_optimizer(lr=1e-2, warmup_steps=2, total_steps=10, clip_norm=10.0)
+    params = {"b": jnp.zeros(3)}            # rank 1: no weight decay
+    grads = {"b": jnp.array([0.5, -2.0, 1.0])}
+    fresh = opt.init(params)
+    updates, _ = opt.update(grads, fresh, params)
+    np.testing.assert_allclose(np.asarray(updates["b"]), 0.0)       # count 0: rate 0 (warm-up)
+    updates, state = opt.update(grads, at_schedule_step(fresh, 4744), params)
+    # Past total_steps the rate is lr/10 = 1e-3; Adam's first step is -sign(g).
+    np.testing.assert_allclose(np.asarray(updates["b"]), [-1e-3, 1e-3, -1e-3], rtol=1e-5)
+    assert int(state[1][2].count) == 4745 and int(state[1][0].count) == 1
+
+
+def settled(norm=0.5, learners="abc", **settings):
+    """Three learners whose pushes (per-step norm ``norm`` over √4) made the outlier window."""
+    core = syncer(outlier_norm_factor=10.0, tokens_per_step=8, quarantine_after=3, **settings)
+    for name in learners:
+        core.register(name, 0)
+    for _ in range(2):
+        for name in learners:
+            assert core.accept_push(push(name, [norm] * 4, core.versions[0]), 0.0).ok
+            core.merge(0, "t")
+    return core
+
+
+def test_probe_a_5000x_push_retried_20_times_stays_refused_and_quarantines():
+    core = settled()
+    window = list(core.slots[0].recent_norms)   # per-step norms 0.5: limit 0.5 + 10 · 0.25 = 3
+    core.register("d", 1)                        # a restarted learner, its first pushes
+    for attempt in range(20):
+        verdict = core.accept_push(dataclasses.replace(
+            push("d", [2500.0] * 4, core.versions[0]), incarnation=1), 0.0)
+        assert verdict.reason == RejectReason.OUTLIER_NORM, attempt
+    assert list(core.slots[0].recent_norms) == window and core.versions == (6,)
+    assert core.quarantined == {"d": 1}
+    # An honest first push of a fresh state (here 3× the settled drift) is taken.
+    core.register("e", 1)
+    assert core.accept_push(dataclasses.replace(push("e", [1.5] * 4, core.versions[0]),
+                                                incarnation=1), 0.0).ok
+
+
+def test_probe_a_first_push_bomb_is_refused_at_the_start_of_a_job_and_of_an_incarnation():
+    # The job's first push: the first-push bound (factor 10 per step, √4 values).
+    core = syncer(outlier_norm_factor=10.0)
+    core.register("a", 0)
+    assert core.accept_push(push("a", [1e6] * 4), 0.0).reason == RejectReason.OUTLIER_NORM
+    assert core.versions == (0,) and list(core.slots[0].recent_norms) == []
+    # A new incarnation's first push in a settled job: the fleet's limit.
+    core = settled()
+    core.register("a", 1)
+    bomb = dataclasses.replace(push("a", [1e6] * 4, core.versions[0]), incarnation=1)
+    assert core.accept_push(bomb, 0.0).reason == RejectReason.OUTLIER_NORM
+
+
+def test_probe_forged_counters_of_a_new_incarnation_are_refused():
+    core = settled()
+    core.register("a", 1)
+    forged = [dict(c_tokens=10**9, c_steps=1), dict(c_tokens=-5, c_steps=1),
+              dict(step=10**12), dict(step=3, tokens_done=10**15)]
+    for fields in forged:
+        bad = dataclasses.replace(push("a", [0.5] * 4, core.versions[0]), incarnation=1,
+                                  **fields)
+        assert core.accept_push(bad, 0.0).reason == RejectReason.BAD_COUNTERS, fields
+    assert core.ledger["a"].applied_step == 0 and core.quarantined == {"a": 1}

@@ -105,9 +105,9 @@ def test_job_config_without_task_section_trains_the_builtin_with_its_sections():
     config = parse({"model": SMALL, "data": {"batch_size": 4, "max_bytes": 100_000}, "seed": 7})
     spec = build.training_spec(config)
     assert spec.task_path == "islands.tasks.bytelm:task"
-    assert spec.task_args == {"model": {**SMALL, "vocab_size": 256}, "corpus": "stdlib",
-                              "eval_fraction": 0.05, "max_bytes": 100_000, "batch_size": 4,
-                              "eval_batches": 8, "seed": 7}
+    assert spec.task_args == {"model": {**SMALL, "vocab_size": 256, "compute_dtype": "float32"},
+                              "corpus": "stdlib", "eval_fraction": 0.05, "max_bytes": 100_000,
+                              "batch_size": 4, "eval_batches": 8, "seed": 7}
     assert build.syncer_settings(config).tokens_per_step == 4 * 16
 
 

@@ -1,0 +1,123 @@
+"""Learners train on the devices their region asked for, or not at all (docs/accelerators.md).
+
+A real local Ray cluster that declares one logical GPU, started (as ``islands run`` starts its
+embedded one) from a driver pinned to ``JAX_PLATFORMS=cpu``: every worker process inherits that.
+A GPU region's learner, its warm spare and a GPU unit of 2 hosts must each get their own platform
+(CUDA), find no CUDA on this machine and refuse to train with the one-line device check, as a
+configuration failure that is not retried; a CPU region in the same job stays pinned to the CPU
+and trains. With the old inheritance back (a GPU learner keeping the controller's
+``JAX_PLATFORMS=cpu``) the GPU learner would train on the CPU and this module fails.
+"""
+
+import os
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from conftest import TINY_JOB  # noqa: E402
+from islands.orchestrator.cli import format_status  # noqa: E402
+from islands.orchestrator.config import JobConfig  # noqa: E402
+from islands.orchestrator.controller import NAMESPACE, Controller, controller_options  # noqa: E402
+from waiting import wait_for  # noqa: E402  (tests/integration/waiting.py)
+
+pytestmark = pytest.mark.ray
+
+JOB = {
+    **TINY_JOB, "name": "devices",
+    "regions": {"cpu": {"learners": 1},
+                "gpu": {"learners": 1, "accelerator": "gpu", "devices_per_host": 0.25},
+                "pair": {"learners": 1, "accelerator": "gpu", "devices_per_host": 0.25,
+                         "hosts_per_learner": 2},
+                # Only a warm spare (a region whose learners fail first keeps none).
+                "warm": {"learners": 0, "accelerator": "gpu", "devices_per_host": 0.25}},
+    "health": {"heartbeat_s": 0.5, "timeout_s": 20.0, "spares": {"warm": 1},
+               "restart": {"backoff_initial_s": 0.2, "backoff_max_s": 0.5}}}
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory):
+    config = JobConfig.model_validate(JOB)
+    inherited = os.environ.get("JAX_PLATFORMS")
+    os.environ["JAX_PLATFORMS"] = "cpu"   # the driver's pin, which every worker inherits
+    try:
+        ray.init(address="local", num_cpus=3, num_gpus=1, resources=config.region_resources(),
+                 namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
+                 _node_ip_address="127.0.0.1")
+    finally:
+        if inherited is None:
+            os.environ.pop("JAX_PLATFORMS")
+        else:
+            os.environ["JAX_PLATFORMS"] = inherited
+    run_dir = tmp_path_factory.mktemp("run")
+    controller = ray.remote(Controller).options(**controller_options(str(run_dir))).remote(
+        config, str(run_dir))
+    ray.get(controller.start.remote())
+    yield controller, lambda: ray.get(controller.snapshot.remote())
+    ray.get(controller.shutdown.remote(), timeout=120)
+    ray.kill(controller)
+    ray.shutdown()
+
+
+def events(controller, kind=None):
+    found, _ = ray.get(controller.events_since.remote(0))
+    return [e for e in found if kind is None or e["event"] == kind]
+
+
+def test_gpu_learners_refuse_the_cpu_and_cpu_learners_stay_on_it(job):
+    controller, snap = job
+    retired = lambda: {e["learner"]: e for e in events(controller, "learner_retired")}  # noqa: E731
+    wait_for(lambda: {"gpu:0", "pair:0"} <= set(retired()), 180,
+             "the GPU learner and the GPU unit retired", describe=lambda: events(controller)[-12:])
+    failed = {e["learner"]: e for e in events(controller, "learner_failed")}
+    for learner in ("gpu:0", "pair:0"):
+        line = failed[learner]["detail"]
+        # Its own environment asked JAX for CUDA (the inherited cpu pin was replaced) ...
+        assert "JAX gave it no backend (JAX_PLATFORMS=cuda did not start" in line, line
+        assert "JAX_PLATFORMS=cpu" not in line, line
+        # ... and the one line names the region, its request and the likely cause.
+        region = learner.split(":")[0]
+        assert f"device check failed: region {region} asked Ray for num_gpus=0.25" in line, line
+        assert "likely cause: a CPU-only jaxlib" in line, line
+        assert failed[learner]["cause"] == "config"
+    # Not retried in a loop: one incarnation each, no restart, the region marked misconfigured.
+    learners = snap()["learners"]
+    assert learners["gpu:0"]["state"] == "failed" and learners["gpu:0"]["incarnation"] == 0
+    assert learners["gpu:0"]["restarts"] == {} and learners["pair:0"]["restarts"] == {}
+    misconfigured = ray.get(controller.status_table.remote())["misconfigured"]
+    assert set(misconfigured) >= {"gpu", "pair"}, misconfigured
+    with pytest.raises(ray.exceptions.RayTaskError, match="its learners cannot train there"):
+        ray.get(controller.scale.remote("gpu", 2))
+
+
+def test_the_spare_gets_the_same_check_and_is_not_relaunched(job):
+    controller, snap = job
+    ended = wait_for(lambda: [e for e in events(controller, "spare_ended")
+                              if e["region"] == "warm"], 120, "the GPU spare ended",
+                     describe=lambda: [(e["elapsed_s"], e["event"], e.get("learner") or e.get("spare"), e.get("state") or e.get("to")) for e in events(controller)])
+    assert "device check failed: region warm asked Ray for num_gpus=0.25" in ended[0]["reason"]
+    # The CPU learner trains on meanwhile; no second spare of the GPU region is launched.
+    steps = (snap()["learners"]["cpu:0"]["step"] or 0)
+    wait_for(lambda: (snap()["learners"]["cpu:0"]["step"] or 0) >= steps + 20, 120,
+             "the CPU learner 20 steps further")
+    launched = [e for e in events(controller, "spare_launched") if e["region"] == "warm"]
+    assert len(launched) == 1, launched
+    assert "warm" in ray.get(controller.status_table.remote())["misconfigured"]
+
+
+def test_the_cpu_learner_proves_its_cpu_and_shows_it(job):
+    controller, snap = job
+    wait_for(lambda: snap()["learners"]["cpu:0"]["state"] == "training", 120, "cpu:0 training")
+    learner = ray.get_actor("islands:cpu:0", namespace=NAMESPACE)
+    env = ray.get(learner.environment.remote())
+    assert env["JAX_PLATFORMS"] == "cpu" and env["XLA_PYTHON_CLIENT_PREALLOCATE"] == "false"
+    devices = wait_for(lambda: snap()["learners"]["cpu:0"].get("devices"), 60, "cpu:0's devices")
+    assert devices["backend"] == "cpu" and devices["count"] == 1 and devices["error"] is None
+    shown = [e for e in events(controller, "learner_devices") if e["learner"] == "cpu:0"]
+    assert shown and shown[0]["backend"] == "cpu"
+    table = format_status(ray.get(controller.status_table.remote()))
+    assert any(line.startswith("cpu:0") and "cpu 1× cpu" in line for line in table.splitlines())
+    assert "MISCONFIGURED region gpu: device check failed" in table
+    from islands.orchestrator.metrics import device_counts
+
+    assert device_counts(snap()["learners"]).get(("cpu", "cpu")) == 1

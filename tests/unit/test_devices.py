@@ -1,0 +1,83 @@
+"""A learner proves its devices (learners/devices.py): the pure check, and the real path in a
+fresh process whose environment asks for a GPU this machine lacks."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from islands.learners.devices import (MISMATCH_MARK, DeviceMismatch, DeviceReport, DeviceRequest,
+                                      check_devices, device_problem, is_device_mismatch)
+from islands.orchestrator import accelerators as acc
+from islands.orchestrator.runtime import Role, process_env, ray_env_vars
+
+H200 = DeviceReport("gpu", "gpu", "NVIDIA H200", 1)
+CPU = DeviceReport("cpu", "cpu", "cpu", 1)
+
+
+def test_matching_devices_pass():
+    assert device_problem(DeviceRequest("g", "gpu", 0.25, "num_gpus=0.25"), H200) is None
+    assert device_problem(DeviceRequest("g", "gpu", 2, "num_gpus=2"),
+                          DeviceReport("gpu", "gpu", "NVIDIA H200", 2)) is None
+    assert device_problem(DeviceRequest("c", "cpu", 4), DeviceReport("cpu", "cpu", "cpu", 4)) is None
+    assert device_problem(DeviceRequest("t", "tpu", 4, "TPU=4"),
+                          DeviceReport("tpu", "tpu", "TPU v5p", 4)) is None
+
+
+def test_a_gpu_learner_on_the_cpu_is_refused_naming_the_inherited_platform():
+    """The H200 run: the learner inherited JAX_PLATFORMS=cpu and trained on the CPU."""
+    line = device_problem(DeviceRequest("gpu-a", "gpu", 0.2, "num_gpus=0.2"), CPU,
+                          env={"JAX_PLATFORMS": "cpu"}, has_plugin=True)
+    assert line == (
+        "device check failed: region gpu-a asked Ray for num_gpus=0.2 and needs 1 gpu device(s) "
+        "(a 0.2 share); JAX gave it 1 cpu device(s) (cpu), backend cpu; likely cause: "
+        "JAX_PLATFORMS=cpu reached the learner (set on the node, or inherited from the process "
+        "that created it)")
+    assert "\n" not in line and is_device_mismatch(line)
+
+
+@pytest.mark.parametrize("env,has_plugin,cause", [
+    ({"JAX_PLATFORMS": "cuda"}, False, "a CPU-only jaxlib"),
+    ({"JAX_PLATFORMS": "cuda", "CUDA_VISIBLE_DEVICES": ""}, True, "CUDA_VISIBLE_DEVICES is empty"),
+    ({"JAX_PLATFORMS": "cuda"}, True, "held by another process"),
+])
+def test_the_likely_cause_of_a_gpu_backend_that_did_not_come_up(env, has_plugin, cause):
+    report = DeviceReport(None, error="Unable to initialize backend 'cuda': no CUDA devices")
+    line = device_problem(DeviceRequest("g", "gpu", 1, "num_gpus=1"), report, env, has_plugin)
+    assert line.startswith(MISMATCH_MARK) and cause in line
+    assert "no backend (Unable to initialize backend 'cuda'" in line
+
+
+def test_a_wrong_device_count_and_a_cpu_learner_on_a_gpu_are_refused():
+    two = DeviceReport("gpu", "gpu", "NVIDIA H100", 2)
+    line = device_problem(DeviceRequest("g", "gpu", 1, "num_gpus=1"), two,
+                          {"JAX_PLATFORMS": "cuda"}, True)
+    assert "needs 1 gpu device(s)" in line and "JAX gave it 2 gpu device(s)" in line
+    assert "visible-devices variable" in line
+    line = device_problem(DeviceRequest("c", "cpu", 1), H200, {"JAX_PLATFORMS": "cuda"}, True)
+    assert "JAX_PLATFORMS=cuda reached the learner" in line
+
+
+def test_check_devices_in_this_process_passes_on_the_cpu_and_raises_when_asked_for_a_gpu():
+    report = check_devices(DeviceRequest("c", "cpu", len(__import__("jax").local_devices())))
+    assert report.backend == "cpu" and report.count >= 1 and report.error is None
+    with pytest.raises(DeviceMismatch, match="region g asked Ray for num_gpus=1"):
+        check_devices(DeviceRequest("g", "gpu", 1, "num_gpus=1"))
+    assert check_devices(None).backend == "cpu"   # a spec built by hand is not checked
+
+
+def test_a_gpu_learners_environment_never_falls_back_to_the_cpu():
+    """The real path, in a fresh process: the GPU learner's own environment (over an inherited
+    JAX_PLATFORMS=cpu) makes JAX try CUDA, and on this CPU-only machine the check refuses it."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu",
+           **ray_env_vars(process_env(Role.LEARNER, acc.learner_devices("gpu", 0.5)))}
+    code = ("from islands.learners.devices import *\n"
+            "try:\n    check_devices(DeviceRequest('g', 'gpu', 0.5, 'num_gpus=0.5'))\n"
+            "except DeviceMismatch as exc:\n    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith("device check failed: region g asked Ray for num_gpus=0.5"), out
+    assert "JAX gave it no backend (JAX_PLATFORMS=cuda did not start" in line
+    assert "likely cause: a CPU-only jaxlib" in line
