@@ -980,3 +980,20 @@ def test_the_guides_commands_name_rendered_objects():
     # The GitOps token Secret of the guide is the one auth.existingSecret names.
     job = only(objects({"auth": {"existingSecret": "islands-ray-token-gitops"}}), "RayJob")
     assert job["spec"]["rayClusterSpec"]["authOptions"]["secretName"] == "islands-ray-token-gitops"
+
+
+def test_a_values_file_of_the_previous_chart_with_a_disabled_local_region_renders():
+    """The chart before 0.1.0's regions change had a default ``local`` region, which values files
+    dropped with ``local: {disabled: true}`` alone: such a file still renders, without it."""
+    previous = {"regions": {"local": {"disabled": True},
+                            "us-east": {**LOCAL, "learners": 3, "maxLearners": 4}}}
+    chart().validate_schema(chart().merge_values(previous))
+    groups = cluster_spec(objects(previous))["workerGroupSpecs"]
+    assert [g["groupName"] for g in groups] == ["us-east"], [g["groupName"] for g in groups]
+    # A disabled region's keys are still checked, and an enabled one still needs its keys.
+    with pytest.raises(hp.HelmValuesError, match="/regions/local/learners"):
+        chart().validate_schema(chart().merge_values(
+            {"regions": {"local": {"disabled": True, "learners": -1}, "us-east": LOCAL}}))
+    with pytest.raises(hp.HelmValuesError, match="missing propert"):
+        chart().validate_schema(chart().merge_values(
+            {"regions": {"local": {"disabled": False}, "us-east": LOCAL}}))
