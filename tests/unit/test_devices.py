@@ -81,3 +81,21 @@ def test_a_gpu_learners_environment_never_falls_back_to_the_cpu():
     assert line.startswith("device check failed: region g asked Ray for num_gpus=0.5"), out
     assert "JAX gave it no backend (JAX_PLATFORMS=cuda did not start" in line
     assert "likely cause: a CPU-only jaxlib" in line
+
+
+def test_the_cli_driver_never_opens_an_accelerator(tmp_path):
+    """``islands …`` is a driver: whatever the shell exported, it runs JAX on the CPU and
+    preallocates nothing (on the H200 the driver took 75 % of the card before any learner)."""
+    env = {**os.environ, "JAX_PLATFORMS": "cuda", "XLA_PYTHON_CLIENT_PREALLOCATE": "true",
+           "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.75"}
+    code = ("import contextlib, io, os\n"
+            "from islands.orchestrator.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    assert main(['config', 'check', 'deploy/examples/local.yaml']) == 0\n"
+            "import jax\n"
+            "print(jax.default_backend(), os.environ['XLA_PYTHON_CLIENT_PREALLOCATE'],\n"
+            "      os.environ.get('XLA_PYTHON_CLIENT_MEM_FRACTION'))\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                             os.path.abspath(__file__)))))
+    assert out.stdout.split() == ["cpu", "false", "None"], out
