@@ -38,7 +38,6 @@ Prints a table, then one JSON object as the last line; writes mixed_fleet.png an
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 
 import _common as C
 import numpy as np

@@ -324,7 +324,6 @@ def run_inprocess(preset_name: str, steps: int, chunk: int, corpus: str) -> dict
     has run ``steps``: load changes on a shared machine then hit both loops alike."""
     import jax
 
-    from islands.learners import data
 
     preset = PRESETS[preset_name]
     spec = training_spec(preset)

@@ -29,10 +29,8 @@ from __future__ import annotations
 import logging
 import queue
 import socket
-import threading
-import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any
 
 from .devices import apply_env, check_devices
 

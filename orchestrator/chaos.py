@@ -15,9 +15,7 @@ Generator, so adding a learner never reshuffles the faults of the others.
 
 from __future__ import annotations
 
-import enum
 import hashlib
-import math
 from dataclasses import dataclass, field
 from typing import Iterator, Mapping, Optional, Sequence
 

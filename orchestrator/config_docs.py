@@ -19,7 +19,6 @@ from typing import Any, Iterator, NamedTuple, Optional
 import annotated_types
 import yaml
 from pydantic import BaseModel
-from pydantic_core import PydanticUndefined
 
 from .config import REGION_NAME, JobConfig
 

@@ -268,7 +268,6 @@ class ConsoleServer:
                             content_type="application/json", headers=_HEADERS)
 
     async def _action(self, request):
-        from aiohttp import web
 
         client = request.remote or "unknown"
         origin = f"console {client}"

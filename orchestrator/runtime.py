@@ -7,7 +7,7 @@ import enum
 import os
 from typing import Any, Optional
 
-from .accelerators import (LearnerDevices, gang_strategy, learner_devices, ray_request,
+from .accelerators import (LearnerDevices, gang_strategy, learner_devices, ray_request,  # noqa: F401 (doctests)
                            tpu_slice_request, unit_bundle, xla_device_flags)
 
 NAMESPACE = "islands"
