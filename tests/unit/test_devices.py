@@ -99,3 +99,22 @@ def test_the_cli_driver_never_opens_an_accelerator(tmp_path):
                          timeout=120, cwd=os.path.dirname(os.path.dirname(os.path.dirname(
                              os.path.abspath(__file__)))))
     assert out.stdout.split() == ["cpu", "false", "None"], out
+
+
+def test_an_embedded_dashboard_without_its_packages_is_refused_naming_the_key(monkeypatch):
+    """A GPU machine with a stripped Ray (no dashboard packages): the line names run.dashboard
+    instead of Ray's own exception, before any cluster starts."""
+    pytest.importorskip("ray")
+    from islands.orchestrator import job
+    from islands.orchestrator.config import ConfigError, parse
+
+    monkeypatch.setattr(job, "dashboard_dependency_error", lambda: "No module named 'aiohttp'")
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    config = parse({"regions": {"a": {"learners": 1}}, "run": {"dashboard": True}})
+    with pytest.raises(ConfigError, match=r"run.dashboard: true starts Ray's dashboard, whose "
+                                          r"packages are not installed here \(No module named "
+                                          r"'aiohttp'\); set run.dashboard: false"):
+        job.start_ray(config, None)
+    import ray
+
+    assert not ray.is_initialized()
