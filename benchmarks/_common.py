@@ -29,6 +29,7 @@ from islands.syncer import codec as codec_lib  # noqa: E402
 from islands.syncer import downlink as downlink_lib  # noqa: E402
 from islands.syncer import fragments, outer  # noqa: E402
 from islands.syncer.core import SyncerSettings  # noqa: E402
+from islands.syncer import merge as merge_lib  # noqa: E402
 from islands.syncer.merge import MergeRule  # noqa: E402
 
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -192,7 +193,9 @@ def run_ours(setup: Setup, *, learner_ids: Sequence[str], fleet: inprocess.Fleet
              downlink: str = "none",
              downlink_block_size: int = codec_lib.DEFAULT_BLOCK_SIZE,
              merge_alpha: float = 0.0, carry_overlap: bool = CARRY_OVERLAP,
-             staleness_discount: float = 0.0) -> inprocess.RunRecord:
+             staleness_discount: float = 0.0, outer_gradient: str = "pull",
+             round_step: str = "per_merge", staleness_share: float = 0.0,
+             schedule_clock: str = "learner") -> inprocess.RunRecord:
     """Decoupled DiLoCo in the in-process driver (docs/architecture.md#the-algorithm defaults: RDA merge, outer Nesterov
     0.7/0.9, α = 0, error feedback; ``outer_kind="sgd"`` is sgd(1.0), plain averaging;
     ``outer_kwargs`` sets the outer optimizer's lr and momentum). ``codec`` encodes the pushes,
@@ -205,6 +208,10 @@ def run_ours(setup: Setup, *, learner_ids: Sequence[str], fleet: inprocess.Fleet
                               grace_gamma=grace_gamma, grace_cap_s=grace_cap_s,
                               merge_rule=MergeRule(merge_rule),
                               staleness_discount=staleness_discount,
+                              outer_gradient=merge_lib.OuterGradientRule(outer_gradient),
+                              round_step=merge_lib.RoundStep(round_step),
+                              staleness_share=staleness_share,
+                              schedule_clock=merge_lib.ScheduleClock(schedule_clock),
                               inner_schedule=setup.schedule or None,
                               tokens_per_step=setup.tokens_per_batch)
     syncer, learners = inprocess.build_syncer_and_learners(

@@ -64,7 +64,11 @@ def user_defaults(num_learners: int, sync_every: int = SYNC_EVERY) -> dict:
     return dict(outer_kind=kind, outer_kwargs=kwargs,
                 carry_overlap=config.learner.overlap == "carry",
                 merge_alpha=config.learner.merge_alpha, merge_rule=config.syncer.merge_rule,
-                grace_gamma=config.quorum.grace_gamma, grace_cap_s=config.quorum.grace_cap_s)
+                grace_gamma=config.quorum.grace_gamma, grace_cap_s=config.quorum.grace_cap_s,
+                outer_gradient=config.syncer.outer_gradient,
+                round_step=config.syncer.round_step,
+                staleness_share=config.syncer.staleness_share,
+                schedule_clock=config.syncer.schedule_clock)
 
 
 def decomposition(m: int, defaults: dict) -> list[tuple[str, str, dict, bool]]:

@@ -17,9 +17,11 @@ import numpy as np
 
 from islands import CARRY_OVERLAP
 from islands.learners.fates import REFUSED, IncarnationFates
+from islands.learners.inner import at_schedule_step
 from islands.syncer import downlink as downlink_lib
 from islands.syncer import fragments as fragments_lib
 from islands.syncer.fragments import Fragment, FragmentPlan
+from islands.syncer.merge import schedule_position
 from islands.syncer.validate import Push
 
 
@@ -318,6 +320,7 @@ class LearnerCore:
         fragment to re-base on). ``carry``: the answer to this learner's open push; the steps
         taken since that push are kept on top of it (and stay in the drift and counters)."""
         track = self.tracks[p]
+        fleet = getattr(fragment, "fleet_step", None)   # syncer.schedule_clock: fleet
         host = track.base_host
         if isinstance(fragment, downlink_lib.DiffUpdate) and host is None:
             host = {path: np.asarray(value, np.float32) for path, value in track.base.items()}
@@ -351,6 +354,9 @@ class LearnerCore:
         else:
             track.c_tokens = 0
             track.c_steps = 0
+        if fleet is not None:   # the inner schedule follows the fleet, not this learner's steps
+            self.opt_state = at_schedule_step(
+                self.opt_state, schedule_position(fleet, track.in_flight_since_step, self.step))
         track.local_at_push = None
         track.pushed_counts = (0, 0)
         track.in_flight_since_step = None

@@ -224,7 +224,7 @@ class GangMember:
 
         from .loop import LearnerLoop
         from .task import TaskStream
-        from .unit import (_learner_core, build_task, build_training, learner_layout,
+        from .factories import (_learner_core, build_task, build_training, learner_layout,
                            meshed_steps, place_learner_state)
 
         info, tspec = self.info, self.training

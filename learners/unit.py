@@ -11,231 +11,22 @@ import os
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
 
-from islands import CARRY_OVERLAP
 from islands.syncer import downlink as downlink_lib
-from islands.syncer.codec_kinds import DEFAULT_BLOCK_SIZE
 
-from .devices import DeviceRequest, apply_env, check_devices
+from .devices import apply_env, check_devices
+from .factories import (BUILTIN_TASK, _learner_core, _push_codec, build_task,  # noqa: F401
+                        build_training, eval_loss_fn, is_builtin, learner_layout, load_corpus,
+                        make_error_feedback, meshed_steps, place_learner_state,
+                        warm_compile_cache)
 from .gang import replay
 from .messages import Heartbeat, LearnerState, known_stats
+from .spec import LearnerSpec, TrainingSpec  # noqa: F401 (the actor's spec; re-exported)
 
 log = logging.getLogger("islands.learner")
-
-
-@dataclass(frozen=True)
-class TrainingSpec:
-    """Model, data and optimizer settings shared by every learner of a job (from JobConfig)."""
-
-    model: dict                       # ModelConfig fields
-    batch_size: int = 8
-    corpus: str = "stdlib"
-    eval_fraction: float = 0.05
-    max_bytes: Optional[int] = 2_000_000
-    inner: dict = field(default_factory=dict)   # inner_optimizer kwargs
-    fragments: int = 4
-    sync_every_steps: int = 8
-    overlap_steps: int = 2
-    merge_alpha: float = 0.0
-    carry_overlap: bool = CARRY_OVERLAP
-    sharding: str = "replicated"       # over the learner's devices: "replicated" or "fsdp"
-    codec_kind: str = "int4"
-    codec_block_size: int = DEFAULT_BLOCK_SIZE
-    error_feedback: bool = True
-    seed: int = 0
-    # What is trained (learners/task.py): a factory's import path and its keyword arguments.
-    task_path: str = "islands.tasks.bytelm:task"
-    task_args: dict = field(default_factory=dict)
-
-
-@dataclass(frozen=True)
-class LearnerSpec:
-    """One learner incarnation: who it is, where, how fast, and whom it talks to."""
-
-    learner: str
-    shard_index: int
-    num_shards: int
-    training: TrainingSpec
-    incarnation: int = 0
-    start_step: int = 0
-    speed_factor: float = 1.0
-    min_step_time_s: float = 0.0
-    latency_ms: float = 0.0
-    bandwidth_gbps: float = 10.0
-    heartbeat_s: float = 1.0
-    namespace: str = "islands"
-    syncer_name: str = "islands:syncer"
-    # Syncer shards (syncer/shards.py): shard s > 0 is named ``<syncer_name>-<s>``.
-    syncer_shards: int = 1
-    controller_name: Optional[str] = "islands:controller"
-    peer: Optional[str] = None        # a healthy learner's actor name for the inner state
-    corpus_ref: Any = None            # the train bytes in Ray's object store (read once, shared)
-    # A warm spare (orchestrator/fleet.py): ``learner`` is the spare's name until ``promote``
-    # gives it a learner's identity; it prepares everything it can without one and waits.
-    spare: bool = False
-    profiler: bool = False   # start a JAX profiler server in this process (learner.profiler)
-    # The process's whole JAX/XLA environment (``runtime.process_env``: a value, or None for
-    # removed), applied in the actor before JAX loads, replacing whatever it inherited. Set here
-    # rather than as a Ray runtime_env, which would make Ray start a dedicated worker process for
-    # every restart instead of taking a pre-started one (about a second of each recovery).
-    env: dict = field(default_factory=dict)
-    # The devices it must find at start (learners/devices.py); None: not checked (by hand).
-    device_request: Optional[DeviceRequest] = None
-    # A unit of several hosts (learners/gang.py): this actor is host 0 and starts the others
-    # in its placement group's other bundles, with these Ray options (CPUs, devices, region).
-    hosts: int = 1
-    member_options: dict = field(default_factory=dict)
-
-
-BUILTIN_TASK = "islands.tasks.bytelm:task"
-
-
-def is_builtin(spec: TrainingSpec) -> bool:
-    """Whether the job trains the built-in byte LM (whose corpus the controller shares)."""
-    return spec.task_path == BUILTIN_TASK
-
-
-def load_corpus(spec: TrainingSpec):
-    from islands.tasks import bytelm
-
-    return bytelm.load_corpus(spec.corpus, spec.eval_fraction, spec.max_bytes)
-
-
-def build_task(spec: TrainingSpec, train_bytes=None):
-    """The job's Task, imported and built here (in the learner, so shipped user code is found).
-
-    ``train_bytes``: the built-in task's train split, already loaded by the controller.
-    """
-    from .task import load_task
-
-    args = dict(spec.task_args)
-    if is_builtin(spec):
-        if not args:  # a spec built by hand (benchmarks): the built-in task from its fields
-            args = dict(model=spec.model, corpus=spec.corpus, eval_fraction=spec.eval_fraction,
-                        max_bytes=spec.max_bytes, batch_size=spec.batch_size, seed=spec.seed)
-        if train_bytes is not None:
-            args["train_bytes"] = train_bytes
-    return load_task(spec.task_path, args)
-
-
-def build_training(spec: TrainingSpec, abstract: bool = False, task=None):
-    """(task, initial params, inner optimizer, jitted train step) for a TrainingSpec.
-
-    The optimizer is ``learner.inner_optimizer`` unless the task brings its own. With
-    ``abstract`` the params are shapes only (``jax.eval_shape``): a learner takes its values
-    from the syncer, and computing an init it throws away costs seconds of eager dispatch.
-    """
-    import jax
-
-    from . import inner
-    from .task import make_train_step
-
-    task = task if task is not None else build_task(spec)
-    init = lambda: task.init_params(jax.random.PRNGKey(spec.seed))  # noqa: E731
-    params = jax.eval_shape(init) if abstract else jax.jit(init)()
-    optimizer = task.optimizer if task.optimizer is not None else inner.inner_optimizer(
-        **spec.inner)
-    return task, params, optimizer, make_train_step(task, optimizer, spec.seed)
-
-
-def eval_loss_fn(spec: TrainingSpec, template, task=None):
-    """``flat {path: array} -> float``: the eval loss of flat global parameters on the task's
-    fixed held-out batches (so every evaluation of a job is comparable)."""
-    from islands.syncer.fragments import assembler
-
-    from .task import make_eval_fn
-
-    task = task if task is not None else build_task(spec)
-    batches = list(task.eval_batches())
-    evaluate, assemble = make_eval_fn(task), assembler(template)
-    return lambda flat: float(evaluate(assemble(flat), batches))
-
-
-def warm_compile_cache(spec: TrainingSpec, params, task=None) -> None:
-    """Compiles the train step and every fragment's push encoder once, so learners load them
-    from JAX's persistent cache instead of each compiling them at start (seconds on 2 cores,
-    all learners at once)."""
-    from .task import TaskStream
-
-    task, _, optimizer, train_step = build_training(spec, abstract=True, task=task)
-    opt_state = optimizer.init(params)
-    _, _, loss = train_step(params, opt_state, TaskStream(task, 0, 1).batch_at(0))
-    float(loss)
-    _learner_core(spec, "warmup", params, opt_state, [0] * spec.fragments).compile_pushes()
-
-
-def learner_layout(spec: TrainingSpec, task, template, optimizer, first_batch, devices=None):
-    """This learner's layout over its devices (learners/mesh.py; default: every device the
-    process sees), or None on one device (the program stays as it was).
-
-    Raises:
-      mesh.BatchSplitError: naming ``data.batch_size`` and the device count, when the batch's
-        rows do not split evenly over the devices.
-    """
-    from . import mesh
-
-    layout = mesh.learner_layout(template, optimizer, spec.sharding, devices,
-                                 task.partition_specs)
-    if layout is not None:
-        mesh.check_batch(first_batch, layout.num_devices)
-    return layout
-
-
-def place_learner_state(layout, optimizer, params, opt_state=None,
-                        start_step: Optional[int] = None):
-    """(params, inner state) where the learner keeps them: on its mesh when it has a layout
-    (a peer's numpy state is laid out like its own; without one a fresh state is made there).
-    ``start_step``: the schedule's count is set to it, where the learner resumes (a restart with
-    no live peer starts a fresh state; docs/architecture.md#failures-and-reintegration); None:
-    the state's own counts are kept."""
-    from .inner import at_schedule_step
-
-    if layout is None:
-        opt_state = opt_state if opt_state is not None else optimizer.init(params)
-    else:
-        params = layout.place_params(params)
-        opt_state = (layout.place_opt_state(opt_state) if opt_state is not None
-                     else layout.init_opt_state(optimizer, params))
-    return params, (opt_state if start_step is None else at_schedule_step(opt_state, start_step))
-
-
-def meshed_steps(layout, train_step, batch_at):
-    """(train step, ``step -> Step``) of a learner: as given on one device; with a layout, the
-    step's outputs pinned to it and each batch split by rows over the mesh."""
-    if layout is None:
-        return train_step, batch_at
-    return layout.jit_step(train_step), lambda step: layout.place_step(batch_at(step))
-
-
-def _learner_core(spec: TrainingSpec, learner: str, params, opt_state, versions,
-                  incarnation: int = 0, start_step: int = 0, session: str = "", layout=None):
-    """The LearnerCore a learner of ``spec`` runs (also built by the cache warm-up, which must
-    trace exactly the same push encoder)."""
-    from islands.syncer import codec as codec_lib
-    from islands.syncer import fragments as fragments_lib
-
-    from .core import LearnerCore
-
-    codec, ef = make_error_feedback(spec)
-    return LearnerCore(learner, params, opt_state, fragments_lib.partition(params, spec.fragments),
-                       versions, ef, codec_lib.tree_wire_bytes,
-                       lambda codes: codec_lib.decode_tree(codec, codes),
-                       overlap_steps=spec.overlap_steps, merge_alpha=spec.merge_alpha,
-                       incarnation=incarnation, start_step=start_step, session=session,
-                       carry_overlap=spec.carry_overlap,
-                       place=layout.place_fragment if layout is not None else None)
-
-
-def make_error_feedback(spec: TrainingSpec):
-    from islands.syncer import codec as codec_lib
-
-    codec = codec_lib.make_codec(spec.codec_kind, block_size=spec.codec_block_size)
-    ef = codec_lib.error_feedback(codec) if spec.error_feedback else codec_lib.no_error_feedback(codec)
-    return codec, ef
 
 
 class LearnerUnit:
@@ -261,6 +52,7 @@ class LearnerUnit:
                                       "refused": 0, "adopted": 0, "reregistered": 0,
                                       "ready_at": None}
         self.core = None
+        self.settled_opt_state = None   # the inner state of the newest finished step (a peer's)
         self.gang = None            # the other hosts of a multi-host unit (learners/gang.py)
         self.gang_calls: list = []  # core calls since the last step, for them to replay
         self.prepared: Optional[dict] = None     # what ``prepare`` built (no learner identity)
@@ -353,10 +145,14 @@ class LearnerUnit:
         """A numpy copy of the inner optimizer state, for a restarting peer (docs/architecture.md#failures-and-reintegration)."""
         import jax
 
+        # The state of the newest finished step (the one in flight's inputs, held by it anyway):
+        # its copy never waits for a step, and the training thread never waits on the lock.
         with self.lock:
             if self.core is None:
                 return None
-            return jax.tree_util.tree_map(np.asarray, self.core.opt_state)
+            opt_state = (self.settled_opt_state if self.settled_opt_state is not None
+                         else self.core.opt_state)
+        return jax.tree_util.tree_map(np.asarray, opt_state)
 
     # -- a warm spare ---------------------------------------------------------------------------
     def prepare(self) -> dict:
@@ -424,7 +220,8 @@ class LearnerUnit:
                 ray.get_actor(self._shard_name(s), namespace=spec.namespace)
         self.timings["prepare_s"] = time.time() - t_start
         return {"task": task, "template": template, "optimizer": optimizer,
-                "train_step": train_step, "controller": controller}
+                "train_step": train_step, "controller": controller,
+                "pushes_compiled": spec.spare}
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -458,6 +255,23 @@ class LearnerUnit:
             self.prepare()
         prepared = self.prepared
         spec, tspec = self.spec, self.spec.training
+        # The restore's phases, each in seconds (``timings``; a promoted spare's takeover).
+        lap = [t_start]
+
+        def phase(name: str) -> None:
+            now = time.time()
+            self.timings[name], lap[0] = now - lap[0], now
+
+        phase("prepare_wait_s")   # ~0 for a prepared spare; a fresh process's whole prepare
+        # The peer's inner state is asked for first: its copy (the peer's step in flight, then
+        # Adam's two moments through the object store) runs while this one registers.
+        peer_ref = None
+        if spec.peer:
+            try:
+                peer_ref = ray.get_actor(spec.peer, namespace=spec.namespace
+                                         ).inner_state.remote()
+            except Exception as exc:  # a peer that died meanwhile: start a fresh inner state
+                log.warning("%s: no inner state from %s (%s)", spec.learner, spec.peer, exc)
         task, template = prepared["task"], prepared["template"]
         optimizer, train_step = prepared["optimizer"], prepared["train_step"]
         stream = TaskStream(task, spec.shard_index, spec.num_shards)
@@ -468,6 +282,7 @@ class LearnerUnit:
                                 jax.devices() if self.gang is not None else None)
         train_step, batch_at = meshed_steps(layout, train_step, stream.batch_at)
         self.controller = prepared["controller"]
+        phase("data_s")
         reg = self._register_all()
         flat = {}
         for frag in reg["fragments"]:
@@ -476,15 +291,16 @@ class LearnerUnit:
 
         assemble = assembler(template)
         params = jax.tree_util.tree_map(lambda x: x, assemble(flat))
+        phase("register_s")
         # (a promoted spare: from its promotion, not from its start as a spare)
         self.timings["restart_s"] = t_start - self.timings.get("promoted_at", self.created_s)
         opt_state = None
-        if spec.peer:
+        if peer_ref is not None:
             try:
-                peer = ray.get_actor(spec.peer, namespace=spec.namespace)
-                opt_state = ray.get(peer.inner_state.remote(), timeout=10)
+                opt_state = ray.get(peer_ref, timeout=10)
             except Exception as exc:  # a peer that died meanwhile: start a fresh inner state
                 log.warning("%s: no inner state from %s (%s)", spec.learner, spec.peer, exc)
+        phase("peer_state_s")
         if self.gang is not None:
             from .gang import StartState
 
@@ -497,12 +313,16 @@ class LearnerUnit:
             self.core = _learner_core(tspec, spec.learner, params, opt_state, reg["versions"],
                                       spec.incarnation, spec.start_step, reg["session"], layout)
         core = self.core
+        phase("place_s")
         from .loop import LearnerLoop
 
         loop = LearnerLoop(core, train_step, batch_at, tokens_per_batch, tspec.fragments,
                            tspec.sync_every_steps)
         t_compile = time.time()
-        core.compile_pushes()
+        # A prepared spare compiled exactly these encoders (same shapes, one device, the same
+        # jitted function: ``_push_codec``); a layout or a gang places them differently.
+        if not (prepared.get("pushes_compiled") and layout is None and self.gang is None):
+            core.compile_pushes()
         self.timings["compile_pushes_s"] = time.time() - t_compile
         self.timings["restore_s"] = time.time() - t_start
         self.timings["ready_at"] = time.time()
@@ -548,9 +368,11 @@ class LearnerUnit:
                 with self.lock:
                     adopted = loop.adopt()
                     self.stats["adopted"] += len(adopted)
+                self.settled_opt_state = core.opt_state   # this step's inputs (finished)
                 loss = loop.train(loop.batch())
                 loop.prefetch(core.step + 1)  # the next batch while this step runs
                 loss = float(loss)  # waits for the step
+                self.settled_opt_state = core.opt_state
                 # Emulated slower hardware (speed factor, chaos slowdown): the whole iteration,
                 # pushes and bookkeeping included, is padded to the target at its end.
                 factor = self.slowdown_factor if time.time() < self.slowdown_until else 1.0

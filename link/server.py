@@ -461,37 +461,15 @@ class RayHome:
         return self.paths
 
 
-def fragment_layout(config: dict) -> tuple[list[list[str]], tuple]:
-    """Each fragment's parameter paths for a JobConfig (as a dict), and the global fragment ids
-    each syncer shard owns (as the home controller assigns them); shapes only, no values."""
-    from islands.orchestrator import build
-    from islands.orchestrator.config import JobConfig
-    from islands.learners.unit import build_training
-    from islands.syncer import fragments as fragments_lib
-    from islands.syncer import shards as shards_lib
-
-    job = JobConfig.model_validate(config)
-    _, template, _, _ = build_training(build.training_spec(job), abstract=True)
-    plan = fragments_lib.partition(template, job.syncer.fragments)
-    fragments = [fragments_lib.extract(template, plan, p) for p in range(plan.num_fragments)]
-    owned = (shards_lib.assign_fragments(shards_lib.fragment_sizes(fragments), job.syncer.shards)
-             if job.syncer.shards > 1 else (tuple(range(len(fragments))),))
-    return [sorted(f) for f in fragments], owned
-
-
-def fragment_paths(config: dict) -> list[list[str]]:
-    """Each fragment's parameter paths for a JobConfig (as a dict)."""
-    return fragment_layout(config)[0]
-
-
 class LinkServer:
     """The Ray actor that serves the link in the home cluster (named ``islands:link``)."""
 
-    def __init__(self, config_json: str, settings: ServerSettings,
+    def __init__(self, config_json: str, settings: ServerSettings, paths: list, owned: tuple,
                  namespace: str = "islands", syncer_name: str = "islands:syncer",
                  controller_name: str = "islands:controller"):
+        """``paths``, ``owned``: each fragment's parameter paths and each syncer shard's fragments
+        (``orchestrator.build.fragment_layout``), by which a remote push is routed."""
         self.settings = settings
-        paths, owned = fragment_layout(json.loads(config_json))
         self.home = RayHome(namespace, syncer_name, controller_name, paths, owned=owned)
         self.job = json.loads(config_json).get("name")
         server, self.port, self.servicer = serve(self.home, config_json, settings,

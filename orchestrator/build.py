@@ -11,12 +11,12 @@ from dataclasses import dataclass
 from typing import Optional
 
 from islands.learners.devices import DeviceRequest
-from islands.learners.unit import LearnerSpec, TrainingSpec
+from islands.learners.spec import LearnerSpec, TrainingSpec
 from islands.syncer import fragments as fragments_lib
 from islands.syncer.actor import SyncerSpec
 from islands.syncer.codec_kinds import DEFAULT_BLOCK_SIZE
 from islands.syncer.core import SyncerSettings
-from islands.syncer.merge import MergeRule
+from islands.syncer.merge import MergeRule, OuterGradientRule, RoundStep, ScheduleClock
 from islands.syncer.outer import rule as outer_rule
 
 from .fleet import FleetSettings, RegionPlan
@@ -77,6 +77,8 @@ def syncer_settings(config) -> SyncerSettings:
         max_staleness=s.max_staleness, outlier_norm_factor=s.outlier_norm_factor,
         staleness_discount=s.staleness_discount, merge_rule=MergeRule(s.merge_rule),
         participation_scale=s.participation_scale,
+        outer_gradient=OuterGradientRule(s.outer_gradient), round_step=RoundStep(s.round_step),
+        staleness_share=s.staleness_share, schedule_clock=ScheduleClock(s.schedule_clock),
         inner_schedule=inner_schedule(config),
         # The built-in task's batches are B·L tokens; another task's size is its own (unchecked).
         tokens_per_step=(config.data.batch_size * config.model.seq_len if config.task.builtin
@@ -193,6 +195,22 @@ def spare_spec(config, training: TrainingSpec, name: str, region: str, corpus_re
                        device_request=device_request(region, devices),
                        syncer_shards=config.syncer.shards, spare=True,
                        profiler=config.learner.profiler)
+
+
+def fragment_layout(config) -> tuple[list[list[str]], tuple]:
+    """Each fragment's parameter paths for a JobConfig, and the global fragment ids each syncer
+    shard owns (as the home controller assigns them); shapes only, no values. The home's link
+    server routes a remote push by them."""
+    from islands.learners.factories import build_training
+    from islands.syncer import shards as shards_lib
+
+    _, template, _, _ = build_training(training_spec(config), abstract=True)
+    plan = fragments_lib.partition(template, config.syncer.fragments)
+    fragments = [fragments_lib.extract(template, plan, p) for p in range(plan.num_fragments)]
+    owned = (shards_lib.assign_fragments(shards_lib.fragment_sizes(fragments),
+                                         config.syncer.shards)
+             if config.syncer.shards > 1 else (tuple(range(len(fragments))),))
+    return [sorted(f) for f in fragments], owned
 
 
 def link_server_settings(config, token: str):

@@ -1,5 +1,5 @@
-"""``islands`` command line: run, status, console, scale, drain, pause, resume, chaos, report,
-export, simulate, config."""
+"""``islands`` command line: run, status, console, scale, drain, drain-node, pause, resume, chaos,
+report, export, simulate, config."""
 
 from __future__ import annotations
 
@@ -237,6 +237,14 @@ def main(argv=None) -> int:
     drain.add_argument("learner")
     drain.add_argument("--address", default=None)
 
+    drain_node = sub.add_parser(
+        "drain-node", help="announce a node's preemption: Ray drains it, its learners hand over "
+                           "to other nodes and leave")
+    drain_node.add_argument("node_id", help="the Ray node id (hex), as `ray list nodes` shows it")
+    drain_node.add_argument("--deadline-s", type=non_negative_seconds, default=None,
+                            help="seconds until the node goes (default: none)")
+    drain_node.add_argument("--address", default=None)
+
     chaos = sub.add_parser("chaos", help="inject a fault on purpose")
     chaos_sub = chaos.add_subparsers(dest="action", required=True)
     kill = chaos_sub.add_parser("kill", help="kill a learner (us-east:0), the syncer, or one "
@@ -406,6 +414,8 @@ def main(argv=None) -> int:
             print(ray.get(controller.scale.remote(args.region, args.n)))
         elif args.command == "drain":
             print(ray.get(controller.drain.remote(args.learner)))
+        elif args.command == "drain-node":
+            print(ray.get(controller.drain_node.remote(args.node_id, args.deadline_s, "cli")))
         elif args.command in ("pause", "resume"):
             print(ray.get(controller.pause.remote(args.command == "pause", "cli")))
         elif args.command == "console":

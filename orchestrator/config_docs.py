@@ -163,6 +163,24 @@ FIELD_NOTES: dict[str, str] = {
     "syncer.participation_scale": "Scale each merge's outer gradient by n/M (n learners in the "
                                   "merge, M registered learners), so that with K < M one round "
                                   "of every learner adds up to one synchronous-sized outer step.",
+    "syncer.outer_gradient": "Where a push's outer gradient is taken from "
+                             "(docs/architecture.md#asynchrony-stale-and-partial-merges): "
+                             "`pull`, Θ − (base + δ), pulls Θ towards the learner's model, so "
+                             "a stale push takes back part of the merges since its base; "
+                             "`rebased`, Θ(v_base) − (base + δ), applies the push's own drift "
+                             "to today's Θ. The same at staleness 0.",
+    "syncer.round_step": "`per_merge`: every partial merge of a round (K < M) steps the outer "
+                         "optimizer with its share n/M; `per_round`: the later pushes of a "
+                         "round join its step, taken again from the round's start with every "
+                         "push in so far (one outer step and one momentum update per round).",
+    "syncer.staleness_share": "Exponent d: each push counts (1 + staleness)^−d of a learner in "
+                              "a merge's share of an outer step, so a stale push moves Θ less "
+                              "also when it is merged alone; 0: the share is n/M.",
+    "syncer.schedule_clock": "What the learners' inner learning-rate schedule runs on: "
+                             "`learner`, each learner's own step count; `fleet`, the fleet's "
+                             "progress (the mean step of the live learners' newest merged "
+                             "pushes, sent with every merge), so a learner that restarts, lags "
+                             "or runs fast neither replays nor skips the schedule.",
     "syncer.snapshot_every_merges": "Snapshot the syncer (Θ, outer state, versions, epoch, "
                                     "ledger) once this many merges were made since the last "
                                     "snapshot (and `syncer.snapshot_min_interval_s` has passed).",

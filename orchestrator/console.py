@@ -34,7 +34,7 @@ TOKEN_FILE = "console_token"       # in the run dir, when the token was generate
 EVENTS_SHOWN = 40
 REFUSALS_SHOWN = 15
 # Actions; the chaos ones only with console.allow_chaos.
-ACTIONS = ("scale", "drain", "restart", "pause", "resume")
+ACTIONS = ("scale", "drain", "drain_node", "restart", "pause", "resume")
 CHAOS_ACTIONS = ("chaos_kill", "chaos_hang", "chaos_slowdown", "chaos_region_loss")
 
 
@@ -147,6 +147,14 @@ def plan_action(body: Any, allow_chaos: bool, origin: str) -> tuple[str, Callabl
     if action == "drain":
         args = {"learner": _str(body, "learner")}
         return action, lambda c: c.drain(args["learner"]), args
+    if action == "drain_node":   # a planned preemption of the node (islands drain-node)
+        args = {"node_id": _str(body, "node_id")}
+        if body.get("deadline_s") is not None:
+            args["deadline_s"] = float(_number(body, "deadline_s"))
+            if not args["deadline_s"] >= 0:
+                raise ActionError("'deadline_s' must be >= 0")
+        return action, lambda c: c.drain_node(args["node_id"], args.get("deadline_s"),
+                                              origin), args
     if action in ("restart", "chaos_kill"):
         # A restart is a kill the fleet answers with a relaunch: the same path as
         # `islands chaos kill` (it counts as a crash restart and spends the crash budget).

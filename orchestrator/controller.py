@@ -28,7 +28,8 @@ from .chaos import HOME_TARGET, Fault, FaultKind
 from islands.learners.messages import Heartbeat
 
 from .fleet import SlotState
-from .groups import LearnerGroups, SyncerShards, cluster_view, restarted_actor, share
+from .groups import (LearnerGroups, SyncerShards, cluster_view, drain_node, draining_nodes,
+                     restarted_actor, share)
 from .metrics import window_to_save
 from .snapshot import finite
 from .runtime import (CONTROLLER_NAME, NAMESPACE, SYNCER_NAME, controller_options,  # noqa: F401
@@ -144,25 +145,38 @@ class Controller:
 
         from . import build
 
+        t0 = time.time()
         self._build_task()
+        t_task = time.time()
         self.jax_cache_dir = os.path.join(self.run_dir, "jax_cache")
         enable_compile_cache(self.jax_cache_dir)
-        # restarts load it instead of compiling
-        warm_compile_cache(self.training, self.template, self.task)
+        # Restarts load it instead of compiling. This process compiles for its CPU, whose
+        # programs only CPU learners can load (the cache is per platform): where every learner
+        # of this cluster runs on an accelerator it would cost the job's start a CPU compile and
+        # step of the model (minutes for 124M on single-threaded XLA) for nothing.
+        if any(not r.remote and r.devices().accelerator == "cpu"
+               for r in self.config.regions.values()):
+            warm_compile_cache(self.training, self.template, self.task)
+        t_cache = time.time()
         self.syncer_spec = build.syncer_spec(self.config, self.template, self.run_dir,
                                              self.task.is_embedding)
         self._init_shards()
         for s in range(len(self.shard_specs)):
             self._start_syncer(epoch=0, restore=self.resume, syncer_shard=s)
         self._refresh_syncer_status()
+        t_syncer = time.time()
         self._step([self._applied()])  # launches the configured learners (resumed: at their step)
+        # Seconds of the job's start before its learners were launched (benchmarks/startup.py).
+        self.start_phases = {"build_task_s": t_task - t0, "warm_cache_s": t_cache - t_task,
+                             "syncer_s": t_syncer - t_cache, "launch_s": time.time() - t_syncer}
         for target in (self._owner_loop, self._eval_loop):
             thread = threading.Thread(target=target, daemon=True, name=target.__name__)
             thread.start()
             self.threads.append(thread)
         self.job_started_s = time.time()  # the chaos plan's clock: faults hit a running job
         self.emit("job_started", learners=list(self.fleet.slots), regions=list(self.config.regions),
-                  num_params=_num_params(self.template))
+                  num_params=_num_params(self.template),
+                  start_phases={k: round(v, 3) for k, v in self.start_phases.items()})
         return {"learners": list(self.fleet.slots)}
 
     def _build_task(self) -> None:
@@ -493,7 +507,7 @@ class Controller:
         # Whole units: a unit of H hosts takes H of its region's resource.
         return fleet_lib.Cluster({r: float(int(total.get(f"region:{r}", 0.0)
                                                / self.config.regions[r].devices().hosts + 1e-9))
-                                  for r in self.config.regions}, alive)
+                                  for r in self.config.regions}, alive, draining_nodes())
 
     def _applied(self) -> fleet_lib.Applied:
         ledger = self.syncer_status.get("ledger", {})
@@ -558,7 +572,8 @@ class Controller:
 
     def _spare_observations(self) -> list:
         """A spare whose ``prepare`` returned is ready; one whose call failed has ended."""
-        return [fleet_lib.SpareReady(r.name, r.info.get("prepare_s")) if r.error is None
+        return [fleet_lib.SpareReady(r.name, r.info.get("prepare_s"), r.info.get("node_id"))
+                if r.error is None
                 else fleet_lib.SpareEnded(r.name, r.error) for r in self.groups.spare_results()]
 
     def _do_kill(self, a: fleet_lib.Kill) -> None:
@@ -812,6 +827,19 @@ class Controller:
     def drain(self, learner: str) -> str:
         self._command(fleet_lib.Drain(learner))
         return f"draining {learner}"
+
+    def drain_node(self, node_id: str, deadline_s: Optional[float] = None,
+                   origin: str = "operator") -> str:
+        """A planned preemption of a node, as a platform announces one: Ray drains it (nothing new
+        is placed there) and the fleet hands its learners over to other nodes before
+        ``deadline_s`` (None: no deadline). Nothing kills the node: that is the platform's part."""
+        if deadline_s is not None and not deadline_s >= 0:
+            raise ValueError(f"deadline_s must be >= 0, got {deadline_s}")
+        drain_node(node_id, deadline_s, f"islands drain-node ({origin})")
+        self.emit("node_drain_requested", node=node_id, deadline_s=deadline_s, origin=origin)
+        self.inbox.put((self._cluster(), None))   # seen now, not at the next poll
+        return f"draining node {node_id}" + ("" if deadline_s is None else
+                                             f" (deadline in {deadline_s:g}s)")
 
     def pause(self, paused: bool = True, origin: str = "operator") -> str:
         """Pauses (or resumes) every learner; they stay up and keep their state."""

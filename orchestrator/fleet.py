@@ -16,12 +16,23 @@ A slot is one learner id (``us-east:0``) over its incarnations::
                          └──── failed ─────┴─▶ RESTARTING ─relaunch─▶ STARTING
                                                │ budget spent ─▶ FAILED
     TRAINING/STARTING/PAUSED ─drain─▶ DRAINING ─drained─▶ RETIRED
+                 node draining (planned preemption) ─▶ DRAINING ─drained─▶ RESTARTING (at once)
 
 A warm spare (``RegionPlan.spares``) is a learner process that did everything a restart does before
 its first step and holds no learner identity: ``STARTING ─ready─▶ READY``. A slot that launches
 (a restart, a scale-up) while its region has a READY spare takes the spare instead of a new
 process (``Launch.spare``), at once: no backoff, no repair wait (the spare is another process,
-on its own devices). A new spare starts behind it once the promotion is done.
+on its own devices). A new spare starts behind it once the promotion is done; a slot already
+RESTARTING (waiting for its backoff or a repair) takes a spare as soon as one is ready.
+
+A node Ray reports draining (``Cluster.draining``: ``ray drain-node``, an autoscaler, the
+platform's announced preemption) is a planned preemption: each live learner on it is drained
+(its in-flight pushes finish) and, once its run returns, restarted at once elsewhere (a ready
+spare of its region, else a new process Ray places off the draining node) under the cause
+``preempted_planned``, which spends no budget. Two incarnations of one learner never push at
+once (the syncer fences the older), so the new one starts when the old one is out. Spares on a
+draining node are ended (new ones start elsewhere). A learner still on the node when it goes
+dies as any other.
 """
 
 from __future__ import annotations
@@ -142,6 +153,8 @@ class Slot:
     slow_since_s: Optional[float] = None  # this incarnation has been slow since (None: it is not)
     slow_tolerated: int = 0              # incarnations let train on at their slow pace
     tolerated_incarnation: int = -1      # ... the newest of them (one event per incarnation)
+    # Draining because its node is (a planned preemption): restarted elsewhere once drained.
+    preempted_s: Optional[float] = None
 
     @property
     def restart_counts(self) -> dict[Cause, int]:
@@ -165,6 +178,7 @@ class Spare:
     state: SpareState = SpareState.STARTING
     launched_s: float = 0.0
     ready_s: Optional[float] = None
+    node_id: Optional[str] = None   # where it waits (from its ready answer)
 
 
 class ShardState(str, enum.Enum):
@@ -206,6 +220,8 @@ class FleetState:
     # Regions whose learners (or spares) failed their device check, with its message: none of
     # their learners restarts, no spare is kept, and a scale-up is refused with the message.
     misconfigured: Mapping[str, str] = field(default_factory=dict)
+    # Nodes Ray reports draining: node id -> deadline (seconds on the fleet's clock; None: none).
+    draining_nodes: Mapping[str, Optional[float]] = field(default_factory=dict)
 
     def live(self) -> list[Slot]:
         return [s for s in self.slots.values() if s.state in LIVE]
@@ -300,10 +316,13 @@ class LaunchFailed:
 
 @dataclass(frozen=True)
 class Cluster:
-    """Cluster membership: region capacities (``region:<name>`` resources) and live nodes."""
+    """Cluster membership: region capacities (``region:<name>`` resources), live nodes, and the
+    nodes being drained (node id -> deadline on the fleet's clock, None for none; None: not
+    known, the last report holds)."""
 
     capacity: Mapping[str, float]
     alive_nodes: Optional[frozenset] = None
+    draining: Optional[Mapping[str, Optional[float]]] = None
 
 
 @dataclass(frozen=True)
@@ -347,6 +366,7 @@ class SpareReady:
 
     name: str
     ready_at_s: Optional[float] = None
+    node_id: Optional[str] = None
 
 
 @dataclass(frozen=True)
@@ -659,8 +679,14 @@ class _Machine:
         if self.fleet.stopping:
             self.retire(slot, "stopped")
             return
+        if obs.error is None and slot.preempted_s is not None:
+            self.hand_over(slot)   # drained off a node announced for preemption
+            return
         if obs.error is None and slot.state == SlotState.DRAINING:
             self.retire(slot, "drained")
+            return
+        if slot.preempted_s is not None:   # its node went before it was out: as any preemption
+            self.fail(slot, Cause.PREEMPTION, detail=obs.error[:300])
             return
         if slot.state == SlotState.DRAINING:  # it died on its way out: it leaves all the same
             self.retire(slot, f"drained (ended with: {obs.error or 'clean exit'})"[:300])
@@ -719,6 +745,32 @@ class _Machine:
             if target is not None:
                 self.note("region_grew", None, region=region, capacity=capacity, target=target)
                 self.scale_to(region, target, "node joined")
+        if obs.draining is not None:
+            self.nodes_draining(obs.draining)
+
+    def nodes_draining(self, draining: Mapping[str, Optional[float]]) -> None:
+        """A planned preemption: the learners on a draining node drain and restart elsewhere
+        (``hand_over``), its spares end. Swept on every report: a learner whose node became
+        known after the notice (its first beat) follows."""
+        new = {n: d for n, d in draining.items() if n not in self.fleet.draining_nodes}
+        self.set(draining_nodes=dict(draining))
+        if self.fleet.stopping:
+            return
+        for node, deadline in draining.items():
+            victims = [s for s in self.fleet.slots.values() if not s.remote and s.node_id == node
+                       and s.state in (SlotState.STARTING, SlotState.TRAINING, SlotState.PAUSED)]
+            spares = [x for x in self.fleet.spares.values() if x.node_id == node]
+            left = None if deadline is None else round(deadline - self.now, 1)
+            if node in new:
+                self.note("node_draining", None, node=node, deadline_in_s=left,
+                          learners=[s.learner for s in victims], spares=[x.name for x in spares])
+            for slot in victims:
+                slot = self.put(dataclasses.replace(slot, preempted_s=self.now))
+                self.move(slot, SlotState.DRAINING, "learner_draining",
+                          cause=Cause.PREEMPTED_PLANNED.value, node=node, deadline_in_s=left)
+                self.actions.append(DrainLearner(slot.learner))
+            for spare in spares:
+                self.drop_spare(spare, "its node is draining")
 
     def on_applied(self, obs: Applied) -> None:
         self.set(applied_steps={k: (inc, step) for k, (inc, step, _) in obs.entries.items()})
@@ -737,9 +789,13 @@ class _Machine:
         spare = self.fleet.spares.get(obs.name)
         if spare is None or spare.state != SpareState.STARTING:
             return
-        self.put_spare(dataclasses.replace(spare, state=SpareState.READY, ready_s=self.now))
+        spare = dataclasses.replace(spare, state=SpareState.READY, ready_s=self.now,
+                                    node_id=obs.node_id)
+        self.put_spare(spare)
         self.note("spare_ready", None, spare=spare.name, region=spare.region,
                   prepare_s=self.now - spare.launched_s)
+        if spare.node_id is not None and spare.node_id in self.fleet.draining_nodes:
+            self.drop_spare(spare, "its node is draining")
 
     def on_spareended(self, obs: SpareEnded) -> None:
         spare = self.fleet.spares.get(obs.name)
@@ -983,7 +1039,8 @@ class _Machine:
 
     def ready_spare(self, region: str) -> Optional[Spare]:
         ready = [x for x in self.fleet.spares.values()
-                 if x.region == region and x.state == SpareState.READY]
+                 if x.region == region and x.state == SpareState.READY
+                 and x.node_id not in self.fleet.draining_nodes]
         return min(ready, key=lambda x: x.ready_s or 0.0) if ready else None
 
     def maintain_spares(self) -> None:
@@ -1062,7 +1119,26 @@ class _Machine:
         slot = dataclasses.replace(slot, restart_at_s=None, recovery=None)
         self.move(slot, SlotState.RETIRED, "learner_retired", reason=reason)
 
+    def hand_over(self, slot: Slot) -> None:
+        """A learner drained off a node announced for preemption (all its in-flight pushes
+        answered) restarts now, elsewhere: a ready spare of its region, else a new process
+        (Ray places nothing new on a draining node). Nothing failed: no budget, no backoff."""
+        cause = Cause.PREEMPTED_PLANNED
+        self.actions.append(Forget(slot.learner, slot.incarnation, "drained"))
+        since = slot.preempted_s if slot.preempted_s is not None else self.now
+        slot = dataclasses.replace(
+            slot.with_restart(cause), preempted_s=None, killed_at_s=None, restart_at_s=self.now,
+            restart_postponed=False,
+            recovery=(("failed_s", since), ("detected_s", since), ("cause", cause.value)))
+        self.move(slot, SlotState.RESTARTING, "learner_restart_scheduled", cause=cause.value,
+                  message=f"{slot.learner} drained off a node being preempted: restarts "
+                          "elsewhere now", delay_s=0.0)
+
     def drain(self, slot: Slot) -> None:
+        if slot.state == SlotState.DRAINING:
+            # Draining off a preempted node already: now it leaves for good (scaled down).
+            self.put(dataclasses.replace(slot, preempted_s=None))
+            return
         if slot.state in (SlotState.RESTARTING, SlotState.PENDING):
             # No live incarnation: nothing is in flight, so it leaves now.
             self.retire(slot, "drained while restarting" if slot.state == SlotState.RESTARTING
@@ -1090,9 +1166,11 @@ class _Machine:
         if recovery is not None:
             recovery = tuple({**dict(recovery), "restarted_s": self.now,
                               "incarnation": slot.incarnation}.items())
+        # Where it runs is known from its first beat (not its predecessor's node).
         slot = dataclasses.replace(slot, launched_s=self.now, last_beat_s=None, step_time_s=None,
                                    slow_since_s=None, start_step=start_step, restart_at_s=None,
-                                   recovery=recovery, actor=spare.name if spare else None)
+                                   recovery=recovery, actor=spare.name if spare else None,
+                                   node_id=None, preempted_s=None)
         peer_actor = self.fleet.slots[peer].actor if peer is not None else None
         self.actions.append(Launch(slot.learner, slot.region, slot.incarnation, slot.shard,
                                    self.num_shards(), slot.speed_factor, peer, start_step,
@@ -1101,8 +1179,9 @@ class _Machine:
                   resume_step=start_step, **({"spare": spare.name} if spare else {}))
 
     def scale_to(self, region: str, n: int, reason: str) -> None:
-        active = sorted((s for s in self.fleet.in_region(region)
-                         if s.state not in GONE and s.state != SlotState.DRAINING),
+        # A learner draining off a preempted node comes back: it counts.
+        active = sorted((s for s in self.fleet.in_region(region) if s.state not in GONE
+                         and (s.state != SlotState.DRAINING or s.preempted_s is not None)),
                         key=lambda s: s.index)
         added, drained = [], []
         while len(active) + len(added) < n:
@@ -1214,8 +1293,12 @@ class _Machine:
 
     def start_due_restarts(self) -> None:
         for slot in list(self.fleet.slots.values()):
-            if (slot.state != SlotState.RESTARTING or slot.restart_at_s is None
-                    or self.now < slot.restart_at_s or slot.remote):
+            if slot.state != SlotState.RESTARTING or slot.restart_at_s is None or slot.remote:
+                continue
+            # A spare that got ready while it waits takes its place now: the backoff and the
+            # repair time are the failed process's, not the spare's (another process, its own
+            # devices).
+            if self.now < slot.restart_at_s and self.ready_spare(slot.region) is None:
                 continue
             applied = self.fleet.applied_steps.get(slot.learner)
             start_step = applied[1] if applied is not None else slot.start_step

@@ -405,3 +405,38 @@ def cluster_view(regions) -> tuple[dict, frozenset]:
     total = ray.cluster_resources()
     alive = frozenset(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
     return total, alive
+
+
+def draining_nodes() -> Optional[dict]:
+    """The nodes Ray is draining (``ray drain-node``, an autoscaler, a platform's announced
+    preemption): node id -> deadline in wall-clock seconds (None: no deadline); None when Ray
+    cannot say. The GCS's draining table, as Ray Train v2's preemption watcher polls it."""
+    import ray
+
+    try:
+        raw = ray._private.state.state.get_draining_nodes()
+    except Exception:
+        return None
+    return {node: (ms / 1000.0 if ms else None) for node, ms in (raw or {}).items()}
+
+
+def drain_node(node_id: str, deadline_s: Optional[float], message: str) -> None:
+    """Asks Ray to drain ``node_id`` as a preemption with ``deadline_s`` seconds left (None: no
+    deadline): what ``ray drain-node --reason DRAIN_NODE_REASON_PREEMPTION`` does. Ray then
+    places nothing new there, and the node leaves once idle. Raises ValueError when the node is
+    not a live node of this cluster or Ray refuses."""
+    import time
+
+    import ray
+    from ray.core.generated import autoscaler_pb2
+
+    alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
+    if node_id not in alive:
+        raise ValueError(f"no live node {node_id!r}; live nodes are {sorted(alive)}")
+    deadline_ms = 0 if deadline_s is None else int((time.time() + deadline_s) * 1000)
+    gcs = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
+    accepted, why = gcs.drain_node(
+        node_id, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
+        message, deadline_ms)
+    if not accepted:
+        raise ValueError(f"Ray refused to drain node {node_id}: {why}")

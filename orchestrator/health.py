@@ -17,6 +17,9 @@ class Cause(str, enum.Enum):
     STRAGGLER = "straggler"     # step time far above its region's median, for a whole window
     QUARANTINE = "quarantine"   # its drifts kept being refused as garbage: restart from a peer
     CONFIG = "config"           # its devices are not what its region asked for: never restarted
+    # Its node was announced for preemption (a Ray node drain with a deadline): it finished its
+    # in-flight pushes and left; its place was taken elsewhere. No budget is spent.
+    PREEMPTED_PLANNED = "preempted_planned"
 
 
 class RestartDecision(str, enum.Enum):
@@ -50,6 +53,8 @@ class RestartPolicy:
     def budget_for(self, cause: Cause) -> Optional[int]:
         if cause == Cause.STRAGGLER:
             return None  # the fleet restarts a straggler once at most (then it trains on, slow)
+        if cause == Cause.PREEMPTED_PLANNED:
+            return None  # a handover the platform announced: nothing failed
         return self.max_preemption_restarts if cause == Cause.PREEMPTION else self.max_crash_restarts
 
     def decide(self, learner: str, cause: Cause, restarts: Mapping[Cause, int]) -> Verdict:
@@ -84,7 +89,8 @@ class RestartPolicy:
 
 def _budget_kind(cause: Cause) -> str:
     """The budget a restart for ``cause`` is counted in."""
-    return {Cause.PREEMPTION: "preemption", Cause.STRAGGLER: "straggler"}.get(cause, "crash")
+    return {Cause.PREEMPTION: "preemption", Cause.STRAGGLER: "straggler",
+            Cause.PREEMPTED_PLANNED: "planned"}.get(cause, "crash")
 
 
 def detect(now_s: float, last_beat_s: Optional[float], started_s: float, step_time_s: Optional[float],

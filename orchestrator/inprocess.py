@@ -703,6 +703,7 @@ class _Driver:
                 if self.current(i, contribution.push.incarnation):
                     self.cores[i].push_refused(contribution.push.fragment)
             slot.round = {}
+            slot.stepped, slot.round_start = {}, None   # as restore_into: new rounds
             slot.quorum_reached_at_s = None
             slot.round_opened_at_s = None
         self.syncer.shadows.clear()  # a restarted syncer knows no learner's copy

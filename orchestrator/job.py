@@ -609,10 +609,12 @@ def _serve_link(config) -> Optional[str]:
     from . import build
 
     settings = build.link_server_settings(config, read_token(config.link.token_file))
+    paths, owned = build.fragment_layout(config)
     server = ray.remote(LinkServer).options(
         name=LINK_SERVER_NAME, namespace=NAMESPACE, num_cpus=0.1, max_concurrency=4,
         resources=dict(ON_HEAD), lifetime="detached",
-        runtime_env=cpu_runtime_env(Role.LINK_SERVER)).remote(config.model_dump_json(), settings)
+        runtime_env=cpu_runtime_env(Role.LINK_SERVER)).remote(config.model_dump_json(), settings,
+                                                              paths, owned)
     return ray.get(server.address.remote(), timeout=60)
 
 

@@ -27,7 +27,7 @@ STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
 RECOVERY_PHASES = ("detect", "restart", "restore", "first_contribution", "total")
 LEARNER_STATES = ("pending", "starting", "training", "paused", "draining", "restarting", "failed",
                   "retired", "unreachable")
-RESTART_REASONS = ("crash", "preemption", "hang", "straggler", "quarantine")
+RESTART_REASONS = ("crash", "preemption", "preempted_planned", "hang", "straggler", "quarantine")
 TOKEN_FATES = ("applied", "dropped")
 # Inner-step seconds: a millisecond toy step to a minutes-long step of a big model.
 STEP_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,

@@ -34,6 +34,7 @@ class LearnerRow:
     slow_tolerated: int = 0      # incarnations let train on slow (after one straggler restart)
     unit: str = "1×1 cpu"        # hosts × devices per host, and the accelerator
     devices: Optional[dict] = None   # what JAX gave it at start (learners/devices.py)
+    node: Optional[str] = None       # the Ray node its incarnation runs on (from its beats)
 
 
 def unit_shape(controller: Any, region: str) -> str:
@@ -148,6 +149,7 @@ def job_snapshot(controller: Any) -> JobSnapshot:
             wire_bytes_up_total=closed.get("up", 0) + up_now,
             wire_bytes_down_total=closed.get("down", 0) + down_now,
             slow_tolerated=slot.slow_tolerated, unit=unit_shape(controller, slot.region),
+            node=slot.node_id,
             devices=beat.get("devices"))
     states = collections.Counter(row.state for row in learners.values())
     wire = {region: {"up": 0, "down": 0} for region in controller.config.regions}

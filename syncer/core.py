@@ -55,6 +55,14 @@ class SyncerSettings:
     tokens_per_step: Optional[int] = None
     # A learner whose drifts are refused as garbage this many times in a row is quarantined.
     quarantine_after: int = 3
+    # Asynchrony (docs/architecture.md#asynchrony-stale-and-partial-merges): where a push's
+    # outer gradient is taken from, how many outer steps a round split into partial merges
+    # takes, the staleness exponent of a merge's share of a step, and what the learners' inner
+    # schedule runs on.
+    outer_gradient: merge_lib.OuterGradientRule = merge_lib.OuterGradientRule.PULL
+    round_step: merge_lib.RoundStep = merge_lib.RoundStep.PER_MERGE
+    staleness_share: float = 0.0
+    schedule_clock: merge_lib.ScheduleClock = merge_lib.ScheduleClock.LEARNER
 
 
 @dataclass
@@ -87,6 +95,10 @@ class FragmentSlot:
     round_opened_at_s: Optional[float] = None
     recent_norms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=32))
     outlier_learners: set = field(default_factory=set)   # refused as outliers since an accept
+    # round_step per_round: the contributions already stepped in the open round, and the Θ and
+    # outer state the round started from (its later pushes step again from there, with them).
+    stepped: dict = field(default_factory=dict)
+    round_start: Optional[tuple] = None
 
 
 @dataclass
@@ -149,6 +161,8 @@ class MergeResult:
     # Per learner: the pre-merged push it came in (None: its own push). A group's members share
     # one base, so they are sent one update and keep one shadow (they pre-merge again next round).
     groups: tuple = ()
+    fleet_step: Optional[float] = None   # the fleet's progress after the merge (fleet clock)
+    joined: int = 0                      # per_round: pushes of the round stepped before this merge
 
 
 def regions_to_rejoin(learners: Sequence[str], bases: Sequence[tuple],
@@ -342,7 +356,8 @@ class SyncerCore:
         slot.recent_norms.append(norm)  # accepted: part of what "normal" is
         self.garbage_streak.pop(push.learner, None)
         base = self._base_of(push)
-        grads, norms = fused.outer_gradient(slot.params, base, drift, self.pool)
+        grads, norms = fused.outer_gradient(self._anchor(slot, push, base), base, drift,
+                                            self.pool)
         if not slot.round:
             slot.round_opened_at_s = now_s
         slot.round[push.learner] = Contribution(push, grads, verdict.staleness, now_s, base,
@@ -374,7 +389,8 @@ class SyncerCore:
         slot = self.slots[push.fragment]
         slot.recent_norms.append(judged.norm)
         base = self._base_of(push.members[0])
-        grads, norms = fused.outer_gradient(slot.params, base, judged.drift, self.pool)
+        grads, norms = fused.outer_gradient(self._anchor(slot, push.members[0], base), base,
+                                            judged.drift, self.pool)
         if not slot.round:
             slot.round_opened_at_s = now_s
         for member in push.members:
@@ -430,8 +446,11 @@ class SyncerCore:
         if problem is not None:
             return problem
         size = sum(int(np.size(v)) for v in slot.params.values())
-        norm = scaled_norm(drift_norm(drift), self.settings.inner_schedule, push.step,
-                           push.c_steps, size)
+        at = push.step   # where the learner's schedule stands: its own step, or the fleet's
+        if self.settings.schedule_clock == merge_lib.ScheduleClock.FLEET:
+            at = max(int(round(self.fleet_step())), push.c_steps)
+        norm = scaled_norm(drift_norm(drift), self.settings.inner_schedule, at, push.c_steps,
+                           size)
         factor = self.settings.outlier_norm_factor
         limit = outlier_limit(list(slot.recent_norms), factor, factor)
         if limit is not None and limit > 0 and norm > limit:
@@ -507,6 +526,18 @@ class SyncerCore:
             return Rejected(RejectReason.TOO_STALE, f"staleness {staleness} > {limit}")
         return Accepted(staleness)
 
+    def _anchor(self, slot: FragmentSlot, push: Push, base: Fragment) -> Fragment:
+        """The Θ the push's outer gradient is taken from (``merge.gradient_anchor``)."""
+        return merge_lib.gradient_anchor(self.settings.outer_gradient, slot.params,
+                                         slot.history.get(push.base_version), base)
+
+    def fleet_step(self) -> float:
+        """The fleet's progress in inner steps (``merge.fleet_step``): the mean, over the
+        registered learners, of the step of each one's newest merged push (the ledger's data
+        resume point, kept in snapshots, so it survives a syncer restart)."""
+        return merge_lib.fleet_step([self.ledger[name].applied_step for name in self.learners
+                                     if name in self.ledger])
+
     def _base_of(self, push: Push) -> Fragment:
         """What the pushing learner holds of the fragment (``_check`` made sure it is known)."""
         if push.base_shadow != downlink_lib.EXACT:
@@ -553,29 +584,40 @@ class SyncerCore:
         if not slot.round:
             raise ValueError(f"fragment {fragment} has no pushes to merge")
         contributions = [slot.round[name] for name in sorted(slot.round)]
+        # round_step per_round: the pushes of this merge join the open round's step when none of
+        # their learners is in it yet and it does not hold every live learner already; the step
+        # is then taken again from the round's start with every push of the round so far.
+        joined = self._join_round(slot, contributions, live_count)
+        start_params, start_state = (slot.round_start if joined else
+                                     (slot.params, slot.outer_state))
+        everyone = joined + contributions
         weights = [merge_lib.token_weight(c.push.c_tokens, c.push.c_steps)
                    * merge_lib.staleness_factor(c.staleness, self.settings.staleness_discount)
-                   for c in contributions]
+                   for c in everyone]
         if sum(weights) <= 0:  # every learner pushed with zero steps: nothing to learn from
-            weights = [1.0] * len(contributions)
+            weights = [1.0] * len(everyone)
         share = 1.0
         if self.settings.participation_scale and live_count:
             # With K < M a round of M learners arrives as several merges; each full outer step
             # (Nesterov, lr 0.7) would then count M times per round and its momentum diverges in
             # a mixed fleet (measured: eval loss 3.0 -> 1e5). Scaling by the share n/M keeps one
             # round's total step the size of a synchronous one; with K = M it is exactly 1.
-            share = min(1.0, len(contributions) / live_count)
+            # With syncer.staleness_share d > 0 each push counts (1 + staleness)^-d of a learner.
+            share = merge_lib.participation_share([c.staleness for c in everyone], live_count,
+                                                  self.settings.staleness_share)
         rda_paths = frozenset(
             path for path in slot.params
             if self.settings.merge_rule == merge_lib.MergeRule.RDA and not self.is_embedding(path))
         # In place, one pass per learner and a few for the step (syncer/fused.py).
-        grads, norms, weights = shared_gradients(contributions, weights)
+        grads, norms, weights = shared_gradients(everyone, weights)
+        per_round = self.settings.round_step == merge_lib.RoundStep.PER_ROUND
         new_params, new_outer, finite, grad_norm = fused.merge_and_step(
-            self.outer, rda_paths, grads, norms, weights, share, slot.params,
-            slot.outer_state, self.pool)
-        for g_m in grads:   # the round is closed: its buffers serve the next pushes
-            for g in g_m.values():
-                self.pool.give(g)
+            self.outer, rda_paths, grads, norms, weights, share, start_params,
+            start_state, None if per_round else self.pool)   # per_round keeps the start state
+        if not per_round or not finite:
+            for g_m in shared_gradients(contributions, [1.0] * len(contributions))[0]:
+                for g in g_m.values():   # closed: its buffers serve the next pushes
+                    self.pool.give(g)
         if not finite:
             # Θ is never replaced by garbage: the round is refused whole and Θ stays as it was.
             for c in contributions:
@@ -590,6 +632,8 @@ class SyncerCore:
                                reason=RejectReason.BAD_MERGE.value, outer_grad_norm=float("nan"),
                                refused=True)
         slot.params, slot.outer_state = new_params, new_outer
+        if per_round:
+            slot.stepped.update({c.push.learner: c for c in contributions})
         slot.version += 1
         self.catching_up.discard(fragment)
         slot.history[slot.version] = slot.params
@@ -607,7 +651,48 @@ class SyncerCore:
             outer_grad_norm=grad_norm,
             bases=tuple((c.push.base_shadow, c.push.base_version, c.base)
                         for c in contributions),
-            groups=tuple(c.group for c in contributions))
+            groups=tuple(c.group for c in contributions),
+            fleet_step=(self.fleet_step() if self.settings.schedule_clock
+                        == merge_lib.ScheduleClock.FLEET else None),
+            joined=len(joined))
+
+    def _join_round(self, slot: FragmentSlot, contributions: Sequence[Contribution],
+                    live_count: Optional[int]) -> list[Contribution]:
+        """round_step per_round: the contributions of the open round already stepped, when this
+        merge's join it (none of its learners is in the round, and the round does not hold
+        every live learner yet); else [] and a new round starts at the current Θ and outer
+        state. With the pull rule the joining gradients, taken against the current Θ, are moved
+        to the round's start: ``g + (Θ_start − Θ)``."""
+        if self.settings.round_step != merge_lib.RoundStep.PER_ROUND:
+            return []
+        names = {c.push.learner for c in contributions}
+        if (slot.stepped and slot.round_start is not None and not names & set(slot.stepped)
+                and (not live_count or len(slot.stepped) < live_count)):
+            start = slot.round_start[0]
+            if self.settings.outer_gradient == merge_lib.OuterGradientRule.PULL:
+                seen = set()
+                for c in contributions:
+                    if id(c.outer_grad) in seen:
+                        continue
+                    seen.add(id(c.outer_grad))
+                    for path, g in c.outer_grad.items():
+                        g += start[path] - slot.params[path]
+                        c.grad_norms[path] = fused._norm(g)
+            return [slot.stepped[name] for name in sorted(slot.stepped)]
+        self._release_round(slot)
+        slot.round_start = (slot.params, slot.outer_state)
+        return []
+
+    def _release_round(self, slot: FragmentSlot) -> None:
+        """Closes the open round of a fragment: its gradient buffers go back to the pool."""
+        seen = set()
+        for c in slot.stepped.values():
+            if id(c.outer_grad) not in seen:
+                seen.add(id(c.outer_grad))
+                for g in c.outer_grad.values():
+                    self.pool.give(g)
+        slot.stepped = {}
+        slot.round_start = None
 
     def updates(self, result: MergeResult) -> dict[str, Any]:
         """What each learner of a merge is sent back (``downlink.FullUpdate`` or ``DiffUpdate``);
@@ -626,13 +711,16 @@ class SyncerCore:
             key = (name, result.fragment)
             shared = (group, base_id, base_version) if group is not None else None
             if name.rsplit(":", 1)[0] in rejoin:
-                update, shadow = downlink_lib.FullUpdate(result.params, result.version), None
+                update, shadow = downlink_lib.FullUpdate(result.params, result.version,
+                                                         result.fleet_step), None
             elif shared in made:
                 update, shadow = made[shared]
             else:
                 update, shadow = downlink_lib.make_update(
                     self.downlink, base, base_id, base_version, result.params, result.version,
                     next(self._shadow_ids), history.get(base_version))
+                if result.fleet_step is not None:
+                    update = dataclasses.replace(update, fleet_step=result.fleet_step)
                 if shared is not None:
                     made[shared] = (update, shadow)
             if shadow is None:

@@ -71,6 +71,9 @@ class FullUpdate:
 
     params: Fragment
     version: int
+    # The fleet's step at the merge, for a learner's inner schedule (syncer.schedule_clock:
+    # fleet; merge.schedule_position); None: the learner keeps its own count.
+    fleet_step: Optional[float] = None
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,7 @@ class DiffUpdate:
     from_id: int
     to_id: int
     version: int
+    fleet_step: Optional[float] = None   # as FullUpdate's
 
 
 class Shadow(NamedTuple):

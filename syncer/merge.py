@@ -104,3 +104,91 @@ def merge_outer_gradients(
         else:
             merged[path] = radial_directional_average(tensors, weights)
     return merged
+
+
+# -- asynchrony (issue 34): what a stale or partial merge steps with -----------------------------
+class OuterGradientRule(str, enum.Enum):
+    """Where a push's outer gradient is taken from (docs/architecture.md#asynchrony)."""
+
+    PULL = "pull"         # g = Θ[p] − (base + δ): towards the learner's model (a stale push pulls
+                          # Θ back towards its base, taking back the merges since)
+    REBASED = "rebased"   # g = Θ[p](v_base) − (base + δ): the push's own drift (and the rounding
+                          # of its base) applied to today's Θ; equal to PULL at staleness 0
+
+
+class RoundStep(str, enum.Enum):
+    """How many outer steps one round of a fragment takes when it arrives as partial merges."""
+
+    PER_MERGE = "per_merge"   # every partial merge steps the outer optimizer (share n/M each)
+    PER_ROUND = "per_round"   # the later pushes of a round join its step: the step is taken
+                              # again from the round's start with every push in so far
+
+
+class ScheduleClock(str, enum.Enum):
+    """What a learner's inner learning-rate schedule runs on."""
+
+    LEARNER = "learner"   # its own step count
+    FLEET = "fleet"       # the fleet's progress: the mean merged step of the live learners
+
+
+def gradient_anchor(rule: OuterGradientRule, current: Mapping[str, np.ndarray],
+                    at_base_version: "Mapping[str, np.ndarray] | None",
+                    base: Mapping[str, np.ndarray]) -> Mapping[str, np.ndarray]:
+    """The Θ a push's outer gradient ``g = anchor − (base + δ)`` is taken from.
+
+    PULL: the current Θ[p]. REBASED: Θ[p] of the version the push was based on, so that only
+    the push's drift (and the difference between what the learner held and that version: the
+    downlink's rounding) is merged, whatever was merged since; when that version is no longer
+    in the history, the learner's base itself (g = −δ).
+
+    >>> now, then, held = {"w": np.array([5.0])}, {"w": np.array([2.0])}, {"w": np.array([2.5])}
+    >>> gradient_anchor(OuterGradientRule.PULL, now, then, held)["w"].tolist()
+    [5.0]
+    >>> gradient_anchor(OuterGradientRule.REBASED, now, then, held)["w"].tolist()
+    [2.0]
+    >>> gradient_anchor(OuterGradientRule.REBASED, now, None, held)["w"].tolist()
+    [2.5]
+    """
+    if rule == OuterGradientRule.PULL:
+        return current
+    return at_base_version if at_base_version is not None else base
+
+
+def participation_share(staleness: Sequence[int], live_count: int, discount: float = 0.0) -> float:
+    """The share of a synchronous outer step a merge takes: ``min(1, Σ_m (1 + s_m)^−d / M)``.
+
+    With d = 0 it is the participation scale n/M. With d > 0 a stale push moves Θ less in
+    absolute terms, also when it is merged alone (a discount of the merge *weights* cannot: a
+    lone push's weight normalizes to 1). ``live_count`` 0 or None: no scaling (1).
+
+    >>> participation_share([0, 0], 4), participation_share([0, 0, 0, 0, 0], 4)
+    (0.5, 1.0)
+    >>> participation_share([1], 4, 1.0), participation_share([0, 3], 4, 1.0)
+    (0.125, 0.3125)
+    """
+    if not live_count:
+        return 1.0
+    return min(1.0, sum(staleness_factor(s, discount) for s in staleness) / live_count)
+
+
+def fleet_step(merged_steps: Sequence[int]) -> float:
+    """The fleet's progress in inner steps: the mean over the live learners of the step their
+    newest merged push was sent at (0 with none). A learner's inner schedule reads it, so one
+    that restarts, lags or runs fast neither replays nor skips the fleet's schedule, and the
+    fleet reaches the schedule's end when it has processed M × total_steps batches.
+
+    >>> fleet_step([100, 50, 120, 30]), fleet_step([])
+    (75.0, 0.0)
+    """
+    return float(np.mean(merged_steps)) if len(merged_steps) else 0.0
+
+
+def schedule_position(fleet: float, pushed_at_step: "int | None", step: int) -> int:
+    """The schedule count a learner takes when it adopts a merge: the fleet's step at the merge
+    plus the learner's own steps since its push (the merge is at most that old).
+
+    >>> schedule_position(75.4, 200, 203), schedule_position(75.6, None, 203)
+    (78, 76)
+    """
+    since = 0 if pushed_at_step is None else max(step - pushed_at_step, 0)
+    return int(round(fleet)) + since

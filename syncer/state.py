@@ -107,6 +107,7 @@ def restore_into(core: SyncerCore, arrays: dict, meta: dict, min_epoch: int = 0)
         slot.version = int(meta["versions"][p])
         slot.history = {slot.version: slot.params}
         slot.round = {}
+        slot.stepped, slot.round_start = {}, None   # a restarted syncer opens new rounds
         slot.quorum_reached_at_s = None
         slot.round_opened_at_s = None
     core.ledger = {name: LedgerEntry(**entry) for name, entry in meta["ledger"].items()}

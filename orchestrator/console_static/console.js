@@ -51,9 +51,12 @@ function learnerRow(name) {
   drain.onclick = () => act({action: "drain", learner: name});
   const restart = el("button", {class: "act", "data-restart": name, title: "kill it; the fleet relaunches it (a crash restart)"}, "Restart");
   restart.onclick = () => act({action: "restart", learner: name});
+  // A planned preemption of the node it runs on (islands drain-node): every learner there hands over.
+  const node = el("button", {class: "act", "data-drain-node": name, title: "planned preemption of its node: Ray drains the node; its learners hand over to other nodes and leave"}, "Drain node");
+  node.onclick = () => { if (node.dataset.node) act({action: "drain_node", node_id: node.dataset.node}); };
   const cells = HEADERS.slice(0, -1).map((h, i) => el("td", {class: i >= 2 && i <= 7 && i !== 5 ? "num" : ""}));
   cells[1].append(el("span", {class: "state"}));
-  return el("tr", {"data-learner": name}, ...cells, el("td", {}, drain, " ", restart));
+  return el("tr", {"data-learner": name}, ...cells, el("td", {}, drain, " ", restart, " ", node));
 }
 
 // What JAX gave the learner at start, as it reported it ("gpu 1× NVIDIA H200").
@@ -73,6 +76,10 @@ function updateRow(row, name, l) {
   badge.textContent = l.state;
   const gone = l.state === "retired" || l.state === "failed";
   for (const b of c[HEADERS.length - 1].querySelectorAll("button")) b.disabled = gone;
+  const node = c[HEADERS.length - 1].querySelector("[data-drain-node]");
+  node.dataset.node = l.node || "";
+  node.title = l.node ? `planned preemption of node ${l.node}: its learners hand over to other nodes and leave` : "its node is not known yet";
+  if (!l.node) node.disabled = true;
 }
 
 function regionBox(region, r) {

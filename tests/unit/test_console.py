@@ -42,6 +42,8 @@ def test_an_unreadable_or_empty_token_file_is_an_error_naming_it(tmp_path):
     ([], ActionError), ({"action": "reboot"}, ActionError),
     ({"action": "scale", "region": "a", "n": True}, ActionError),
     ({"action": "drain", "learner": ""}, ActionError),
+    ({"action": "drain_node", "node_id": "n2", "deadline_s": -1}, ActionError),
+    ({"action": "drain_node", "deadline_s": 5}, ActionError),
     ({"action": "chaos_hang", "learner": "a:0", "duration_s": 5}, PermissionError),
 ])
 def test_bad_actions_are_refused_before_anything_runs(body, error):
@@ -58,10 +60,13 @@ def test_actions_call_the_clis_controller_methods():
 
     for body in ({"action": "scale", "region": "a", "n": 2}, {"action": "drain", "learner": "a:1"},
                  {"action": "restart", "learner": "a:0"}, {"action": "pause"},
-                 {"action": "resume"}):
+                 {"action": "resume"}, {"action": "drain_node", "node_id": "n2", "deadline_s": 30},
+                 {"action": "drain_node", "node_id": "n3"}):
         plan_action(body, False, "console 10.0.0.9")[1](Recorder())
     assert calls == [("scale", ("a", 2)), ("drain", ("a:1",)), ("chaos_kill", ("a:0", "ray_kill")),
-                     ("pause", (True, "console 10.0.0.9")), ("pause", (False, "console 10.0.0.9"))]
+                     ("pause", (True, "console 10.0.0.9")), ("pause", (False, "console 10.0.0.9")),
+                     ("drain_node", ("n2", 30.0, "console 10.0.0.9")),
+                     ("drain_node", ("n3", None, "console 10.0.0.9"))]
 
 
 def test_the_goodput_series_spans_the_recent_past_with_its_window():

@@ -779,3 +779,117 @@ def test_a_spare_that_fails_its_device_check_is_not_replaced():
     assert names(ended) == ["region_misconfigured", "spare_ended"]
     for t in (4.0, 10.0, 100.0):   # a spare that died of anything else would be replaced
         assert not [a for a in F.step(ended.fleet, [], t).actions if isinstance(a, F.LaunchSpare)]
+
+
+# -- planned preemption (a node Ray reports draining) ----------------------------------------------
+def on_nodes(fleet, now, **nodes):
+    """Every live learner beats from its node: ``on_nodes(fleet, t, n2=["b:0"])`` puts b:0 on n2
+    and everyone else on n1."""
+    where = {learner: node for node, learners in nodes.items() for learner in learners}
+    return F.step(fleet, [F.Beat(n, x.incarnation, True, 0.1, node_id=where.get(n, "n1"))
+                          for n, x in fleet.slots.items() if x.state in F.LIVE], now).fleet
+
+
+def draining(now, deadline=None, **extra):
+    return F.Cluster({"a": 3, "b": 2}, frozenset({"n1", "n2", "n3"}),
+                     draining={"n2": deadline, **extra})
+
+
+def test_a_draining_node_drains_its_learners_and_restarts_them_elsewhere_at_once():
+    fleet = on_nodes(training(), 9.0, n2=["b:0"])
+    notice = F.step(fleet, alive(fleet) + [draining(10.0, deadline=30.0)], 10.0)
+    assert names(notice) == ["node_draining", "learner_draining"]
+    node, drain = (t.fields for t in notice.transitions)
+    assert (node["node"], node["deadline_in_s"], node["learners"]) == ("n2", 20.0, ["b:0"])
+    assert drain["cause"] == "preempted_planned" and drain["to"] == "draining"
+    assert notice.actions == (F.DrainLearner("b:0"),)   # finishes its in-flight pushes first
+    assert states(notice.fleet) == {"a:0": "training", "a:1": "training", "b:0": "draining"}
+    assert names(F.step(notice.fleet, alive(notice.fleet) + [draining(12.0, 30.0)], 12.0)) == []
+    # Out (every push answered): restarted now, no backoff, a new process (no spare here).
+    out = F.step(notice.fleet, alive(notice.fleet, "b:0") + [F.RunEnded("b:0", 0)], 13.0)
+    assert names(out) == ["learner_restart_scheduled", "learner_restarted"]
+    assert out.transitions[0].fields["cause"] == "preempted_planned"
+    assert out.transitions[0].fields["delay_s"] == 0.0
+    forget, launch = out.actions
+    assert forget == F.Forget("b:0", 0, "drained")
+    assert (launch.learner, launch.incarnation, launch.spare) == ("b:0", 1, None)
+    slot = out.fleet.slots["b:0"]
+    assert slot.state == SlotState.STARTING and slot.node_id is None   # not its old node's
+    assert slot.restart_counts == {Cause.PREEMPTED_PLANNED: 1}
+    assert dict(slot.recovery)["cause"] == "preempted_planned"
+    # Its new incarnation beats from another node: the drain that goes on is not its business.
+    moved = F.step(out.fleet, alive(out.fleet, "b:0") + [F.Beat("b:0", 1, True, node_id="n3")],
+                   14.0)
+    assert names(moved) == ["learner_ready"]
+    assert names(F.step(moved.fleet, alive(moved.fleet) + [draining(15.0, 30.0)], 15.0)) == []
+
+
+def test_planned_preemptions_spend_no_budget_and_one_still_on_the_node_at_the_end_dies():
+    fleet, now = on_nodes(training(), 9.0, n2=["b:0"]), 10.0
+    for incarnation in range(3):   # more than the crash budget (2) of handovers
+        fleet = F.step(fleet, alive(fleet) + [F.Cluster({"a": 3}, None, {})], now).fleet
+        fleet = F.step(fleet, alive(fleet) + [draining(now, now + 20)], now + 1).fleet
+        result = F.step(fleet, alive(fleet, "b:0") + [F.RunEnded("b:0", incarnation)], now + 2)
+        assert "learner_restarted" in names(result)
+        fleet = on_nodes(result.fleet, now + 3, n2=["b:0"])
+        now += 10
+    assert fleet.slots["b:0"].restart_counts == {Cause.PREEMPTED_PLANNED: 3}
+    assert RestartPolicy(max_crash_restarts=0).budget_for(Cause.PREEMPTED_PLANNED) is None
+    # Still on the node when it went: a preemption as ever (its own budget), not a handover.
+    fleet = F.step(fleet, alive(fleet) + [F.Cluster({"a": 3}, None, {})], now).fleet
+    fleet = F.step(fleet, alive(fleet) + [draining(now, now + 20)], now + 1).fleet
+    died = F.step(fleet, alive(fleet, "b:0") + [F.RunEnded("b:0", 3, "actor died")], now + 21)
+    assert names(died) == ["learner_failed", "learner_restart_scheduled"]
+    assert died.transitions[0].fields["cause"] == "preemption"
+    assert "restart 1 of unlimited (preemption)" in died.transitions[1].fields["message"]
+
+
+def test_a_draining_node_hands_over_to_a_ready_spare_elsewhere_and_ends_its_own_spares():
+    s = settings(regions={"a": F.RegionPlan(3, 4, spares=2)})
+    fleet = on_nodes(training(s), 1.5, n2=["a:0", "a:1"])      # a:2 on n1 (the quorum holds)
+    fleet = F.step(fleet, alive(fleet), 2.0).fleet             # the second spare starts
+    assert sorted(fleet.spares) == ["spare:a:0", "spare:a:1"]
+    fleet = F.step(fleet, alive(fleet) + [F.SpareReady("spare:a:0", node_id="n3"),
+                                          F.SpareReady("spare:a:1", node_id="n2")], 3.0).fleet
+    notice = F.step(fleet, alive(fleet) + [draining(4.0)], 4.0)
+    assert names(notice) == ["node_draining", "learner_draining", "learner_draining",
+                             "spare_ended", "spare_launched"]      # its replacement, elsewhere
+    assert notice.transitions[0].fields["spares"] == ["spare:a:1"]
+    assert notice.transitions[0].fields["deadline_in_s"] is None
+    assert F.KillSpare("spare:a:1") in notice.actions
+    assert F.LaunchSpare("spare:a:2", "a") in notice.actions
+    first = F.step(notice.fleet, alive(notice.fleet, "a:0") + [F.RunEnded("a:0", 0)], 5.0)
+    launch = [a for a in first.actions if isinstance(a, F.Launch)]
+    assert [(a.learner, a.incarnation, a.spare) for a in launch] == [("a:0", 1, "spare:a:0")]
+    second = F.step(first.fleet, alive(first.fleet, "a:1") + [F.RunEnded("a:1", 0)], 6.0)
+    launch = [a for a in second.actions if isinstance(a, F.Launch)]
+    assert [(a.learner, a.incarnation, a.spare) for a in launch] == [("a:1", 1, None)]
+    # A spare that gets ready on a draining node is ended at once, never promoted.
+    ended = F.step(second.fleet, alive(second.fleet) + [F.SpareReady("spare:a:2", node_id="n2")],
+                   8.0)
+    assert {"spare_ready", "spare_ended"} <= set(names(ended))
+    assert "spare:a:2" not in ended.fleet.spares
+
+
+def test_a_learner_draining_off_a_preempted_node_counts_for_scaling():
+    fleet = on_nodes(training(), 9.0, n2=["a:1"])
+    fleet = F.step(fleet, alive(fleet) + [draining(10.0)], 10.0).fleet
+    same = F.step(fleet, alive(fleet), 10.5)
+    assert names(F.step(same.fleet, alive(same.fleet) + [F.Scale("a", 2)], 11.0)) == ["scaled"]
+    down = F.step(fleet, alive(fleet) + [F.Scale("a", 1)], 11.0)    # a:1 leaves for good
+    assert down.transitions[-1].fields["drained"] == ["a:1"]
+    gone = F.step(down.fleet, alive(down.fleet, "a:1") + [F.RunEnded("a:1", 0)], 12.0)
+    assert names(gone) == ["learner_retired"] and gone.fleet.slots["a:1"].restarts == ()
+
+
+def test_a_spare_ready_while_a_learner_waits_for_its_repair_takes_its_place_at_once():
+    s = settings(regions={"a": F.RegionPlan(3, 4, spares=1)}, heartbeat_timeout_s=1e9)
+    fleet = training(s)                                   # spare:a:0 launched, not ready yet
+    killed = F.step(fleet, [F.Chaos(Fault(4.0, FaultKind.KILL, "a:1", duration_s=5.0))], 4.0)
+    failed = F.step(killed.fleet, [F.RunEnded("a:1", 0, "actor died")], 4.0)
+    assert failed.transitions[-1].fields["delay_s"] == 5.0    # the lost process's repair time
+    assert names(F.step(failed.fleet, [], 5.0)) == []
+    ready = F.step(failed.fleet, [F.SpareReady("spare:a:0")], 5.9)    # not at 9.0
+    assert names(ready) == ["spare_ready", "spare_promoted", "learner_restarted"]
+    (launch,) = ready.actions
+    assert (launch.learner, launch.incarnation, launch.spare) == ("a:1", 1, "spare:a:0")

@@ -75,6 +75,7 @@ def test_values_are_the_snapshot_values():
     assert math.isclose(values(f["islands_compression_relative_error"])[()], 0.2)
     restarts = values(f["islands_learner_restarts"], "islands_learner_restarts_total")
     assert restarts == {(("reason", "crash"),): 2.0, (("reason", "preemption"),): 0.0,
+                        (("reason", "preempted_planned"),): 0.0,
                         (("reason", "hang"),): 0.0, (("reason", "straggler"),): 0.0,
                         (("reason", "quarantine"),): 0.0}
     rejected = values(f["islands_rejected_pushes"], "islands_rejected_pushes_total")

@@ -219,10 +219,9 @@ def test_a_killed_shard_restarts_alone_and_no_version_goes_back(tmp_path):
 
 
 def test_the_link_routes_fragments_to_the_shards_the_home_controller_gives_them():
-    """The home's link server routes a remote push by fragment with ``fragment_layout``; it must
+    """The home's link server routes a remote push by fragment with ``build.fragment_layout``; it must
     be the assignment the controller starts the shards with (build.syncer_spec + shard_specs)."""
     from islands.learners.unit import build_training
-    from islands.link.server import fragment_layout
     from islands.orchestrator import build
     from islands.orchestrator.config import JobConfig
     from islands.syncer.shards import shard_specs
@@ -232,7 +231,7 @@ def test_the_link_routes_fragments_to_the_shards_the_home_controller_gives_them(
                                         "syncer": {"fragments": fragments, "shards": shards}})
         _, template, _, _ = build_training(build.training_spec(job))
         specs = shard_specs(build.syncer_spec(job, template, "/tmp/unused"), shards)
-        paths, owned = fragment_layout(job.model_dump(mode="json"))
+        paths, owned = build.fragment_layout(job)
         assert owned == tuple(spec.fragment_ids for spec in specs)
         assert len(paths) == fragments and sorted(p for ids in owned for p in ids) == list(
             range(fragments))

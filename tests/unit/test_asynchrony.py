@@ -1,0 +1,250 @@
+"""Hand-worked values for the asynchrony rules (issue 34; docs/architecture.md#asynchrony-stale-and-partial-merges):
+the re-based outer gradient, one outer step per round, the staleness share and the fleet clock.
+
+Every syncer here holds one fragment ``w`` with M = 2 or 3 registered learners, fp32 drifts, the
+weighted mean and outer sgd(1.0) (plain averaging: Θ ← Θ − share · Δ̄), so each value is a sum
+one can do by hand."""
+
+import time
+
+import numpy as np
+import pytest
+
+from islands.learners import inner
+from islands.learners.core import LearnerCore
+from islands.syncer import downlink, fragments, merge, outer, state
+from islands.syncer.core import SyncerCore, SyncerSettings
+from islands.syncer.validate import Push
+
+SGD1 = outer.build("sgd", lr=1.0, momentum=0.0)
+
+
+def decode(codes):
+    return {k: np.asarray(v, np.float32) for k, v in codes.items()}
+
+
+def syncer(names=("a", "b"), theta=0.0, **settings):
+    core = SyncerCore([{"w": np.array([theta], np.float32)}],
+                      SyncerSettings(outlier_norm_factor=None, merge_rule=merge.MergeRule.MEAN,
+                                     **settings), SGD1, decode)
+    for name in names:
+        core.register(name, 0)
+    return core
+
+
+def push(core, learner, drift, base_version, tokens=100, steps=1, step=None):
+    verdict = core.accept_push(Push(learner, 0, {"w": np.array([drift], np.float32)},
+                                    base_version, core.epoch, tokens, steps,
+                                    step=steps if step is None else step, tokens_done=tokens),
+                               0.0)
+    assert verdict.ok, verdict
+    return verdict
+
+
+def theta(core):
+    return float(core.fragment(0)[0]["w"][0])
+
+
+# -- the pure functions ---------------------------------------------------------------------------
+def test_gradient_anchor_signs():
+    now, then, held = {"w": np.array([5.0])}, {"w": np.array([2.0])}, {"w": np.array([2.5])}
+    # pull: g = Θ − (base + δ) with δ = 1: 5 − 3.5 = +1.5 (Θ is pulled down, towards 3.5)
+    g_pull = merge.gradient_anchor(merge.OuterGradientRule.PULL, now, then, held)["w"] - 3.5
+    # rebased: g = Θ(v_base) − (base + δ) = 2 − 3.5 = −1.5: Θ moves up by the drift (and the
+    # base's rounding, 0.5): 5 + 1.5 = 6.5
+    g_rebased = merge.gradient_anchor(merge.OuterGradientRule.REBASED, now, then, held)["w"] - 3.5
+    assert g_pull.tolist() == [1.5] and g_rebased.tolist() == [-1.5]
+    # the version is gone from the history: g = base − (base + δ) = −δ
+    assert merge.gradient_anchor(merge.OuterGradientRule.REBASED, now, None, held)["w"] is held["w"]
+
+
+def test_participation_share_exact_values():
+    assert merge.participation_share([0], 2) == 0.5            # n/M
+    assert merge.participation_share([0, 0, 0], 2) == 1.0      # capped
+    assert merge.participation_share([1], 2, 1.0) == 0.25      # a lone stale push: ½ · ½
+    assert merge.participation_share([0, 1, 3], 4, 1.0) == pytest.approx((1 + 0.5 + 0.25) / 4)
+    assert merge.participation_share([5], 0) == 1.0            # no live count: no scaling
+    assert merge.participation_share([7, 7], 2) == 1.0         # d = 0: staleness changes nothing
+
+
+def test_fleet_step_and_schedule_position():
+    assert merge.fleet_step([10, 20, 30, 40]) == 25.0
+    assert merge.fleet_step([]) == 0.0
+    # first merge of a run: the fleet at 24, the learner pushed at 24 and adopts at 26
+    assert merge.schedule_position(24.0, 24, 26) == 26
+    # a slow learner (its own step 12) takes the fleet's 24 + its 2 steps since the push
+    assert merge.schedule_position(24.0, 10, 12) == 26
+    # a fast learner (step 50) is held back to the fleet's
+    assert merge.schedule_position(24.4, 48, 50) == 26
+    assert merge.schedule_position(3.0, None, 9) == 3   # no open push (a refusal's restart)
+
+
+# -- the re-based gradient ----------------------------------------------------------------------
+@pytest.mark.parametrize("rule, expected", [("pull", 1.25), ("rebased", 1.5)])
+def test_a_stale_push(rule, expected):
+    # M = 2, Θ0 = 0. a pushes δ = 1 from v0, merged alone: g = 0 − 1 = −1, share ½: Θ1 = 0.5.
+    core = syncer(outer_gradient=merge.OuterGradientRule(rule))
+    push(core, "a", 1.0, 0)
+    assert core.merge(0, live_count=2).version == 1 and theta(core) == 0.5
+    # b pushes δ = 2 from v0 (staleness 1). pull: g = Θ1 − (0 + 2) = −1.5, Θ2 = 0.5 + 0.75;
+    # rebased: g = Θ0 − (0 + 2) = −2, Θ2 = 0.5 + 1 (b's own drift, at its share).
+    assert push(core, "b", 2.0, 0).staleness == 1
+    result = core.merge(0, live_count=2)
+    assert result.staleness == (1,)
+    assert theta(core) == expected
+
+
+def test_rebased_equals_pull_at_staleness_zero():
+    results = []
+    for rule in ("pull", "rebased"):
+        core = syncer(outer_gradient=merge.OuterGradientRule(rule), theta=3.0)
+        push(core, "a", 1.0, 0)
+        push(core, "b", -0.5, 0)
+        core.merge(0, live_count=2)
+        results.append(theta(core))
+    assert results == [3.25, 3.25]   # 3 + mean(1, −0.5)
+
+
+# -- one outer step per round -------------------------------------------------------------------
+@pytest.mark.parametrize("rule, last_theta", [("pull", 10 / 3), ("rebased", 3.0)])
+def test_round_of_three_in_three_merges(rule, last_theta):
+    core = syncer(("a", "b", "c"), round_step=merge.RoundStep.PER_ROUND,
+                  outer_gradient=merge.OuterGradientRule(rule))
+    # first merge of the round: a alone, share 1/3 of g = −3: Θ1 = 1
+    push(core, "a", 3.0, 0)
+    first = core.merge(0, live_count=3)
+    assert (first.joined, theta(core)) == (0, 1.0)
+    # b (δ = 6 from v0) joins: the step is taken again from Θ0 with a and b: mean(−3, −6) =
+    # −4.5 at share 2/3: Θ2 = 3 (not 1 + ⅓·(...)): under pull, b's g = Θ1 − 6 = −5 is moved
+    # to the round's start: −5 + (0 − 1) = −6.
+    push(core, "b", 6.0, 0)
+    second = core.merge(0, live_count=3)
+    assert (second.joined, second.learners, theta(core)) == (1, ("b",), 3.0)
+    # last merge of the round: c (δ = 0 from v1, θ_c = Θ1 = 1) joins at share 1. rebased:
+    # g_c = Θ1 − 1 = 0, mean(−3, −6, 0) = −3: Θ3 = 3. pull: g_c = Θ_start − 1 = −1 (c moved
+    # Θ_start by +1 as far as the pull can tell), mean(−3, −6, −1) = −10/3: Θ3 = 10/3.
+    push(core, "c", 0.0, 1)
+    last = core.merge(0, live_count=3)
+    assert last.joined == 2 and theta(core) == pytest.approx(last_theta, abs=1e-6)
+    # the round held every live learner: a's next push opens a new one from Θ3 (+⅓·3)
+    push(core, "a", 3.0, 3)
+    new = core.merge(0, live_count=3)
+    assert new.joined == 0 and theta(core) == pytest.approx(last_theta + 1.0, abs=1e-6)
+
+
+def test_a_learner_already_in_the_round_opens_the_next():
+    core = syncer(("a", "b", "c"), round_step=merge.RoundStep.PER_ROUND)
+    push(core, "a", 3.0, 0)
+    core.merge(0, live_count=3)             # Θ1 = 1 (a alone, share 1/3)
+    push(core, "a", 3.0, 1)                 # a again, before b and c: a new round from Θ1
+    result = core.merge(0, live_count=3)
+    assert (result.joined, theta(core)) == (0, 2.0)
+    assert set(core.slots[0].stepped) == {"a"}
+
+
+def test_per_round_token_weights_and_books_unchanged():
+    core = syncer(round_step=merge.RoundStep.PER_ROUND)
+    # weights c_tokens²/c_steps: 100²/1 = 10⁴ and 300²/3 = 3·10⁴: ¼ and ¾
+    push(core, "a", 4.0, 0, tokens=100, steps=1)
+    core.merge(0, live_count=2)                        # Θ1 = 0 + ½·4 = 2
+    push(core, "b", 8.0, 0, tokens=300, steps=3)       # joins: ¼·4 + ¾·8 = 7 at share 1
+    core.merge(0, live_count=2)
+    assert theta(core) == 7.0
+    # the books count each push once, in the merge that included it
+    assert core.ledger["a"].merged_tokens_total == 100
+    assert core.ledger["b"].merged_tokens_total == 300
+
+
+def test_per_merge_is_todays_rule():
+    core = syncer()                                    # the defaults before issue 34
+    push(core, "a", 4.0, 0)
+    core.merge(0, live_count=2)                        # Θ1 = 2
+    push(core, "b", 8.0, 0)                            # pull, stale: g = 2 − 8 = −6, share ½
+    core.merge(0, live_count=2)
+    assert theta(core) == 5.0
+
+
+def test_a_lone_stale_push_is_discounted_by_the_share():
+    core = syncer(outer_gradient=merge.OuterGradientRule.REBASED, staleness_share=1.0)
+    push(core, "a", 4.0, 0)
+    core.merge(0, live_count=2)                        # staleness 0: share ½, Θ1 = 2
+    push(core, "b", 4.0, 0)                            # staleness 1: share ½ · ½ = ¼
+    core.merge(0, live_count=2)
+    assert theta(core) == 3.0
+    # a staleness *discount* of the weights does nothing to a lone push
+    core = syncer(outer_gradient=merge.OuterGradientRule.REBASED, staleness_discount=1.0)
+    push(core, "a", 4.0, 0)
+    core.merge(0, live_count=2)
+    push(core, "b", 4.0, 0)
+    core.merge(0, live_count=2)
+    assert theta(core) == 4.0
+
+
+def test_a_push_across_a_syncer_restart_opens_a_new_round():
+    core = syncer(round_step=merge.RoundStep.PER_ROUND,
+                  outer_gradient=merge.OuterGradientRule.REBASED)
+    push(core, "a", 4.0, 0)
+    core.merge(0, live_count=2)                        # Θ1 = 2, a stepped in the open round
+    arrays, meta = state.snapshot_tree(core)
+    restarted = syncer((), round_step=merge.RoundStep.PER_ROUND,
+                       outer_gradient=merge.OuterGradientRule.REBASED)
+    state.restore_into(restarted, arrays, meta)
+    restarted.register("b", 0)
+    # b re-registered and pushes from the restored v1: a new round (the restarted syncer does
+    # not know a's part), share ½ of g = Θ1 − (2 + 2) = −2: Θ2 = 3
+    push(restarted, "b", 2.0, 1)
+    result = restarted.merge(0, live_count=2)
+    assert (result.joined, result.staleness, theta(restarted)) == (0, (0,), 3.0)
+
+
+# -- the fleet clock ----------------------------------------------------------------------------
+def test_merges_carry_the_fleet_step_to_the_learners():
+    core = syncer(schedule_clock=merge.ScheduleClock.FLEET)
+    for name in ("a", "b"):   # registered long enough ago to have taken 30 steps
+        core.registered_at[name] = (0, time.monotonic() - 60.0)
+    push(core, "a", 1.0, 0, step=30)
+    push(core, "b", 1.0, 0, step=10)
+    result = core.merge(0, live_count=2)
+    assert result.fleet_step == 20.0 == core.fleet_step()
+    updates = core.updates(result)
+    assert {u.fleet_step for u in updates.values()} == {20.0}
+    assert isinstance(updates["a"], downlink.FullUpdate)
+    # without the fleet clock, nothing rides along
+    plain = syncer()
+    plain.registered_at["a"] = (0, time.monotonic() - 60.0)
+    push(plain, "a", 1.0, 0, step=30)
+    assert plain.updates(plain.merge(0, live_count=2))["a"].fleet_step is None
+
+
+def schedule_count(opt_state):
+    return int(opt_state[1][2].count)
+
+
+def test_a_learner_adopts_the_fleets_schedule_position():
+    params = {"w": np.zeros((2, 2), np.float32)}
+    plan = fragments.partition(params, 1)
+    opt = inner.inner_optimizer()
+    core = LearnerCore("a", params, opt.init(params), plan, [0],
+                       error_feedback=_NoEF(), wire_bytes=lambda codes: 0, decode=decode,
+                       overlap_steps=2, carry_overlap=False)
+    core.step = 40                      # it pushed at its step 40 ...
+    core.tracks[0].in_flight_since_step = 40
+    core.step = 43                      # ... and adopts 3 steps later
+    core.offer_reply(0, downlink.FullUpdate(params, 1, fleet_step=100.0), 1)
+    assert core.adopt_ready() == [0]
+    assert schedule_count(core.opt_state) == 103
+    assert int(core.opt_state[1][0].count) == 0         # Adam's own count is not touched
+    # an update without the fleet's step leaves the count alone
+    core.tracks[0].in_flight_since_step = 43
+    core.step = 45
+    core.offer_reply(0, downlink.FullUpdate(params, 2), 2)
+    core.adopt_ready()
+    assert schedule_count(core.opt_state) == 103
+
+
+class _NoEF:
+    def init(self, tree):
+        return None
+
+    def update(self, drift, state):
+        return drift, state
