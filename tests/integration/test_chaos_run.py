@@ -120,7 +120,11 @@ def run_plan_inprocess(config):
     from islands.syncer import codec as codec_lib
     from islands.syncer import fragments, outer
 
-    inner = optax.adam(1e-2)
+    from islands.learners.inner import inner_optimizer
+
+    # The job's own inner optimizer (AdamW on its schedule): the syncer reads drifts in units of
+    # that schedule, at the learner's or the fleet's step (syncer.schedule_clock).
+    inner = inner_optimizer(**build.training_spec(config).inner)
     params = {"w": jnp.ones((4, 2)) * 0.1, "b": jnp.zeros(2)}
 
     @jax.jit
