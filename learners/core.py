@@ -132,6 +132,9 @@ class LearnerCore:
         self.tokens_done = 0       # this incarnation
         self.compute_s = 0.0       # this incarnation's inner-step seconds
         self.fates = IncarnationFates(plan.num_fragments)  # where each step's tokens went
+        # Merged global fragments adopted by this incarnation (adopt_ready): above 0, it has
+        # adopted the cluster's Θ since it started (``has_adopted``; the heartbeat's ``adopted``).
+        self.merges_adopted = 0
         self.tracks = []
         for p in range(plan.num_fragments):
             base = self.place(fragments_lib.extract(params, plan, p))
@@ -310,7 +313,14 @@ class LearnerCore:
                 self.fates.overwritten(p)   # the steps since the push are replaced
             self.adopt(p, fragment, version, carry=self.carry_overlap)
             adopted.append(p)
+        self.merges_adopted += len(adopted)
         return adopted
+
+    @property
+    def has_adopted(self) -> bool:
+        """Whether this incarnation adopted a merged global fragment since it started: until then
+        it is no peer donor of its inner state (``fleet.peer_for``)."""
+        return self.merges_adopted > 0
 
     def adopt(self, p: int, fragment: Any, version: int, carry: bool = False) -> None:
         """Takes fragment p from the syncer: a merged fragment or a downlink update of it, which

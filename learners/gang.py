@@ -32,6 +32,8 @@ import socket
 from dataclasses import dataclass, field
 from typing import Any
 
+import ray
+
 from .devices import apply_env, check_devices
 
 log = logging.getLogger("islands.learner")
@@ -117,7 +119,6 @@ class Gang:
     step ops they replay."""
 
     def __init__(self, spec):
-        import ray
         from ray.util.placement_group import get_current_placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -160,7 +161,6 @@ class Gang:
 
     def check(self) -> None:
         """Raises if a member's ``run`` has ended: the unit has failed."""
-        import ray
 
         ready, _ = ray.wait(self.runs, num_returns=len(self.runs), timeout=0)
         for ref in ready:

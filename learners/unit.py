@@ -14,6 +14,7 @@ import time
 from typing import Any, Optional
 
 import numpy as np
+import ray
 
 from islands.syncer import downlink as downlink_lib
 
@@ -188,7 +189,6 @@ class LearnerUnit:
 
     def _prepare_now(self) -> dict:
         import jax
-        import ray
 
         from .task import TaskStream
 
@@ -238,7 +238,6 @@ class LearnerUnit:
 
     def _run(self) -> None:
         import jax
-        import ray
 
         from .task import TaskStream
 
@@ -422,7 +421,6 @@ class LearnerUnit:
 
     def _collect_replies(self, sender, arrived) -> None:
         """Moves finished push futures into ``arrived`` (with the emulated downlink delay)."""
-        import ray
 
         from islands.syncer.actor import ReplyStatus
 
@@ -463,7 +461,6 @@ class LearnerUnit:
         """Registers with every syncer shard; returns the fragments and versions by global id.
         Shard 0 hands out the session; the other shards take the same one, so a push carries one
         session whatever shard it goes to."""
-        import ray
 
         spec = self.spec
         self.syncers, self.epochs, self.shard_of = [], [], {}
@@ -514,7 +511,6 @@ class LearnerUnit:
     def _reregister(self, syncer_shard: int = 0) -> None:
         """Joins a restarted syncer shard: new epoch, new bases for its fragments; local progress
         is kept as drift. The other shards' fragments are untouched."""
-        import ray
 
         with self.lock:  # what this learner adopted: a restored syncer takes newer versions
             adopted = [(t.base_version, {k: np.asarray(v) for k, v in t.base.items()})
@@ -598,7 +594,6 @@ class _Sender:
             return failed
 
     def finished(self) -> list:
-        import ray
 
         with self.lock:
             if not self.pending:
@@ -670,7 +665,6 @@ def start_profiler() -> Optional[str]:
             sock.bind(("", 0))
             port = sock.getsockname()[1]
         jax.profiler.start_server(port)
-        import ray
 
         return f"{ray.util.get_node_ip_address()}:{port}"
     except Exception as exc:
@@ -680,7 +674,6 @@ def start_profiler() -> Optional[str]:
 
 def _node_id() -> Optional[str]:
     try:
-        import ray
 
         return ray.get_runtime_context().get_node_id()
     except Exception:

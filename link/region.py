@@ -142,6 +142,14 @@ class RegionController(Controller):
         """Chaos on the region's link acts on the real link (the relay), not in the learners."""
         self.syncer.link_fault.remote(a.fault)
 
+    def _do_partitionhome(self, a) -> None:
+        raise RuntimeError("a home partition is the home's chaos: a region agent's fleet has no "
+                           "remote regions, so it never asks for one")
+
+    def _do_restartremote(self, a) -> None:
+        raise RuntimeError(f"RestartRemote({a.learner}): the region's learners are the agent's "
+                           "own; the home's verdicts reach it as Unhealthy (home_verdict)")
+
     def link_status(self) -> dict:
         import ray
 

@@ -3,19 +3,24 @@ syncer's rounds, quorum and books.
 
 ``LinkServicer`` turns each call into one call on a ``home`` backend (``RayHome``: the job's
 syncer and controller actors by name); ``serve`` starts it with the token interceptor, TLS and the
-size limits; ``LinkServer`` is the thin Ray actor the job starts when ``link.port`` is set.
+size limits; ``LinkServer`` is the thin Ray actor the job starts when ``link.port`` is set. Ray
+restarts it when its process dies (``LINK_SERVER_MAX_RESTARTS``): it binds the same port again
+and answers the retries of pushes it had taken from ``ReplyJournal`` (``RUN_DIR/link``).
 """
 
 from __future__ import annotations
 
+import base64
 import collections
+import dataclasses
 import json
 import logging
+import os
 import threading
 import time
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import grpc
 
@@ -27,6 +32,14 @@ from .security import TokenInterceptor, server_credentials
 log = logging.getLogger("islands.link")
 
 LINK_SERVER_NAME = "islands:link"
+# Ray restarts the link server's actor this many times (as the home controller's); each restart
+# binds the same port and answers retried pushes from the journal.
+LINK_SERVER_MAX_RESTARTS = 10
+LINK_DIR = "link"          # RUN_DIR/link: the reply journal and the server's port
+# A retried push that an earlier life of the link server took but never got the syncer's answer
+# for: it may have merged (or may still merge). It is refused with the current global fragment,
+# so the learner starts over from it (its drift is not sent again: it merges once at most).
+IN_DOUBT = "in_doubt"
 
 
 @dataclass(frozen=True)
@@ -71,17 +84,29 @@ class PushOnce:
     The replies of the last ``keep`` pushes are kept (a learner's next push of a fragment comes
     only after its reply, so a few per learner and fragment is plenty); a push still in flight is
     never let go of.
+
+    With a ``journal`` (``ReplyJournal``) the replies outlive the process: each push is journaled
+    as taken before it goes to the syncer and with its reply before that leaves, and a new
+    ``PushOnce`` over the same journal (the restarted link server) answers a retry from it. A
+    retry of a push taken but never answered there (the server died while the syncer held it) is
+    in doubt: ``run``'s ``in_doubt()`` answers it instead of the syncer.
     """
 
-    def __init__(self, keep: int = 4096):
+    def __init__(self, keep: int = 4096, journal: Optional["ReplyJournal"] = None):
         self.keep = int(keep)
         self.lock = threading.Lock()
         self.entries: collections.OrderedDict = collections.OrderedDict()  # id -> _Taken
-        # arrivals, taken, answered_again, retried_after_failure
+        # arrivals, taken, answered_again, retried_after_failure, answered_from_journal, in_doubt
         self.counts = collections.Counter()
+        self.journal = journal
+        # What an earlier life journaled: id -> ("reply", encoded) or ("taken", about).
+        self.recovered: dict = journal.recovered() if journal is not None else {}
 
-    def run(self, push_id: str, take, is_active=lambda: True, poll_s: float = 0.25):
+    def run(self, push_id: str, take, is_active=lambda: True, poll_s: float = 0.25,
+            about: Optional[dict] = None, in_doubt: Optional[Callable] = None):
         """``take()`` (the push to the syncer) once for ``push_id``; its reply to every arrival.
+        ``about``: what the journal records of the push (learner, fragment, step, …);
+        ``in_doubt()``: the reply to a push an earlier life took and never answered.
 
         Raises:
           ConnectionAbortedError: this arrival's own call ended (``is_active()`` turned False)
@@ -97,19 +122,10 @@ class PushOnce:
                 first = entry is None
                 if first:
                     entry = self.entries[push_id] = _Taken()
-                    self.counts["taken"] += 1
+                    earlier = self.recovered.pop(push_id, None)
                     self._trim()
             if first:
-                try:
-                    entry.reply = take()
-                except BaseException:
-                    with self.lock:
-                        self.entries.pop(push_id, None)
-                    entry.failed = True
-                    entry.done.set()
-                    raise
-                entry.done.set()
-                return entry.reply
+                return self._first(push_id, entry, earlier, take, about, in_doubt)
             while not entry.done.wait(poll_s):
                 if not is_active():
                     raise ConnectionAbortedError(f"push {push_id}: the caller left")
@@ -119,6 +135,53 @@ class PushOnce:
                 return entry.reply
             with self.lock:
                 self.counts["retried_after_failure"] += 1
+
+    def _first(self, push_id, entry, earlier, take, about, in_doubt):
+        """The first arrival (in this life) of ``push_id``: answers it and wakes its retries."""
+        journal = self.journal
+        try:
+            if earlier is not None and earlier[0] == "reply":
+                try:
+                    entry.reply = journal.decode(earlier[1])
+                except Exception as exc:   # a corrupt entry: the push is in doubt
+                    log.error("link: the journaled reply to push %s is unreadable: %r",
+                              push_id, exc)
+                    earlier = ("taken", {})
+                else:
+                    with self.lock:
+                        self.counts["answered_from_journal"] += 1
+                    log.info("link: push %s answered from the journal (its reply was lost)",
+                             push_id)
+                    entry.done.set()
+                    return entry.reply
+            if earlier is not None:   # taken by an earlier life, never answered
+                with self.lock:
+                    self.counts["in_doubt"] += 1
+                if in_doubt is None:
+                    raise RuntimeError(f"push {push_id} is in doubt and nothing answers it")
+                log.warning("link: push %s (%s) was taken before the link server restarted and "
+                            "its reply never came: answered as in doubt", push_id, earlier[1])
+                entry.reply = in_doubt()
+            else:
+                with self.lock:
+                    self.counts["taken"] += 1
+                if journal is not None:
+                    journal.taken(push_id, about)
+                entry.reply = take()
+        except BaseException:
+            with self.lock:
+                self.entries.pop(push_id, None)
+                if earlier is not None and earlier[0] == "taken":
+                    self.recovered[push_id] = earlier   # its retry is still in doubt
+            if journal is not None and earlier is None:
+                journal.failed(push_id)
+            entry.failed = True
+            entry.done.set()
+            raise
+        if journal is not None:
+            journal.answered(push_id, entry.reply)   # before the reply leaves
+        entry.done.set()
+        return entry.reply
 
     def _trim(self) -> None:
         """Lets go of the oldest answered pushes beyond ``keep`` (under the lock)."""
@@ -142,15 +205,166 @@ class _Taken:
         self.failed = False
 
 
+def _encode_reply(reply) -> bytes:
+    return wire.reply_to_pb(reply).SerializeToString()
+
+
+def _decode_reply(data: bytes):
+    return wire.reply_from_pb(pb.PushReply.FromString(data))
+
+
+class ReplyJournal:
+    """The link server's exactly-once replies, on disk: ``RUN_DIR/link/replies.jsonl``, one JSON
+    object a line, appended (and flushed) as it happens, so they outlive the server's process:
+
+    - ``{"id": PUSH_ID, "t": …, "kind": "taken", "about": {"learner", "incarnation",
+      "fragment", "step", "epoch"}}``: before the push goes to the syncer;
+    - ``{"id": …, "t": …, "kind": "reply", "reply": BASE64}``: the syncer's reply (the link's
+      ``PushReply`` message, serialized), before it leaves for the region;
+    - ``{"id": …, "t": …, "kind": "failed"}``: the syncer call raised (a retry may take it again).
+
+    A push's last line says where it stands. A torn last line (the process died mid-write) is cut
+    off when the journal is opened, and any line that does not parse is skipped. Once the file
+    holds ``2 × keep`` lines it is rewritten (``os.replace``) with the newest ``keep`` pushes'
+    last lines. Flushed, not fsynced: it outlives the process, not the machine (whose loss takes
+    the home's syncer with it).
+    """
+
+    FILE = "replies.jsonl"
+
+    def __init__(self, directory: str, keep: int = 4096,
+                 encode: Callable[[Any], bytes] = _encode_reply,
+                 decode: Callable[[bytes], Any] = _decode_reply):
+        os.makedirs(directory, exist_ok=True)
+        self.path = os.path.join(directory, self.FILE)
+        self.keep = max(1, int(keep))
+        self.encode, self.decode = encode, decode
+        self.lock = threading.Lock()
+        self.counts = collections.Counter()   # written, write_errors, torn, unreadable, compacted
+        self._last = self._read()   # what the file held when opened: id -> last record
+        self.lines = self._lines_read
+        self._file = open(self.path, "a", encoding="utf-8")
+
+    def _read(self) -> "collections.OrderedDict[str, dict]":
+        """Every push's last record; cuts a torn last line off the file first."""
+        last: collections.OrderedDict = collections.OrderedDict()
+        self._lines_read = 0
+        if not os.path.exists(self.path):
+            return last
+        with open(self.path, "rb+") as f:
+            data = f.read()
+            end = data.rfind(b"\n") + 1
+            if end < len(data):   # the process died mid-line: that push's line is not there
+                self.counts["torn"] += 1
+                log.warning("link: reply journal %s ends in a torn line (%d bytes); cut off",
+                            self.path, len(data) - end)
+                f.truncate(end)
+        for line in data[:end].splitlines():
+            if not line.strip():
+                continue
+            self._lines_read += 1
+            try:
+                record = json.loads(line)
+                push_id = record["id"]
+            except (ValueError, KeyError, TypeError):
+                self.counts["unreadable"] += 1
+                continue
+            last.pop(push_id, None)
+            last[push_id] = record
+        return last
+
+    def recovered(self) -> dict:
+        """What the journal held when it was opened, for a new ``PushOnce``: id -> ("reply",
+        encoded bytes) for an answered push, ("taken", about) for one taken and never answered
+        (in doubt); a failed one is not there (its retry goes to the syncer)."""
+        out = {}
+        with self.lock:
+            for push_id, record in self._last.items():
+                kind = record.get("kind")
+                if kind == "reply":
+                    try:
+                        out[push_id] = ("reply", base64.b64decode(record["reply"]))
+                    except (KeyError, ValueError, TypeError):
+                        self.counts["unreadable"] += 1
+                elif kind == "taken":
+                    out[push_id] = ("taken", record.get("about") or {})
+        return out
+
+    def taken(self, push_id: str, about: Optional[dict] = None) -> None:
+        self._append({"id": push_id, "kind": "taken", "about": about or {}})
+
+    def answered(self, push_id: str, reply) -> None:
+        try:
+            encoded = base64.b64encode(self.encode(reply)).decode("ascii")
+        except Exception as exc:   # never fails the push: its merge happened
+            self.counts["write_errors"] += 1
+            log.error("link: the reply to push %s could not be journaled: %r", push_id, exc)
+            return
+        self._append({"id": push_id, "kind": "reply", "reply": encoded})
+
+    def failed(self, push_id: str) -> None:
+        self._append({"id": push_id, "kind": "failed"})
+
+    def _append(self, record: dict) -> None:
+        record["t"] = round(time.time(), 3)
+        line = json.dumps(record, separators=(",", ":")) + "\n"
+        with self.lock:
+            try:
+                self._file.write(line)
+                self._file.flush()
+            except (OSError, ValueError) as exc:   # a full disk: the replies stay in memory
+                self.counts["write_errors"] += 1
+                log.error("link: reply journal %s: %r", self.path, exc)
+                return
+            self.counts["written"] += 1
+            self.lines += 1
+            if self.lines >= 2 * self.keep:
+                self._compact()
+
+    def _compact(self) -> None:
+        """Rewrites the file with the newest ``keep`` pushes' last lines (under the lock)."""
+        self._file.close()
+        try:
+            with open(self.path, "rb") as f:
+                last: collections.OrderedDict = collections.OrderedDict()
+                for line in f.read().splitlines():
+                    try:
+                        push_id = json.loads(line)["id"]
+                    except (ValueError, KeyError, TypeError):
+                        continue
+                    last.pop(push_id, None)
+                    last[push_id] = line
+            kept = list(last.items())[-self.keep:]
+            tmp = self.path + ".tmp"
+            with open(tmp, "wb") as f:
+                f.write(b"".join(line + b"\n" for _, line in kept))
+            os.replace(tmp, self.path)
+            self.lines = len(kept)
+            self.counts["compacted"] += 1
+        except OSError as exc:
+            self.counts["write_errors"] += 1
+            log.error("link: reply journal %s could not be compacted: %r", self.path, exc)
+        finally:
+            self._file = open(self.path, "a", encoding="utf-8")
+
+    def close(self) -> None:
+        with self.lock:
+            self._file.close()
+
+
 class LinkServicer(pb_grpc.LinkServicer):
-    def __init__(self, home, config_json: str, settings: ServerSettings):
+    def __init__(self, home, config_json: str, settings: ServerSettings,
+                 journal: Optional[ReplyJournal] = None):
         self.home, self.settings = home, settings
         self.config_json = config_json
         self.config = json.loads(config_json)
         self.lock = threading.Lock()
         self.regions: dict[str, dict] = {}   # per region: what its agent last reported
         self.ended: Optional[str] = None     # set when the home job ends: agents are told so
-        self.pushes = PushOnce()             # kept across a partition (the same servicer)
+        # Kept across a partition (the same servicer); with a journal, across a restart too.
+        self.pushes = PushOnce(journal=journal)
+        self.hold_until_s = 0.0              # chaos: replies wait until then (hold_replies)
+        self.held = 0
 
     # -- helpers --------------------------------------------------------------------------------
     def _read(self, stream, message_type, context):
@@ -217,12 +431,40 @@ class LinkServicer(pb_grpc.LinkServicer):
             push = wire.push_from_pb(msg)
         except wire.WireError as exc:
             context.abort(grpc.StatusCode[exc.code], str(exc))
+        about = {"learner": push.learner, "incarnation": int(push.incarnation),
+                 "fragment": int(push.fragment), "step": int(push.step),
+                 "epoch": int(push.epoch)}
         try:
             reply = self.pushes.run(msg.push_id, lambda: self._call(context, self.home.push, push),
-                                    context.is_active)
+                                    context.is_active, about=about,
+                                    in_doubt=lambda: self._in_doubt(push, context))
         except ConnectionAbortedError as exc:
             context.abort(grpc.StatusCode.CANCELLED, str(exc))
+        self._hold(context)
         yield from self._send(wire.reply_to_pb(reply), context)
+
+    def _in_doubt(self, push, context):
+        """The reply to a push an earlier life of this server took and never got the syncer's
+        answer for: it may have merged, or may still. Sending it again could merge it twice; so it
+        is refused (``IN_DOUBT``) with the current global fragment, from which the learner starts
+        over (its drift counts as refused in its books, whatever became of it at home)."""
+        from islands.syncer.actor import Reply
+
+        now = getattr(self.home, "fragment", None)
+        params, version = (self._call(context, now, push.fragment) if now is not None
+                           else (None, -1))
+        return Reply("rejected", push.fragment, push.epoch, params, int(version),
+                     reason=IN_DOUBT, detail="the home's link server restarted while the home "
+                     "held this push: it may have merged; start over from the global fragment")
+
+    def _hold(self, context) -> None:
+        """Chaos (``LinkServer.hold_replies``): the reply, journaled already, waits."""
+        if time.time() >= self.hold_until_s:
+            return
+        with self.lock:
+            self.held += 1
+        while time.time() < self.hold_until_s and context.is_active():
+            time.sleep(0.05)
 
     def Forget(self, request, context):
         wire.check_known_fields(request)
@@ -271,14 +513,15 @@ class LinkServicer(pb_grpc.LinkServicer):
         yield from self._send(reply, context)
 
 
-def serve(home, config_json: str, settings: ServerSettings, with_servicer: bool = False):
+def serve(home, config_json: str, settings: ServerSettings, with_servicer: bool = False,
+          journal: Optional[ReplyJournal] = None):
     """Starts the link server; returns it and the bound port (``settings.port`` 0 picks one),
-    and its servicer ``with_servicer``.
+    and its servicer ``with_servicer``. ``journal``: where its exactly-once replies are kept.
 
     Without a certificate the server is plaintext (loopback trials and tests only; a job config
     that binds another address must give one: checked in JobConfig).
     """
-    servicer = LinkServicer(home, config_json, settings)
+    servicer = LinkServicer(home, config_json, settings, journal)
     server, port = _start(servicer, settings, settings.port)
     return (server, port, servicer) if with_servicer else (server, port)
 
@@ -457,27 +700,99 @@ class RayHome:
                 versions[p] = v
         return flat, versions
 
+    def fragment(self, p: int):
+        """(global fragment ``p`` now, its version), from the shard that owns it."""
+        s = self.shard_of.get(p, 0)
+        part, local = self._sync("global_params", shard=s)
+        return {k: part[k] for k in self.paths[p]}, int(local[list(self.owned[s]).index(p)])
+
     def fragment_paths(self) -> list:
         return self.paths
 
 
 class LinkServer:
-    """The Ray actor that serves the link in the home cluster (named ``islands:link``)."""
+    """The Ray actor that serves the link in the home cluster (named ``islands:link``).
+
+    Started with ``max_restarts`` (``LINK_SERVER_MAX_RESTARTS``): when its process dies, Ray
+    runs ``__init__`` again with the same arguments. With a ``state_dir`` (``RUN_DIR/link``) it
+    then finds its own earlier life there (``server.json``, the same ``start_id``): it binds the
+    port that life bound (the regions know that address; ``link.port`` 0 too), counts one more
+    ``incarnation``, and answers retried pushes from the ``ReplyJournal`` there. A new job run
+    (another ``start_id``) binds ``link.port`` afresh and keeps the journal's replies.
+    """
+
+    STATE_FILE = "server.json"
 
     def __init__(self, config_json: str, settings: ServerSettings, paths: list, owned: tuple,
                  namespace: str = "islands", syncer_name: str = "islands:syncer",
-                 controller_name: str = "islands:controller"):
+                 controller_name: str = "islands:controller", state_dir: Optional[str] = None,
+                 start_id: str = "", rebind_s: float = 30.0):
         """``paths``, ``owned``: each fragment's parameter paths and each syncer shard's fragments
         (``orchestrator.build.fragment_layout``), by which a remote push is routed."""
-        self.settings = settings
         self.home = RayHome(namespace, syncer_name, controller_name, paths, owned=owned)
         self.job = json.loads(config_json).get("name")
-        server, self.port, self.servicer = serve(self.home, config_json, settings,
-                                                 with_servicer=True)
+        self.state_dir, self.start_id = state_dir, start_id
+        self.incarnation, self.started_s = 0, time.time()
+        self.journal = ReplyJournal(state_dir) if state_dir else None
+        earlier = self._earlier_life()
+        if earlier is not None:
+            self.incarnation = int(earlier.get("incarnation", 0)) + 1
+            settings = dataclasses.replace(settings, port=int(earlier["port"]))
+        self.settings = settings
+        deadline = time.time() + (rebind_s if earlier is not None else 0.0)
+        while True:   # a restart's port: the dead process's socket may take a moment to go
+            try:
+                server, self.port, self.servicer = serve(self.home, config_json, settings,
+                                                         with_servicer=True, journal=self.journal)
+                break
+            except (OSError, RuntimeError):
+                if time.time() >= deadline:
+                    raise
+                time.sleep(0.2)
         self.net = Partitionable(self.servicer, settings, server, self.port)
+        self._write_state()
+        if self.incarnation:
+            recovered = self.servicer.pushes.recovered
+            log.warning("link: the link server restarted (incarnation %d) on %s; its journal "
+                        "holds %d replies and %d pushes in doubt", self.incarnation,
+                        self.address(), sum(1 for k, _ in recovered.values() if k == "reply"),
+                        sum(1 for k, _ in recovered.values() if k == "taken"))
+
+    def _earlier_life(self) -> Optional[dict]:
+        """This job run's earlier life of the server (its state file), or None."""
+        if not (self.state_dir and self.start_id):
+            return None
+        try:
+            with open(os.path.join(self.state_dir, self.STATE_FILE)) as f:
+                state = json.load(f)
+        except (OSError, ValueError):
+            return None
+        return state if state.get("start_id") == self.start_id and "port" in state else None
+
+    def _write_state(self) -> None:
+        if not self.state_dir:
+            return
+        path = os.path.join(self.state_dir, self.STATE_FILE)
+        with open(path + ".tmp", "w") as f:
+            json.dump({"start_id": self.start_id, "host": self.settings.host, "port": self.port,
+                       "incarnation": self.incarnation, "pid": os.getpid(),
+                       "started_s": self.started_s}, f)
+        os.replace(path + ".tmp", path)
 
     def address(self) -> str:
         return f"{self.settings.host}:{self.port}"
+
+    def info(self) -> dict:
+        """Its address, incarnation (restarts by Ray), process, and the exactly-once counts."""
+        return {"address": self.address(), "incarnation": self.incarnation, "pid": os.getpid(),
+                "started_s": self.started_s, "pushes": dict(self.servicer.pushes.counts),
+                "journal": dict(self.journal.counts) if self.journal is not None else None,
+                "held": self.servicer.held}
+
+    def hold_replies(self, duration_s: float) -> None:
+        """Chaos: the replies to pushes wait (journaled already) for up to ``duration_s`` before
+        they leave, as replies lost on the way look if the server dies meanwhile."""
+        self.servicer.hold_until_s = time.time() + float(duration_s)
 
     def end(self, wait_s: float = 3.0) -> list:
         """The home job ended: every later report is answered so, for up to ``wait_s`` or until
@@ -509,6 +824,8 @@ class LinkServer:
 
     def stop(self) -> None:
         self.net.stop(grace=1.0)
+        if self.journal is not None:
+            self.journal.close()
 
     def ping(self) -> str:
         return "ok"

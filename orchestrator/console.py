@@ -207,6 +207,34 @@ def goodput_series(history: list, now_s: float, span_s: float, window_s: float,
     return out
 
 
+def participation(syncer: dict, counts: dict) -> dict:
+    """What the syncer card shows of merge participation: per fragment, the learners of its last
+    merge and the live learners then (``"n/M"``), and over every merge that replaced Θ the mean
+    participants and the mean share of the live learners.
+
+    >>> participation({"quorum_size": {"0": 16, "1": 15}, "live_learners": {"0": 30, "1": 30}},
+    ...               {"16/30": 3, "15/30": 1})
+    {'last': {'0': '16/30', '1': '15/30'}, 'merges': 4, 'mean_participants': 15.75, 'mean_ratio': 0.525}
+    """
+    from islands.syncer.core import parse_participation_key
+
+    quorum = syncer.get("quorum_size") or {}
+    live = syncer.get("live_learners") or {}
+    last = {str(p): f"{n}/{live.get(p, live.get(str(p), '?'))}"
+            for p, n in sorted(quorum.items(), key=lambda kv: int(kv[0]))}
+    merges = n_sum = 0
+    ratios: list = []
+    for key, times in counts.items():
+        n, m = parse_participation_key(key)
+        merges += int(times)
+        n_sum += n * int(times)
+        if m:
+            ratios += [n / m] * int(times)
+    return {"last": last, "merges": merges,
+            "mean_participants": n_sum / merges if merges else None,
+            "mean_ratio": round(sum(ratios) / len(ratios), 4) if ratios else None}
+
+
 def console_state(controller: Any, allow_chaos: bool) -> dict:
     """Everything the page shows, from one snapshot (strict JSON: NaN is null)."""
     import time
@@ -234,6 +262,7 @@ def console_state(controller: Any, allow_chaos: bool) -> dict:
                     for name, region in controller.config.regions.items()},
         "learners": learners, "spares": snap.get("spares") or {}, "syncer": snap["syncer"],
         "syncer_restarts": snap["syncer_restarts"], "goodput": snap["goodput"],
+        "participation": participation(snap["syncer"], snap.get("participation_counts") or {}),
         "goodput_series": goodput_series(list(controller.goodput_history), now,
                                          max(600.0, window_s), window_s),
         "tokens": snap["tokens"], "train_loss": snap["train_loss"],

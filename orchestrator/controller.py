@@ -22,6 +22,7 @@ from concurrent.futures import Future
 from typing import Any, Optional
 
 from . import fleet as fleet_lib
+from . import seam
 from .books import Books
 from islands.learners.fates import newest
 from .chaos import HOME_TARGET, Fault, FaultKind
@@ -96,7 +97,8 @@ class Controller:
         self.shard_refusals_seen: list = []
         self.syncer_restarts = 0
         self.refusals_seen = 0               # the current syncer's refusals already emitted
-        self.syncer_closed: dict = {"rejected": {}, "staleness_counts": {}}
+        self.syncer_closed: dict = {"rejected": {}, "staleness_counts": {},
+                                    "participation_counts": {}}
         self.eval_history: list[tuple[float, int, float]] = []
         self.initial_eval_loss: Optional[float] = None
         self.recoveries: list[dict] = []
@@ -113,6 +115,8 @@ class Controller:
         self.settings = build.controller_settings(config)
         self.chaos_plan = build.chaos_plan(config)
         self.state_path = os.path.join(run_dir, "controller_state.json")
+        # Every fleet action's handler, found now: a body missing one does not start.
+        self.handlers = seam.handler_table(self, "_do_")
         if restarted_actor():
             self._recover()
 
@@ -435,11 +439,10 @@ class Controller:
         for transition in result.transitions:
             self._record(transition)
         self.books.track({n: x.state.value for n, x in self.fleet.slots.items()}, time.time())
-        for action in result.actions:
-            try:
-                getattr(self, "_do_" + type(action).__name__.lower())(action)
-            except Exception as exc:
-                self.emit("action_failed", action=type(action).__name__, error=repr(exc)[:300])
+        seam.dispatch_all(self.handlers, result.actions, on_error=self._action_failed)
+
+    def _action_failed(self, action, exc: Exception) -> None:
+        self.emit("action_failed", action=type(action).__name__, error=repr(exc)[:300])
 
     def _record(self, t: fleet_lib.Transition) -> None:
         fields = dict(t.fields)
@@ -486,7 +489,8 @@ class Controller:
                 with self.lock:
                     observe_step(self.step_seconds, slot.region, float(beat.step_time_s))
         self.inbox.put((fleet_lib.Beat(beat.learner, beat.incarnation, beat.training,
-                                       beat.step_time_s, beat.node_id, beat.ready_at), None))
+                                       beat.step_time_s, beat.node_id, beat.ready_at,
+                                       adopted=beat.adopted > 0), None))
 
     def _ended_runs(self) -> list:
         out = []
@@ -710,10 +714,12 @@ class Controller:
         reported."""
         s, last = a.shard, self.shard_status[a.shard]
         with self.lock:
-            for key in ("rejected", "staleness_counts"):
+            for key in ("rejected", "staleness_counts", "participation_counts"):
+                closed = self.syncer_closed.setdefault(key, {})
                 for k, n in (last.get(key) or {}).items():
-                    self.syncer_closed[key][k] = self.syncer_closed[key].get(k, 0) + n
-            self.shard_status[s] = {**last, "rejected": {}, "staleness_counts": {}}
+                    closed[k] = closed.get(k, 0) + n
+            self.shard_status[s] = {**last, "rejected": {}, "staleness_counts": {},
+                                    "participation_counts": {}}
             self.syncer_status = self._combined_status()
         self.syncer_restarts += 1
         self.shard_refusals_seen[s] = 0

@@ -155,6 +155,9 @@ class Slot:
     tolerated_incarnation: int = -1      # ... the newest of them (one event per incarnation)
     # Draining because its node is (a planned preemption): restarted elsewhere once drained.
     preempted_s: Optional[float] = None
+    # This incarnation has adopted a merged global fragment since it started (its beats say so):
+    # only then may it donate its inner optimizer state to a restarting peer (peer_for).
+    adopted: bool = False
 
     @property
     def restart_counts(self) -> dict[Cause, int]:
@@ -283,6 +286,9 @@ class Beat:
     step_time_s: Optional[float] = None
     node_id: Optional[str] = None
     ready_at_s: Optional[float] = None  # when its restore finished
+    # It has adopted a merged global fragment since this incarnation started (the heartbeat's
+    # ``adopted`` count is above 0). Once true it stays true for the incarnation.
+    adopted: bool = False
 
 
 @dataclass(frozen=True)
@@ -558,8 +564,14 @@ class StartSyncer:
     restore: bool = True
 
 
-Action = Union[Launch, Kill, Forget, DrainLearner, PauseLearner, Slowdown, Hang, LinkFault,
-               KillSyncer, LaunchSpare, KillSpare, RestartRemote, StartSyncer]
+# Every action type ``step`` can return: each body (controller.py, link/region.py, inprocess.py)
+# has a handler for each (seam.py builds its table at its start; tests/unit/test_seam.py checks
+# that every class of this section is here and that every body handles all of them).
+ACTIONS: tuple[type, ...] = (Launch, LaunchSpare, KillSpare, Kill, Forget, DrainLearner,
+                             PauseLearner, Slowdown, Hang, LinkFault, PartitionHome,
+                             RestartRemote, KillSyncer, StartSyncer)
+Action = Union[Launch, LaunchSpare, KillSpare, Kill, Forget, DrainLearner, PauseLearner, Slowdown,
+               Hang, LinkFault, PartitionHome, RestartRemote, KillSyncer, StartSyncer]
 
 
 @dataclass(frozen=True)
@@ -634,9 +646,13 @@ class _Machine:
         return max(total, len(self.fleet.slots), 1)
 
     def peer_for(self, learner: str, region: str) -> Optional[str]:
-        """The one peer-choice policy: a training learner of the same region, else any."""
+        """The one peer-choice policy: a training learner of the same region, else any; only
+        one that has adopted the global parameters since it (re)started (``Slot.adopted``). A
+        learner that has not holds a fresh or borrowed inner state that never stepped against
+        the cluster's Θ: copying it would hand a restart nothing better than its own fresh one.
+        None: the restart starts a fresh inner state."""
         training = [s for s in self.fleet.slots.values()
-                    if s.state == SlotState.TRAINING and s.learner != learner]
+                    if s.state == SlotState.TRAINING and s.learner != learner and s.adopted]
         same = [s for s in training if s.region == region]
         chosen = (same or training or [None])[0]
         return chosen.learner if chosen else None
@@ -659,7 +675,7 @@ class _Machine:
         slot = self.put(dataclasses.replace(
             slot, last_beat_s=self.now,
             step_time_s=beat.step_time_s if beat.step_time_s is not None else slot.step_time_s,
-            node_id=beat.node_id or slot.node_id))
+            node_id=beat.node_id or slot.node_id, adopted=slot.adopted or beat.adopted))
         if slot.state == SlotState.STARTING and beat.training:
             recovery = dict(slot.recovery or ())
             if slot.recovery is not None and beat.ready_at_s is not None:
@@ -934,6 +950,7 @@ class _Machine:
         # Its own heartbeats, not its agent's reports, keep it alive here (check_health).
         slot = self.put(dataclasses.replace(
             slot, incarnation=r.incarnation, shard=r.shard,
+            adopted=slot.adopted and not new_incarnation,
             last_beat_s=self.now if r.beat else slot.last_beat_s,
             step_time_s=r.step_time_s or slot.step_time_s,
             # One restart budget per learner: its agent's (the home never counts its own).
@@ -1170,7 +1187,7 @@ class _Machine:
         slot = dataclasses.replace(slot, launched_s=self.now, last_beat_s=None, step_time_s=None,
                                    slow_since_s=None, start_step=start_step, restart_at_s=None,
                                    recovery=recovery, actor=spare.name if spare else None,
-                                   node_id=None, preempted_s=None)
+                                   node_id=None, preempted_s=None, adopted=False)
         peer_actor = self.fleet.slots[peer].actor if peer is not None else None
         self.actions.append(Launch(slot.learner, slot.region, slot.incarnation, slot.shard,
                                    self.num_shards(), slot.speed_factor, peer, start_step,

@@ -17,6 +17,8 @@ import dataclasses
 import logging
 from typing import Any, Iterable, Optional
 
+import ray
+
 from .runtime import (NAMESPACE, learner_actor_name, learner_options, release_unit,
                       reserve_unit)
 
@@ -82,7 +84,6 @@ class LearnerGroups:
         """Starts one incarnation: a new unit, or the spare ``spare`` promoted to ``identity``
         (if it died meanwhile its run fails, and the fleet restarts the slot). Returns why it
         could not start (the last incarnation's name is not released yet), or None."""
-        import ray
 
         from islands.learners.unit import LearnerUnit
 
@@ -109,7 +110,6 @@ class LearnerGroups:
     def reattach(self, learner: str, actor: str, hosts: int = 1) -> Optional[dict]:
         """A restarted controller takes over a unit still running under ``actor``'s name: its
         ``ping`` (incarnation, state, start step), or None when it is gone."""
-        import ray
 
         try:
             handle = ray.get_actor(learner_actor_name(actor), namespace=NAMESPACE)
@@ -123,7 +123,6 @@ class LearnerGroups:
 
     def launch_spare(self, name: str, region: str, devices, spec) -> Optional[str]:
         """Starts a warm spare (a learner's devices, held ready); why not, or None."""
-        import ray
 
         from islands.learners.unit import LearnerUnit
 
@@ -136,7 +135,6 @@ class LearnerGroups:
         return None
 
     def end_spare(self, name: str) -> None:
-        import ray
 
         spare = self.spares.pop(name, None)
         if spare is not None:
@@ -145,7 +143,6 @@ class LearnerGroups:
     def end_stray_spares(self, keep: set) -> None:
         """Ends every spare actor of the job but those in ``keep`` (actor names without the
         ``islands:`` prefix): a restarted controller does not recover waiting spares."""
-        import ray
 
         try:
             names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
@@ -173,7 +170,6 @@ class LearnerGroups:
         """Ends a unit's incarnation: ``exit`` (a hard exit inside it, chaos), ``kill``
         (``ray.kill``; its run future then reports it) or ``bury`` (decided dead: forgotten at
         once, what it held freed). True when the unit is gone from this group."""
-        import ray
 
         unit = self.units.get(learner)
         if unit is None or unit.incarnation != incarnation:
@@ -192,7 +188,6 @@ class LearnerGroups:
         """The units whose runs ended since the last poll, forgotten here and their actors
         and placement groups freed (a returned or crashed run leaves a live actor holding the
         learner's name: a restart could never take it)."""
-        import ray
 
         refs = {u.run_ref: name for name, u in self.units.items() if u.run_ref is not None}
         if not refs:
@@ -220,7 +215,6 @@ class LearnerGroups:
         return out
 
     def spare_results(self) -> list[SpareResult]:
-        import ray
 
         pending = {s.prepare_ref: name for name, s in self.spares.items()
                    if s.prepare_ref is not None}
@@ -240,7 +234,6 @@ class LearnerGroups:
     def wait(self, other_refs: list, timeout_s: float) -> bool:
         """Blocks until a unit's run ends, a spare is ready, one of ``other_refs`` resolves, or
         ``timeout_s``; False at once when there is nothing to wait on."""
-        import ray
 
         refs = [u.run_ref for u in self.units.values() if u.run_ref is not None]
         refs += [s.prepare_ref for s in self.spares.values() if s.prepare_ref is not None]
@@ -252,7 +245,6 @@ class LearnerGroups:
 
     def stop_all(self, timeout_s: float) -> None:
         """Asks every unit to stop and waits for their runs, at most ``timeout_s``."""
-        import ray
 
         for unit in self.units.values():
             try:
@@ -287,7 +279,6 @@ class SyncerShards:
     def start(self, s: int, spec, epoch: int, restore: bool, options: dict,
               timeout_s: float) -> dict:
         """Starts shard ``s`` and waits for it; its ``ready`` answer (epoch, versions, ...)."""
-        import ray
 
         from islands.syncer.actor import Syncer
 
@@ -299,7 +290,6 @@ class SyncerShards:
     def attach(self, s: int, name: str, timeout_s: float) -> dict:
         """Takes over the running actor ``name`` as shard ``s``; its ``ready`` answer. Raises
         when it is gone or does not answer in ``timeout_s``."""
-        import ray
 
         handle = ray.get_actor(name, namespace=NAMESPACE)
         ready = ray.get(handle.ready.remote(), timeout=timeout_s)
@@ -308,7 +298,6 @@ class SyncerShards:
 
     def ended(self) -> list[int]:
         """The shards whose actor has ended since they were started or attached."""
-        import ray
 
         out = []
         for s, ref in enumerate(self.closed_refs):
@@ -317,14 +306,12 @@ class SyncerShards:
         return out
 
     def kill(self, s: int) -> None:
-        import ray
 
         ray.kill(self.handles[s], no_restart=True)
 
     def refusals_since(self, seen: list[int], timeout_s: float = 10) -> list:
         """Every shard's refusals after the ``seen[s]`` it has already reported (``seen`` is
         advanced in place); a shard that cannot answer is asked again next time."""
-        import ray
 
         out = []
         for s, handle in enumerate(self.handles):
@@ -338,7 +325,6 @@ class SyncerShards:
     def forget(self, learner: str, incarnation: int, reason: str,
                timeout_s: float = 10) -> None:
         """Every shard forgets this incarnation (one that is down forgets at its restart)."""
-        import ray
 
         refs = [h.forget.remote(learner, incarnation, reason) for h in self.handles]
         for ref in refs:
@@ -351,7 +337,6 @@ class SyncerShards:
                  timeout_s: float = 10) -> dict[int, dict]:
         """Tells every shard the fleet's pace and pause, and returns the statuses that came
         back (a shard that cannot answer is left out)."""
-        import ray
 
         refs = {}
         for s, handle in enumerate(self.handles):
@@ -370,7 +355,6 @@ class SyncerShards:
 
     def global_params(self, timeout_s: float = 30) -> dict:
         """The global parameters, flat: each shard holds its own fragments' tensors."""
-        import ray
 
         flat = {}
         for part, _ in ray.get([h.global_params.remote() for h in self.handles],
@@ -379,28 +363,24 @@ class SyncerShards:
         return flat
 
     def snapshot_now(self, timeout_s: float = 60) -> None:
-        import ray
 
         ray.get([h.snapshot_now.remote() for h in self.handles], timeout=timeout_s)
 
 
 def share(value: Any) -> Any:
     """Puts ``value`` in Ray's object store once; learners map it from there."""
-    import ray
 
     return ray.put(value)
 
 
 def restarted_actor() -> bool:
     """Whether the calling actor is a restart of an earlier one (Ray restarted it)."""
-    import ray
 
     return ray.get_runtime_context().was_current_actor_reconstructed
 
 
 def cluster_view(regions) -> tuple[dict, frozenset]:
     """(resources by name, alive node ids) of the cluster, for the fleet's membership."""
-    import ray
 
     total = ray.cluster_resources()
     alive = frozenset(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
@@ -411,7 +391,6 @@ def draining_nodes() -> Optional[dict]:
     """The nodes Ray is draining (``ray drain-node``, an autoscaler, a platform's announced
     preemption): node id -> deadline in wall-clock seconds (None: no deadline); None when Ray
     cannot say. The GCS's draining table, as Ray Train v2's preemption watcher polls it."""
-    import ray
 
     try:
         raw = ray._private.state.state.get_draining_nodes()
@@ -427,7 +406,6 @@ def drain_node(node_id: str, deadline_s: Optional[float], message: str) -> None:
     not a live node of this cluster or Ray refuses."""
     import time
 
-    import ray
     from ray.core.generated import autoscaler_pb2
 
     alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}

@@ -10,13 +10,17 @@ its unmerged pushes are dropped (``SyncerCore.forget``); after detect + repair +
 (``chaos.RestartCosts``) a new incarnation registers, takes every fragment from the syncer and the
 inner optimizer state of a live peer (a fresh one when none is alive), and resumes its shard at
 ``syncer.ledger[learner].applied_step``. Slowdowns multiply step time; network faults change the
-region's transfer time; a syncer kill drops the open rounds and fences the old epoch. Goodput
+region's transfer time; a syncer kill drops the open rounds and the fleet restarts it
+(``SyncerCore.restart``) at a new epoch, which fences the old one. Operator commands
+(``commands``: a drain, a pause) go to the same fleet; every action it returns has a handler
+here (orchestrator/seam.py). Goodput
 (docs/architecture.md#goodput) is exact on the virtual clock: applied inner-step seconds (the ledger's
 ``applied_compute``) over the seconds each learner's slot existed, down time included.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import itertools
 import math
@@ -31,6 +35,7 @@ from islands.learners.core import LearnerCore
 from islands.learners.inner import at_schedule_step
 from islands.learners.loop import LearnerLoop
 from islands.orchestrator import fleet as fleet_lib
+from islands.orchestrator import seam
 from islands.orchestrator.books import Books
 from islands.orchestrator.chaos import FaultPlan, RestartCosts
 from islands.orchestrator.health import RestartPolicy
@@ -135,6 +140,7 @@ class RunRecord:
     learners: list[LearnerCore] = field(default_factory=list)  # final cores (restarts included)
     transitions: list[tuple[float, fleet_lib.Transition]] = field(default_factory=list)
     refusals: list[dict] = field(default_factory=list)   # every refused push, with its reason
+    commands_refused: list[tuple] = field(default_factory=list)  # (time_s, command, why)
 
     @property
     def goodput(self) -> float:
@@ -214,7 +220,7 @@ class _Driver:
 
     def __init__(self, *, learners, syncer, train_step, batch_for, tokens_per_batch, fleet,
                  num_fragments, sync_every_steps, steps, evaluate, eval_every_steps, assemble,
-                 faults, restart, opt_init, until_s):
+                 faults, restart, opt_init, until_s, commands=()):
         self.cores: list[LearnerCore] = list(learners)
         self.syncer = syncer
         self.train_step, self.batch_for = train_step, batch_for
@@ -223,6 +229,7 @@ class _Driver:
         self.steps, self.until_s = steps, until_s
         self.evaluate, self.eval_every_steps, self.assemble = evaluate, eval_every_steps, assemble
         self.faults = faults if faults is not None else FaultPlan()
+        self.commands = sorted(commands, key=lambda c: c[0])   # (time_s, fleet observation)
         self.restart, self.opt_init = restart, opt_init
         self.restart_cost = restart.sampler()   # (promotion?) -> seconds: flat or measured
         self.starting = 0                      # processes starting now (restarts, spares)
@@ -271,6 +278,12 @@ class _Driver:
                                 regions=list(self.regions),
                                 down_intervals=[[] for _ in range(n)])
         self.slowest_step_s = max(fleet.nominal_step_s(i) for i in range(n))
+        self.in_step = [False] * n       # between a step's start and its end
+        self.draining: set[int] = set()  # told to drain: no new step, leaves once answered
+        self.retired_at: list[Optional[float]] = [None] * n   # left the fleet (drained)
+        self.settled: set[tuple[int, int]] = set()   # (i, incarnation) whose books are closed
+        # Every fleet action's handler, found now: a driver missing one does not start.
+        self.handlers = seam.handler_table(self, "do_")
 
     # -- setup ----------------------------------------------------------------------------------
     def _check_plan(self) -> None:
@@ -355,6 +368,8 @@ class _Driver:
         self.faults.reset()
         for t in self.faults.times():
             self.schedule(t, _FAULT, "fault", None)
+        for t, command in self.commands:
+            self.schedule(t, _FLEET, "command", command)
         self.maybe_eval(0.0)
         self.fleet_step(0.0, [])  # launches the slots: here they exist already
         self.fleet_step(0.0, [fleet_lib.Beat(name, 0, True, ready_at_s=0.0) for name in self.ids])
@@ -365,6 +380,8 @@ class _Driver:
         while self.events:
             now, _, _, kind, payload = heapq.heappop(self.events)
             getattr(self, "on_" + kind)(now, payload)
+            if self.draining:
+                self.check_drains(now)
             if kind != "spare":  # a spare getting ready after the last step ends no run
                 self.record.end_time_s = now
         return self.finish()
@@ -374,10 +391,14 @@ class _Driver:
         if not self.current(i, incarnation):
             return
         core, loop = self.cores[i], self.loops[i]
+        if i in self.draining:
+            return  # no new step: it leaves once its pushes are answered (check_drains)
         if self.paused[i]:
             self.parked[i] = True  # the quorum floor holds it; a resume starts it again
             return
-        loop.adopt()
+        if loop.adopt() and not self.fleet_state.slots[self.ids[i]].adopted:
+            # Its first adopted merge: the fleet may take it as a peer donor from now on.
+            self.fleet_step(now, [fleet_lib.Beat(self.ids[i], incarnation, True, adopted=True)])
         if core.step >= self.steps or (self.until_s is not None and now >= self.until_s):
             self.finished_at[i] = now
             return
@@ -387,6 +408,7 @@ class _Driver:
         loop.record(dt)
         self.record.tokens_processed += self.tokens_per_batch
         self.record.step_log.append(StepRecord(i, incarnation, core.step, now, dt))
+        self.in_step[i] = True
         self.schedule(now + dt, _STEP_DONE, "done", payload)
 
     def on_done(self, now: float, payload) -> None:
@@ -394,6 +416,7 @@ class _Driver:
         if not self.current(i, incarnation):
             return
         core = self.cores[i]
+        self.in_step[i] = False
         for plan in self.loops[i].pushes(self.epoch_of[i]):
             self.record.wire_bytes_up += plan.wire_bytes
             self.schedule(self.arrival(i, now, plan.wire_bytes), _ARRIVE, "arrive", plan.push)
@@ -480,11 +503,26 @@ class _Driver:
             self.record.transitions.append((now, t))
             if t.name == "learner_restart_scheduled":
                 self.schedule(now + t.fields["delay_s"], _FLEET, "fleet", [])
-        for action in result.actions:
-            getattr(self, "do_" + type(action).__name__.lower())(now, action)
+            elif t.name == "learner_retired" and t.learner in self.index_of:
+                i = self.index_of[t.learner]
+                self.draining.discard(i)
+                self.books.release(t.learner, now)   # as the Ray controller's books
+                if not self.up[i]:
+                    self.retired_at[i] = now
+        seam.dispatch_all(self.handlers, result.actions, now)
 
     def on_fleet(self, now: float, observations) -> None:
         self.fleet_step(now, observations)
+
+    def on_command(self, now: float, command) -> None:
+        """An operator's command (``fleet.Drain``, ``fleet.PauseJob``, a ``fleet.Scale`` down)
+        at its time; one the fleet refuses is recorded with the reason."""
+        try:
+            fleet_lib.check_command(self.fleet_state, command)
+        except fleet_lib.CommandError as exc:
+            self.record.commands_refused.append((now, command, str(exc)))
+            return
+        self.fleet_step(now, [command])
 
     # -- process starts -----------------------------------------------------------------------
     def begin_start(self, now: float, key, what: str, payload, wall_s: float) -> None:
@@ -617,7 +655,45 @@ class _Driver:
                       [fleet_lib.RunEnded(a.learner, a.incarnation, f"{fault.kind.value}")])
 
     def do_forget(self, now: float, a: fleet_lib.Forget) -> None:
+        """Unregisters it at the syncer; an incarnation that left without dying (drained) has
+        its books settled here, for the Forget's reason, as the Ray controller settles them
+        (a dead one's were settled when it died: ``kill``)."""
+        i = self.index_of[a.learner]
+        if not self.up[i] and self.cores[i].incarnation == a.incarnation:
+            self.settle(i, a.reason)
         self.record.dropped_pushes += len(self.syncer.forget(a.learner))
+
+    def do_drainlearner(self, now: float, a: fleet_lib.DrainLearner) -> None:
+        """As the Ray learner's ``drain``: it finishes the step it is in (its pushes leave), takes
+        no new one, and once every push it has in flight is answered (merged, or refused) its run
+        returns (``check_drains``): the fleet retires it and ``do_forget`` settles its books (the
+        pushes the syncer merged are applied)."""
+        self.draining.add(self.index_of[a.learner])
+
+    def check_drains(self, now: float) -> None:
+        """Ends the run of each draining learner that is between steps with nothing in flight."""
+        for i in sorted(self.draining):
+            core = self.cores[i]
+            if not self.up[i] or self.in_step[i] or any(
+                    t.in_flight_since_step is not None and t.reply is None for t in core.tracks):
+                continue   # down (its restart, if any, drains when it is back), or still busy
+            self.draining.discard(i)
+            self.record.watermarks[(i, core.incarnation)] = self.watermark(i)
+            self.up[i] = self.parked[i] = False
+            self.recheck_open_rounds(now)
+            self.fleet_step(now, [fleet_lib.RunEnded(self.ids[i], core.incarnation)])
+
+    def do_partitionhome(self, now: float, a: fleet_lib.PartitionHome) -> None:
+        """The home's network fails: every region's link is cut for the fault's window (the fleet
+        asks for this only in a job with remote regions, so a virtual fleet does not meet it
+        from a fault plan, whose home partitions ``_check_plan`` refuses)."""
+        for region in sorted(set(self.regions)):
+            self.windows.add(dataclasses.replace(a.fault, target=region))
+
+    def do_restartremote(self, now: float, a: fleet_lib.RestartRemote) -> None:
+        raise RuntimeError(f"RestartRemote({a.learner}, incarnation {a.incarnation}): the "
+                           "in-process driver has no remote regions, so the fleet cannot ask it "
+                           "to restart a learner through a region agent")
 
     def do_slowdown(self, now: float, a: fleet_lib.Slowdown) -> None:
         self.windows.add(a.fault)
@@ -626,7 +702,30 @@ class _Driver:
         self.windows.add(a.fault)
 
     def do_killsyncer(self, now: float, a: fleet_lib.KillSyncer) -> None:
-        self.kill_syncer(now)
+        """The syncer's process dies now; the fleet sees it end at once (the Ray controller, at
+        its next tick) and restarts it (``StartSyncer``). Pushes that reach it meanwhile are
+        refused."""
+        if now < self.syncer_down_until:
+            self.record.faults_skipped.append((self.faults.fired[-1], "syncer is already down"))
+            return
+        self.syncer_down_until = math.inf   # until a restarted syncer answers
+        self.fleet_step(now, [fleet_lib.SyncerEnded(a.syncer_shard, self.syncer.epoch)])
+
+    def do_startsyncer(self, now: float, a: fleet_lib.StartSyncer) -> None:
+        """A new syncer at ``a.epoch`` (fencing), restored as the Ray syncer restores from its
+        snapshot and merge journal (``SyncerCore.restart``: as of the last merge; the open
+        rounds are dropped). It answers after ``RestartCosts.syncer_restart_s``, when every live
+        learner registers again (``on_syncer_back``)."""
+        if a.shard != 0 or not a.restore:
+            raise ValueError(f"StartSyncer(shard {a.shard}, restore={a.restore}): the in-process "
+                             "driver has one syncer (shard 0), restarted from its own state")
+        for push in self.syncer.restart(a.epoch):
+            i = self.index_of[push.learner]
+            self.record.dropped_pushes += 1
+            if self.current(i, push.incarnation):
+                self.cores[i].push_refused(push.fragment)
+        self.syncer_down_until = now + self.restart.syncer_restart_s
+        self.schedule(self.syncer_down_until, _FAULT, "syncer_back", None)
 
     def do_pauselearner(self, now: float, a: fleet_lib.PauseLearner) -> None:
         i = self.index_of[a.learner]
@@ -635,12 +734,21 @@ class _Driver:
             self.parked[i] = False
             self.schedule(now, _STEP_START, "start", (i, self.cores[i].incarnation))
 
+    def settle(self, i: int, reason: str) -> None:
+        """Closes the books of learner i's current incarnation (once): its pushes the syncer
+        merged are applied, everything else it held is dropped for ``reason``."""
+        core = self.cores[i]
+        if (i, core.incarnation) in self.settled:
+            return
+        self.settled.add((i, core.incarnation))
+        self.books.close_incarnation(self.ids[i], core.fates.to_json(), self.merged_steps(i),
+                                     reason)
+
     def kill(self, i: int, now: float, reason: str) -> None:
         core = self.cores[i]
         # The watermark is final: forget() drops its open pushes and later ones are refused.
         self.record.watermarks[(i, core.incarnation)] = self.watermark(i)
-        self.books.close_incarnation(self.ids[i], core.fates.to_json(), self.merged_steps(i),
-                                     reason)
+        self.settle(i, reason)
         self.record.dropped_pushes += len(self.syncer.forget(self.ids[i]))
         self.up[i] = False
         self.parked[i] = False
@@ -679,6 +787,7 @@ class _Driver:
         self.loops[i] = self.loop_for(i, core)
         self.start_step[i] = start_step
         self.up[i] = True
+        self.in_step[i] = False
         self.epoch_of[i] = epoch
         self.record.down_intervals[i].append((self.down_since[i], now))
         failed_s = self.down_since[i]
@@ -690,27 +799,6 @@ class _Driver:
         self.fleet_step(now, [fleet_lib.Beat(name, incarnation, True, ready_at_s=now)])
         self.schedule(now, _STEP_START, "start", (i, incarnation))
 
-    def kill_syncer(self, now: float) -> None:
-        """The syncer restarts from its snapshot at the last merge boundary: Θ, versions, outer
-        state and ledger survive; the open rounds are lost and the epoch moves on (fencing)."""
-        if now < self.syncer_down_until:
-            self.record.faults_skipped.append((self.faults.fired[-1], "syncer is already down"))
-            return
-        for slot in self.syncer.slots:
-            for name, contribution in slot.round.items():
-                i = self.index_of[name]
-                self.record.dropped_pushes += 1
-                if self.current(i, contribution.push.incarnation):
-                    self.cores[i].push_refused(contribution.push.fragment)
-            slot.round = {}
-            slot.stepped, slot.round_start = {}, None   # as restore_into: new rounds
-            slot.quorum_reached_at_s = None
-            slot.round_opened_at_s = None
-        self.syncer.shadows.clear()  # a restarted syncer knows no learner's copy
-        self.syncer.epoch += 1
-        self.syncer_down_until = now + self.restart.syncer_restart_s
-        self.schedule(self.syncer_down_until, _FAULT, "syncer_back", None)
-
     def on_syncer_back(self, now: float, _payload) -> None:
         """Every live learner re-registers with the new epoch; local progress stays as drift."""
         for i, core in enumerate(self.cores):
@@ -719,6 +807,7 @@ class _Driver:
             epoch, frags = self.syncer.register(self.ids[i], core.incarnation)
             self.epoch_of[i] = epoch
             core.reregistered([f for f, _ in frags], [v for _, v in frags])
+        self.fleet_step(now, [fleet_lib.SyncerStarted(0, self.syncer.epoch)])
 
     # -- the end --------------------------------------------------------------------------------
     def finish(self) -> RunRecord:
@@ -738,6 +827,10 @@ class _Driver:
                 record.watermarks[(i, core.incarnation)] = self.watermark(i)
                 end = self.finished_at[i] if self.finished_at[i] is not None else horizon
                 live = core.fates.to_json()
+            elif self.retired_at[i] is not None:  # left the fleet (drained): allocated until then
+                end = self.retired_at[i]
+                if self.down_since[i] is not None:
+                    record.down_intervals[i].append((self.down_since[i], end))
             else:  # down at the end: allocated (and down) until the horizon
                 end = max(horizon, self.down_since[i])
                 record.down_intervals[i].append((self.down_since[i], end))
@@ -774,6 +867,7 @@ def run_inprocess(
     restart: RestartCosts = RestartCosts(),
     opt_init: Optional[Callable[[Any], Any]] = None,
     until_s: Optional[float] = None,
+    commands: Sequence[tuple[float, Any]] = (),
 ) -> RunRecord:
     """Runs every learner for ``steps`` inner steps (or until ``until_s``) and returns the record.
 
@@ -797,6 +891,10 @@ def run_inprocess(
       opt_init: a fresh inner optimizer state for a restarted learner when no peer is alive;
         required when ``faults`` kills learners.
       until_s: no step starts at or after this virtual time; slots are allocated until then.
+      commands: ``(time_s, command)`` operator commands to the fleet (``fleet.Drain``,
+        ``fleet.PauseJob``, a ``fleet.Scale`` down); one it refuses is recorded in
+        ``record.commands_refused``. A drained learner leaves once its pushes are answered;
+        its slot is allocated until then.
 
     A learner that has done its ``steps`` stays live for the syncer (it is not waited for by K = 1,
     but a K = M round waits for it forever): with K = M and unequal speeds, stop on ``until_s``.
@@ -809,7 +907,8 @@ def run_inprocess(
                    tokens_per_batch=tokens_per_batch, fleet=fleet, num_fragments=num_fragments,
                    sync_every_steps=sync_every_steps, steps=steps, evaluate=evaluate,
                    eval_every_steps=eval_every_steps, assemble=assemble, faults=faults,
-                   restart=restart, opt_init=opt_init, until_s=until_s).run()
+                   restart=restart, opt_init=opt_init, until_s=until_s,
+                   commands=commands).run()
 
 
 def assemble_like(template: Any) -> Callable[[dict], Any]:

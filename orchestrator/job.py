@@ -16,7 +16,7 @@ import stat
 import sys
 import tempfile
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 from .controller import CONTROLLER_NAME, NAMESPACE, Controller, controller_options
 from .runtime import ON_HEAD, Role, cpu_runtime_env
@@ -438,8 +438,14 @@ class RunDir:
 def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] = None,
             address: Optional[str] = None, log_format: str = "text", quiet: bool = False,
             on_started=None, resume: bool = False, force: bool = False,
-            resume_or_start: bool = False) -> dict:
+            resume_or_start: bool = False,
+            until: Optional[Callable[[dict], bool]] = None) -> dict:
     """Runs a job to its duration (or Ctrl+C) and returns the summary.
+
+    ``until``, if given, ends the job early, as its duration would, once it returns true for
+    the controller's snapshot (asked at most twice a second): a caller that waits for an event
+    (a restart, N merges) stops then instead of running a fixed length; the duration stays the
+    cap.
 
     Before Ray starts: :func:`preflight` checks the config against the built model and corpus,
     and :func:`prepare_run_dir` refuses a run dir holding an earlier run unless ``resume`` (the
@@ -487,7 +493,7 @@ def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] =
         if console and not quiet:
             print(f"islands: console at {console[0]} (actions need the token from "
                   f"{console[1]})", flush=True)
-        link_address = _serve_link(config)
+        link_address = _serve_link(config, os.path.abspath(run_dir))
         if link_address and not quiet:
             print(f"islands: link on {link_address} (regions "
                   f"{sorted(n for n, r in config.regions.items() if r.remote)} join there)",
@@ -498,7 +504,7 @@ def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] =
         if on_started is not None:
             on_started(controller)
         t0 = time.time()
-        next_snap = next_progress = 0.0
+        next_snap = next_progress = next_until = 0.0
         while time.time() - t0 < duration_s:
             events, out.event_index = ray.get(controller.events_since.remote(out.event_index))
             out.add_events(events)
@@ -511,6 +517,10 @@ def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] =
                 if not quiet and now >= next_progress:
                     print(progress_line(snap), flush=True)
                     next_progress = now + config.run.progress_every_s
+            if until is not None and now >= next_until:
+                next_until = now + 0.5
+                if until(ray.get(controller.snapshot.remote())):
+                    break
             time.sleep(min(0.25, max(0.0, duration_s - (time.time() - t0))))
     except KeyboardInterrupt:
         print("islands: interrupted, stopping cleanly", flush=True)
@@ -593,18 +603,25 @@ def _serve_console(controller, config, run_dir: str) -> Optional[tuple[str, str]
     return f"http://{shown}:{port}/", source
 
 
-def _serve_link(config) -> Optional[str]:
+def _serve_link(config, run_dir: Optional[str] = None) -> Optional[str]:
     """Starts the link server (``islands:link``) when ``link.port`` is set; its bound address.
+
+    Ray restarts it when its process dies (``LINK_SERVER_MAX_RESTARTS``; calls made meanwhile
+    wait for it): it binds the same port again and answers retried pushes from its reply journal
+    in ``RUN_DIR/link`` (``link/server.py: LinkServer``, ``ReplyJournal``).
 
     Raises:
       ValueError: no token (``link.token_file`` or $ISLANDS_LINK_TOKEN).
     """
+    import uuid
+
     import ray
 
     if config.link.port is None:
         return None
     from islands.link.security import read_token
-    from islands.link.server import LINK_SERVER_NAME, LinkServer
+    from islands.link.server import (LINK_DIR, LINK_SERVER_MAX_RESTARTS, LINK_SERVER_NAME,
+                                     LinkServer)
 
     from . import build
 
@@ -612,9 +629,12 @@ def _serve_link(config) -> Optional[str]:
     paths, owned = build.fragment_layout(config)
     server = ray.remote(LinkServer).options(
         name=LINK_SERVER_NAME, namespace=NAMESPACE, num_cpus=0.1, max_concurrency=4,
-        resources=dict(ON_HEAD), lifetime="detached",
-        runtime_env=cpu_runtime_env(Role.LINK_SERVER)).remote(config.model_dump_json(), settings,
-                                                              paths, owned)
+        resources=dict(ON_HEAD), lifetime="detached", max_restarts=LINK_SERVER_MAX_RESTARTS,
+        max_task_retries=-1,
+        runtime_env=cpu_runtime_env(Role.LINK_SERVER)).remote(
+            config.model_dump_json(), settings, paths, owned,
+            state_dir=os.path.join(run_dir, LINK_DIR) if run_dir else None,
+            start_id=uuid.uuid4().hex)
     return ray.get(server.address.remote(), timeout=60)
 
 

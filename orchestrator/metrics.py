@@ -24,6 +24,10 @@ DEFAULT_METRICS_PORT = 9400
 RECOVERY_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 # Staleness in fragment versions: 0 is the common case, a few with K < M, more after an outage.
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
+# Learners in one merge: one, a few with K < M, up to a large fleet.
+PARTICIPANTS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+# Participants ÷ live learners of one merge (1: every live learner took part).
+PARTICIPATION_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 RECOVERY_PHASES = ("detect", "restart", "restore", "first_contribution", "total")
 LEARNER_STATES = ("pending", "starting", "training", "paused", "draining", "restarting", "failed",
                   "retired", "unreachable")
@@ -67,6 +71,13 @@ METRICS: tuple[MetricSpec, ...] = (
                "Distinct learners in the fragment's last merge"),
     MetricSpec("islands_grace_window_seconds", "gauge", (),
                "Grace window of the last merge (paper Eq. 3)"),
+    MetricSpec("islands_merge_live_learners", "gauge", ("fragment",),
+               "Live learners when the fragment last merged (its participants are "
+               "islands_quorum_size)"),
+    MetricSpec("islands_merge_participants", "histogram", (),
+               "Learners that took part in each merge that replaced Θ"),
+    MetricSpec("islands_merge_participation_ratio", "histogram", (),
+               "Participants ÷ live learners of each merge that replaced Θ"),
     MetricSpec("islands_staleness", "histogram", (),
                "Staleness of merged contributions, in fragment versions"),
     MetricSpec("islands_wire_bytes", "counter", ("direction", "region"),
@@ -205,6 +216,32 @@ def _counted_histogram(counts: Mapping[Any, int], bounds: Iterable[float]) -> tu
     return buckets, float(sum(v * n for v, n in items))
 
 
+def participation_families(counts: Mapping[str, int], spec: Mapping[str, MetricSpec]) -> list:
+    """islands_merge_participants and islands_merge_participation_ratio from the syncer's
+    ``participation_counts`` (``{"n/M": merges}``; a merge whose M is unknown is left out of the
+    ratio)."""
+    from prometheus_client.core import HistogramMetricFamily
+
+    from islands.syncer.core import parse_participation_key
+
+    by_n: dict = {}
+    by_ratio: dict = {}
+    for key, merges in counts.items():
+        n, m = parse_participation_key(key)
+        by_n[n] = by_n.get(n, 0) + int(merges)
+        if m:
+            by_ratio[n / m] = by_ratio.get(n / m, 0) + int(merges)
+    out = []
+    for name, values, bounds in (("islands_merge_participants", by_n, PARTICIPANTS_BUCKETS),
+                                 ("islands_merge_participation_ratio", by_ratio,
+                                  PARTICIPATION_BUCKETS)):
+        buckets, total = _counted_histogram(values, bounds)
+        family = HistogramMetricFamily(name, spec[name].help)
+        family.add_metric([], buckets, total)
+        out.append(family)
+    return out
+
+
 LIVE_STATES = ("starting", "training", "paused", "draining")
 
 
@@ -299,7 +336,11 @@ def families(snap: Mapping[str, Any]) -> list:
         merges.add_metric([str(p)], float(n))
     for p, n in sorted((int(k), v) for k, v in (syncer.get("quorum_size") or {}).items()):
         quorum.add_metric([str(p)], float(n))
-    out += [merges, quorum]
+    live = gauge("islands_merge_live_learners")
+    for p, n in sorted((int(k), v) for k, v in (syncer.get("live_learners") or {}).items()):
+        live.add_metric([str(p)], float(n))
+    out += [merges, quorum, live]
+    out += participation_families(snap.get("participation_counts") or {}, spec)
 
     grace = gauge("islands_grace_window_seconds")
     grace.add_metric([], float(syncer.get("grace_window_s") or 0.0))

@@ -71,6 +71,8 @@ class JobSnapshot:
     link: dict = field(default_factory=dict)   # per remote region: link bytes, reconnects, age
     spares: dict = field(default_factory=dict)  # warm spares: name -> region, state
     step_seconds: dict = field(default_factory=dict)  # per region: a histogram of step times
+    # Merges that replaced Θ by "participants/live" (syncer/core.py participation_key).
+    participation_counts: dict = field(default_factory=dict)
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -111,7 +113,7 @@ class JobSnapshot:
 
 
 SYNCER_KEYS = ("epoch", "versions", "merges", "merges_by_fragment", "quorum_size",
-               "grace_window_s", "staleness_counts", "rejected", "wire_bytes_up",
+               "live_learners", "grace_window_s", "staleness_counts", "rejected", "wire_bytes_up",
                "wire_bytes_down", "shards")
 
 
@@ -162,6 +164,8 @@ def job_snapshot(controller: Any) -> JobSnapshot:
     rejected.update(status.get("rejected") or {})
     staleness = collections.Counter(closed_syncer["staleness_counts"])
     staleness.update(status.get("staleness_counts") or {})
+    participation = collections.Counter(closed_syncer.get("participation_counts") or {})
+    participation.update(status.get("participation_counts") or {})
     losses = [r.loss for r in learners.values() if r.loss is not None and r.state == "training"]
     return JobSnapshot(
         t=now, elapsed_s=now - controller.started_s, goodput=controller.goodput(),
@@ -174,6 +178,7 @@ def job_snapshot(controller: Any) -> JobSnapshot:
         recoveries=recoveries, paused_reason=fleet.paused_reason, wire_bytes=wire,
         rejected_total=dict(rejected), staleness_counts=dict(staleness),
         link=_link_rows(controller, now), step_seconds=step_seconds,
+        participation_counts=dict(participation),
         spares={name: {"region": x.region, "state": x.state.value,
                        "age_s": now - x.launched_s} for name, x in fleet.spares.items()})
 

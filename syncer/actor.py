@@ -138,7 +138,6 @@ class Syncer:
         self.last_grace_s = 0.0
         self.merges_by_fragment = collections.Counter()
         self.last_quorum = {}
-        self.staleness_counts = collections.Counter()
         self.wire_bytes_up = collections.Counter()    # by learner
         self.wire_bytes_down = collections.Counter()
         self.merge_events: collections.deque = collections.deque(maxlen=10_000)
@@ -198,15 +197,15 @@ class Syncer:
                 future = self.waiters[p].pop(name, None)
                 if future is not None and not future.done():
                     future.set_result(Reply(ReplyStatus.REJECTED, g, self.core.epoch, result.params,
-                                            result.version, result.reason,
-                                            "the merged fragment was not finite"))
+                                            result.version, result.reason, result.detail))
             return
         self.merges_by_fragment[g] += 1
-        self.last_quorum[g] = len(result.learners)
-        for s in result.staleness:
-            self.staleness_counts[s] += 1
+        self.last_quorum[g] = result.participants
+        # The merge event: its participation (n of the live M, each push's staleness).
         self.merge_events.append({"t": time.time(), "fragment": g, "version": result.version,
-                                  "learners": list(result.learners), "reason": reason})
+                                  "learners": list(result.learners), "reason": reason,
+                                  "participants": result.participants, "live": result.live,
+                                  "staleness": list(result.staleness)})
         # Computed now: the shadows each update leaves are recorded as this merge left them.
         updates = self.core.updates(result)
         if self.store and snapshot_due(sum(self.core.versions) - self.snapshot_merges,
@@ -337,8 +336,12 @@ class Syncer:
             "merges": int(sum(self.core.versions)),  # survives restarts: versions are snapshotted
             "merges_by_fragment": {self._global(p): v for p, v in enumerate(self.core.versions)},
             "quorum_size": dict(self.last_quorum),
+            # Participation (docs/metrics.md): live learners at each fragment's last merge, and
+            # the merges that replaced Θ by "participants/live".
+            "live_learners": {self._global(p): n for p, n in self.core.last_live.items()},
+            "participation_counts": dict(self.core.participation_counts),
             "grace_window_s": self.last_grace_s,
-            "staleness_counts": dict(self.staleness_counts),
+            "staleness_counts": dict(self.core.staleness_counts),
             "rejected": {r.value: n for r, n in self.core.rejected.items()},
             "registered": dict(self.core.learners),
             "refusals_total": self.core.refusals_total,

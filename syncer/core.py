@@ -122,10 +122,15 @@ class LedgerEntry:
     merged_tokens: dict = field(default_factory=dict)
     fates: Optional[dict] = None     # the newest books a push of this incarnation carried
     merged_tokens_total: int = 0     # fragment-tokens merged, every incarnation
+    # The current incarnation, per fragment: the version of Θ[p] its registration handed it. A
+    # push based on an older version comes from weights it had before it adopted that fragment
+    # (SyncerCore.adopted).
+    born: dict = field(default_factory=dict)
 
     def __post_init__(self):  # JSON round trips (snapshots) turn the fragment keys into strings
         self.merged_steps = {int(p): int(v) for p, v in self.merged_steps.items()}
         self.merged_tokens = {int(p): int(v) for p, v in self.merged_tokens.items()}
+        self.born = {int(p): int(v) for p, v in self.born.items()}
 
     @property
     def applied_tokens(self) -> int:
@@ -148,6 +153,13 @@ class _Judged:
 
 @dataclass(frozen=True)
 class MergeResult:
+    """The record of one merge: what it made and who took part.
+
+    Participation is part of the record: ``learners`` (the participants, one per contribution),
+    ``live`` (the live learners M the merge was decided against; None when the caller did not
+    say) and ``staleness`` (per participant, aligned with ``learners``: the fragment's version
+    at the merge minus the version its push was based on)."""
+
     fragment: int
     version: int
     params: Fragment
@@ -155,7 +167,7 @@ class MergeResult:
     staleness: tuple[int, ...]
     reason: str
     outer_grad_norm: float
-    refused: bool = False    # the merged fragment failed its check: Θ and the version unchanged
+    refused: bool = False    # Θ and the version unchanged: not finite, or no contributor adopted
     # Per learner (aligned with ``learners``): (base id, base version, base) it pushed from.
     bases: tuple = ()
     # Per learner: the pre-merged push it came in (None: its own push). A group's members share
@@ -163,6 +175,52 @@ class MergeResult:
     groups: tuple = ()
     fleet_step: Optional[float] = None   # the fleet's progress after the merge (fleet clock)
     joined: int = 0                      # per_round: pushes of the round stepped before this merge
+    live: Optional[int] = None           # live learners M when the merge was decided
+    detail: str = ""                     # a refused merge: why, in words
+
+    @property
+    def participants(self) -> int:
+        """Learners whose pushes this merge took (n of the ``live`` M)."""
+        return len(self.learners)
+
+    @property
+    def participation(self) -> Optional[float]:
+        """n / M, the share of the live learners that took part (None: M unknown).
+
+        >>> MergeResult(0, 1, {}, ("a", "b"), (0, 1), "quorum", 0.0, live=4).participation
+        0.5
+        """
+        return self.participants / self.live if self.live else None
+
+    def record(self) -> dict:
+        """The participation record (JSON): who took part out of how many, how stale each push was.
+
+        >>> MergeResult(2, 7, {}, ("a", "b"), (0, 3), "grace", 0.0, live=3).record()
+        {'fragment': 2, 'version': 7, 'participants': 2, 'live': 3, 'staleness': {'a': 0, 'b': 3}, 'reason': 'grace', 'refused': False}
+        """
+        return {"fragment": self.fragment, "version": self.version,
+                "participants": self.participants, "live": self.live,
+                "staleness": dict(zip(self.learners, self.staleness)), "reason": self.reason,
+                "refused": self.refused}
+
+
+def participation_key(participants: int, live: Optional[int]) -> str:
+    """The key of ``SyncerCore.participation_counts``: ``"n/M"`` (``"n/?"``: M unknown).
+
+    >>> participation_key(16, 30), participation_key(1, None)
+    ('16/30', '1/?')
+    """
+    return f"{participants}/{live if live else '?'}"
+
+
+def parse_participation_key(key: str) -> tuple[int, Optional[int]]:
+    """``"16/30"`` -> (16, 30); ``"1/?"`` -> (1, None).
+
+    >>> parse_participation_key("16/30"), parse_participation_key("1/?")
+    ((16, 30), (1, None))
+    """
+    n, _, m = str(key).partition("/")
+    return int(n), (int(m) if m.isdigit() else None)
 
 
 def regions_to_rejoin(learners: Sequence[str], bases: Sequence[tuple],
@@ -252,6 +310,13 @@ class SyncerCore:
         self.catching_up: set[int] = set()
         self.quarantined: dict[str, int] = {}  # learner -> incarnation, until it re-registers
         self.registered_at: dict[str, tuple[int, float]] = {}  # learner -> (resume step, when)
+        # Participation books (docs/metrics.md): merges that replaced Θ by "n/M" (participants of
+        # the live learners), merged pushes by staleness, and the newest merge records (refused
+        # ones included).
+        self.participation_counts: collections.Counter = collections.Counter()
+        self.staleness_counts: collections.Counter = collections.Counter()
+        self.merge_records: collections.deque = collections.deque(maxlen=1_000)
+        self.last_live: dict[int, int] = {}   # fragment -> live learners at its last merge
 
     # -- membership -----------------------------------------------------------------------------
     def register(self, learner: str, incarnation: int, session: Optional[str] = None
@@ -280,12 +345,16 @@ class SyncerCore:
             self.sessions[learner] = session
         self.garbage_streak.pop(learner, None)
         self.quarantined.pop(learner, None)
-        entry = self.ledger.setdefault(learner, LedgerEntry(incarnation=incarnation))
+        entry = self.ledger.get(learner)
+        if entry is None:
+            entry = self.ledger[learner] = LedgerEntry(incarnation=incarnation,
+                                                       born=dict(enumerate(self.versions)))
         if incarnation != entry.incarnation:
             entry.applied_tokens_before += entry.applied_tokens_done
             entry.applied_compute_before_s += entry.applied_compute_s
             entry.applied_tokens_done, entry.applied_compute_s = 0, 0.0
             entry.merged_steps, entry.merged_tokens, entry.fates = {}, {}, None
+            entry.born = dict(enumerate(self.versions))
             entry.incarnation = incarnation
         return self.epoch, [(slot.params, slot.version) for slot in self.slots]
 
@@ -306,6 +375,32 @@ class SyncerCore:
         self.learners.pop(learner, None)
         self.sessions.pop(learner, None)
         self._drop_shadows(learner)
+        return dropped
+
+    def restart(self, epoch: int) -> list[Push]:
+        """This syncer restarts in place at ``epoch`` (at least the current epoch + 1: fencing,
+        every push to an earlier epoch is refused), as a new process finds it after restoring its
+        newest snapshot and merge journal (``state.restore_into`` and ``FragmentJournal.replay``:
+        each fragment as of its last merge). Θ, versions, outer state and ledger stay; what lived
+        only in the dead process is gone: the open rounds (their pushes are returned, dropped),
+        the older versions, the shadows of the learners' copies, the drift-norm windows, the
+        registrations (each learner registers again) and progress anchors. The refusal counts go
+        on (the Ray controller keeps a dead syncer's counts too). Returns the dropped pushes."""
+        dropped = []
+        for slot in self.slots:
+            dropped.extend(c.push for c in slot.round.values())
+            slot.round = {}
+            self._release_round(slot)
+            slot.quorum_reached_at_s = slot.round_opened_at_s = None
+            slot.history = {slot.version: slot.params}
+            slot.recent_norms.clear()
+            slot.outlier_learners = set()
+        self.epoch = max(int(epoch), self.epoch + 1)
+        self.shadows.clear()
+        self._shadow_ids = itertools.count((self.epoch << 32) + 1)
+        self.learners, self.sessions, self.registered_at = {}, {}, {}
+        self.garbage_streak.clear()
+        self.quarantined = {}
         return dropped
 
     def _drop_shadows(self, learner: str) -> None:
@@ -572,18 +667,57 @@ class SyncerCore:
         grace = self.grace_s(slowest_step_s, quorum_s, sync_s)
         return self.decide(fragment, now_s, live, grace), grace
 
+    def adopted(self, push: Push) -> bool:
+        """Whether a push comes from weights that adopted the global fragment
+        (docs/architecture.md#merges-only-from-adopted-learners): its base is an encoded update
+        the syncer sent this incarnation, or a version of Θ[p] no older than the one its
+        registration handed it (then every later base, a merged reply or the fragment a refusal
+        carries, is newer still). A base older than that is what a worker holds that started
+        from its own weights (a fresh initialisation, an old checkpoint) instead of the global
+        ones; under the pull rule its merge alone would make those weights Θ[p].
+
+        >>> import optax
+        >>> core = SyncerCore([{"w": np.zeros(1)}], SyncerSettings(), optax.sgd(1.0), dict)
+        >>> core.slots[0].version = core.slots[0].history[3] = 3   # (three merges since)
+        >>> _ = core.register("a", 0)
+        >>> push = lambda v: Push("a", 0, {}, v, 0, 1, 1)
+        >>> core.adopted(push(3)), core.adopted(push(0))
+        (True, False)
+        """
+        entry = self.ledger.get(push.learner)
+        if entry is None or entry.incarnation != push.incarnation:
+            return False
+        return (push.base_shadow != downlink_lib.EXACT
+                or push.base_version >= entry.born.get(push.fragment, 0))
+
     def merge(self, fragment: int, reason: str = "", live_count: Optional[int] = None) -> MergeResult:
         """Merges the open round of a fragment against the current Θ[p] and steps the outer optimizer.
+
+        Every merge is recorded with its participation: the participants, the live learners M
+        (``live_count``) and each push's staleness (``MergeResult.record``, kept in
+        ``merge_records``, ``participation_counts`` and ``staleness_counts``).
+
+        A merge none of whose contributions comes from adopted weights (``adopted``: each push
+        is based on a version older than the one its incarnation was handed when it registered)
+        is **refused**, not held: Θ[p], its version and the outer state stay as they are, and
+        every push of the merge is refused with reason ``unadopted`` and the current Θ[p], which
+        its learner starts over from (``LearnerCore.refused``). Its next push is based on that
+        fragment, so it counts. A fresh worker alone in a quorum thus never makes its own weights
+        the cluster state, and nothing waits on a learner that may never come (a hold would stall
+        a fleet whose adopted learners all died). One adopted contribution is enough.
 
         Args:
           fragment: p.
           reason: why now (a MergeReason value), for the record.
-          live_count: live learners M, for the participation scale (None: no scaling).
+          live_count: live learners M, for the participation scale (None: no scaling) and the
+            record.
         """
         slot = self.slots[fragment]
         if not slot.round:
             raise ValueError(f"fragment {fragment} has no pushes to merge")
         contributions = [slot.round[name] for name in sorted(slot.round)]
+        if not any(self.adopted(c.push) for c in contributions):
+            return self._refuse_unadopted(slot, fragment, contributions, live_count)
         # round_step per_round: the pushes of this merge join the open round's step when none of
         # their learners is in it yet and it does not hold every live learner already; the step
         # is then taken again from the round's start with every push of the round so far.
@@ -620,17 +754,18 @@ class SyncerCore:
                     self.pool.give(g)
         if not finite:
             # Θ is never replaced by garbage: the round is refused whole and Θ stays as it was.
+            detail = "the merged fragment was not finite"
             for c in contributions:
-                self._refused(c.push, Rejected(RejectReason.BAD_MERGE,
-                                               "the merged fragment was not finite"))
+                self._refused(c.push, Rejected(RejectReason.BAD_MERGE, detail))
             slot.round = {}
             slot.quorum_reached_at_s = None
             slot.round_opened_at_s = None
-            return MergeResult(fragment=fragment, version=slot.version, params=slot.params,
-                               learners=tuple(c.push.learner for c in contributions),
-                               staleness=tuple(c.staleness for c in contributions),
-                               reason=RejectReason.BAD_MERGE.value, outer_grad_norm=float("nan"),
-                               refused=True)
+            return self._recorded(MergeResult(
+                fragment=fragment, version=slot.version, params=slot.params,
+                learners=tuple(c.push.learner for c in contributions),
+                staleness=tuple(c.staleness for c in contributions),
+                reason=RejectReason.BAD_MERGE.value, outer_grad_norm=float("nan"), refused=True,
+                live=live_count, detail=detail))
         slot.params, slot.outer_state = new_params, new_outer
         if per_round:
             slot.stepped.update({c.push.learner: c for c in contributions})
@@ -644,7 +779,7 @@ class SyncerCore:
         slot.round = {}
         slot.quorum_reached_at_s = None
         slot.round_opened_at_s = None
-        return MergeResult(
+        return self._recorded(MergeResult(
             fragment=fragment, version=slot.version, params=slot.params,
             learners=tuple(c.push.learner for c in contributions),
             staleness=tuple(c.staleness for c in contributions), reason=reason,
@@ -654,7 +789,42 @@ class SyncerCore:
             groups=tuple(c.group for c in contributions),
             fleet_step=(self.fleet_step() if self.settings.schedule_clock
                         == merge_lib.ScheduleClock.FLEET else None),
-            joined=len(joined))
+            joined=len(joined), live=live_count))
+
+    def _refuse_unadopted(self, slot: FragmentSlot, fragment: int,
+                          contributions: Sequence[Contribution],
+                          live_count: Optional[int]) -> MergeResult:
+        """The merge of only unadopted contributions (``merge``): refused whole, Θ[p] kept; each
+        learner is handed the current Θ[p] to start over from."""
+        detail = (f"no contribution is based on the global fragment {fragment} its learner was "
+                  f"handed at registration: Θ[{fragment}] (v{slot.version}) is kept and handed "
+                  f"to each")
+        for c in contributions:
+            self._refused(c.push, Rejected(RejectReason.UNADOPTED, detail))
+        for g_m in shared_gradients(contributions, [1.0] * len(contributions))[0]:
+            for g in g_m.values():   # closed unmerged: its buffers serve the next pushes
+                self.pool.give(g)
+        slot.round = {}
+        slot.quorum_reached_at_s = None
+        slot.round_opened_at_s = None
+        return self._recorded(MergeResult(
+            fragment=fragment, version=slot.version, params=slot.params,
+            learners=tuple(c.push.learner for c in contributions),
+            staleness=tuple(c.staleness for c in contributions),
+            reason=RejectReason.UNADOPTED.value, outer_grad_norm=float("nan"), refused=True,
+            live=live_count, detail=detail))
+
+    def _recorded(self, result: MergeResult) -> MergeResult:
+        """Keeps a merge's participation in the books: every record in ``merge_records``; a
+        merge that replaced Θ also in ``participation_counts`` ("n/M") and, per push, in
+        ``staleness_counts`` (what islands_merge_participants and islands_staleness export)."""
+        self.merge_records.append(result.record())
+        if not result.refused:
+            self.participation_counts[participation_key(result.participants, result.live)] += 1
+            self.staleness_counts.update(result.staleness)
+            if result.live:
+                self.last_live[result.fragment] = result.live
+        return result
 
     def _join_round(self, slot: FragmentSlot, contributions: Sequence[Contribution],
                     live_count: Optional[int]) -> list[Contribution]:

@@ -157,7 +157,8 @@ def combine_status(statuses: Sequence[Optional[Mapping]]) -> dict:
     if len(statuses) == 1 and live:
         return dict(live[0], shards=[_shard_row(0, live[0])])
     out: dict = {"epoch": 0, "versions": [], "merges": 0, "merges_by_fragment": {},
-                 "quorum_size": {}, "grace_window_s": 0.0, "staleness_counts": {}, "rejected": {},
+                 "quorum_size": {}, "live_learners": {}, "participation_counts": {},
+                 "grace_window_s": 0.0, "staleness_counts": {}, "rejected": {},
                  "registered": {}, "refusals_total": 0, "quarantined": {}, "ledger": {},
                  "wire_bytes_up": {}, "wire_bytes_down": {}, "restored_from": None,
                  "shards": [_shard_row(s, st) for s, st in enumerate(statuses) if st]}
@@ -171,8 +172,10 @@ def combine_status(statuses: Sequence[Optional[Mapping]]) -> dict:
             versions[int(p)] = int(v)
         out["merges_by_fragment"].update({int(p): v for p, v in
                                           (st.get("merges_by_fragment") or {}).items()})
-        out["quorum_size"].update({int(p): v for p, v in (st.get("quorum_size") or {}).items()})
-        for key in ("staleness_counts", "rejected", "wire_bytes_up", "wire_bytes_down"):
+        for key in ("quorum_size", "live_learners"):
+            out[key].update({int(p): v for p, v in (st.get(key) or {}).items()})
+        for key in ("staleness_counts", "participation_counts", "rejected", "wire_bytes_up",
+                    "wire_bytes_down"):
             for k, n in (st.get(key) or {}).items():
                 out[key][k] = out[key].get(k, 0) + n
         # A learner is registered (or quarantined) as its newest incarnation any shard knows.

@@ -25,6 +25,7 @@ class RejectReason(str, enum.Enum):
     BAD_COUNTERS = "bad_counters"          # token/step counters impossible for the job's batch
     BAD_SESSION = "bad_session"            # the incarnation's session token does not match
     BAD_MERGE = "bad_merge"                # the round's merged fragment was not finite
+    UNADOPTED = "unadopted"                # (a whole merge) no contributor had adopted Θ[p] yet
 
 
 # Refusals that say the drift itself is garbage: counted towards quarantine.

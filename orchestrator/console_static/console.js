@@ -164,6 +164,10 @@ function render(s) {
     el("td", {}, String(sh.shard)), el("td", {class: "num"}, String(sh.epoch)), el("td", {class: "num"}, fmt.num(sh.merges)),
     el("td", {}, Object.entries(sh.versions || s.syncer.versions || {}).map(([p, v]) => `${p}: ${v}`).join("  ")))));
   $("syncer-restarts").textContent = `syncer restarts: ${s.syncer_restarts}`;
+  const part = s.participation || {last: {}};
+  $("syncer-participation").textContent = "participation (last merge, learners/live): " +
+    (Object.entries(part.last).map(([p, nm]) => `${p}: ${nm}`).join("  ") || "–") +
+    (part.mean_ratio === null || part.mean_ratio === undefined ? "" : `; mean ${fmt.ratio(part.mean_ratio)} of the live learners over ${fmt.num(part.merges)} merges`);
   $("spares").tBodies[0].replaceChildren(...Object.entries(s.spares).map(([n, x]) => el("tr", {},
     el("td", {}, n), el("td", {}, x.region), el("td", {}, el("span", {class: "state " + x.state}, x.state)), el("td", {}, fmt.secs(x.age_s)))));
   const line = (e) => {

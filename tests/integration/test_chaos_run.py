@@ -46,7 +46,20 @@ CONFIG = {
 @pytest.fixture(scope="module")
 def finished_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("chaos-run")
-    summary = run_job(parse(CONFIG), duration_s=50, run_dir=str(run_dir), quiet=True)
+    # Ends on events, not a fixed length (50 s is the cap): the last fault (the syncer kill at
+    # 30 s) is behind, the new epoch merged 10 times, the lost region's learner trains again.
+    restarted_at_merges = []
+
+    def over(snap) -> bool:
+        merges, b0 = snap["syncer"]["merges"] or 0, snap["learners"].get("b:0", {})
+        if snap["syncer"].get("epoch") != 1:
+            return False
+        restarted_at_merges.append(merges)
+        return (merges >= restarted_at_merges[0] + 10 and b0.get("incarnation", 0) >= 1
+                and b0.get("state") == "training")
+
+    summary = run_job(parse(CONFIG), duration_s=50, run_dir=str(run_dir), quiet=True,
+                      until=over)
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     return run_dir, summary, events
 

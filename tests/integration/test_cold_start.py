@@ -67,13 +67,15 @@ def test_the_cli_ends_a_capacity_wait_with_one_line_and_rc_1(cluster, tmp_path, 
 def test_a_rerun_on_a_persistent_run_dir_resumes(cluster, tmp_path, capsys):
     config = parse({**TINY_JOB, "name": "cold-rerun"})
     run_dir = str(tmp_path / "run")   # the chart's persistent run dir (storage.existingClaim)
-    first = run_job(config, duration_s=20, run_dir=run_dir, resume_or_start=True)
+    first = run_job(config, duration_s=20, run_dir=run_dir, resume_or_start=True,
+                    until=lambda snap: (snap["syncer"]["merges"] or 0) >= 8)
     out = capsys.readouterr().out
     assert f"islands: starting a new run in {run_dir}" in out
     assert "waiting for capacity" not in out   # the nodes were there
     assert first["merges"] > 0
     # The RayJob's retry, or a re-install: the same command on the same run dir.
-    second = run_job(config, duration_s=12, run_dir=run_dir, resume_or_start=True)
+    second = run_job(config, duration_s=12, run_dir=run_dir, resume_or_start=True,
+                     until=lambda snap: (snap["syncer"]["merges"] or 0) >= first["merges"] + 4)
     assert f"islands: resuming the run in {run_dir}" in capsys.readouterr().out
     assert second["merges"] > first["merges"]
     events = [json.loads(line) for line in open(os.path.join(run_dir, "events.jsonl"))]

@@ -32,9 +32,14 @@ def test_a_killed_controller_comes_back_and_no_learner_stops(tmp_path, tiny_job)
         threading.Thread(target=wait_then_kill, daemon=True).start()
 
     run_dir = tmp_path / "run"
+    # Ends once the restarted controller saw 10 more merges and every learner step on (35 s cap).
+    def came_back_and_merged(snap) -> bool:
+        return ("merges" in killed and (snap["syncer"]["merges"] or 0) >= killed["merges"] + 10
+                and all(snap["learners"].get(n, {}).get("step", 0) > s
+                        for n, s in killed["steps"].items()))
+
     summary = run_job(tiny_job("controller-itest"), duration_s=35, run_dir=str(run_dir),
-                      quiet=True,
-                      on_started=kill_when_merging)
+                      quiet=True, on_started=kill_when_merging, until=came_back_and_merged)
     assert "error" not in killed and killed.get("merges", 0) >= 20
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     (restarted,) = [e for e in events if e["event"] == "controller_restarted"]

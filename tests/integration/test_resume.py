@@ -15,14 +15,17 @@ from islands.orchestrator.job import RunDirError, run_job  # noqa: E402
 def test_resume_continues_where_the_job_stopped(tmp_path, tiny_job):
     config = tiny_job("resume-itest")
     run_dir = str(tmp_path / "run")
-    first = run_job(config, duration_s=20, run_dir=run_dir, quiet=True)
+    # Each run ends on progress, not a fixed length (its duration is the cap).
+    first = run_job(config, duration_s=20, run_dir=run_dir, quiet=True,
+                    until=lambda snap: (snap["syncer"]["merges"] or 0) >= 12)
     assert first["merges"] > 0 and first["final_eval_loss"] < first["initial_eval_loss"]
     listing = sorted(os.listdir(run_dir))
     with pytest.raises(RunDirError, match="--resume"):
         run_job(config, duration_s=5, run_dir=run_dir, quiet=True)
     assert sorted(os.listdir(run_dir)) == listing  # refused before anything was written
 
-    second = run_job(config, duration_s=15, run_dir=run_dir, quiet=True, resume=True)
+    second = run_job(config, duration_s=15, run_dir=run_dir, quiet=True, resume=True,
+                     until=lambda snap: (snap["syncer"]["merges"] or 0) >= first["merges"] + 6)
     # No jump back to the initial loss: the resumed job starts from the first one's model.
     assert second["initial_eval_loss"] == pytest.approx(first["final_eval_loss"], rel=0.02)
     assert second["merges"] > first["merges"]  # versions continue from the snapshot

@@ -121,7 +121,10 @@ def test_a_learner_whose_loop_raises_is_restarted_and_trains_again(tmp_path, mon
         "regions": {"a": {"learners": 2}}, "metrics": {"enabled": False},
         "run": {"dashboard": False}})
     run_dir = str(tmp_path / "run")
-    run_job(config, duration_s=35, run_dir=run_dir, quiet=True)   # a restart takes ~10 s here
+    # Ends once a learner's second incarnation trains (a restart takes ~10 s here; 35 s cap).
+    run_job(config, duration_s=35, run_dir=run_dir, quiet=True,
+            until=lambda snap: any(row["incarnation"] >= 1 and row["state"] == "training"
+                                   for row in snap["learners"].values()))
     events = [json.loads(line) for line in open(os.path.join(run_dir, "events.jsonl"))]
     failed = [e for e in events if e["event"] == "learner_failed"]
     assert len(failed) == 1 and failed[0]["cause"] == "crash", failed

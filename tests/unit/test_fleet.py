@@ -36,9 +36,11 @@ def kinds(result):
 
 
 def training(s=None, now=1.0, step_time=0.1):
-    """A fleet whose three learners were launched at t=0 and beat "training" at ``now``."""
+    """A fleet whose three learners were launched at t=0 and beat "training" at ``now``, each
+    having adopted a merged fragment (so each may be a peer donor)."""
     fleet = F.step(F.initial(s or settings()), [], 0.0).fleet
-    beats = [F.Beat(n, 0, True, step_time, node_id="n1", ready_at_s=now) for n in fleet.slots]
+    beats = [F.Beat(n, 0, True, step_time, node_id="n1", ready_at_s=now, adopted=True)
+             for n in fleet.slots]
     return F.step(fleet, beats, now).fleet
 
 
@@ -564,7 +566,7 @@ def test_a_crash_promotes_a_ready_spare_at_once_and_a_new_spare_follows_once_it_
     assert "LaunchSpare" not in kinds(F.step(crashed.fleet, alive(crashed.fleet, "a:1"), 11.0))
     # ... and one once the promoted learner trains.
     ready = F.step(crashed.fleet, alive(crashed.fleet, "a:1") + [
-        F.Beat("a:1", 1, True, ready_at_s=11.2)], 11.5)
+        F.Beat("a:1", 1, True, ready_at_s=11.2, adopted=True)], 11.5)
     assert "LaunchSpare" in kinds(ready)
     # A learner hosted by a spare is a peer like any other: its actor is the spare's.
     again = F.step(ready.fleet, alive(ready.fleet, "a:0") + [

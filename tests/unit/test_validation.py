@@ -80,8 +80,9 @@ def test_every_reason_fires_and_changes_nothing(core):
     bad[RejectReason.BAD_COUNTERS] = good_push("b", base_version=3, c_tokens=-1)
     core.register("e", 0, session="e's token")
     bad[RejectReason.BAD_SESSION] = good_push("e", base_version=3, session="forged")
-    # BAD_MERGE refuses a whole round at merge time (tests/unit/test_refusals.py).
-    assert set(bad) == set(RejectReason) - {RejectReason.BAD_MERGE}
+    # BAD_MERGE and UNADOPTED refuse a whole merge at merge time (tests/unit/test_refusals.py,
+    # tests/unit/test_participation.py).
+    assert set(bad) == set(RejectReason) - {RejectReason.BAD_MERGE, RejectReason.UNADOPTED}
     assert set(REJECT_REASONS) == {r.value for r in RejectReason}
 
     for reason, push in bad.items():
