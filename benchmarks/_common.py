@@ -195,7 +195,7 @@ def run_ours(setup: Setup, *, learner_ids: Sequence[str], fleet: inprocess.Fleet
              merge_alpha: float = 0.0, carry_overlap: bool = CARRY_OVERLAP,
              staleness_discount: float = 0.0, outer_gradient: str = "pull",
              round_step: str = "per_merge", staleness_share: float = 0.0,
-             schedule_clock: str = "learner") -> inprocess.RunRecord:
+             schedule_clock: str = "learner", round_wait: float = 0.0) -> inprocess.RunRecord:
     """Decoupled DiLoCo in the in-process driver (docs/architecture.md#the-algorithm defaults: RDA merge, outer Nesterov
     0.7/0.9, α = 0, error feedback; ``outer_kind="sgd"`` is sgd(1.0), plain averaging;
     ``outer_kwargs`` sets the outer optimizer's lr and momentum). ``codec`` encodes the pushes,
@@ -212,6 +212,7 @@ def run_ours(setup: Setup, *, learner_ids: Sequence[str], fleet: inprocess.Fleet
                               round_step=merge_lib.RoundStep(round_step),
                               staleness_share=staleness_share,
                               schedule_clock=merge_lib.ScheduleClock(schedule_clock),
+                              round_wait=round_wait,
                               inner_schedule=setup.schedule or None,
                               tokens_per_step=setup.tokens_per_batch)
     syncer, learners = inprocess.build_syncer_and_learners(

@@ -70,6 +70,12 @@ RULES = {
                 schedule_clock="fleet"),
     "all_share": dict(outer_gradient="rebased", round_step="per_round", staleness_share=1.0,
                       schedule_clock="fleet"),
+    # round-completion wait (syncer.round_wait): the chosen rules, holding a partial merge for
+    # the round's learners due within this share of a sync period
+    "wait25": dict(outer_gradient="rebased", round_step="per_round", staleness_share=0.0,
+                   schedule_clock="fleet", round_wait=0.25),
+    "wait50": dict(outer_gradient="rebased", round_step="per_round", staleness_share=0.0,
+                   schedule_clock="fleet", round_wait=0.5),
     "defaults": None,   # JobConfig's (quality.user_defaults)
 }
 FLEETS = {"lockstep": ([1.0, 1.0, 1.0, 1.0], 0.0), "noisy": ([1.0, 1.0, 1.0, 1.0], 0.1),

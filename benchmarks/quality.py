@@ -68,7 +68,8 @@ def user_defaults(num_learners: int, sync_every: int = SYNC_EVERY) -> dict:
                 outer_gradient=config.syncer.outer_gradient,
                 round_step=config.syncer.round_step,
                 staleness_share=config.syncer.staleness_share,
-                schedule_clock=config.syncer.schedule_clock)
+                schedule_clock=config.syncer.schedule_clock,
+                round_wait=config.syncer.round_wait)
 
 
 def decomposition(m: int, defaults: dict) -> list[tuple[str, str, dict, bool]]:

@@ -6,6 +6,7 @@ drive this object, in this order every inner step::
     train(batch)   one inner step (the jitted train step) on the learner's params
     record(dt)     count the step: its tokens and seconds, per fragment too
     pushes(epoch)  encode and hand over every fragment that is now due
+    paced(dt)      once the step's iteration is over: its pace (``step_time_s``, ξ_step's input)
 
 Time and transport belong to the driver: the Ray actor pads steps and sends pushes through its
 emulated WAN link, the in-process driver schedules them on a virtual clock.
@@ -14,6 +15,8 @@ emulated WAN link, the in-process driver schedules them on a virtual clock.
 from __future__ import annotations
 
 from typing import Any, Callable
+
+from islands.syncer.timing import StepPace
 
 from .core import LearnerCore, PushPlan
 
@@ -36,6 +39,7 @@ class LearnerLoop:
         self.num_fragments = num_fragments
         self.sync_every_steps = sync_every_steps
         self._next: Any = None   # (step, batch) made ahead by prefetch()
+        self.pace = StepPace()   # this incarnation's step time (syncer/timing.py)
 
     def adopt(self) -> list[int]:
         return self.core.adopt_ready()
@@ -60,6 +64,15 @@ class LearnerLoop:
 
     def record(self, step_s: float) -> None:
         self.core.record_step(self.tokens_per_batch, step_s)
+
+    def paced(self, step_s: float) -> None:
+        """Counts a finished iteration's seconds (pushes handed over included) in the pace."""
+        self.pace.observe(step_s)
+
+    @property
+    def step_time_s(self) -> "float | None":
+        """The pace both bodies report and read for ξ_step (EMA, first step left out)."""
+        return self.pace.step_s
 
     def pushes(self, epoch: "int | list[int]") -> list[PushPlan]:
         core = self.core

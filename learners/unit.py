@@ -399,9 +399,10 @@ class LearnerUnit:
                     if extra > 0:
                         core.add_step_seconds(extra)
                         dt += extra
-                    if not first_step:  # the first step loads or compiles the program: not a pace
-                        step_time_ema = (dt if step_time_ema is None
-                                         else 0.8 * step_time_ema + 0.2 * dt)
+                    # The pace (syncer/timing.py StepPace: EMA, the first step, which loads or
+                    # compiles the program, left out), as the in-process driver keeps it.
+                    loop.paced(dt)
+                    step_time_ema = loop.step_time_s
                     self.stats.update(step=core.step, tokens_done=core.tokens_done,
                                       compute_s=core.compute_s, loss=loss,
                                       step_time_s=step_time_ema, in_flight=len(sender.pending),

@@ -13,6 +13,7 @@ from typing import Optional
 from islands.learners.devices import DeviceRequest
 from islands.learners.spec import LearnerSpec, TrainingSpec
 from islands.syncer import fragments as fragments_lib
+from islands.syncer import timing
 from islands.syncer.actor import SyncerSpec
 from islands.syncer.codec_kinds import DEFAULT_BLOCK_SIZE
 from islands.syncer.core import SyncerSettings
@@ -79,6 +80,7 @@ def syncer_settings(config) -> SyncerSettings:
         participation_scale=s.participation_scale,
         outer_gradient=OuterGradientRule(s.outer_gradient), round_step=RoundStep(s.round_step),
         staleness_share=s.staleness_share, schedule_clock=ScheduleClock(s.schedule_clock),
+        round_wait=s.round_wait,
         inner_schedule=inner_schedule(config),
         # The built-in task's batches are B·L tokens; another task's size is its own (unchecked).
         tokens_per_step=(config.data.batch_size * config.model.seq_len if config.task.builtin
@@ -259,7 +261,9 @@ def syncer_options(config, run_dir: str) -> dict:
                                                   config.name),
                 snapshot_every_merges=config.syncer.snapshot_every_merges,
                 snapshot_min_interval_s=snapshot_min_interval_s(config.syncer),
-                journal=config.syncer.journal)
+                journal=config.syncer.journal,
+                round_trip_s=timing.round_trip_s(r.latency_ms / 1000.0
+                                                 for r in config.regions.values()))
 
 
 def snapshot_min_interval_s(syncer) -> float:

@@ -158,6 +158,7 @@ class SyncerSection(_Section):
     round_step: Literal["per_merge", "per_round"] = "per_round"
     staleness_share: float = Field(0.0, ge=0)
     schedule_clock: Literal["learner", "fleet"] = "fleet"
+    round_wait: float = Field(0.0, ge=0, le=1)
     snapshot_every_merges: int = Field(10, ge=1)
     snapshot_min_interval_s: Optional[float] = Field(None, ge=0)
     journal: bool = True

@@ -181,6 +181,12 @@ FIELD_NOTES: dict[str, str] = {
                              "progress (the mean step of the live learners' newest merged "
                              "pushes, sent with every merge), so a learner that restarts, lags "
                              "or runs fast neither replays nor skips the schedule.",
+    "syncer.round_wait": "The round-completion wait, a share of a sync period: a partial merge "
+                         "(K < M) is held past the grace window for the round's missing live "
+                         "learners predicted to push within this share of the waiting "
+                         "pushers' period (each learner's last push of the fragment plus its "
+                         "last period; plus the grace window as margin). Learners do not "
+                         "wait: the reply is later. 0: the grace window alone.",
     "syncer.snapshot_every_merges": "Snapshot the syncer (Θ, outer state, versions, epoch, "
                                     "ledger) once this many merges were made since the last "
                                     "snapshot (and `syncer.snapshot_min_interval_s` has passed).",

@@ -235,35 +235,29 @@ def participation(syncer: dict, counts: dict) -> dict:
             "mean_ratio": round(sum(ratios) / len(ratios), 4) if ratios else None}
 
 
-def console_state(controller: Any, allow_chaos: bool) -> dict:
-    """Everything the page shows, from one snapshot (strict JSON: NaN is null)."""
+def console_state(view: dict, allow_chaos: bool) -> dict:
+    """Everything the page shows, from the controller's ``console_view()`` (one snapshot and
+    what the fleet knows beside it; strict JSON: NaN is null). Pure: no controller here."""
     import time
 
     from .snapshot import finite
 
-    snap = controller.snapshot()
-    with controller.lock:
-        events = list(controller.events[-2000:])
+    snap, events = view["snapshot"], view["events"]
     refusals = [e for e in events if e.get("event") == "push_refused"][-REFUSALS_SHOWN:]
     recent = [e for e in events if e.get("event") not in ("push_refused",)][-EVENTS_SHOWN:]
     now = time.time()
-    window_s = controller.settings.goodput_window_s
-    learners = {}
-    for name, row in snap["learners"].items():
-        beat = controller.running[name].beat if name in controller.running else {}
-        learners[name] = {**row, "profiler": beat.get("profiler")}
+    window_s = view["goodput_window_s"]
+    learners = {name: {**row, "profiler": view["profilers"].get(name)}
+                for name, row in snap["learners"].items()}
     return finite({
-        "job": controller.config.name, "t": now, "elapsed_s": snap["elapsed_s"],
+        "job": view["job"], "t": now, "elapsed_s": snap["elapsed_s"],
         "allow_chaos": allow_chaos, "paused_reason": snap["paused_reason"],
-        "misconfigured": dict(controller.fleet.misconfigured),
-        "operator_paused": controller.fleet.operator_paused,
-        "regions": {name: {"target": controller.fleet.targets.get(name, 0),
-                           "max_learners": region.max_learners, "remote": region.remote}
-                    for name, region in controller.config.regions.items()},
+        "misconfigured": view["misconfigured"], "operator_paused": view["operator_paused"],
+        "regions": view["regions"],
         "learners": learners, "spares": snap.get("spares") or {}, "syncer": snap["syncer"],
         "syncer_restarts": snap["syncer_restarts"], "goodput": snap["goodput"],
         "participation": participation(snap["syncer"], snap.get("participation_counts") or {}),
-        "goodput_series": goodput_series(list(controller.goodput_history), now,
+        "goodput_series": goodput_series(view["goodput_history"], now,
                                          max(600.0, window_s), window_s),
         "tokens": snap["tokens"], "train_loss": snap["train_loss"],
         "eval_loss": snap["eval_loss"], "events": recent, "refusals": refusals})
@@ -299,8 +293,8 @@ class ConsoleServer:
     async def _state(self, request):
         from aiohttp import web
 
-        state = await self.loop.run_in_executor(None, console_state, self.controller,
-                                                self.allow_chaos)
+        state = await self.loop.run_in_executor(
+            None, lambda: console_state(self.controller.console_view(), self.allow_chaos))
         return web.Response(text=json.dumps(state, allow_nan=False, default=str),
                             content_type="application/json", headers=_HEADERS)
 

@@ -27,6 +27,7 @@ from .books import Books
 from islands.learners.fates import newest
 from .chaos import HOME_TARGET, Fault, FaultKind
 from islands.learners.messages import Heartbeat
+from islands.syncer import timing
 
 from .fleet import SlotState
 from .groups import (LearnerGroups, SyncerShards, cluster_view, drain_node, draining_nodes,
@@ -733,10 +734,12 @@ class Controller:
         return combine_status(self.shard_status)
 
     def _refresh_syncer_status(self) -> None:
-        slowest = max((s.step_time_s or 0.0 for s in self.fleet.slots.values()
-                       if s.state == SlotState.TRAINING), default=0.0) or 1.0
+        # ξ_step and the pause rule as the in-process driver computes them (syncer/timing.py),
+        # from the step times the TRAINING slots' heartbeats carried.
+        slowest = timing.slowest_step_s(s.step_time_s for s in self.fleet.slots.values()
+                                        if s.state == SlotState.TRAINING)
         # A shard that cannot answer keeps its last status.
-        statuses = self.shards.statuses(slowest, self.fleet.paused_reason is not None)
+        statuses = self.shards.statuses(slowest, timing.merges_held(self.fleet.paused_reason))
         if not statuses:
             return
         with self.lock:
@@ -943,6 +946,22 @@ class Controller:
             except Exception as exc:  # the Ray mirror is a convenience; Prometheus is the contract
                 log.warning("ray.util.metrics mirror not started: %s", exc)
         return self.metrics_port
+
+    def console_view(self) -> dict:
+        """What the console shows, read once under the lock: the snapshot and what only the
+        fleet and the beats know (the console reads this view, never the controller's fields)."""
+        snap = self.snapshot()
+        with self.lock:
+            events = list(self.events[-2000:])
+            profilers = {name: run.beat.get("profiler") for name, run in self.running.items()}
+        return {"snapshot": snap, "events": events, "profilers": profilers,
+                "job": self.config.name, "goodput_window_s": self.settings.goodput_window_s,
+                "goodput_history": list(self.goodput_history),
+                "misconfigured": dict(self.fleet.misconfigured),
+                "operator_paused": self.fleet.operator_paused,
+                "regions": {name: {"target": self.fleet.targets.get(name, 0),
+                                   "max_learners": region.max_learners, "remote": region.remote}
+                            for name, region in self.config.regions.items()}}
 
     def serve_console(self, port: int, host: str, token: str, allow_chaos: bool = False) -> int:
         """Serves the operator console (``console.py``) on ``host:port`` from this actor; every

@@ -41,6 +41,7 @@ from islands.orchestrator.chaos import FaultPlan, RestartCosts
 from islands.orchestrator.health import RestartPolicy
 from islands.syncer import downlink as downlink_lib
 from islands.syncer import fragments as fragments_lib
+from islands.syncer import timing
 from islands.syncer.core import MergeResult, SyncerCore
 from islands.syncer.fragments import FragmentPlan
 
@@ -277,7 +278,10 @@ class _Driver:
                                 train_losses=[[] for _ in range(n)], learner_ids=list(self.ids),
                                 regions=list(self.regions),
                                 down_intervals=[[] for _ in range(n)])
-        self.slowest_step_s = max(fleet.nominal_step_s(i) for i in range(n))
+        # ξ_sync as the Ray syncer has it (syncer/timing.py): the round trip of the fleet's
+        # latency plus the merges' time, which is 0 on the virtual clock.
+        self.sync_time = timing.SyncTime(round_trip_s=timing.round_trip_s([fleet.latency_s]))
+        self.step_s = [0.0] * n          # the seconds of each learner's current step
         self.in_step = [False] * n       # between a step's start and its end
         self.draining: set[int] = set()  # told to drain: no new step, leaves once answered
         self.retired_at: list[Optional[float]] = [None] * n   # left the fleet (drained)
@@ -310,7 +314,17 @@ class _Driver:
 
     # -- helpers --------------------------------------------------------------------------------
     def live(self) -> frozenset:
-        return frozenset(name for i, name in enumerate(self.ids) if self.up[i])
+        """The live set a round waits for: the learners registered at the syncer, as the Ray
+        syncer has it (``timing.live_set``)."""
+        return timing.live_set(self.syncer.learners)
+
+    def slowest_step_s(self) -> float:
+        """ξ_step as the Ray controller computes it (``timing.slowest_step_s``): the paces of the
+        learners whose slot the fleet holds TRAINING (a dead one until its death is seen)."""
+        return timing.slowest_step_s(
+            self.loops[self.index_of[slot.learner]].step_time_s
+            for slot in self.fleet_state.slots.values()
+            if slot.state == fleet_lib.SlotState.TRAINING and slot.learner in self.index_of)
 
     def current(self, i: int, incarnation: int) -> bool:
         return self.up[i] and self.cores[i].incarnation == incarnation
@@ -406,6 +420,7 @@ class _Driver:
         self.record.train_losses[i].append(float(loss))
         dt = self.step_time(i, now)
         loop.record(dt)
+        self.step_s[i] = dt
         self.record.tokens_processed += self.tokens_per_batch
         self.record.step_log.append(StepRecord(i, incarnation, core.step, now, dt))
         self.in_step[i] = True
@@ -420,6 +435,7 @@ class _Driver:
         for plan in self.loops[i].pushes(self.epoch_of[i]):
             self.record.wire_bytes_up += plan.wire_bytes
             self.schedule(self.arrival(i, now, plan.wire_bytes), _ARRIVE, "arrive", plan.push)
+        self.loops[i].paced(self.step_s[i])   # at the step's end, as the Ray learner's pace
         if (i == 0 and self.eval_every_steps and core.step % self.eval_every_steps == 0
                 and core.step > self.last_eval_step):
             self.last_eval_step = core.step
@@ -457,11 +473,14 @@ class _Driver:
             return
         if not self.syncer.slots[p].round:
             return
+        if timing.merges_held(self.fleet_state.paused_reason):
+            return   # the pause rule: decided again when training resumes (fleet_step)
         live = self.live()
-        decision, _ = self.syncer.timed_decision(p, now, live, self.slowest_step_s,
-                                                 2 * self.fleet.latency_s)
+        decision, _ = self.syncer.timed_decision(p, now, live, self.slowest_step_s(),
+                                                 self.sync_time.sync_s)
         if decision.merge:
             result = self.syncer.merge(p, decision.reason.value, live_count=len(live))
+            self.sync_time.observe_merge(0.0)   # a merge takes no virtual time
             if result.refused:  # Θ kept: the round's learners start over from it
                 for name in result.learners:
                     i = self.index_of[name]
@@ -497,8 +516,11 @@ class _Driver:
                                   for name, e in self.syncer.ledger.items()})
 
     def fleet_step(self, now: float, observations: list) -> None:
+        held = timing.merges_held(self.fleet_state.paused_reason)
         result = fleet_lib.step(self.fleet_state, [self.applied_view()] + list(observations), now)
         self.fleet_state = result.fleet
+        if held and not timing.merges_held(self.fleet_state.paused_reason):
+            self.recheck_open_rounds(now)   # resumed: the rounds the pause held are decided
         for t in result.transitions:
             self.record.transitions.append((now, t))
             if t.name == "learner_restart_scheduled":

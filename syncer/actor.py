@@ -18,6 +18,7 @@ from typing import Any, Optional
 
 from . import downlink as downlink_lib
 from . import shards as shards_lib
+from . import timing
 from .core import SyncerCore, SyncerSettings
 from .state import snapshot_due
 from .shards import SYNCER_NAME  # noqa: F401  (shard 0's name; shards.syncer_shard_name)
@@ -80,6 +81,9 @@ class SyncerSpec:
     # order: the single syncer) and which shard this is.
     fragment_ids: Optional[tuple] = None
     syncer_shard: int = 0
+    # The transfer part of ξ_sync (syncer/timing.py round_trip_s): twice the largest configured
+    # one-way region latency; the syncer adds its measured merge time.
+    round_trip_s: float = 0.0
 
 
 def downlink_settings(spec: SyncerSpec) -> downlink_lib.DownlinkSettings:
@@ -133,8 +137,11 @@ class Syncer:
         # The last snapshot (or the restored state): merges then, and when.
         self.snapshot_merges, self.snapshot_s = sum(self.core.versions), time.monotonic()
         self.waiters: dict[int, dict[str, asyncio.Future]] = collections.defaultdict(dict)
-        self.slowest_step_s = 1.0
-        self.sync_s = 0.0        # EMA of merge + outer step time (ξ_sync)
+        # The grace window's inputs (syncer/timing.py, as the in-process driver has them):
+        # ξ_step and the pause from the controller (set_fleet), ξ_sync = the configured round
+        # trip + the EMA of this syncer's merge + outer step wall time.
+        self.slowest_step_s = timing.DEFAULT_STEP_S
+        self.sync_time = timing.SyncTime(round_trip_s=spec.round_trip_s)
         self.last_grace_s = 0.0
         self.merges_by_fragment = collections.Counter()
         self.last_quorum = {}
@@ -169,12 +176,12 @@ class Syncer:
         while True:
             now = time.monotonic()
             deadline = None
-            live = frozenset(self.core.learners)
+            live = timing.live_set(self.core.learners)
             for p, slot in enumerate(self.core.slots):
                 if not slot.round or self.paused or p in self.journal_pending:
                     continue
                 decision, grace = self.core.timed_decision(p, now, live, self.slowest_step_s,
-                                                           self.sync_s)
+                                                           self.sync_time.sync_s)
                 if decision.merge:
                     self.last_grace_s = grace
                     self._merge(p, decision.reason.value)
@@ -190,7 +197,7 @@ class Syncer:
     def _merge(self, p: int, reason: str) -> None:
         t0 = time.monotonic()
         result = self.core.merge(p, reason, live_count=len(self.core.learners))
-        self.sync_s = 0.8 * self.sync_s + 0.2 * (time.monotonic() - t0)
+        self.sync_time.observe_merge(time.monotonic() - t0)
         g = self._global(p)   # waiters are kept by local id; learners and books see global ids
         if result.refused:  # Θ kept: every waiting push is answered with the refusal
             for name in result.learners:
@@ -313,7 +320,9 @@ class Syncer:
         return len(dropped)
 
     async def set_fleet(self, slowest_step_s: float, paused: bool = False) -> None:
-        self.slowest_step_s = max(1e-3, float(slowest_step_s))
+        """ξ_step (``timing.slowest_step_s`` of the controller's view) and the pause rule
+        (``timing.merges_held``): while paused no round merges."""
+        self.slowest_step_s = max(timing.MIN_STEP_S, float(slowest_step_s))
         self.paused = paused
         if self._wake:
             self._wake.set()

@@ -21,7 +21,7 @@ from . import downlink as downlink_lib
 from . import fused
 from . import merge as merge_lib
 from .fragments import Fragment
-from .quorum import Decision, grace_window, merge_decision
+from .quorum import Decision, grace_window, merge_decision, round_hold
 from .validate import (GARBAGE_REASONS, Accepted, Push, RejectReason, Rejected, check_counters,
                        check_progress,
                        check_drift, drift_norm, outlier_limit, scaled_norm)
@@ -63,6 +63,10 @@ class SyncerSettings:
     round_step: merge_lib.RoundStep = merge_lib.RoundStep.PER_MERGE
     staleness_share: float = 0.0
     schedule_clock: merge_lib.ScheduleClock = merge_lib.ScheduleClock.LEARNER
+    # The round-completion wait: hold a partial merge past the grace window for the round's
+    # missing live learners predicted to push within this share of the waiting pushers' sync
+    # period (their last push of the fragment plus their last period); 0: the grace window only.
+    round_wait: float = 0.0
 
 
 @dataclass
@@ -317,6 +321,10 @@ class SyncerCore:
         self.staleness_counts: collections.Counter = collections.Counter()
         self.merge_records: collections.deque = collections.deque(maxlen=1_000)
         self.last_live: dict[int, int] = {}   # fragment -> live learners at its last merge
+        # (learner, fragment) -> (period_s, last_arrival_s) of its accepted pushes of the
+        # fragment, on the now_s clock (syncer.round_wait predicts the next one from it). Lives
+        # in this process only: a restarted syncer, or a new incarnation, measures it afresh.
+        self.push_times: dict[tuple[str, int], tuple[Optional[float], float]] = {}
 
     # -- membership -----------------------------------------------------------------------------
     def register(self, learner: str, incarnation: int, session: Optional[str] = None
@@ -331,6 +339,7 @@ class SyncerCore:
             raise ValueError(f"{learner}: incarnation {incarnation} is older than {previous}")
         if previous != incarnation:
             self._drop_shadows(learner)  # a new incarnation starts from the full fragments
+            self._drop_push_times(learner)
         self.learners[learner] = incarnation
         # A new incarnation's progress is bounded from here (wall clock on purpose, also under a
         # virtual one: it bounds what a process can train). One the ledger knows already (a
@@ -375,6 +384,7 @@ class SyncerCore:
         self.learners.pop(learner, None)
         self.sessions.pop(learner, None)
         self._drop_shadows(learner)
+        self._drop_push_times(learner)
         return dropped
 
     def restart(self, epoch: int) -> list[Push]:
@@ -397,6 +407,7 @@ class SyncerCore:
             slot.outlier_learners = set()
         self.epoch = max(int(epoch), self.epoch + 1)
         self.shadows.clear()
+        self.push_times = {}
         self._shadow_ids = itertools.count((self.epoch << 32) + 1)
         self.learners, self.sessions, self.registered_at = {}, {}, {}
         self.garbage_streak.clear()
@@ -406,6 +417,16 @@ class SyncerCore:
     def _drop_shadows(self, learner: str) -> None:
         for key in [key for key in self.shadows if key[0] == learner]:
             del self.shadows[key]
+
+    def _drop_push_times(self, learner: str) -> None:
+        for key in [key for key in self.push_times if key[0] == learner]:
+            del self.push_times[key]
+
+    def _note_push_time(self, learner: str, fragment: int, now_s: float) -> None:
+        """An accepted push of ``fragment`` arrived at ``now_s``: its period since the last."""
+        known = self.push_times.get((learner, fragment))
+        period = None if known is None else now_s - known[1]
+        self.push_times[(learner, fragment)] = (period if period and period > 0 else None, now_s)
 
     def catch_up(self, learner: str, incarnation: int,
                  adopted: Sequence[tuple[int, Fragment]]) -> list[int]:
@@ -457,6 +478,7 @@ class SyncerCore:
             slot.round_opened_at_s = now_s
         slot.round[push.learner] = Contribution(push, grads, verdict.staleness, now_s, base,
                                                 norms)
+        self._note_push_time(push.learner, push.fragment, now_s)
         if slot.quorum_reached_at_s is None and len(slot.round) >= self.settings.min_learners:
             slot.quorum_reached_at_s = now_s
         return Accepted(verdict.staleness)
@@ -492,6 +514,7 @@ class SyncerCore:
             self.garbage_streak.pop(member.learner, None)
             slot.round[member.learner] = Contribution(member, grads, judged.staleness, now_s,
                                                       base, norms, group=push.learner)
+            self._note_push_time(member.learner, push.fragment, now_s)
         if slot.quorum_reached_at_s is None and len(slot.round) >= self.settings.min_learners:
             slot.quorum_reached_at_s = now_s
         return Accepted(judged.staleness)
@@ -653,8 +676,39 @@ class SyncerCore:
 
     def decide(self, fragment: int, now_s: float, live: frozenset[str], grace_s: float) -> Decision:
         slot = self.slots[fragment]
-        return merge_decision(frozenset(slot.round), live, now_s, slot.quorum_reached_at_s,
-                              self.settings.min_learners, grace_s)
+        arrived, hold = frozenset(slot.round), None
+        if self.settings.round_wait > 0 and slot.quorum_reached_at_s is not None:
+            arrived = self.round_members(fragment, live)
+            hold = self._round_hold(fragment, arrived, live, now_s, grace_s)
+        return merge_decision(arrived, live, now_s, slot.quorum_reached_at_s,
+                              self.settings.min_learners, grace_s, hold)
+
+    def round_members(self, fragment: int, live: frozenset[str]) -> frozenset[str]:
+        """The learners of the round the open pushes of a fragment belong to: theirs, and under
+        ``round_step: per_round`` those already stepped in the round they would join
+        (``_join_round``'s rule)."""
+        slot = self.slots[fragment]
+        names = frozenset(slot.round)
+        if (self.settings.round_step == merge_lib.RoundStep.PER_ROUND and slot.stepped
+                and slot.round_start is not None and not names & set(slot.stepped)
+                and len(slot.stepped) < len(live)):
+            return names | frozenset(slot.stepped)
+        return names
+
+    def _round_hold(self, fragment: int, members: frozenset[str], live: frozenset[str],
+                    now_s: float, grace_s: float) -> Optional[float]:
+        """``syncer.round_wait``: until when the round's missing live learners that are due to
+        push soon are waited for (``quorum.round_hold``), bounded by ``round_wait`` times the
+        shortest known period of the learners whose pushes are open; None: the grace window."""
+        slot = self.slots[fragment]
+        periods = [self.push_times.get((name, fragment), (None, 0.0))[0] for name in slot.round]
+        periods = [x for x in periods if x]
+        if not periods:
+            return None
+        missing = {name: self.push_times.get((name, fragment), (None, 0.0))
+                   for name in live - members}
+        return round_hold(missing, now_s, slot.quorum_reached_at_s,
+                          self.settings.round_wait * min(periods), grace_s)
 
     def timed_decision(self, fragment: int, now_s: float, live: frozenset[str],
                        slowest_step_s: float, sync_s: float) -> tuple[Decision, float]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import AbstractSet, Optional
+from typing import AbstractSet, Mapping, Optional
 
 
 class MergeReason(str, enum.Enum):
@@ -44,7 +44,7 @@ def grace_window(tau_steps: float, step_s: float, quorum_s: float, sync_s: float
 
 def merge_decision(arrived: AbstractSet[str], live: AbstractSet[str], now_s: float,
                    quorum_reached_at_s: Optional[float], min_learners: int,
-                   grace_s: float) -> Decision:
+                   grace_s: float, hold_until_s: Optional[float] = None) -> Decision:
     """Decides whether a fragment's open round may merge.
 
     Args:
@@ -54,12 +54,55 @@ def merge_decision(arrived: AbstractSet[str], live: AbstractSet[str], now_s: flo
       quorum_reached_at_s: when the K-th distinct push arrived (None if not yet).
       min_learners: K.
       grace_s: the grace window to wait after the quorum.
+      hold_until_s: a later deadline than the grace window's, or None (``round_hold``: the
+        round's missing learners are due to push before it).
+
+    >>> merge_decision({"a"}, {"a", "b"}, 1.5, 1.0, 1, 1.0)
+    Decision(merge=False, reason=<MergeReason.IN_GRACE: 'in_grace'>, wait_until_s=2.0)
+    >>> merge_decision({"a"}, {"a", "b"}, 2.5, 1.0, 1, 1.0, hold_until_s=4.0).wait_until_s
+    4.0
+    >>> merge_decision({"a"}, {"a", "b"}, 4.0, 1.0, 1, 1.0, hold_until_s=4.0).merge
+    True
     """
     if len(arrived) < min_learners or quorum_reached_at_s is None:
         return Decision(False, MergeReason.BELOW_QUORUM)
     if live <= arrived:
         return Decision(True, MergeReason.ALL_LIVE_IN)
     deadline = quorum_reached_at_s + grace_s
+    if hold_until_s is not None:
+        deadline = max(deadline, hold_until_s)
     if now_s >= deadline:
         return Decision(True, MergeReason.GRACE_EXPIRED)
     return Decision(False, MergeReason.IN_GRACE, wait_until_s=deadline)
+
+
+def round_hold(missing: Mapping[str, tuple[Optional[float], float]], now_s: float,
+               quorum_reached_at_s: float, bound_s: float, margin_s: float) -> Optional[float]:
+    """The round-completion wait (``syncer.round_wait``): until when to hold a partial merge
+    for the round's missing live learners that are due to push soon.
+
+    Each learner pushes a fragment once per sync period, so its next push is predicted at its
+    last push's arrival plus its last period. A learner is waited for when that is no later
+    than ``quorum_reached_at_s + bound_s`` and not overdue by more than ``margin_s`` (a push it
+    skipped, or one that is not coming); the hold lasts until the latest such prediction plus
+    ``margin_s`` (the prediction's noise). None: nobody is due, the grace window decides.
+
+    Args:
+      missing: per live learner not yet in the round, ``(period_s, last_arrival_s)`` of its
+        pushes of this fragment (period None: fewer than two pushes seen, not predicted).
+      now_s: the current time.
+      quorum_reached_at_s: when the quorum came in.
+      bound_s: how long after the quorum a due learner may be waited for.
+      margin_s: slack around each prediction (the grace window).
+
+    >>> round_hold({"b": (24.0, 10.0), "c": (24.0, 3.0)}, 30.0, 30.0, 6.0, 1.0)  # b at 34
+    35.0
+    >>> round_hold({"b": (24.0, 10.0)}, 30.0, 30.0, 3.0, 1.0) is None  # b beyond the bound
+    True
+    >>> round_hold({"b": (None, 10.0), "c": (24.0, 0.0)}, 30.0, 30.0, 6.0, 1.0) is None
+    True
+    """
+    due = [last + period for period, last in missing.values()
+           if period is not None and period > 0
+           and now_s - margin_s <= last + period <= quorum_reached_at_s + bound_s]
+    return max(due) + margin_s if due else None

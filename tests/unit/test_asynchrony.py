@@ -248,3 +248,123 @@ class _NoEF:
 
     def update(self, drift, state):
         return drift, state
+
+
+# -- the round-completion wait (syncer.round_wait) ----------------------------------------------
+def push_at(core, learner, drift, base_version, now_s):
+    verdict = core.accept_push(Push(learner, 0, {"w": np.array([drift], np.float32)},
+                                    base_version, core.epoch, 100, 1, step=1, tokens_done=100),
+                               now_s)
+    assert verdict.ok, verdict
+    return verdict
+
+
+def two_rounds(round_wait, b_phase=1.0):
+    """a and b push every 24 s (a at 0, 24; b at ``b_phase``, 24 + ``b_phase``), each round
+    merged whole: Θ0 = 0 → Θ1 = 3 (drifts 2, 4) → Θ2 = 5 (drifts 1, 3)."""
+    core = syncer(round_step=merge.RoundStep.PER_ROUND,
+                  outer_gradient=merge.OuterGradientRule.REBASED, round_wait=round_wait)
+    for t0, (da, db) in ((0.0, (2.0, 4.0)), (24.0, (1.0, 3.0))):
+        push_at(core, "a", da, core.slots[0].version, t0)
+        push_at(core, "b", db, core.slots[0].version, t0 + b_phase)
+        assert core.decide(0, t0 + b_phase, frozenset("ab"), 1.0).merge
+        core.merge(0, live_count=2)
+    assert theta(core) == 5.0 and core.push_times[("b", 0)] == (24.0, 24.0 + b_phase)
+    return core
+
+
+def test_round_hold_predictions():
+    from islands.syncer.quorum import round_hold
+    # b last pushed at 25 with a 24 s period: due at 49, within 48 + 12: held until 49 + 1
+    assert round_hold({"b": (24.0, 25.0)}, 48.0, 48.0, 12.0, 1.0) == 50.0
+    # due at 49 but the bound ends at 48 + 0.5: not waited for
+    assert round_hold({"b": (24.0, 25.0)}, 48.0, 48.0, 0.5, 1.0) is None
+    # overdue by more than the margin (a push it skipped, or a learner that is gone): not waited
+    assert round_hold({"b": (24.0, 25.0)}, 50.5, 48.0, 12.0, 1.0) is None
+    # one push seen, no period: not predicted; the latest due learner sets the hold
+    assert round_hold({"b": (None, 25.0), "c": (20.0, 30.0), "d": (24.0, 27.0)},
+                      48.0, 48.0, 12.0, 1.0) == 52.0
+
+
+def test_round_wait_first_push_waits_for_a_due_learner():
+    core = two_rounds(0.5)
+    push_at(core, "a", 2.0, 2, 48.0)
+    # b is due at 25 + 24 = 49: held past the grace window (48 + 1) until 49 + 1
+    decision = core.decide(0, 48.0, frozenset("ab"), 1.0)
+    assert (decision.merge, decision.wait_until_s) == (False, 50.0)
+    assert not core.decide(0, 49.5, frozenset("ab"), 1.0).merge
+    push_at(core, "b", 4.0, 2, 49.6)
+    decision = core.decide(0, 49.6, frozenset("ab"), 1.0)
+    assert (decision.merge, decision.reason.value) == (True, "all_live_in")
+    # the round merges whole: Θ3 = 5 − mean(5 − 7, 5 − 9) = 8, one version, no join
+    result = core.merge(0, live_count=2)
+    assert (theta(core), result.version, result.joined, result.staleness) == (8.0, 3, 0, (0, 0))
+
+
+def test_round_wait_off_merges_at_the_grace_window():
+    core = two_rounds(0.0)
+    push_at(core, "a", 2.0, 2, 48.0)
+    assert core.decide(0, 48.0, frozenset("ab"), 1.0).wait_until_s == 49.0
+    decision = core.decide(0, 49.0, frozenset("ab"), 1.0)
+    assert (decision.merge, decision.reason.value) == (True, "grace_expired")
+    core.merge(0, live_count=2)                   # a alone: Θ3 = 5 + ½·2 = 6, replied to a
+    assert theta(core) == 6.0
+    push_at(core, "b", 4.0, 2, 49.6)              # stale by 1, joins the round: Θ4 = 8
+    result = core.merge(0, live_count=2)
+    assert (theta(core), result.joined, result.staleness) == (8.0, 1, (1,))
+
+
+def test_round_wait_not_beyond_its_bound_nor_for_an_overdue_learner():
+    core = two_rounds(0.1, b_phase=5.0)           # b due at 29 + 24 = 53 > 48 + 0.1·24
+    push_at(core, "a", 2.0, 2, 48.0)
+    assert core.decide(0, 48.0, frozenset("ab"), 1.0).wait_until_s == 49.0
+    core = two_rounds(0.5)
+    push_at(core, "a", 2.0, 2, 48.0)
+    assert core.decide(0, 50.0, frozenset("ab"), 1.0).merge   # b due at 49, not in by 50
+
+
+def test_round_wait_last_push_of_a_round_merges_at_once():
+    core = two_rounds(0.5)
+    push_at(core, "a", 2.0, 2, 48.0)
+    core.merge(0, live_count=2)                   # a alone (say the hold expired): Θ3 = 6
+    push_at(core, "b", 4.0, 2, 52.0)              # the round's last learner: nothing to wait for
+    decision = core.decide(0, 52.0, frozenset("ab"), 1.0)
+    assert (decision.merge, decision.reason.value) == (True, "all_live_in")
+    result = core.merge(0, live_count=2)
+    assert (theta(core), result.joined, result.staleness) == (8.0, 1, (1,))
+    # without the wait the same push waits out the grace window for nobody
+    core = two_rounds(0.0)
+    push_at(core, "a", 2.0, 2, 48.0)
+    core.merge(0, live_count=2)
+    push_at(core, "b", 4.0, 2, 52.0)
+    assert core.decide(0, 52.0, frozenset("ab"), 1.0).wait_until_s == 53.0
+
+
+def test_round_wait_a_stale_push_is_merged_as_without_the_wait():
+    # b's push is based on v1 (it had not adopted v2): staleness 1 with or without the hold,
+    # re-based g_b = Θ(v1) − (3 + 4) = −4, g_a = 5 − 7 = −2: Θ3 = 5 + 3 = 8 both ways
+    for wait in (0.5, 0.0):
+        core = two_rounds(wait)
+        push_at(core, "a", 2.0, 2, 48.0)
+        push_at(core, "b", 4.0, 1, 48.5)
+        result = core.merge(0, live_count=2)
+        assert (theta(core), result.staleness) == (8.0, (0, 1))
+
+
+def test_round_wait_forgets_its_timings_across_a_restart_and_a_new_incarnation():
+    core = two_rounds(0.5)
+    core.register("b", 1)                         # a new incarnation: measured afresh
+    assert ("b", 0) not in core.push_times and ("a", 0) in core.push_times
+    core = two_rounds(0.5)
+    arrays, meta = state.snapshot_tree(core)
+    restarted = syncer((), round_step=merge.RoundStep.PER_ROUND,
+                       outer_gradient=merge.OuterGradientRule.REBASED, round_wait=0.5)
+    state.restore_into(restarted, arrays, meta)
+    for name in "ab":
+        restarted.register(name, 0)
+    assert restarted.push_times == {}
+    # a push across the restart: nobody's period is known, so the grace window alone decides
+    push_at(restarted, "a", 2.0, 2, 48.0)
+    assert restarted.decide(0, 48.0, frozenset("ab"), 1.0).wait_until_s == 49.0
+    core.restart(core.epoch + 1)
+    assert core.push_times == {}

@@ -75,3 +75,26 @@ def test_the_goodput_series_spans_the_recent_past_with_its_window():
     assert 40 <= len(series) <= 51 and series[-1][0] == 0 and series[0][0] == 600
     assert max(p[0] for p in series) <= 600
     assert all(p[1] == pytest.approx(0.5) and p[2] == pytest.approx(0.5) for p in series)
+
+
+def test_the_page_state_comes_from_the_controllers_view_alone():
+    """``console_state`` reads a plain view (``Controller.console_view``), never the controller:
+    each learner row gains its beat's profiler, refusals and other events are split, NaN is null."""
+    from islands.orchestrator.console import console_state
+
+    snap = {"elapsed_s": 12.0, "paused_reason": None, "learners": {"a:0": {"step": 7},
+                                                                   "a:1": {"step": 5}},
+            "spares": {}, "syncer": {"merges": 3}, "syncer_restarts": 0,
+            "goodput": float("nan"), "participation_counts": {}, "tokens": {},
+            "train_loss": 2.0, "eval_loss": None}
+    events = [{"event": "push_refused", "learner": "a:1"}, {"event": "merge", "fragment": 0}]
+    view = {"snapshot": snap, "events": events, "profilers": {"a:0": {"step_s": 0.1}},
+            "job": "demo", "goodput_window_s": 60.0, "goodput_history": [],
+            "misconfigured": {"gpu": "device check failed"}, "operator_paused": False,
+            "regions": {"a": {"target": 2, "max_learners": 4, "remote": False}}}
+    state = console_state(view, allow_chaos=False)
+    assert state["job"] == "demo" and state["goodput"] is None
+    assert state["learners"] == {"a:0": {"step": 7, "profiler": {"step_s": 0.1}},
+                                 "a:1": {"step": 5, "profiler": None}}
+    assert state["refusals"] == events[:1] and state["events"] == events[1:]
+    assert state["regions"] == view["regions"] and state["misconfigured"] == view["misconfigured"]

@@ -12,7 +12,7 @@ MODULES = ["islands.syncer.fragments", "islands.syncer.merge", "islands.syncer.q
            "islands.orchestrator.fleet", "islands.link.region", "islands.link.client",
             "islands.syncer.state", "islands.link.premerge", "islands.syncer.core",
            "islands.faults", "islands.learners.devices", "islands.orchestrator.runtime",
-           "islands.orchestrator.cli", "islands.orchestrator.seam"]
+           "islands.orchestrator.cli", "islands.orchestrator.seam", "islands.syncer.timing"]
 
 
 @pytest.mark.parametrize("name", MODULES)
