@@ -45,8 +45,8 @@ def _stop_session(proc: subprocess.Popen) -> None:
     Ray cluster on the machine)."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
+        try:   # a graceful stop took ~30 s here; nothing of this throwaway head needs keeping
+            proc.wait(timeout=5)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=30)
@@ -122,7 +122,7 @@ def test_ray_job_submit_runs_the_job(head, tmp_path):
     (job_dir / "job.yaml").write_text(JOB_YAML)
     run_dir = tmp_path / "run"
     t0 = time.time()
-    result = submit(head, job_dir, "--duration", "25", "--run-dir", str(run_dir))
+    result = submit(head, job_dir, "--duration", "18", "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "succeeded" in (result.stdout + result.stderr).lower()
     summary = json.loads((run_dir / "summary.json").read_text())
@@ -132,6 +132,7 @@ def test_ray_job_submit_runs_the_job(head, tmp_path):
     assert time.time() - t0 < 400
 
 
+@pytest.mark.slow  # a second submission, about 30 s; the custom task's own path is tests/integration/test_task_service.py
 def test_ray_job_submit_trains_the_custom_task_example(head, tmp_path):
     """examples/custom_task/ travels as the job's working_dir (a runtime_env): the learners
     import my_task from it, the MSE falls, and the export restores with plain orbax."""
@@ -153,6 +154,7 @@ def _job_logs(env, job_id: str) -> str:
                    check=False).stdout
 
 
+@pytest.mark.slow  # a second node joins: about 90 s on 2 cores
 def test_a_submitted_job_waits_for_region_nodes_that_join_later_then_trains(head, tmp_path):
     """The cold start KubeRay makes: the job is submitted while a region's nodes are still on
     their way. It waits (saying for what), the region's node joins 20 s after the job started,

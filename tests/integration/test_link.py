@@ -516,6 +516,7 @@ def _ray_processes_of(address):
     return pids
 
 
+@pytest.mark.slow  # an agent rejoins, is stopped, another joins and the home ends: ~50 s
 def test_an_agent_leaves_cleanly_on_sigterm_and_with_its_home_job(two_clusters):
     """An agent that comes back re-registers its learner at home (it was unreachable); SIGTERM
     ends an agent cleanly with no Ray daemon of its cluster left; ending the home job ends a

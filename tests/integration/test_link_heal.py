@@ -24,6 +24,9 @@ from waiting import wait_for
 
 ray = pytest.importorskip("ray")
 
+# Slow (two clusters and four agent restarts: about 2 minutes on 2 cores): `python -m pytest -m slow tests`.
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
 
 def _far(row):
     return row.get("learners", {}).get("far:0", {})

@@ -21,6 +21,9 @@ from conftest import TINY_JOB
 from test_link import (_close, _home_events, _home_rows, _start_home, _start_region,
                        _token_auth_in_this_process, _wait)
 
+# Slow (two clusters, two restarts and a spare: about 2 minutes on 2 cores): `python -m pytest -m slow tests`.
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
+
 
 @pytest.fixture(scope="module")
 def home_and_region(tmp_path_factory):

@@ -7,11 +7,15 @@ region restarts the whole unit there once, which the home sees as that learner's
 (its agent's), and the unit merges again; the home's books balance. About 1 minute on 2 cores.
 """
 
+import pytest
 import yaml
 
 from conftest import TINY_JOB
 from test_link import (_close, _home_events, _home_rows, _start_home, _start_region,
                        _token_auth_in_this_process, _wait)
+
+# Slow (two clusters and a two-host unit: about 75 s on 2 cores): `python -m pytest -m slow tests`.
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 
 def _ledger(rows) -> dict:

@@ -23,10 +23,10 @@ from waiting import wait_for  # noqa: E402  (tests/integration/waiting.py)
 
 pytestmark = pytest.mark.ray
 
-# The schedule ends at step 30; the kill comes after step 60, at lr/10 (where a fresh state's
+# The schedule ends at step 30; the kill comes after step 40, at lr/10 (where a fresh state's
 # warm-up to the peak was 10× what the syncer expects).
-KILL_AFTER_STEP = 60
-MERGED_AFTER_RESTART = 60
+KILL_AFTER_STEP = 40
+MERGED_AFTER_RESTART = 40
 
 
 def job(name, regions):

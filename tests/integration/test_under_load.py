@@ -16,7 +16,8 @@ from waiting import wait_for  # noqa: E402  (tests/integration/waiting.py)
 from islands.orchestrator.controller import (NAMESPACE, Controller,  # noqa: E402
                                              controller_options)
 
-pytestmark = pytest.mark.ray
+# Slow (a minute of load beside five learners: about 100 s on 2 cores): `python -m pytest -m slow tests`.
+pytestmark = [pytest.mark.ray, pytest.mark.slow]
 
 LOAD_S = 60.0
 JOB = {

@@ -2,6 +2,7 @@
 model, corpus, schedule and train step have their own tests in test_learner_core.py)."""
 
 import jax
+import pytest
 
 from islands.learners import data, inner, model
 from islands.orchestrator import inprocess
@@ -10,6 +11,7 @@ from islands.syncer import fragments, outer
 from islands.syncer.core import SyncerSettings
 
 
+@pytest.mark.slow  # 1,200 steps of the 25M-parameter default model: ~30 s; tiny models below
 def test_inprocess_driver_trains_the_default_model_with_four_learners():
     """4 learners, P = 4, H = 8, τ = 2, K = 1, int4 + error feedback, 300 steps each."""
     cfg = model.ModelConfig()

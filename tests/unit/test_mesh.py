@@ -165,6 +165,8 @@ def test_fsdp_learner_holds_a_quarter_of_each_sharded_tensor_and_follows_one_dev
     assert four["peer_exact"] and one["peer_exact"]   # a peer's numpy state, laid out unchanged
 
 
+@pytest.mark.slow  # three JAX processes, two joined over gloo: ~20 s (test_units.py runs a
+# two-host unit through Ray in the default suite)
 def test_a_two_process_unit_follows_the_one_process_unit():
     """Two processes of one device each, joined by jax.distributed with gloo collectives (a
     2-host unit, learners/gang.py), against one process of two devices and one of one device:

@@ -30,7 +30,8 @@ def test_premerge_with_exact_codecs_is_the_flat_merge():
     assert pm["loss"] == pytest.approx(flat["loss"], rel=1e-5)
 
 
-@pytest.mark.parametrize("learners", [2, 4])
+# Four learners per region: the same claim at twice the time (slow).
+@pytest.mark.parametrize("learners", [2, pytest.param(4, marks=pytest.mark.slow)])
 def test_premerge_cuts_wan_bytes_by_the_learners_per_region(learners):
     flat = _train(learners, premerge=False)
     pm = _train(learners, premerge=True)
