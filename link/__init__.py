@@ -4,5 +4,6 @@
 and chunks them (pure, no network); ``security`` holds the token interceptor and TLS credentials;
 ``relay`` is the region's socket-level byte counter and WAN emulation; ``server`` is the home
 side (``LinkServer``) and ``client`` the region side (``LinkClient``, the region's stand-in for
-the syncer); ``region`` runs a region (``islands region join``).
+the syncer). The region agent that runs a region over it (``islands region join``) is the
+controller in region mode, beside the controller: ``islands.orchestrator.region_agent``.
 """

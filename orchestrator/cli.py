@@ -452,7 +452,7 @@ def main(argv=None) -> int:
 def _region_leave(args) -> int:
     import ray
 
-    from islands.link.region import end_previous_agent
+    from islands.orchestrator.region_agent import end_previous_agent
 
     ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto",
              namespace="islands", log_to_driver=False)
@@ -472,7 +472,7 @@ def _region_join(args) -> int:
     # Before gRPC starts: its own handshake logs would bury the one line that names the cause.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     from islands.link.client import ClientSettings, LinkRefused
-    from islands.link.region import AgentLost, join
+    from islands.orchestrator.region_agent import AgentLost, join
     from islands.link.security import read_token
 
     try:

@@ -564,7 +564,7 @@ class StartSyncer:
     restore: bool = True
 
 
-# Every action type ``step`` can return: each body (controller.py, link/region.py, inprocess.py)
+# Every action type ``step`` can return: each body (controller.py, orchestrator/region_agent.py, inprocess.py)
 # has a handler for each (seam.py builds its table at its start; tests/unit/test_seam.py checks
 # that every class of this section is here and that every body handles all of them).
 ACTIONS: tuple[type, ...] = (Launch, LaunchSpare, KillSpare, Kill, Forget, DrainLearner,

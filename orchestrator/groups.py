@@ -266,7 +266,7 @@ class SyncerShards:
     ``syncer.shards`` = S, shard s > 0 is ``islands:syncer-<s>``): started, re-attached after a
     controller restart, asked for status, refusals and the global parameters, told to forget a
     learner or to snapshot, and watched for their end. A region agent attaches its link client
-    as its one shard (link/region.py)."""
+    as its one shard (orchestrator/region_agent.py)."""
 
     def __init__(self, count: int):
         self.handles: list = [None] * count

@@ -108,7 +108,7 @@ def test_a_join_into_a_cluster_ends_what_a_killed_join_left_there(cluster):
     """Issue 36: after `islands region join --address` was killed, its detached learner held
     its name and trained on beside the next join's (a restart loop). The next join (and
     `islands region leave`) ends every ``islands:*`` actor of the cluster first."""
-    from islands.link.region import end_previous_agent
+    from islands.orchestrator.region_agent import end_previous_agent
 
     @ray.remote(num_cpus=0)
     class Orphan:

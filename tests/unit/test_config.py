@@ -154,7 +154,7 @@ def test_a_remote_region_takes_any_downlink_codec():
 def test_a_region_agent_keeps_the_warm_spares_the_home_gives_its_region():
     """health.spares as written applies to remote regions too, but their agent keeps them: the
     home's fleet keeps none for a remote region, the agent's config (its region local) does."""
-    from islands.link.region import region_config
+    from islands.orchestrator.region_agent import region_config
 
     for spares, far in ((1, 1), ({"home": 2}, 0), ({"far": 2}, 2)):
         home = {"name": "j", "quorum": {"min_learners": 1}, "health": {"spares": spares},

@@ -76,7 +76,7 @@ CHANGES = {
     "link.host": "localhost",
     "link.token_file": "/run/secrets/link-token",
     "link.tls": {"cert_file": "server.pem", "key_file": "server-key.pem"},
-    # Read by a region's agent (link/region.py), not by the home's objects: test_link.py shows
+    # Read by a region's agent (orchestrator/region_agent.py), not by the home's objects: test_link.py shows
     # an agent leaving within it.
     "link.agent_home_timeout_s": None,
     # Read by a region's link client from the job's config (link/client.py premerger):

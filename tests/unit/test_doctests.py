@@ -9,7 +9,7 @@ MODULES = ["islands.syncer.fragments", "islands.syncer.merge", "islands.syncer.q
            "islands.learners.core", "islands.learners.mesh", "islands.orchestrator.health",
            "islands.orchestrator.metrics", "islands.orchestrator.chaos",
            "islands.orchestrator.controller", "islands.orchestrator.accelerators",
-           "islands.orchestrator.fleet", "islands.link.region", "islands.link.client",
+           "islands.orchestrator.fleet", "islands.orchestrator.region_agent", "islands.link.client",
             "islands.syncer.state", "islands.link.premerge", "islands.syncer.core",
            "islands.faults", "islands.learners.devices", "islands.orchestrator.runtime",
            "islands.orchestrator.cli", "islands.orchestrator.seam", "islands.syncer.timing"]

@@ -656,7 +656,7 @@ def test_an_operator_pause_before_the_quorum_was_ever_reached_still_pauses():
 
 def test_a_region_agent_pauses_its_learners_with_its_home_and_resumes_with_it():
     """The home's pause (its quorum floor or an operator) reaches a remote region's learners
-    through its agent's fleet (link/region.py's ``home_pause``)."""
+    through its agent's fleet (orchestrator/region_agent.py's ``home_pause``)."""
     fleet = training(settings(min_learners=1))
     paused = F.step(fleet, [F.HomePause("1 live learner(s) below quorum 2: training paused")],
                     2.0)

@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 
-from islands.link.region import RegionController
+from islands.orchestrator.region_agent import RegionController
 from islands.orchestrator import fleet as F
 from islands.orchestrator import inprocess, seam
 from islands.orchestrator.books import Books

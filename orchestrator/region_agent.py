@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Optional
 
+import ray
+
 from islands.learners.messages import beat_dict
 from islands.orchestrator import fleet as fleet_lib
 from islands.orchestrator.controller import Controller
@@ -95,7 +97,6 @@ class RegionController(Controller):
     def _recovery_observations(self) -> list:
         """The home's pause as the link last heard it: the link tells changes only, and the
         rebuilt fleet must hold (or resume) its learners as before the restart."""
-        import ray
 
         state = ray.get(self.shards.handles[0].home_state.remote(), timeout=30)
         return [fleet_lib.HomePause(state.get("paused"))]
@@ -151,7 +152,6 @@ class RegionController(Controller):
                            "own; the home's verdicts reach it as Unhealthy (home_verdict)")
 
     def link_status(self) -> dict:
-        import ray
 
         return ray.get(self.syncer.link_status.remote(), timeout=10)
 
@@ -194,7 +194,6 @@ def end_previous_agent(timeout_s: float = 30.0) -> list[str]:
 
     A join that found them would otherwise launch learners whose names the orphans hold (a
     restart loop) while the orphans train on through its link."""
-    import ray
 
     def ours() -> list[str]:
         return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
@@ -225,9 +224,8 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
       ValueError: the job's config does not have this region as remote.
       AgentLost: the agent died and Ray no longer restarts it; its learners were ended.
     """
-    import ray
 
-    from .client import LinkClient, LinkShard
+    from islands.link.client import LinkClient, LinkShard
 
     started = False
     previous_term = None
@@ -346,7 +344,6 @@ def _remove(path: str) -> None:
 
 
 def _kill_region_actors() -> None:
-    import ray
 
     try:
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
