@@ -4,15 +4,16 @@ imports it back, counting imports inside functions too, through the folders' pac
 
 import ast
 import os
-import tomllib
+import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def modules() -> dict[str, str]:
     """Module name -> file, from pyproject's package-dir mapping."""
-    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        package_dir = tomllib.load(f)["tool"]["setuptools"]["package-dir"]
+    text = open(os.path.join(ROOT, "pyproject.toml")).read()   # (no tomllib on Python 3.10)
+    section = text.split("[tool.setuptools.package-dir]", 1)[1].split("\n[", 1)[0]
+    package_dir = dict(re.findall(r'^"?([\w.]+)"?\s*=\s*"([^"]+)"', section, re.M))
     out = {}
     for package, folder in package_dir.items():
         for name in os.listdir(os.path.join(ROOT, folder)):
