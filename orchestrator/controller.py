@@ -435,12 +435,15 @@ class Controller:
                 reply.set_exception(exc)
 
     def _step(self, observations: list) -> None:
-        result = fleet_lib.step(self.fleet, observations, time.time())
-        self.fleet = result.fleet
-        for transition in result.transitions:
-            self._record(transition)
+        seam.turn(self.fleet, observations, time.time(), adopt=self._adopt_fleet,
+                  record=self._record, recorded=self._track_slots, table=self.handlers,
+                  on_error=self._action_failed)
+
+    def _adopt_fleet(self, fleet: fleet_lib.FleetState) -> None:
+        self.fleet = fleet
+
+    def _track_slots(self) -> None:
         self.books.track({n: x.state.value for n, x in self.fleet.slots.items()}, time.time())
-        seam.dispatch_all(self.handlers, result.actions, on_error=self._action_failed)
 
     def _action_failed(self, action, exc: Exception) -> None:
         self.emit("action_failed", action=type(action).__name__, error=repr(exc)[:300])

@@ -517,21 +517,26 @@ class _Driver:
 
     def fleet_step(self, now: float, observations: list) -> None:
         held = timing.merges_held(self.fleet_state.paused_reason)
-        result = fleet_lib.step(self.fleet_state, [self.applied_view()] + list(observations), now)
-        self.fleet_state = result.fleet
-        if held and not timing.merges_held(self.fleet_state.paused_reason):
-            self.recheck_open_rounds(now)   # resumed: the rounds the pause held are decided
-        for t in result.transitions:
-            self.record.transitions.append((now, t))
-            if t.name == "learner_restart_scheduled":
-                self.schedule(now + t.fields["delay_s"], _FLEET, "fleet", [])
-            elif t.name == "learner_retired" and t.learner in self.index_of:
-                i = self.index_of[t.learner]
-                self.draining.discard(i)
-                self.books.release(t.learner, now)   # as the Ray controller's books
-                if not self.up[i]:
-                    self.retired_at[i] = now
-        seam.dispatch_all(self.handlers, result.actions, now)
+
+        def adopt(state: fleet_lib.FleetState) -> None:
+            self.fleet_state = state
+            if held and not timing.merges_held(state.paused_reason):
+                self.recheck_open_rounds(now)   # resumed: the rounds the pause held are decided
+
+        seam.turn(self.fleet_state, [self.applied_view()] + list(observations), now,
+                  adopt=adopt, record=lambda t: self.on_transition(now, t),
+                  table=self.handlers, context=(now,))
+
+    def on_transition(self, now: float, t: fleet_lib.Transition) -> None:
+        self.record.transitions.append((now, t))
+        if t.name == "learner_restart_scheduled":
+            self.schedule(now + t.fields["delay_s"], _FLEET, "fleet", [])
+        elif t.name == "learner_retired" and t.learner in self.index_of:
+            i = self.index_of[t.learner]
+            self.draining.discard(i)
+            self.books.release(t.learner, now)   # as the Ray controller's books
+            if not self.up[i]:
+                self.retired_at[i] = now
 
     def on_fleet(self, now: float, observations) -> None:
         self.fleet_step(now, observations)

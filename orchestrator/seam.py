@@ -79,6 +79,44 @@ def dispatch(table: Table, action: Any, *context: Any) -> None:
     handler(*context, action)
 
 
+def turn(state: "fleet_lib.FleetState", observations: Sequence[Any], now: float, *,
+         adopt: Callable[["fleet_lib.FleetState"], None],
+         record: Callable[["fleet_lib.Transition"], None], table: Table,
+         context: Sequence[Any] = (), recorded: Optional[Callable[[], None]] = None,
+         on_error: Optional[Callable[[Any, Exception], None]] = None) -> "fleet_lib.Step":
+    """One turn of the owner loop every body runs: what it observed goes through ``fleet.step``;
+    the body adopts the new state (``adopt``) before anything else, so every handler sees it;
+    each transition is recorded (``record``: events, books), then ``recorded`` (the books'
+    state track), then every action is carried out through the body's table, with ``context``
+    before the action (the in-process driver's virtual ``now``) and ``on_error`` as in
+    :func:`dispatch_all`. The Ray controller, the region agent and the in-process driver differ
+    only in these callbacks and handlers, not in the loop.
+
+    >>> from islands.orchestrator import fleet
+    >>> from islands.orchestrator.health import RestartPolicy
+    >>> plan = fleet.RegionPlan(1, 1, (1.0,), ("a:0",))
+    >>> settings = fleet.FleetSettings({"a": plan}, 1, RestartPolicy())
+    >>> seen = {}
+    >>> class Body:
+    ...     def do_launch(self, now, action):
+    ...         seen.setdefault("launched", []).append((now, action.learner))
+    >>> table = handler_table(Body(), "do_", (fleet.Launch,))
+    >>> result = turn(fleet.initial(settings), [], 0.0, adopt=lambda s: seen.update(state=s),
+    ...               record=lambda t: seen.setdefault("transitions", []).append(t.name),
+    ...               table=table, context=(0.0,))
+    >>> seen["launched"], seen["transitions"], seen["state"] is result.fleet
+    ([(0.0, 'a:0')], ['learner_launched'], True)
+    """
+    result = fleet_lib.step(state, observations, now)
+    adopt(result.fleet)
+    for transition in result.transitions:
+        record(transition)
+    if recorded is not None:
+        recorded()
+    dispatch_all(table, result.actions, *context, on_error=on_error)
+    return result
+
+
 def dispatch_all(table: Table, actions: Iterable[Any], *context: Any,
                  on_error: Optional[Callable[[Any, Exception], None]] = None) -> None:
     """Carries out ``actions`` in order. ``on_error``: called with (action, exception) for an
