@@ -757,6 +757,22 @@ class LinkServer:
                         "holds %d replies and %d pushes in doubt", self.incarnation,
                         self.address(), sum(1 for k, _ in recovered.values() if k == "reply"),
                         sum(1 for k, _ in recovered.values() if k == "taken"))
+            self._tell_home_controller(
+                "link_server_restarted", incarnation=self.incarnation, address=self.address(),
+                replies_journaled=sum(1 for k, _ in recovered.values() if k == "reply"),
+                pushes_in_doubt=sum(1 for k, _ in recovered.values() if k == "taken"))
+
+    @staticmethod
+    def _tell_home_controller(event: str, **fields) -> None:
+        """An event in the home job's log (events.jsonl); the link serves on without it."""
+        try:
+            import ray
+
+            from islands.orchestrator.runtime import CONTROLLER_NAME, NAMESPACE
+
+            ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE).emit.remote(event, **fields)
+        except Exception as exc:   # no controller (a test's bare server): the log line says it
+            log.info("link: could not tell the controller %s: %r", event, exc)
 
     def _earlier_life(self) -> Optional[dict]:
         """This job run's earlier life of the server (its state file), or None."""

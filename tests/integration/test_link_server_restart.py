@@ -130,6 +130,8 @@ def test_the_link_server_restarts_on_its_address_and_the_region_merges_on_exactl
     events = [e for e in _home_events(home_dir) if e["t"] > t0]
     assert not [e for e in events if e["event"] in (
         "learner_failed", "learner_restarted", "learner_unreachable", "syncer_failed")], events
+    (restarted,) = [e for e in events if e["event"] == "link_server_restarted"]
+    assert restarted["incarnation"] == 1 and restarted["address"] == before["address"]
     row = _wait(lambda: next((r for r in reversed(_home_rows(home_dir))
                               if r["t"] > t_kill + 5 and r["tokens"].get("balanced") is not None),
                              None), 60, "a metrics row after the restart")
