@@ -13,6 +13,7 @@ from islands.orchestrator.config import parse  # noqa: E402
 from islands.orchestrator.job import run_job  # noqa: E402
 
 REPAIR_S = 4.0
+DRAIN_AT_S = 40.0   # the in-process run's drain of a:1: after the syncer kill, as in the Ray run
 
 CONFIG = {
     "name": "chaos-itest",
@@ -47,18 +48,27 @@ CONFIG = {
 def finished_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("chaos-run")
     # Ends on events, not a fixed length (50 s is the cap): the last fault (the syncer kill at
-    # 30 s) is behind, the new epoch merged 10 times, the lost region's learner trains again.
-    restarted_at_merges = []
+    # 30 s) is behind, the new epoch merged 10 times, the lost region's learner trains again;
+    # then the operator drains a:1 (DRAIN_AT_S in the in-process run) and the job ends once it
+    # left.
+    restarted_at_merges, job = [], {}
 
     def over(snap) -> bool:
+        import ray
+
         merges, b0 = snap["syncer"]["merges"] or 0, snap["learners"].get("b:0", {})
         if snap["syncer"].get("epoch") != 1:
             return False
         restarted_at_merges.append(merges)
-        return (merges >= restarted_at_merges[0] + 10 and b0.get("incarnation", 0) >= 1
-                and b0.get("state") == "training")
+        if "drained" not in job:
+            if (merges >= restarted_at_merges[0] + 10 and b0.get("incarnation", 0) >= 1
+                    and b0.get("state") == "training"):
+                job["drained"] = ray.get(job["controller"].drain.remote("a:1"))
+            return False
+        return snap["learners"].get("a:1", {}).get("state") == "retired"
 
     summary = run_job(parse(CONFIG), duration_s=50, run_dir=str(run_dir), quiet=True,
+                      on_started=lambda controller: job.update(controller=controller),
                       until=over)
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     return run_dir, summary, events
@@ -112,12 +122,14 @@ LIFECYCLE = ("learner_launched", "learner_ready", "learner_failed", "learner_res
              "learner_restarted", "learner_recovered", "learner_retired")
 
 
-def lifecycle(pairs):
-    """Per learner, the names of its lifecycle transitions in order."""
+def lifecycle(triples):
+    """Per learner, the names of its lifecycle transitions in order (a retirement with its
+    reason: drained by the operator, or stopped with the job)."""
     out = {}
-    for learner, name in pairs:
+    for learner, name, fields in triples:
         if learner is not None and name in LIFECYCLE:
-            out.setdefault(learner, []).append(name)
+            out.setdefault(learner, []).append(
+                f"{name} ({fields.get('reason')})" if name == "learner_retired" else name)
     return out
 
 
@@ -129,6 +141,7 @@ def run_plan_inprocess(config):
     import optax
 
     from islands.orchestrator import build, inprocess
+    from islands.orchestrator import fleet as fleet_lib
     from islands.orchestrator.chaos import RestartCosts
     from islands.syncer import codec as codec_lib
     from islands.syncer import fragments, outer
@@ -166,21 +179,29 @@ def run_plan_inprocess(config):
         learners=learners, syncer=syncer, train_step=train_step, batch_for=batch_for,
         tokens_per_batch=8, fleet=fleet, num_fragments=2, sync_every_steps=4, steps=10**6,
         faults=build.chaos_plan(config), opt_init=inner.init, until_s=50.0,
+        commands=[(DRAIN_AT_S, fleet_lib.Drain("a:1"))],
         # ray.kill of a region's actors is seen at once, like a kill; the restart takes ~1 s
         restart=RestartCosts(detect_lost_s=0.0, restart_s=1.0))
 
 
 def test_parity_with_the_inprocess_driver(finished_run):
-    """The same seeded plan, two bodies, one brain: the same lifecycle transitions per learner in
-    the same order, the same chaos actions, and books that balance term by term in both."""
+    """The same seeded plan and an operator's drain, two bodies, one brain: the same lifecycle
+    transitions per learner in the same order (the drained one retired as drained, the others
+    stopped with the job), the same syncer failure and epoch, the same chaos actions, and books
+    that balance term by term in both."""
     _, summary, events = finished_run
     record = run_plan_inprocess(parse(CONFIG))
-    ray_side = lifecycle((e.get("learner"), e["event"]) for e in events)
-    virtual = lifecycle((t.learner, t.name) for _, t in record.transitions)
+    ray_side = lifecycle((e.get("learner"), e["event"], e) for e in events)
+    virtual = lifecycle((t.learner, t.name, t.fields) for _, t in record.transitions)
     assert ray_side == virtual
     assert virtual["b:0"] == ["learner_launched", "learner_ready", "learner_failed",
                               "learner_restart_scheduled", "learner_restarted", "learner_ready",
-                              "learner_recovered", "learner_retired"]
+                              "learner_recovered", "learner_retired (stopped)"]
+    assert virtual["a:1"][-1] == "learner_retired (drained)"
+    epochs = lambda pairs: [fields.get("epoch") for name, fields in pairs  # noqa: E731
+                            if name == "syncer_failed"]
+    assert epochs((e["event"], e) for e in events) == epochs(
+        (t.name, t.fields) for _, t in record.transitions) == [0]
     chaos = lambda pairs: [(f["action"], f["target"]) for f in pairs]  # noqa: E731
     assert chaos(e for e in events if e["event"] == "chaos") == chaos(
         t.fields for _, t in record.transitions if t.name == "chaos")
