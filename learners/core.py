@@ -22,7 +22,7 @@ from islands.syncer import downlink as downlink_lib
 from islands.syncer import fragments as fragments_lib
 from islands.syncer.fragments import Fragment, FragmentPlan
 from islands.syncer.merge import schedule_position
-from islands.syncer.validate import Push
+from islands.syncer.validate import SYNCER_DOWN, Push
 
 
 def blend(local: Fragment, merged: Fragment, alpha: float) -> Fragment:
@@ -79,7 +79,7 @@ class PushPlan:
 
 
 # Refusals that say nothing about the drift itself: keep it and push again after re-registering.
-RESEND_REASONS = frozenset({"stale_epoch", "unknown_learner", "bad_session", "syncer_down",
+RESEND_REASONS = frozenset({"stale_epoch", "unknown_learner", "bad_session", SYNCER_DOWN,
                             "dropped"})
 # Refusals of a sound drift against an anchor the syncer no longer has (or a round it already
 # holds): re-base the drift on the global fragment that rides along and push it again at once.

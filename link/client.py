@@ -25,6 +25,8 @@ from typing import Optional
 
 import grpc
 
+from islands.syncer.validate import SYNCER_DOWN
+
 from . import link_pb2 as pb
 from . import link_pb2_grpc as pb_grpc
 from . import wire
@@ -38,7 +40,7 @@ class LinkRefused(RuntimeError):
     """The home refused the region: the message has the gRPC status and the home's reason."""
 
 
-LINK_DOWN = "syncer_down"  # the learner keeps its drift and pushes it again (learners/core.py)
+LINK_DOWN = SYNCER_DOWN  # the learner keeps its drift and pushes it again (learners/core.py)
 
 
 @dataclass(frozen=True)

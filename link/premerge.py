@@ -23,6 +23,7 @@ from typing import Callable, Mapping, Optional, Sequence
 import numpy as np
 
 from islands.syncer import merge as merge_lib
+from islands.syncer.validate import SYNCER_DOWN
 
 # The name a pre-merged push is booked under at home (refusal events, the link's logs).
 GROUP_SUFFIX = ":premerge"
@@ -287,10 +288,10 @@ def _not_sent(push, exc):
     keeps its drift and pushes it again)."""
     from islands.syncer.actor import Reply
 
-    return Reply("rejected", push.fragment, push.epoch, reason="syncer_down",
+    return Reply("rejected", push.fragment, push.epoch, reason=SYNCER_DOWN,
                  detail=f"the region's pre-merge failed: {exc!r}"[:300])
 
 
 # Refusals of a pre-merged push that are every member's: it entered the round and its merge was
 # refused (Θ kept), or it never reached home (the link was down: each member keeps its drift).
-FAN_OUT_REFUSALS = frozenset({"bad_merge", "unadopted", "syncer_down"})
+FAN_OUT_REFUSALS = frozenset({"bad_merge", "unadopted", SYNCER_DOWN})

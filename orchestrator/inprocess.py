@@ -44,13 +44,13 @@ from islands.syncer import fragments as fragments_lib
 from islands.syncer import timing
 from islands.syncer.core import MergeResult, SyncerCore
 from islands.syncer.fragments import FragmentPlan
+from islands.syncer.validate import SYNCER_DOWN
 
 # Event priorities at equal times: pushes leave before the syncer decides, the syncer answers
 # before learners start their next step (so zero latency means "answered at this boundary").
 # A fault at the time a step ends hits after that step's pushes left (they are then refused), and
 # before the learner starts another step; a restarted learner starts after everything else.
 _STEP_DONE, _FAULT, _ARRIVE, _CHECK, _REPLY, _STEP_START, _FLEET, _RESTART = range(8)
-SYNCER_DOWN = "syncer_down"  # rejection reason of a push that reached a dead syncer
 
 
 @dataclass(frozen=True)

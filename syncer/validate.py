@@ -9,6 +9,11 @@ from typing import Any, Mapping, Optional, Sequence
 import numpy as np
 
 
+# The answer to a push that reached no syncer (a dead one, or the link to it down): no verdict
+# on the drift, which its learner keeps and pushes again (learners/core.py RESEND_REASONS).
+SYNCER_DOWN = "syncer_down"
+
+
 class RejectReason(str, enum.Enum):
     """Why a push was refused; the values are the ``reason`` label of islands_rejected_pushes_total."""
 
