@@ -64,6 +64,8 @@ def test_the_cli_ends_a_capacity_wait_with_one_line_and_rc_1(cluster, tmp_path, 
     assert len(captured.err.strip().splitlines()) == 1 and "Traceback" not in captured.err
 
 
+# Slow: two jobs (~25 s); the choice is tests/unit/test_run_dir.py's, a resume test_resume.py's.
+@pytest.mark.slow
 def test_a_rerun_on_a_persistent_run_dir_resumes(cluster, tmp_path, capsys):
     config = parse({**TINY_JOB, "name": "cold-rerun"})
     run_dir = str(tmp_path / "run")   # the chart's persistent run dir (storage.existingClaim)
