@@ -20,6 +20,9 @@ each at K = 1 (the product's quorum, with the grace window) and K = M, each with
   rebased``; ``syncer.round_step: per_round``; ``syncer.staleness_share: 1``;
   ``syncer.schedule_clock: fleet``);
 * ``rebased_fleet``, ``round_fleet``, ``all`` (rebased + per_round + fleet): together;
+* ``wait25``, ``wait50``, ``wait100``: ``all`` with the round-completion wait
+  (``syncer.round_wait`` 0.25, 0.5, 1: a partial merge is held for the round's learners due
+  within that share of a period; 0.5 is the default);
 * ``defaults``: what JobConfig gives today (the chosen rules, once they won).
 
 Plus data-parallel and synchronous one-fragment DiLoCo (P = 1, K = M, fp32, τ = 0), each with
@@ -51,31 +54,33 @@ import numpy as np
 
 RULES = {
     "today": dict(outer_gradient="pull", round_step="per_merge", staleness_share=0.0,
-                  schedule_clock="learner"),
+                  schedule_clock="learner", round_wait=0.0),
     "rebased": dict(outer_gradient="rebased", round_step="per_merge", staleness_share=0.0,
-                    schedule_clock="learner"),
+                    schedule_clock="learner", round_wait=0.0),
     "round": dict(outer_gradient="pull", round_step="per_round", staleness_share=0.0,
-                  schedule_clock="learner"),
+                  schedule_clock="learner", round_wait=0.0),
     "share": dict(outer_gradient="pull", round_step="per_merge", staleness_share=1.0,
-                  schedule_clock="learner"),
+                  schedule_clock="learner", round_wait=0.0),
     "fleet": dict(outer_gradient="pull", round_step="per_merge", staleness_share=0.0,
-                  schedule_clock="fleet"),
+                  schedule_clock="fleet", round_wait=0.0),
     "rebased_fleet": dict(outer_gradient="rebased", round_step="per_merge",
-                          staleness_share=0.0, schedule_clock="fleet"),
+                          staleness_share=0.0, schedule_clock="fleet", round_wait=0.0),
     "round_fleet": dict(outer_gradient="pull", round_step="per_round", staleness_share=0.0,
-                        schedule_clock="fleet"),
+                        schedule_clock="fleet", round_wait=0.0),
     "rebased_round": dict(outer_gradient="rebased", round_step="per_round",
-                          staleness_share=0.0, schedule_clock="learner"),
+                          staleness_share=0.0, schedule_clock="learner", round_wait=0.0),
     "all": dict(outer_gradient="rebased", round_step="per_round", staleness_share=0.0,
-                schedule_clock="fleet"),
+                schedule_clock="fleet", round_wait=0.0),
     "all_share": dict(outer_gradient="rebased", round_step="per_round", staleness_share=1.0,
-                      schedule_clock="fleet"),
+                      schedule_clock="fleet", round_wait=0.0),
     # round-completion wait (syncer.round_wait): the chosen rules, holding a partial merge for
     # the round's learners due within this share of a sync period
     "wait25": dict(outer_gradient="rebased", round_step="per_round", staleness_share=0.0,
                    schedule_clock="fleet", round_wait=0.25),
     "wait50": dict(outer_gradient="rebased", round_step="per_round", staleness_share=0.0,
                    schedule_clock="fleet", round_wait=0.5),
+    "wait100": dict(outer_gradient="rebased", round_step="per_round", staleness_share=0.0,
+                    schedule_clock="fleet", round_wait=1.0),
     "defaults": None,   # JobConfig's (quality.user_defaults)
 }
 FLEETS = {"lockstep": ([1.0, 1.0, 1.0, 1.0], 0.0), "noisy": ([1.0, 1.0, 1.0, 1.0], 0.1),

@@ -770,6 +770,8 @@ class LinkServer:
 
             from islands.orchestrator.runtime import CONTROLLER_NAME, NAMESPACE
 
+            if not ray.is_initialized():   # a bare server (not an actor): no Ray to start here
+                return
             ray.get_actor(CONTROLLER_NAME, namespace=NAMESPACE).emit.remote(event, **fields)
         except Exception as exc:   # no controller (a test's bare server): the log line says it
             log.info("link: could not tell the controller %s: %r", event, exc)

@@ -152,13 +152,14 @@ class SyncerSection(_Section):
     staleness_discount: float = Field(0.0, ge=0)
     merge_rule: Literal["rda", "mean"] = "rda"
     participation_scale: bool = True
-    # Issue 34 (BENCHMARKS.md, "Quality under asynchrony"): the three win on a fleet out of
-    # phase and are the same numbers as pull / per_merge / learner when every round merges whole.
+    # Issue 34 (BENCHMARKS.md, "Quality under asynchrony"): the four win on a fleet out of
+    # phase and are the same numbers as pull / per_merge / learner / 0 when every round merges
+    # whole (round_wait: the round-completion wait, 3 seeds, noisy and mixed fleets at K = 1).
     outer_gradient: Literal["pull", "rebased"] = "rebased"
     round_step: Literal["per_merge", "per_round"] = "per_round"
     staleness_share: float = Field(0.0, ge=0)
     schedule_clock: Literal["learner", "fleet"] = "fleet"
-    round_wait: float = Field(0.0, ge=0, le=1)
+    round_wait: float = Field(0.5, ge=0, le=1)
     snapshot_every_merges: int = Field(10, ge=1)
     snapshot_min_interval_s: Optional[float] = Field(None, ge=0)
     journal: bool = True

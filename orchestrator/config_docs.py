@@ -184,8 +184,9 @@ FIELD_NOTES: dict[str, str] = {
     "syncer.round_wait": "The round-completion wait, a share of a sync period: a partial merge "
                          "(K < M) is held past the grace window for the round's missing live "
                          "learners predicted to push within this share of the waiting "
-                         "pushers' period (each learner's last push of the fragment plus its "
-                         "last period; plus the grace window as margin). Learners do not "
+                         "pushers' period (each learner's last push of the fragment plus "
+                         "whole periods, its period the average time between two pushes of "
+                         "one fragment; plus the grace window as margin). Learners do not "
                          "wait: the reply is later. 0: the grace window alone.",
     "syncer.snapshot_every_merges": "Snapshot the syncer (Θ, outer state, versions, epoch, "
                                     "ledger) once this many merges were made since the last "

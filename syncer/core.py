@@ -21,6 +21,7 @@ from . import downlink as downlink_lib
 from . import fused
 from . import merge as merge_lib
 from .fragments import Fragment
+from .timing import ema as timing_ema
 from .quorum import Decision, grace_window, merge_decision, round_hold
 from .validate import (GARBAGE_REASONS, Accepted, Push, RejectReason, Rejected, check_counters,
                        check_progress,
@@ -65,7 +66,8 @@ class SyncerSettings:
     schedule_clock: merge_lib.ScheduleClock = merge_lib.ScheduleClock.LEARNER
     # The round-completion wait: hold a partial merge past the grace window for the round's
     # missing live learners predicted to push within this share of the waiting pushers' sync
-    # period (their last push of the fragment plus their last period); 0: the grace window only.
+    # period (``quorum.round_hold``: each one's last push of the fragment plus whole periods of
+    # its own); 0: the grace window only.
     round_wait: float = 0.0
 
 
@@ -321,10 +323,13 @@ class SyncerCore:
         self.staleness_counts: collections.Counter = collections.Counter()
         self.merge_records: collections.deque = collections.deque(maxlen=1_000)
         self.last_live: dict[int, int] = {}   # fragment -> live learners at its last merge
-        # (learner, fragment) -> (period_s, last_arrival_s) of its accepted pushes of the
-        # fragment, on the now_s clock (syncer.round_wait predicts the next one from it). Lives
-        # in this process only: a restarted syncer, or a new incarnation, measures it afresh.
-        self.push_times: dict[tuple[str, int], tuple[Optional[float], float]] = {}
+        # syncer.round_wait predicts a learner's next push of a fragment from these, on the
+        # now_s clock: (learner, fragment) -> when its last accepted push of it arrived, and
+        # learner -> its sync period (the EMA of the time between two pushes of one fragment).
+        # They live in this process only: a restarted syncer, or a new incarnation, measures
+        # them afresh.
+        self.push_times: dict[tuple[str, int], float] = {}
+        self.push_periods: dict[str, float] = {}
 
     # -- membership -----------------------------------------------------------------------------
     def register(self, learner: str, incarnation: int, session: Optional[str] = None
@@ -407,7 +412,7 @@ class SyncerCore:
             slot.outlier_learners = set()
         self.epoch = max(int(epoch), self.epoch + 1)
         self.shadows.clear()
-        self.push_times = {}
+        self.push_times, self.push_periods = {}, {}
         self._shadow_ids = itertools.count((self.epoch << 32) + 1)
         self.learners, self.sessions, self.registered_at = {}, {}, {}
         self.garbage_streak.clear()
@@ -421,12 +426,16 @@ class SyncerCore:
     def _drop_push_times(self, learner: str) -> None:
         for key in [key for key in self.push_times if key[0] == learner]:
             del self.push_times[key]
+        self.push_periods.pop(learner, None)
 
     def _note_push_time(self, learner: str, fragment: int, now_s: float) -> None:
-        """An accepted push of ``fragment`` arrived at ``now_s``: its period since the last."""
-        known = self.push_times.get((learner, fragment))
-        period = None if known is None else now_s - known[1]
-        self.push_times[(learner, fragment)] = (period if period and period > 0 else None, now_s)
+        """An accepted push of ``fragment`` arrived at ``now_s``: the time since its last push of
+        the fragment is a sample of the learner's period (EMA weight ½)."""
+        last = self.push_times.get((learner, fragment))
+        if last is not None and now_s > last:
+            self.push_periods[learner] = timing_ema(self.push_periods.get(learner),
+                                                    now_s - last, 0.5)
+        self.push_times[(learner, fragment)] = now_s
 
     def catch_up(self, learner: str, incarnation: int,
                  adopted: Sequence[tuple[int, Fragment]]) -> list[int]:
@@ -701,11 +710,10 @@ class SyncerCore:
         push soon are waited for (``quorum.round_hold``), bounded by ``round_wait`` times the
         shortest known period of the learners whose pushes are open; None: the grace window."""
         slot = self.slots[fragment]
-        periods = [self.push_times.get((name, fragment), (None, 0.0))[0] for name in slot.round]
-        periods = [x for x in periods if x]
+        periods = [self.push_periods[name] for name in slot.round if name in self.push_periods]
         if not periods:
             return None
-        missing = {name: self.push_times.get((name, fragment), (None, 0.0))
+        missing = {name: (self.push_periods.get(name), self.push_times.get((name, fragment)))
                    for name in live - members}
         return round_hold(missing, now_s, slot.quorum_reached_at_s,
                           self.settings.round_wait * min(periods), grace_s)

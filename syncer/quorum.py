@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass
 from typing import AbstractSet, Mapping, Optional
 
@@ -76,20 +77,22 @@ def merge_decision(arrived: AbstractSet[str], live: AbstractSet[str], now_s: flo
     return Decision(False, MergeReason.IN_GRACE, wait_until_s=deadline)
 
 
-def round_hold(missing: Mapping[str, tuple[Optional[float], float]], now_s: float,
+def round_hold(missing: Mapping[str, tuple[Optional[float], Optional[float]]], now_s: float,
                quorum_reached_at_s: float, bound_s: float, margin_s: float) -> Optional[float]:
     """The round-completion wait (``syncer.round_wait``): until when to hold a partial merge
     for the round's missing live learners that are due to push soon.
 
     Each learner pushes a fragment once per sync period, so its next push is predicted at its
-    last push's arrival plus its last period. A learner is waited for when that is no later
-    than ``quorum_reached_at_s + bound_s`` and not overdue by more than ``margin_s`` (a push it
-    skipped, or one that is not coming); the hold lasts until the latest such prediction plus
-    ``margin_s`` (the prediction's noise). None: nobody is due, the grace window decides.
+    last push of the fragment's arrival plus a whole number of its periods (the first that is
+    not overdue by more than ``margin_s``: a push it skipped is not waited for). A learner is
+    waited for when that is no later than ``quorum_reached_at_s + bound_s``; the hold lasts
+    until the latest such prediction plus ``margin_s`` (the prediction's noise). None: nobody
+    is due, the grace window decides.
 
     Args:
-      missing: per live learner not yet in the round, ``(period_s, last_arrival_s)`` of its
-        pushes of this fragment (period None: fewer than two pushes seen, not predicted).
+      missing: per live learner not yet in the round, ``(period_s, last_arrival_s)``: its
+        period (None: not measured yet) and when its last push of this fragment arrived
+        (None: none yet). Neither known: not predicted.
       now_s: the current time.
       quorum_reached_at_s: when the quorum came in.
       bound_s: how long after the quorum a due learner may be waited for.
@@ -99,10 +102,16 @@ def round_hold(missing: Mapping[str, tuple[Optional[float], float]], now_s: floa
     35.0
     >>> round_hold({"b": (24.0, 10.0)}, 30.0, 30.0, 3.0, 1.0) is None  # b beyond the bound
     True
-    >>> round_hold({"b": (None, 10.0), "c": (24.0, 0.0)}, 30.0, 30.0, 6.0, 1.0) is None
+    >>> round_hold({"b": (None, 10.0), "c": (24.0, None)}, 30.0, 30.0, 6.0, 1.0) is None
     True
+    >>> round_hold({"b": (10.0, 1.0)}, 30.0, 30.0, 6.0, 1.0)  # skipped at 11 and 21: 31
+    32.0
     """
-    due = [last + period for period, last in missing.values()
-           if period is not None and period > 0
-           and now_s - margin_s <= last + period <= quorum_reached_at_s + bound_s]
+    due = []
+    for period, last in missing.values():
+        if period is None or period <= 0 or last is None:
+            continue
+        periods = max(1, math.ceil((now_s - margin_s - last) / period))
+        if last + periods * period <= quorum_reached_at_s + bound_s:
+            due.append(last + periods * period)
     return max(due) + margin_s if due else None

@@ -269,7 +269,8 @@ def two_rounds(round_wait, b_phase=1.0):
         push_at(core, "b", db, core.slots[0].version, t0 + b_phase)
         assert core.decide(0, t0 + b_phase, frozenset("ab"), 1.0).merge
         core.merge(0, live_count=2)
-    assert theta(core) == 5.0 and core.push_times[("b", 0)] == (24.0, 24.0 + b_phase)
+    assert theta(core) == 5.0 and core.push_times[("b", 0)] == 24.0 + b_phase
+    assert core.push_periods == {"a": 24.0, "b": 24.0}
     return core
 
 
@@ -279,11 +280,14 @@ def test_round_hold_predictions():
     assert round_hold({"b": (24.0, 25.0)}, 48.0, 48.0, 12.0, 1.0) == 50.0
     # due at 49 but the bound ends at 48 + 0.5: not waited for
     assert round_hold({"b": (24.0, 25.0)}, 48.0, 48.0, 0.5, 1.0) is None
-    # overdue by more than the margin (a push it skipped, or a learner that is gone): not waited
+    # overdue by more than the margin (a push it skipped, or a learner that is gone): its next
+    # one is a period later (73), beyond the bound: not waited for
     assert round_hold({"b": (24.0, 25.0)}, 50.5, 48.0, 12.0, 1.0) is None
-    # one push seen, no period: not predicted; the latest due learner sets the hold
-    assert round_hold({"b": (None, 25.0), "c": (20.0, 30.0), "d": (24.0, 27.0)},
-                      48.0, 48.0, 12.0, 1.0) == 52.0
+    # a skipped push: the next after it (25 + 2·12 = 49) is waited for
+    assert round_hold({"b": (12.0, 25.0)}, 48.0, 48.0, 12.0, 1.0) == 50.0
+    # no period or no push of the fragment yet: not predicted; the latest due learner sets it
+    assert round_hold({"b": (None, 25.0), "e": (24.0, None), "c": (20.0, 30.0),
+                       "d": (24.0, 27.0)}, 48.0, 48.0, 12.0, 1.0) == 52.0
 
 
 def test_round_wait_first_push_waits_for_a_due_learner():
@@ -355,6 +359,7 @@ def test_round_wait_forgets_its_timings_across_a_restart_and_a_new_incarnation()
     core = two_rounds(0.5)
     core.register("b", 1)                         # a new incarnation: measured afresh
     assert ("b", 0) not in core.push_times and ("a", 0) in core.push_times
+    assert "b" not in core.push_periods and core.push_periods["a"] == 24.0
     core = two_rounds(0.5)
     arrays, meta = state.snapshot_tree(core)
     restarted = syncer((), round_step=merge.RoundStep.PER_ROUND,
@@ -362,9 +367,35 @@ def test_round_wait_forgets_its_timings_across_a_restart_and_a_new_incarnation()
     state.restore_into(restarted, arrays, meta)
     for name in "ab":
         restarted.register(name, 0)
-    assert restarted.push_times == {}
+    assert restarted.push_times == {} and restarted.push_periods == {}
     # a push across the restart: nobody's period is known, so the grace window alone decides
     push_at(restarted, "a", 2.0, 2, 48.0)
     assert restarted.decide(0, 48.0, frozenset("ab"), 1.0).wait_until_s == 49.0
     core.restart(core.epoch + 1)
-    assert core.push_times == {}
+    assert core.push_times == {} and core.push_periods == {}
+
+
+def test_round_wait_reads_a_learners_period_off_any_fragment():
+    # Two fragments: a learner's period, measured on fragment 1, predicts its second push of
+    # fragment 0 (the round a fragment's own two pushes could not predict yet)
+    core = SyncerCore([{"w": np.zeros(1, np.float32)}, {"v": np.zeros(1, np.float32)}],
+                      SyncerSettings(outlier_norm_factor=None, merge_rule=merge.MergeRule.MEAN,
+                                     round_step=merge.RoundStep.PER_ROUND,
+                                     outer_gradient=merge.OuterGradientRule.REBASED,
+                                     round_wait=0.5), SGD1, decode)
+    for name in "ab":
+        core.register(name, 0)
+
+    def send(learner, p, now_s):
+        key = "w" if p == 0 else "v"
+        assert core.accept_push(Push(learner, p, {key: np.array([1.0], np.float32)},
+                                     core.slots[p].version, core.epoch, 100, 1, step=1,
+                                     tokens_done=100), now_s).ok
+
+    for p, t in ((1, 2.0), (0, 10.0), (1, 26.0)):
+        send("a", p, t)
+        send("b", p, t + 1.0)
+        core.merge(p, live_count=2)
+    assert core.push_periods == {"a": 24.0, "b": 24.0}
+    send("a", 0, 34.0)                            # b's next push of fragment 0: 11 + 24 = 35
+    assert core.decide(0, 34.0, frozenset("ab"), 1.0).wait_until_s == 36.0
