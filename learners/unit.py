@@ -42,6 +42,8 @@ class LearnerUnit:
         self.run_error: Optional[str] = None
         self.drain_event = threading.Event()
         self.pause_event = threading.Event()
+        self.pause_order = -1   # the newest pause/resume call applied (see ``pause``)
+        self.pause_lock = threading.Lock()
         self.lock = threading.Lock()
         self.slowdown_factor = 1.0
         self.slowdown_until = 0.0
@@ -103,8 +105,18 @@ class LearnerUnit:
         """Finish the in-flight pushes, stop stepping and return from ``run``."""
         self.drain_event.set()
 
-    def pause(self, paused: bool) -> None:
-        (self.pause_event.set if paused else self.pause_event.clear)()
+    def pause(self, paused: bool, order: Optional[int] = None) -> None:
+        """Holds or resumes training. ``order``: when the caller sent it (its clock, ns); a call
+        older than one already applied is ignored. This actor runs control calls on several
+        threads, so a pause and the resume sent right after it (a learner that came back into
+        a pause the same fleet step ends) could run the other way round and leave it paused
+        while the fleet has it training."""
+        with self.pause_lock:
+            if order is not None:
+                if order <= self.pause_order:
+                    return
+                self.pause_order = order
+            (self.pause_event.set if paused else self.pause_event.clear)()
 
     def slowdown(self, factor: float, duration_s: float) -> None:
         self.slowdown_factor, self.slowdown_until = factor, time.time() + duration_s

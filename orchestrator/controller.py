@@ -364,7 +364,7 @@ class Controller:
         self._step(self._recovery_observations())
         if self.fleet.paused_reason is None:
             for learner in paused:
-                self.groups.call(learner, "pause", False)
+                self.groups.call(learner, "pause", False, time.time_ns())
         for target in (self._owner_loop, self._eval_loop):
             thread = threading.Thread(target=target, daemon=True, name=target.__name__)
             thread.start()
@@ -630,7 +630,8 @@ class Controller:
         self.groups.call(a.learner, "drain")
 
     def _do_pauselearner(self, a) -> None:
-        self.groups.call(a.learner, "pause", a.paused)
+        # Ordered: the learner applies the newest call only (LearnerUnit.pause).
+        self.groups.call(a.learner, "pause", a.paused, time.time_ns())
 
     def _do_slowdown(self, a) -> None:
         for learner in a.learners:
