@@ -816,18 +816,9 @@ class SyncerCore:
                     self.pool.give(g)
         if not finite:
             # Θ is never replaced by garbage: the round is refused whole and Θ stays as it was.
-            detail = "the merged fragment was not finite"
-            for c in contributions:
-                self._refused(c.push, Rejected(RejectReason.BAD_MERGE, detail))
-            slot.round = {}
-            slot.quorum_reached_at_s = None
-            slot.round_opened_at_s = None
-            return self._recorded(MergeResult(
-                fragment=fragment, version=slot.version, params=slot.params,
-                learners=tuple(c.push.learner for c in contributions),
-                staleness=tuple(c.staleness for c in contributions),
-                reason=RejectReason.BAD_MERGE.value, outer_grad_norm=float("nan"), refused=True,
-                live=live_count, detail=detail))
+            return self._refuse_round(slot, fragment, contributions, live_count,
+                                      RejectReason.BAD_MERGE,
+                                      "the merged fragment was not finite")
         slot.params, slot.outer_state = new_params, new_outer
         if per_round:
             slot.stepped.update({c.push.learner: c for c in contributions})
@@ -861,11 +852,19 @@ class SyncerCore:
         detail = (f"no contribution is based on the global fragment {fragment} its learner was "
                   f"handed at registration: Θ[{fragment}] (v{slot.version}) is kept and handed "
                   f"to each")
-        for c in contributions:
-            self._refused(c.push, Rejected(RejectReason.UNADOPTED, detail))
         for g_m in shared_gradients(contributions, [1.0] * len(contributions))[0]:
             for g in g_m.values():   # closed unmerged: its buffers serve the next pushes
                 self.pool.give(g)
+        return self._refuse_round(slot, fragment, contributions, live_count,
+                                  RejectReason.UNADOPTED, detail)
+
+    def _refuse_round(self, slot: FragmentSlot, fragment: int,
+                      contributions: Sequence[Contribution], live_count: Optional[int],
+                      reason: RejectReason, detail: str) -> MergeResult:
+        """Refuses a round whole (Θ[p], its version and outer state kept): each push is refused
+        with ``reason`` and the round closes; the record hands every learner the current Θ[p]."""
+        for c in contributions:
+            self._refused(c.push, Rejected(reason, detail))
         slot.round = {}
         slot.quorum_reached_at_s = None
         slot.round_opened_at_s = None
@@ -873,7 +872,7 @@ class SyncerCore:
             fragment=fragment, version=slot.version, params=slot.params,
             learners=tuple(c.push.learner for c in contributions),
             staleness=tuple(c.staleness for c in contributions),
-            reason=RejectReason.UNADOPTED.value, outer_grad_norm=float("nan"), refused=True,
+            reason=reason.value, outer_grad_norm=float("nan"), refused=True,
             live=live_count, detail=detail))
 
     def _recorded(self, result: MergeResult) -> MergeResult:
