@@ -48,3 +48,51 @@ def tiny_job():
     from islands.orchestrator.config import parse
 
     return lambda name: parse({**TINY_JOB, "name": name})
+
+
+# -- one Ray cluster for the integration modules that fit on it (tests/integration/clusters.py) --
+
+def _clusters():
+    import sys
+
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "integration")
+    if here not in sys.path:
+        sys.path.insert(0, here)
+    import clusters
+
+    return clusters
+
+
+@pytest.fixture(scope="module")
+def shared_ray():
+    """The session's shared local Ray cluster for this module; at its end every actor the
+    module's jobs left is ended, so the next module starts on an empty cluster."""
+    clusters = _clusters()
+    clusters.shared_cluster()
+    yield
+    clusters.end_job_actors()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _own_ray_for_other_modules(request):
+    """A module that does not use ``shared_ray`` gets no shared cluster: it is stopped before
+    its first test (the module starts or joins a cluster of its own, or none)."""
+    if "shared_ray" not in request.fixturenames:
+        _clusters().leave_shared_cluster()
+    yield
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Runs the modules on the shared cluster one after another (after the unit tests, before
+    the integration modules with clusters of their own), so it starts once."""
+    def group(item) -> int:
+        if "integration" not in item.path.parts:
+            return 0
+        return 1 if "shared_ray" in item.fixturenames else 2
+
+    items.sort(key=group)   # stable: the order within each group is unchanged
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if "clusters" in __import__("sys").modules:
+        _clusters().leave_shared_cluster()

@@ -7,7 +7,7 @@ import json
 import pytest
 
 pytest.importorskip("ray")
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("shared_ray")]
 
 from islands.orchestrator.config import parse  # noqa: E402
 from islands.orchestrator.job import run_job  # noqa: E402

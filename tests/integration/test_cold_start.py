@@ -27,26 +27,25 @@ from islands.orchestrator.job import CapacityError, run_job  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    """A cluster the job joins (not one it starts): region a is there, region b never comes."""
-    ray.init(address="local", num_cpus=2, resources={"region:a": 2}, include_dashboard=False,
-             namespace="islands", log_to_driver=False, _node_ip_address="127.0.0.1")
+def cluster(shared_ray):
+    """A cluster the job joins (not one it starts): region a is there, region "never" never
+    comes."""
     yield
-    ray.shutdown()
 
 
 def test_a_region_that_never_comes_fails_after_the_wait_naming_it(cluster, tmp_path, capsys):
     config = parse({**TINY_JOB, "name": "cold-never",
-                    "regions": {"a": {"learners": 2}, "b": {"learners": 1}},
+                    "regions": {"a": {"learners": 2}, "never": {"learners": 1}},
                     "health": {"placement_timeout_s": 4}})
     t0 = time.monotonic()
-    with pytest.raises(CapacityError, match=r"^region 'b' needs 1 'region:b' resources, the "
-                                            r"cluster has 0.* \(waited [45]s for nodes to join"):
+    with pytest.raises(CapacityError, match=r"^region 'never' needs 1 'region:never' resources, "
+                                            r"the cluster has 0.* \(waited [45]s for nodes to "
+                                            r"join"):
         run_job(config, duration_s=5, run_dir=str(tmp_path / "run"))
     assert time.monotonic() - t0 >= 4
     out = capsys.readouterr().out
-    assert ("islands: waiting for capacity (0s of 4s): region 'b' needs 1 'region:b' resources, "
-            "the cluster has 0") in out
+    assert ("islands: waiting for capacity (0s of 4s): region 'never' needs 1 'region:never' "
+            "resources, the cluster has 0") in out
     assert "region 'a'" not in out   # only what is short
 
 
@@ -54,13 +53,13 @@ def test_the_cli_ends_a_capacity_wait_with_one_line_and_rc_1(cluster, tmp_path, 
     from islands.orchestrator.cli import main
 
     (tmp_path / "job.yaml").write_text(json.dumps({
-        **TINY_JOB, "name": "cold-cli", "regions": {"b": {"learners": 1}},
+        **TINY_JOB, "name": "cold-cli", "regions": {"never": {"learners": 1}},
         "health": {"placement_timeout_s": 2}}))
     rc = main(["run", str(tmp_path / "job.yaml"), "--run-dir", str(tmp_path / "run"),
                "--duration", "5"])
     captured = capsys.readouterr()
     assert rc == 1
-    assert captured.err.startswith("islands: region 'b' needs 1 'region:b' resources")
+    assert captured.err.startswith("islands: region 'never' needs 1 'region:never' resources")
     assert len(captured.err.strip().splitlines()) == 1 and "Traceback" not in captured.err
 
 

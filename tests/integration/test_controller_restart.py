@@ -9,7 +9,7 @@ import time
 import pytest
 
 ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("shared_ray")]
 
 from islands.orchestrator.job import run_job  # noqa: E402
 

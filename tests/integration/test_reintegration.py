@@ -39,12 +39,8 @@ def job(name, regions):
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    ray.init(address="local", num_cpus=3, resources={"region:a": 1, "region:b": 1},
-             namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1")
+def cluster(shared_ray):
     yield
-    ray.shutdown()
 
 
 def killed_once(config, run_dir) -> dict:

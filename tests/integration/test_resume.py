@@ -8,7 +8,7 @@ import os
 import pytest
 
 pytest.importorskip("ray")
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("shared_ray")]
 
 from islands.orchestrator.job import RunDirError, run_job  # noqa: E402
 

@@ -41,16 +41,7 @@ TINY = {
 
 
 @pytest.fixture(scope="module")
-def cluster():
-    ray.init(address="local", num_cpus=4, resources={"region:us-east": 3, "region:eu-west": 3},
-             namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1")
-    yield
-    ray.shutdown()
-
-
-@pytest.fixture(scope="module")
-def job(cluster, tmp_path_factory):
+def job(shared_ray, tmp_path_factory):
     config = JobConfig.model_validate(TINY)
     run_dir = tmp_path_factory.mktemp("run")
     controller = ray.remote(Controller).options(**controller_options(str(run_dir))).remote(

@@ -41,20 +41,14 @@ def wait_for(predicate, timeout_s, what):
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    ray.init(address="local", num_cpus=4, resources={"region:us-east": 1, "region:eu-west": 1},
-             namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1")
+def job(shared_ray, tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("run")
     controller = ray.remote(Controller).options(**controller_options(str(run_dir))).remote(
         JobConfig.model_validate(SHARDED), str(run_dir))
-    try:
-        ray.get(controller.start.remote())
-        snap = lambda: ray.get(controller.snapshot.remote())  # noqa: E731
-        yield controller, snap
-        ray.get(controller.shutdown.remote(), timeout=120)
-    finally:
-        ray.shutdown()
+    ray.get(controller.start.remote())
+    snap = lambda: ray.get(controller.snapshot.remote())  # noqa: E731
+    yield controller, snap
+    ray.get(controller.shutdown.remote(), timeout=120)
 
 
 def shard_rows(snapshot):

@@ -24,9 +24,7 @@ JOB = {
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    ray.init(address="local", num_cpus=3, resources={"region:a": 3}, namespace=NAMESPACE,
-             include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1")
+def job(shared_ray, tmp_path_factory):
     config = JobConfig.model_validate(JOB)
     run_dir = tmp_path_factory.mktemp("run")
     controller = ray.remote(Controller).options(**controller_options(str(run_dir))).remote(
@@ -36,7 +34,6 @@ def job(tmp_path_factory):
     yield controller, snap
     ray.get(controller.shutdown.remote(), timeout=120)
     ray.kill(controller)
-    ray.shutdown()
 
 
 def events(controller, kind):

@@ -29,11 +29,8 @@ JOB = {
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
+def job(shared_ray, tmp_path_factory):
     config = JobConfig.model_validate(JOB)
-    ray.init(address="local", num_cpus=3, resources=config.region_resources(),
-             namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1")
     run_dir = tmp_path_factory.mktemp("run")
     controller = ray.remote(Controller).options(**controller_options(str(run_dir))).remote(
         config, str(run_dir))
@@ -42,7 +39,6 @@ def job(tmp_path_factory):
     yield controller, snap
     ray.get(controller.shutdown.remote(), timeout=120)
     ray.kill(controller)
-    ray.shutdown()
 
 
 def events(controller, kind):
