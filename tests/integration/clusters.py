@@ -17,7 +17,7 @@ SHARED_CPUS = 4
 # The union of the shared modules' regions, each with the most any of them declares. A region
 # that a test needs absent (test_cold_start's "never") is in none of them.
 SHARED_RESOURCES = {"region:a": 3, "region:b": 1, "region:us-east": 3, "region:eu-west": 3,
-                    "region:one": 2, "region:pair": 2}
+                    "region:one": 2, "region:pair": 2, "region:east": 3, "region:west": 3}
 
 _state = {"shared": False}
 

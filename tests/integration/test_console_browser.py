@@ -40,10 +40,7 @@ JOB = {
 
 
 @pytest.fixture(scope="module")
-def job(tmp_path_factory):
-    ray.init(address="local", num_cpus=8, resources={"region:east": 3, "region:west": 3},
-             namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1")
+def job(shared_ray, tmp_path_factory):
     config = JobConfig.model_validate(JOB)
     run_dir = tmp_path_factory.mktemp("run")
     controller = ray.remote(Controller).options(**controller_options(str(run_dir))).remote(
@@ -56,7 +53,6 @@ def job(tmp_path_factory):
     yield controller, snap, f"http://127.0.0.1:{port}"
     ray.get(controller.shutdown.remote(), timeout=120)
     ray.kill(controller)
-    ray.shutdown()
 
 
 def post(url, body, token=None):
