@@ -5,6 +5,7 @@ Run in a subprocess with ``XLA_FLAGS=--xla_force_host_platform_device_count=4`` 
 devices must exist before JAX starts its backend; tests/unit/test_mesh.py does so)::
 
     python tests/unit/mesh_learner.py '{"devices": [1, 4], "sharding": "fsdp", "steps": 12}'
+    python tests/unit/mesh_learner.py '{"runs": [[1, "replicated"], [4, "fsdp"]], "steps": 12}'
 
 For every device count, the same job from the same init on the same global batches: per-step
 losses, the final local and global parameters, and the per-device shard shapes.
@@ -108,9 +109,11 @@ def main(args: dict) -> None:
         from islands.learners.gang import join_unit
 
         join_unit(args["coordinator"], args["processes"], args["process"])
-    spec = tiny_spec(args.get("sharding", "replicated"), args.get("batch_size", 4),
-                     args.get("codec", "int4"))
-    runs = [train(spec, jax.devices()[:n], args.get("steps", 12)) for n in args["devices"]]
+    # "devices": [n, ...] with one "sharding", or "runs": [[n, sharding], ...]: one process
+    # (one JAX start, one compile cache) for several layouts.
+    pairs = args.get("runs") or [[n, args.get("sharding", "replicated")] for n in args["devices"]]
+    runs = [train(tiny_spec(sharding, args.get("batch_size", 4), args.get("codec", "int4")),
+                  jax.devices()[:n], args.get("steps", 12)) for n, sharding in pairs]
     if jax.process_index() == 0:
         print(json.dumps(runs))
 

@@ -137,8 +137,17 @@ def test_the_builtin_tasks_give_partition_specs():
 
 
 # -- real learners on 4 virtual devices ----------------------------------------------------------
-def test_replicated_learner_on_4_devices_follows_one_device():
-    one, four = learner_runs(devices=[1, 4], sharding="replicated", steps=12)
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    """One subprocess, three learners: on one device (it has no layout whatever the sharding:
+    test_one_device_gets_no_layout), and on four, replicated and FSDP."""
+    one, replicated, fsdp = learner_runs(runs=[[1, "replicated"], [4, "replicated"],
+                                               [4, "fsdp"]], steps=12)
+    return {"one": one, "replicated": replicated, "fsdp": fsdp}
+
+
+def test_replicated_learner_on_4_devices_follows_one_device(runs):
+    one, four = runs["one"], runs["replicated"]
     assert_follows(one, four)
     # Data-parallel: every device holds whole params and a quarter of the batch's rows.
     assert four["param_shards"]["embed/tokens"] == [[256, 32]] * 4
@@ -146,8 +155,8 @@ def test_replicated_learner_on_4_devices_follows_one_device():
     assert one["batch_shards"] == [[4, 33]]
 
 
-def test_fsdp_learner_holds_a_quarter_of_each_sharded_tensor_and_follows_one_device():
-    one, four = learner_runs(devices=[1, 4], sharding="fsdp", steps=12)
+def test_fsdp_learner_holds_a_quarter_of_each_sharded_tensor_and_follows_one_device(runs):
+    one, four = runs["one"], runs["fsdp"]
     assert_follows(one, four)
     whole = {path: np.shape(value) for path, value in one["params"].items()}
     specs = mesh.matrix_specs({path: np.zeros(shape) for path, shape in whole.items()})
