@@ -131,4 +131,6 @@ def test_a_learner_whose_loop_raises_is_restarted_and_trains_again(tmp_path, mon
     assert "data reader failed" in failed[0]["detail"]
     who = failed[0]["learner"]
     ready = [e for e in events if e["event"] == "learner_ready" and e["learner"] == who]
-    assert [e["incarnation"] for e in ready] == [0, 1], ready   # the restart trains again
+    # The restart trains again. Incarnation 0 may fail before its first beat says it trains
+    # (step 3 comes within a beat on an idle machine): then only incarnation 1 is ready.
+    assert [e["incarnation"] for e in ready] in ([0, 1], [1]), ready
