@@ -595,6 +595,42 @@ def test_a_spare_that_dies_or_never_gets_ready_is_replaced_and_stop_ends_the_spa
     assert "Launch" not in kinds(crash)
 
 
+def test_a_spare_ready_after_the_fault_takes_the_waiting_slot_at_its_spare_ready_not_the_repair():
+    """The soak of issue 35: a learner killed with a 5 s repair while its region's replacement
+    spare still prepared; the spare got ready 1.9 s later and must take over then (its own
+    process and devices), not when the failed slot's repair ends."""
+    fleet = spare_fleet()
+    # spare:a:0 takes a:1's place at 90.0; its replacement spare:a:1 starts once a:1 trains.
+    first = F.step(fleet, alive(fleet, "a:1") + [F.RunEnded("a:1", 0, "boom", crashed=True)],
+                   90.0)
+    trains = F.step(first.fleet, alive(first.fleet, "a:1") + [
+        F.Beat("a:1", 1, True, ready_at_s=90.8, adopted=True)], 91.0)
+    assert F.LaunchSpare("spare:a:1", "a") in trains.actions
+    fleet = F.step(trains.fleet, alive(trains.fleet), 92.0).fleet
+    # 94.0: a:0 killed with a 5 s repair, seen dead at 94.2; no ready spare yet.
+    kill = F.Chaos(Fault(94.0, FaultKind.KILL, "a:0", duration_s=5.0))
+    fleet = F.step(fleet, alive(fleet) + [kill], 94.0).fleet
+    dead = F.step(fleet, alive(fleet, "a:0") + [F.RunEnded("a:0", 0, "killed")], 94.2)
+    slot = dead.fleet.slots["a:0"]
+    assert slot.state == SlotState.RESTARTING and "Launch" not in kinds(dead)
+    # The repair counts from the detection: 94.2 + (99.0 - 94.0) = 99.2.
+    assert slot.restart_at_s == pytest.approx(99.2)
+    waiting = F.step(dead.fleet, alive(dead.fleet), 95.0)
+    assert "Launch" not in kinds(waiting)
+    # 95.9: spare:a:1 is ready, and is promoted in the same step.
+    ready = F.step(waiting.fleet, alive(waiting.fleet) + [F.SpareReady("spare:a:1")], 95.9)
+    launch = [a for a in ready.actions if isinstance(a, F.Launch)]
+    assert launch == [F.Launch("a:0", "a", 1, 0, 3, 1.0, "a:1", 0, (), "spare:a:1", "spare:a:0")]
+    assert names(ready) == ["spare_ready", "spare_promoted", "learner_restarted"]
+    assert ready.transitions[1].fields["waited_s"] == 0.0
+    slot = ready.fleet.slots["a:0"]
+    assert slot.state == SlotState.STARTING and slot.actor == "spare:a:1"
+    assert dict(slot.recovery)["restarted_s"] == 95.9    # not 99.2
+    assert slot.restart_at_s is None and ready.fleet.spares == {}
+    # Nothing happens again at the repair's end.
+    assert "Launch" not in kinds(F.step(ready.fleet, alive(ready.fleet, "a:0"), 99.2))
+
+
 def test_a_scale_up_takes_a_ready_spare():
     fleet = spare_fleet()
     result = F.step(fleet, [F.Scale("a", 4)], 10.0)
