@@ -15,21 +15,24 @@ threads of the learner's process, ``time.process_time``):
   import        JAX, optax, the task's modules
   devices       the device check (JAX's backend)
   corpus, model the corpus from the object store, the task and the abstract model built
-  warm_step,    a spare or a pool member only: the train step and push encoders compiled on
-  warm_pushes   placeholder values (or loaded from the persistent compilation cache)
+  warm_step,    a spare only: the train step and push encoders compiled on placeholder values
+  warm_pushes   (or loaded from the persistent compilation cache)
   data ... first_step   the restore (``LearnerUnit._run``): data, register, the peer's state,
                 placement, the push encoders, the first train step (traced and compiled, or
                 loaded from the cache, then run)
 
 ``start`` is what the start cost from the moment it was asked for: the whole process for a new
-one, from ``run`` for a prepared one (a spare's or a pool member's preparation came before, at
-low priority). With ``--spares`` or ``--pool`` the benchmark waits for that many ready spares or
-pool members before each kill, and reports their preparation's CPU apart. Also reported: the
-survivors' steps/s in the window [kill, the new incarnation's first step] ÷ the window of the
-same length before the kill, and the load average.
+one, from ``run`` for a promoted spare (whose preparation, ``prepare``, came before, at low
+priority). With ``--spares`` the benchmark waits for a ready spare before each kill and then
+for the replacement spare's preparation, and reports the survivors' steps/s during it. The
+survivors' steps/s in [kill, the new incarnation's first step] (at least 1 s) are divided by
+their rate in the ``--before-s`` steady window before the kill. ``--burst`` kills two learners,
+the second once the first trains again (a spare's replacement is then still preparing: with
+``health.spare_wait_s`` the second waits for it, with 0 it starts a new process).
 
-    python benchmarks/start_cost.py --kills 4                 # new processes (~2 min)
-    python benchmarks/start_cost.py --kills 4 --pool 1        # from a pre-started pool
+    python benchmarks/start_cost.py --kills 4                       # new processes (~2 min)
+    python benchmarks/start_cost.py --kills 3 --spares 1            # promoted spares
+    python benchmarks/start_cost.py --kills 4 --spares 1 --burst --spare-wait-s 0
 
 Prints a table, then one JSON object as the last line; writes ``start-cost<tag>.png`` to
 ``--out``.
@@ -46,6 +49,7 @@ import statistics
 import sys
 import tempfile
 import time
+from typing import Optional
 
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -60,12 +64,13 @@ PREPARE = ("boot", "load", "init", "import", "devices", "corpus", "model", "warm
            "warm_pushes")
 
 
-def job_dict(learners: int, min_step_s: float, spares: int, pool: int) -> dict:
+def job_dict(learners: int, min_step_s: float, spares: int,
+             spare_wait_s: Optional[float] = None) -> dict:
     health = {"heartbeat_s": 0.25, "timeout_s": 30.0, "spares": spares,
               "restart": {"backoff_initial_s": 0.1, "backoff_multiplier": 1.0,
                           "max_crash_restarts": None}}
-    if pool:
-        health["start_pool"] = pool
+    if spare_wait_s is not None:
+        health["spare_wait_s"] = spare_wait_s
     return {
         "name": "bench-start-cost",
         "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "seq_len": 32},
@@ -100,7 +105,7 @@ def run(args) -> dict:
     from islands.orchestrator.config import JobConfig
     from islands.orchestrator.controller import NAMESPACE, Controller, controller_options
 
-    raw = job_dict(args.learners, args.min_step_s, args.spares, args.pool)
+    raw = job_dict(args.learners, args.min_step_s, args.spares, args.spare_wait_s)
     config = JobConfig.model_validate(raw)
     run_dir = tempfile.mkdtemp(prefix="islands-start-cost-")
     ray.init(address="local", num_cpus=args.num_cpus, resources=config.region_resources(),
@@ -121,18 +126,17 @@ def run(args) -> dict:
         out["initial"] = {n: cpu_row(rec.timings[n]) | {"start": rec.timings[n]["cpu_start_s"]}
                           for n in learners}
         rows = []
-        for i in range(args.kills):
-            victim = learners[i % len(learners)]
-            ready_since = [time.time()]
 
-            def steady(snap):
-                spares = snap.get("spares") or {}
-                ready = sum(1 for x in spares.values() if x["state"] == "ready")
-                if not recovery.all_training(snap) or ready < args.spares + args.pool:
-                    ready_since[0] = time.time()
-                    return False
-                return time.time() - ready_since[0] >= args.before_s
-            rec.wait_for(steady, 600, f"steady training and ready spares before kill {i + 1}")
+        def steady(snap):
+            spares = snap.get("spares") or {}
+            ready = sum(1 for x in spares.values() if x["state"] == "ready")
+            if not recovery.all_training(snap) or ready < args.spares:
+                ready_since[0] = time.time()
+                return False
+            return time.time() - ready_since[0] >= args.before_s
+
+        def kill(i: int, victim: str) -> dict:
+            """Kills ``victim`` now; its new incarnation's start, and the survivors meanwhile."""
             snap = rec.poll()
             incarnation = snap["learners"][victim]["incarnation"]
             index = len(rec.events)
@@ -145,27 +149,56 @@ def run(args) -> dict:
                          600, f"{victim}'s new incarnation's first step")
             timings = rec.timings[victim]
             t_first = timings["ready_at"] + timings["first_step_s"]
-            # The survivors' beats a little past the first step: the window's end is sampled.
-            rec.wait_for(lambda _: all(rec.series[n][-1][0] > t_first + 0.5
-                                       for n in learners if n != victim), 60, "beats after")
-            window = max(t_first - t_kill, 1.0)
-            survivors = [n for n in learners if n != victim]
-            before = {n: recovery.window_rate(rec.series[n], t_kill - window, t_kill)
-                      for n in survivors}
-            during = {n: recovery.window_rate(rec.series[n], t_kill, t_kill + window)
-                      for n in survivors}
-            promoted = [e for e in rec.events[index:] if e["event"] == "spare_promoted"]
-            rows.append({"kill": i + 1, "victim": victim, "spare": bool(promoted),
-                         "load1": load[0] if load else None,
-                         "kill_to_first_step_s": round(t_first - t_kill, 3),
-                         "start": round(timings["cpu_start_s"], 3),
-                         **{p: (round(v, 3) if v is not None else None)
-                            for p, v in cpu_row(timings).items()},
-                         # a prepared process's preparation, paid before (at low priority)
-                         "prepare": (round(sum(timings.get(f"cpu_{p}_s") or 0.0
-                                               for p in PREPARE), 3) if promoted else None),
-                         "survivors_ratio": recovery.survivor_ratio(before, during)})
-        out["kills"] = rows
+            promoted = [e for e in rec.events[index:] if e["event"] == "spare_promoted"
+                        and e["learner"] == victim]
+            return {"kill": i + 1, "victim": victim, "spare": bool(promoted),
+                    "load1": load[0] if load else None, "t_kill": t_kill, "t_first": t_first,
+                    "index": index, "kill_to_first_step_s": round(t_first - t_kill, 3),
+                    "start": round(timings["cpu_start_s"], 3),
+                    **{p: (round(v, 3) if v is not None else None)
+                       for p, v in cpu_row(timings).items()},
+                    # a prepared process's preparation, paid before (at low priority)
+                    "prepare": (round(sum(timings.get(f"cpu_{p}_s") or 0.0
+                                          for p in PREPARE), 3) if promoted else None)}
+
+        def survivors(row: dict, start_s: float, end_s: float) -> float:
+            """The survivors' steps/s in [start_s, end_s] ÷ in the steady window before the
+            kill (``--before-s``)."""
+            names = [n for n in learners if n != row["victim"]]
+            rec.wait_for(lambda _: all(rec.series[n][-1][0] > end_s + 0.5 for n in names), 60,
+                         "beats after the window")
+            before = {n: recovery.window_rate(rec.series[n], row["t_kill"] - args.before_s,
+                                              row["t_kill"]) for n in names}
+            during = {n: recovery.window_rate(rec.series[n], start_s, end_s) for n in names}
+            return recovery.survivor_ratio(before, during)
+
+        i = 0
+        while i < args.kills:
+            ready_since = [time.time()]
+            rec.wait_for(steady, 600, f"steady training and ready spares before kill {i + 1}")
+            # --burst: a second learner killed as soon as the first trains again (its
+            # replacement spare, if any, is still preparing).
+            victims = [learners[(i + k) % len(learners)]
+                       for k in range(2 if args.burst else 1)][:args.kills - i]
+            batch = [kill(i + k, v) for k, v in enumerate(victims)]
+            for row in batch:
+                row["survivors_ratio"] = survivors(row, row["t_kill"],
+                                                   max(row["t_first"], row["t_kill"] + 1.0))
+            last = batch[-1]
+            if args.spares and not args.burst:
+                # The replacement spare's preparation: the survivors' pace while it runs.
+                launched = rec.wait_for(lambda _: next(
+                    (e for e in rec.events[last["index"]:] if e["event"] == "spare_launched"),
+                    None), 120, "the replacement spare's launch")
+                ready = rec.wait_for(lambda _: next(
+                    (e for e in rec.events[last["index"]:] if e["event"] == "spare_ready"
+                     and e["spare"] == launched["spare"]), None), 300, "it to be ready")
+                last["replacement_wall_s"] = round(ready["t"] - launched["t"], 3)
+                last["replacement_survivors_ratio"] = survivors(last, launched["t"], ready["t"])
+            rows += batch
+            i += len(batch)
+        out["kills"] = [{k: v for k, v in r.items() if k not in ("t_kill", "t_first", "index")}
+                        for r in rows]
         out["load_after"] = loadavg()
         return out
     finally:
@@ -224,7 +257,9 @@ def main(argv=None) -> dict:
     p.add_argument("--learners", type=int, default=3)
     p.add_argument("--kills", type=int, default=4)
     p.add_argument("--spares", type=int, default=0, help="health.spares")
-    p.add_argument("--pool", type=int, default=0, help="health.start_pool")
+    p.add_argument("--spare-wait-s", type=float, default=None, help="health.spare_wait_s")
+    p.add_argument("--burst", action="store_true",
+                   help="kill learners two at a time, the second as the first trains again")
     p.add_argument("--min-step-s", type=float, default=0.1)
     p.add_argument("--before-s", type=float, default=4.0,
                    help="steady training (and ready spares) before each kill")
@@ -237,14 +272,16 @@ def main(argv=None) -> dict:
     rows = result["kills"]
     result["median"] = {k: median(rows, k) for k in
                         ("start", "prepare", *PHASES, "kill_to_first_step_s",
-                                  "survivors_ratio")}
+                                  "survivors_ratio", "replacement_wall_s",
+                                  "replacement_survivors_ratio")}
     os.makedirs(args.out, exist_ok=True)
     stem = f"start-cost{'-' + args.tag if args.tag else ''}"
     result["tag_title"] = f" ({args.tag})" if args.tag else ""
     png = os.path.join(args.out, stem + ".png")
     plot(result, png)
     print(format_table(rows, ["kill", "victim", "spare", "load1", "start", "prepare", *PHASES,
-                              "kill_to_first_step_s", "survivors_ratio"]))
+                              "kill_to_first_step_s", "survivors_ratio",
+                              "replacement_wall_s", "replacement_survivors_ratio"]))
     print("median: " + "  ".join(f"{k} {v}" for k, v in result["median"].items()
                                  if v is not None))
     result.update(png=png, command=command_line(), machine=machine_info(),

@@ -114,6 +114,7 @@ def fleet_settings(config) -> FleetSettings:
                          straggler_factor=config.health.straggler_factor,
                          straggler_window_s=config.health.straggler_window_s,
                          straggler_min_excess_s=config.health.straggler_min_excess_s,
+                         spare_wait_s=config.health.spare_wait_s,
                          syncer_shards=config.syncer.shards)
 
 

@@ -280,6 +280,14 @@ FIELD_NOTES: dict[str, str] = {
                      "and found the syncer, and takes a failed (or new) learner's place at once. "
                      "Each holds a learner's resources (its `region:<name>` unit and devices). "
                      "A remote region's agent keeps that region's spares in its own cluster.",
+    "health.spare_wait_s": "A restart that falls due (its backoff and any repair over) while "
+                           "its region's spare is still preparing waits at most this many "
+                           "seconds for that spare, rather than start a new process beside it: "
+                           "a promoted spare's start costs a few hundredths of a CPU-second, a "
+                           "new process's about 2.4 on a CPU host (benchmarks/start_cost.py), "
+                           "taken from the learners that train. One waiting restart per "
+                           "preparing spare, the earliest due first; 0: never wait. "
+                           "docs/architecture.md#warm-spares.",
     "health.straggler_window_s": "Seconds a learner must stay slow before it is called a "
                                  "straggler (a moment of slowness is timing noise).",
     "health.straggler_min_excess_s": "Slow also means at least this many seconds above the "

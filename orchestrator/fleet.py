@@ -23,7 +23,10 @@ its first step and holds no learner identity: ``STARTING ─ready─▶ READY``.
 (a restart, a scale-up) while its region has a READY spare takes the spare instead of a new
 process (``Launch.spare``), at once: no backoff, no repair wait (the spare is another process,
 on its own devices). A new spare starts behind it once the promotion is done; a slot already
-RESTARTING (waiting for its backoff or a repair) takes a spare as soon as one is ready.
+RESTARTING (waiting for its backoff or a repair) takes a spare as soon as one is ready. A restart
+that falls due while its region's spare is still preparing waits for that spare (at most
+``FleetSettings.spare_wait_s``) instead of starting a second new process beside it: a promoted
+spare's start costs the learner almost no CPU, a new process a whole start's.
 
 A node Ray reports draining (``Cluster.draining``: ``ray drain-node``, an autoscaler, the
 platform's announced preemption) is a planned preemption: each live learner on it is drained
@@ -123,6 +126,9 @@ class FleetSettings:
     straggler_window_s: float = 30.0     # slow for this long (one incarnation) before a verdict
     straggler_min_excess_s: float = 0.05  # and at least this much above its peers' median step
     restart_retry_s: float = 0.2        # a launch that failed (name not released yet) retries
+    # A restart due while its region's spare is still preparing waits this long for it rather
+    # than start a new process beside it (``start_due_restarts``); 0: never waits.
+    spare_wait_s: float = 0.0
     first_shard: int = 0                # a region agent's fleet: its region's first data shard
     num_shards: Optional[int] = None    # ... and the job's shard count (None: count the slots)
     syncer_shards: int = 1              # syncer shards (members the fleet can kill and restart)
@@ -1309,6 +1315,7 @@ class _Machine:
                           agent_silent_s=None if seen is None else round(self.now - seen, 1))
 
     def start_due_restarts(self) -> None:
+        waiting = self.spare_waiters()
         for slot in list(self.fleet.slots.values()):
             if slot.state != SlotState.RESTARTING or slot.restart_at_s is None or slot.remote:
                 continue
@@ -1317,11 +1324,37 @@ class _Machine:
             # devices).
             if self.now < slot.restart_at_s and self.ready_spare(slot.region) is None:
                 continue
+            if slot.learner in waiting and self.ready_spare(slot.region) is None:
+                continue
             applied = self.fleet.applied_steps.get(slot.learner)
             start_step = applied[1] if applied is not None else slot.start_step
             incarnation = slot.incarnation + (0 if slot.restart_postponed else 1)
             slot = dataclasses.replace(slot, incarnation=incarnation)
             self.launch(slot, start_step, name="learner_restarted")
+
+    def spare_waiters(self) -> set[str]:
+        """The due restarts that wait for a spare still preparing in their region, one per such
+        spare, the earliest due first, each no longer than ``spare_wait_s`` past its due time.
+        A new process beside the spare would cost a whole start's CPU on the cores the spare
+        and the training learners share, then leave the spare idle."""
+        if self.settings.spare_wait_s <= 0:
+            return set()
+        preparing: dict[str, int] = {}
+        for spare in self.fleet.spares.values():
+            if spare.state == SpareState.STARTING:
+                preparing[spare.region] = preparing.get(spare.region, 0) + 1
+        due = sorted((s for s in self.fleet.slots.values()
+                      if s.state == SlotState.RESTARTING and s.restart_at_s is not None
+                      and not s.remote and self.now >= s.restart_at_s
+                      and preparing.get(s.region, 0) > 0),
+                     key=lambda s: (s.restart_at_s, s.learner))
+        out = set()
+        for slot in due:
+            if (preparing[slot.region] > 0
+                    and self.now < slot.restart_at_s + self.settings.spare_wait_s):
+                preparing[slot.region] -= 1
+                out.add(slot.learner)
+        return out
 
     def quorum_floor(self) -> None:
         """Pauses the job below the quorum floor or while an operator paused it; resumes when

@@ -631,6 +631,64 @@ def test_a_spare_ready_after_the_fault_takes_the_waiting_slot_at_its_spare_ready
     assert "Launch" not in kinds(F.step(ready.fleet, alive(ready.fleet, "a:0"), 99.2))
 
 
+def preparing_spare_fleet(wait_s=5.0):
+    """spare_fleet() after spare:a:0 took a:1's place at 90.0; its replacement spare:a:1 has
+    been preparing since 91.0 (when a:1 trained), and restarts wait ``wait_s`` for a spare."""
+    fleet = spare_fleet()
+    fleet = dataclasses.replace(fleet, settings=dataclasses.replace(fleet.settings,
+                                                                    spare_wait_s=wait_s))
+    first = F.step(fleet, alive(fleet, "a:1") + [F.RunEnded("a:1", 0, "boom", crashed=True)],
+                   90.0)
+    trains = F.step(first.fleet, alive(first.fleet, "a:1") + [
+        F.Beat("a:1", 1, True, ready_at_s=90.8, adopted=True)], 91.0)
+    assert F.LaunchSpare("spare:a:1", "a") in trains.actions
+    return trains.fleet
+
+
+def test_a_restart_due_while_its_regions_spare_prepares_waits_for_it_not_a_new_process():
+    fleet = preparing_spare_fleet()
+    crashed = F.step(fleet, alive(fleet, "a:0") + [F.RunEnded("a:0", 0, "boom", crashed=True)],
+                     92.0)
+    assert crashed.fleet.slots["a:0"].restart_at_s == 92.5          # the 0.5 s backoff
+    # Due at 92.5, but spare:a:1 is preparing: no second new process beside it.
+    due = F.step(crashed.fleet, alive(crashed.fleet), 92.5)
+    assert "Launch" not in kinds(due) and due.fleet.slots["a:0"].state == SlotState.RESTARTING
+    # 94.0: the spare is ready and takes a:0's place in that step.
+    ready = F.step(due.fleet, alive(due.fleet) + [F.SpareReady("spare:a:1")], 94.0)
+    (launch,) = [a for a in ready.actions if isinstance(a, F.Launch)]
+    assert (launch.learner, launch.incarnation, launch.spare) == ("a:0", 1, "spare:a:1")
+    assert names(ready) == ["spare_ready", "spare_promoted", "learner_restarted"]
+    # A spare not ready within spare_wait_s (92.5 + 5.0): the restart starts a new process.
+    late = F.step(due.fleet, alive(due.fleet), 97.4)
+    assert "Launch" not in kinds(late)
+    gave_up = F.step(late.fleet, alive(late.fleet), 97.5)
+    (launch,) = [a for a in gave_up.actions if isinstance(a, F.Launch)]
+    assert (launch.learner, launch.spare) == ("a:0", None)
+    # spare_wait_s 0 (the fleet's default): a new process at the due time, as before.
+    eager = preparing_spare_fleet(wait_s=0.0)
+    crashed = F.step(eager, alive(eager, "a:0") + [F.RunEnded("a:0", 0, "boom", crashed=True)],
+                     92.0)
+    (launch,) = [a for a in F.step(crashed.fleet, alive(crashed.fleet), 92.5).actions
+                 if isinstance(a, F.Launch)]
+    assert (launch.learner, launch.spare) == ("a:0", None)
+
+
+def test_one_preparing_spare_holds_back_only_the_earliest_due_restart():
+    fleet = preparing_spare_fleet()
+    # a:0 and a:2 crash at 92.0 and 92.2: both due 0.5 s later; one spare is preparing.
+    one = F.step(fleet, alive(fleet, "a:0") + [F.RunEnded("a:0", 0, "boom", crashed=True)], 92.0)
+    two = F.step(one.fleet, alive(one.fleet, "a:2") + [
+        F.RunEnded("a:2", 0, "boom", crashed=True)], 92.2)
+    due = F.step(two.fleet, alive(two.fleet), 92.7)
+    # a:0 (due at 92.5) waits for spare:a:1; a:2 (due at 92.7) starts a new process now.
+    assert [(a.learner, a.spare) for a in due.actions if isinstance(a, F.Launch)] == [
+        ("a:2", None)]
+    assert due.fleet.slots["a:0"].state == SlotState.RESTARTING
+    ready = F.step(due.fleet, alive(due.fleet) + [F.SpareReady("spare:a:1")], 93.5)
+    assert [(a.learner, a.spare) for a in ready.actions if isinstance(a, F.Launch)] == [
+        ("a:0", "spare:a:1")]
+
+
 def test_a_scale_up_takes_a_ready_spare():
     fleet = spare_fleet()
     result = F.step(fleet, [F.Scale("a", 4)], 10.0)
