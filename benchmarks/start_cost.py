@@ -30,7 +30,8 @@ their rate in the ``--before-s`` steady window before the kill. ``--burst`` kill
 the second once the first trains again (a spare's replacement is then still preparing: with
 ``health.spare_wait_s`` the second waits for it, with 0 it starts a new process).
 
-    python benchmarks/start_cost.py --kills 4                       # new processes (~2 min)
+    python benchmarks/start_cost.py --kills 4 --no-prestart         # new processes (~2 min)
+    python benchmarks/start_cost.py --kills 4                       # prestarted restarts
     python benchmarks/start_cost.py --kills 3 --spares 1            # promoted spares
     python benchmarks/start_cost.py --kills 4 --spares 1 --burst --spare-wait-s 0
 
@@ -65,12 +66,15 @@ PREPARE = ("boot", "load", "init", "import", "devices", "corpus", "model", "warm
 
 
 def job_dict(learners: int, min_step_s: float, spares: int,
-             spare_wait_s: Optional[float] = None) -> dict:
+             spare_wait_s: Optional[float] = None, prestart: bool = True,
+             backoff_s: float = 0.1) -> dict:
     health = {"heartbeat_s": 0.25, "timeout_s": 30.0, "spares": spares,
-              "restart": {"backoff_initial_s": 0.1, "backoff_multiplier": 1.0,
+              "restart": {"backoff_initial_s": backoff_s, "backoff_multiplier": 1.0,
                           "max_crash_restarts": None}}
     if spare_wait_s is not None:
         health["spare_wait_s"] = spare_wait_s
+    if not prestart:
+        health["prestart_restarts"] = False
     return {
         "name": "bench-start-cost",
         "model": {"d_model": 32, "n_layers": 1, "n_heads": 2, "d_ff": 64, "seq_len": 32},
@@ -105,7 +109,8 @@ def run(args) -> dict:
     from islands.orchestrator.config import JobConfig
     from islands.orchestrator.controller import NAMESPACE, Controller, controller_options
 
-    raw = job_dict(args.learners, args.min_step_s, args.spares, args.spare_wait_s)
+    raw = job_dict(args.learners, args.min_step_s, args.spares, args.spare_wait_s,
+                   not args.no_prestart, args.backoff_s)
     config = JobConfig.model_validate(raw)
     run_dir = tempfile.mkdtemp(prefix="islands-start-cost-")
     ray.init(address="local", num_cpus=args.num_cpus, resources=config.region_resources(),
@@ -258,6 +263,10 @@ def main(argv=None) -> dict:
     p.add_argument("--kills", type=int, default=4)
     p.add_argument("--spares", type=int, default=0, help="health.spares")
     p.add_argument("--spare-wait-s", type=float, default=None, help="health.spare_wait_s")
+    p.add_argument("--backoff-s", type=float, default=0.1,
+                   help="the restart backoff (constant): what a restart waits before it is due")
+    p.add_argument("--no-prestart", action="store_true",
+                   help="health.prestart_restarts: false (a restart starts a new process)")
     p.add_argument("--burst", action="store_true",
                    help="kill learners two at a time, the second as the first trains again")
     p.add_argument("--min-step-s", type=float, default=0.1)

@@ -73,6 +73,9 @@ class LearnerUnit:
         # start_cost.py): on shared cores a start's cost is CPU taken from the training learners.
         self.timings.update(cpu_boot_s=_CPU_AT_LOAD, cpu_load_s=cpu_init - _CPU_AT_LOAD)
         self._cpu_mark = cpu_init
+        # The niceness Ray gave this worker (its ``worker_niceness``): a spare's preparation
+        # runs above it and comes back to it when hurried or promoted (``normal_priority``).
+        self.base_niceness = _niceness()
         from islands.faults import FaultWindows, Link
 
         self.region = spec.learner.rsplit(":", 1)[0]
@@ -194,11 +197,18 @@ class LearnerUnit:
 
         if not self.spec.spare or self.promoted.is_set():
             raise RuntimeError(f"{self.spec.learner} is not a spare waiting for promotion")
+        # The threads its preparation started (JAX's) are still low: the learner's are not.
+        normal_priority(self.base_niceness)
         self.spec = dataclasses.replace(self.spec, spare=False, **identity)
         self.region = self.spec.learner.rsplit(":", 1)[0]
         self.stats["step"] = self.spec.start_step
         self.timings["promoted_at"] = time.time()
         self.promoted.set()
+
+    def hurry(self) -> None:
+        """A restart waits for this spare: every thread of its process, the one preparing
+        included, goes back to normal priority (its preparation is on the critical path)."""
+        normal_priority(self.base_niceness)
 
     def _prepare(self) -> dict:
         if not self.spec.spare:
@@ -694,6 +704,33 @@ def low_priority(niceness: int = SPARE_NICENESS):
             os.setpriority(os.PRIO_PROCESS, 0, before)
         except OSError:   # lowering niceness needs privileges: this thread stays low
             pass
+
+
+def _niceness() -> Optional[int]:
+    try:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+    except (AttributeError, OSError):
+        return None
+
+
+def normal_priority(niceness: Optional[int]) -> bool:
+    """Puts every thread of this process back to ``niceness`` (Linux keeps one per thread).
+    Lowering a niceness needs privileges (root, CAP_SYS_NICE or RLIMIT_NICE): without them the
+    threads stay where they are (False), as ``low_priority`` leaves its thread."""
+    if niceness is None:
+        return False
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return False
+    done = True
+    for tid in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) > niceness:
+                os.setpriority(os.PRIO_PROCESS, tid, niceness)
+        except OSError:   # not permitted, or the thread has ended
+            done = False
+    return done
 
 
 def start_profiler() -> Optional[str]:

@@ -653,6 +653,9 @@ def test_a_restart_due_while_its_regions_spare_prepares_waits_for_it_not_a_new_p
     # Due at 92.5, but spare:a:1 is preparing: no second new process beside it.
     due = F.step(crashed.fleet, alive(crashed.fleet), 92.5)
     assert "Launch" not in kinds(due) and due.fleet.slots["a:0"].state == SlotState.RESTARTING
+    # Its preparation is on a:0's critical path now: it leaves its low priority, once.
+    assert due.actions == (F.HurrySpare("spare:a:1"),)
+    assert "HurrySpare" not in kinds(F.step(due.fleet, alive(due.fleet), 93.0))
     # 94.0: the spare is ready and takes a:0's place in that step.
     ready = F.step(due.fleet, alive(due.fleet) + [F.SpareReady("spare:a:1")], 94.0)
     (launch,) = [a for a in ready.actions if isinstance(a, F.Launch)]
@@ -687,6 +690,88 @@ def test_one_preparing_spare_holds_back_only_the_earliest_due_restart():
     ready = F.step(due.fleet, alive(due.fleet) + [F.SpareReady("spare:a:1")], 93.5)
     assert [(a.learner, a.spare) for a in ready.actions if isinstance(a, F.Launch)] == [
         ("a:0", "spare:a:1")]
+
+
+def prestart_fleet(spares=0):
+    """Region a: 3 learners training since t=1, restarts prestarted, ``spares`` spares (none
+    launched yet: the region's plan gets them after ``training``)."""
+    s = settings(regions={"a": F.RegionPlan(3, 4, spares=0, prestart=True)})
+    fleet = training(s)
+    plan = F.RegionPlan(3, 4, spares=spares, prestart=True)
+    return dataclasses.replace(fleet, settings=dataclasses.replace(s, regions={"a": plan}))
+
+
+def test_a_failed_learners_next_process_is_prestarted_and_promoted_when_its_restart_is_due():
+    fleet = prestart_fleet()
+    kill = F.Chaos(Fault(10.0, FaultKind.KILL, "a:0", duration_s=5.0))
+    fleet = F.step(fleet, alive(fleet) + [kill], 10.0).fleet
+    dead = F.step(fleet, alive(fleet, "a:0") + [F.RunEnded("a:0", 0, "killed")], 10.2)
+    # Due at 15.2 (the repair from the detection); its process starts now, reserved for it.
+    assert dead.fleet.slots["a:0"].restart_at_s == pytest.approx(15.2)
+    assert F.LaunchSpare("spare:a:0", "a") in dead.actions and "Launch" not in kinds(dead)
+    launched = [t for t in dead.transitions if t.name == "spare_launched"]
+    assert [(t.learner, t.fields["spare"]) for t in launched] == [("a:0", "spare:a:0")]
+    assert dead.fleet.spares["spare:a:0"].for_learner == "a:0"
+    # Ready at 12.0: it waits for the restart's due time (the slot's wait, backoff included).
+    ready = F.step(dead.fleet, alive(dead.fleet) + [F.SpareReady("spare:a:0")], 12.0)
+    assert "Launch" not in kinds(ready)
+    # a:1 crashes at 12.5 (due at 13.0): it never takes a:0's process; it gets its own.
+    crash = F.step(ready.fleet, alive(ready.fleet, "a:1") + [
+        F.RunEnded("a:1", 0, "boom", crashed=True)], 12.5)
+    assert F.LaunchSpare("spare:a:1", "a") in crash.actions
+    due1 = F.step(crash.fleet, alive(crash.fleet), 13.0)
+    assert "Launch" not in kinds(due1)              # a:1 waits for its own, still preparing
+    assert due1.actions == (F.HurrySpare("spare:a:1"),)   # now at normal priority
+    # 15.2: a:0 is due and takes its prestarted process: a promotion, not a new process.
+    due0 = F.step(due1.fleet, alive(due1.fleet), 15.2)
+    assert [(a.learner, a.spare) for a in due0.actions if isinstance(a, F.Launch)] == [
+        ("a:0", "spare:a:0")]
+    assert names(due0) == ["spare_promoted", "learner_restarted"]
+    # a:1's gets ready at 16.0, past its due time: promoted in that step.
+    one = F.step(due0.fleet, alive(due0.fleet) + [F.SpareReady("spare:a:1")], 16.0)
+    assert [(a.learner, a.spare) for a in one.actions if isinstance(a, F.Launch)] == [
+        ("a:1", "spare:a:1")]
+    assert one.fleet.spares == {}                   # no spares kept: none left over
+
+
+def test_a_prestarted_process_left_over_joins_the_regions_spares_or_ends():
+    # spares: 1, not launched yet when a:0 fails: a:0's process is prestarted.
+    fleet = prestart_fleet(spares=1)
+    crash = F.step(fleet, alive(fleet, "a:0") + [F.RunEnded("a:0", 0, "boom", crashed=True)],
+                   2.0)
+    reserved = [a for a in crash.actions if isinstance(a, F.LaunchSpare)]
+    assert reserved == [F.LaunchSpare("spare:a:0", "a"), F.LaunchSpare("spare:a:1", "a")]
+    assert crash.fleet.spares["spare:a:0"].for_learner == "a:0"
+    assert crash.fleet.spares["spare:a:1"].for_learner is None   # the region's spare
+    # The region's spare gets ready first, at 2.4 (a:0 not due yet, 2.5): it takes a:0 at
+    # once; a:0's own process becomes the region's spare (no other one started).
+    ready = F.step(crash.fleet, alive(crash.fleet) + [F.SpareReady("spare:a:1")], 2.4)
+    assert [(a.learner, a.spare) for a in ready.actions if isinstance(a, F.Launch)] == [
+        ("a:0", "spare:a:1")]
+    assert ready.fleet.spares["spare:a:0"].for_learner is None
+    assert "LaunchSpare" not in kinds(ready) and "KillSpare" not in kinds(ready)
+    # No spares kept: a learner retired while its process is prestarted ends that process.
+    fleet = prestart_fleet()
+    crash = F.step(fleet, alive(fleet, "a:2") + [F.RunEnded("a:2", 0, "boom", crashed=True)],
+                   2.0)
+    drained = F.step(crash.fleet, alive(crash.fleet) + [F.Drain("a:2")], 2.1)
+    assert F.KillSpare("spare:a:0") in drained.actions and drained.fleet.spares == {}
+    assert drained.fleet.slots["a:2"].state == SlotState.RETIRED
+
+
+def test_a_restart_a_preparing_spare_will_take_prestarts_nothing():
+    fleet = preparing_spare_fleet()         # spare:a:1 (the region's) preparing since 91.0
+    plan = dataclasses.replace(fleet.settings.regions["a"], prestart=True)
+    fleet = dataclasses.replace(fleet, settings=dataclasses.replace(
+        fleet.settings, regions={"a": plan}))
+    crashed = F.step(fleet, alive(fleet, "a:0") + [F.RunEnded("a:0", 0, "boom", crashed=True)],
+                     92.0)
+    assert "LaunchSpare" not in kinds(crashed)      # it will wait for spare:a:1
+    # A second failure has no preparing spare left to wait for: its process is prestarted.
+    second = F.step(crashed.fleet, alive(crashed.fleet, "a:2") + [
+        F.RunEnded("a:2", 0, "boom", crashed=True)], 92.1)
+    assert F.LaunchSpare("spare:a:2", "a") in second.actions
+    assert second.fleet.spares["spare:a:2"].for_learner == "a:2"
 
 
 def test_a_scale_up_takes_a_ready_spare():
