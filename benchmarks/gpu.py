@@ -401,7 +401,8 @@ def learner_devices_reported(controller, learners: list[str], snap: dict) -> dic
         devices = row.get("devices")
         if devices is None:
             with contextlib.suppress(Exception):
-                actor = ray.get_actor(learner_actor_name(name), namespace=NAMESPACE)
+                actor = ray.get_actor(row.get("actor") or learner_actor_name(name),
+                                      namespace=NAMESPACE)
                 devices = (ray.get(actor.status.remote(), timeout=10) or {}).get("devices")
         out[name] = devices
     return out

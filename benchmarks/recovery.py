@@ -25,6 +25,7 @@ to the end of its train step; pushes and bookkeeping come on top, so CPU content
     python benchmarks/recovery.py --quick          # 3 kills (ray_kill), ~2–3 min
     python benchmarks/recovery.py --quick --spares 1   # the same with a warm spare per region
                                                    # (each kill waits for a ready spare)
+    python benchmarks/recovery.py --quick --no-prestart  # restarts in new processes only
     python benchmarks/recovery.py                  # 4 × ray_kill + 4 × exit
 
 Prints a table, then one JSON object as the last line; writes ``recovery.png`` to ``--out``.
@@ -55,7 +56,7 @@ from _machine import machine_info, command_line, format_table  # noqa: E402
 
 
 def job_dict(min_step_time_s: float, heartbeat_s: float, backoff_s: float,
-             spares: int = 0) -> dict:
+             spares: int = 0, prestart: bool = True) -> dict:
     """The JobConfig mapping: tiny model, 2 regions × 2 learners, K = 1, a constant backoff."""
     return {
         "name": "bench-recovery",
@@ -68,6 +69,7 @@ def job_dict(min_step_time_s: float, heartbeat_s: float, backoff_s: float,
         "compression": {"type": "int4"},
         "regions": {"a": {"learners": 2}, "b": {"learners": 2}},
         "health": {"heartbeat_s": heartbeat_s, "timeout_s": 8.0, "spares": spares,
+                   "prestart_restarts": prestart,
                    "restart": {"backoff_initial_s": backoff_s, "backoff_multiplier": 1.0,
                                "max_crash_restarts": None}},
         "metrics": {"enabled": False},
@@ -331,13 +333,14 @@ def plot(rows: list[dict], series: dict, t0: float, path: str) -> None:
 
 # -- main -----------------------------------------------------------------------------------------
 def run(modes: list[str], before_s: float, min_step_time_s: float, heartbeat_s: float,
-        backoff_s: float, spares: int = 0) -> tuple[list[dict], dict, float, dict]:
+        backoff_s: float, spares: int = 0,
+        prestart: bool = True) -> tuple[list[dict], dict, float, dict]:
     import ray
 
     from islands.orchestrator.config import JobConfig
     from islands.orchestrator.controller import NAMESPACE, Controller, controller_options
 
-    raw = job_dict(min_step_time_s, heartbeat_s, backoff_s, spares)
+    raw = job_dict(min_step_time_s, heartbeat_s, backoff_s, spares, prestart)
     config = JobConfig.model_validate(raw)
     run_dir = tempfile.mkdtemp(prefix="islands-recovery-")
     # address="local": always a fresh cluster of our own, even when another one runs here.
@@ -396,6 +399,8 @@ def parse_args(argv=None):
     parser.add_argument("--heartbeat-s", type=float, default=0.25)
     parser.add_argument("--backoff-s", type=float, default=0.1, help="restart backoff (constant)")
     parser.add_argument("--spares", type=int, default=0, help="warm spares per region")
+    parser.add_argument("--no-prestart", action="store_true",
+                        help="health.prestart_restarts: false (a restart starts a new process)")
     parser.add_argument("--out", default=os.path.join(BENCH_DIR, "out"))
     return parser.parse_args(argv)
 
@@ -409,7 +414,7 @@ def main(argv=None) -> dict:
     modes = [m for m in modes_list for _ in range(kills_per_mode)]
     before_s = args.before_s or (5.0 if args.quick else 10.0)
     kills, series, t0, raw = run(modes, before_s, args.min_step_time_s, args.heartbeat_s,
-                                 args.backoff_s, args.spares)
+                                 args.backoff_s, args.spares, not args.no_prestart)
     rows = [analyse(k, series, before_s) for k in kills]
     phases = {p: stats([r[p] for r in rows])
               for p in (*PHASES, "training_again_s", "total_s", "spawn_s", "setup_s")}
@@ -418,7 +423,8 @@ def main(argv=None) -> dict:
                "meets_total_goal": phases["total_s"]["max"] < GOAL_TOTAL_S,
                "meets_survivor_goal": (ratios["min"] or 0.0) >= GOAL_SURVIVOR_RATIO}
     os.makedirs(args.out, exist_ok=True)
-    suffix = f"-spares{args.spares}" if args.spares else ""
+    suffix = (f"-spares{args.spares}" if args.spares else "") + (
+        "-noprestart" if args.no_prestart else "")
     png = os.path.join(args.out, f"recovery{suffix}.png")
     plot(rows, series, t0, png)
     print_report(rows, summary)

@@ -13,8 +13,12 @@ import threading
 import time
 from typing import Any, Optional
 
-import numpy as np
-import ray
+# This process's CPU-seconds before this module loaded: a Ray worker's boot (the interpreter,
+# Ray, its connection), reported as the start's ``cpu_boot_s``.
+_CPU_AT_LOAD = time.process_time()
+
+import numpy as np  # noqa: E402
+import ray  # noqa: E402
 
 from islands.syncer import downlink as downlink_lib
 
@@ -34,6 +38,7 @@ class LearnerUnit:
     """One learner. Create with ``ray.remote(LearnerUnit).options(name=..., max_concurrency=8)``."""
 
     def __init__(self, spec: LearnerSpec):
+        cpu_init = time.process_time()
         apply_env(spec.env)  # before anything imports JAX in this process
         self.spec = spec
         self.state = LearnerState.STARTING
@@ -64,6 +69,13 @@ class LearnerUnit:
         self.created_s = time.time()
         self.node_id = _node_id()
         self.timings: dict[str, float] = {}
+        # Process CPU-seconds per start phase (``cpu_<phase>``, all threads, benchmarks/
+        # start_cost.py): on shared cores a start's cost is CPU taken from the training learners.
+        self.timings.update(cpu_boot_s=_CPU_AT_LOAD, cpu_load_s=cpu_init - _CPU_AT_LOAD)
+        self._cpu_mark = cpu_init
+        # The niceness Ray gave this worker (its ``worker_niceness``): a spare's preparation
+        # runs above it and comes back to it when hurried or promoted (``normal_priority``).
+        self.base_niceness = _niceness()
         from islands.faults import FaultWindows, Link
 
         self.region = spec.learner.rsplit(":", 1)[0]
@@ -185,11 +197,18 @@ class LearnerUnit:
 
         if not self.spec.spare or self.promoted.is_set():
             raise RuntimeError(f"{self.spec.learner} is not a spare waiting for promotion")
+        # The threads its preparation started (JAX's) are still low: the learner's are not.
+        normal_priority(self.base_niceness)
         self.spec = dataclasses.replace(self.spec, spare=False, **identity)
         self.region = self.spec.learner.rsplit(":", 1)[0]
         self.stats["step"] = self.spec.start_step
         self.timings["promoted_at"] = time.time()
         self.promoted.set()
+
+    def hurry(self) -> None:
+        """A restart waits for this spare: every thread of its process, the one preparing
+        included, goes back to normal priority (its preparation is on the critical path)."""
+        normal_priority(self.base_niceness)
 
     def _prepare(self) -> dict:
         if not self.spec.spare:
@@ -199,24 +218,34 @@ class LearnerUnit:
         with low_priority():
             return self._prepare_now()
 
+    def cpu_lap(self, name: str) -> None:
+        """Records the process CPU-seconds since the previous lap as ``timings[cpu_<name>]``."""
+        now = time.process_time()
+        self.timings["cpu_" + name], self._cpu_mark = now - self._cpu_mark, now
+
     def _prepare_now(self) -> dict:
+        self.cpu_lap("init_s")
         import jax
 
         from .task import TaskStream
 
+        self.cpu_lap("import_s")   # JAX, optax and the learner's modules
         spec, tspec = self.spec, self.spec.training
         t_start = time.time()
         # Before anything else: a learner on the wrong devices must not train at all.
         self.stats["devices"] = check_devices(spec.device_request).as_dict()
         self.timings["devices_s"] = time.time() - t_start
+        self.cpu_lap("devices_s")
         if spec.profiler and self.stats.get("profiler") is None:
             self.stats["profiler"] = start_profiler()
         # Zero-copy from the object store when the controller shared the built-in corpus.
         train_bytes = ray.get(spec.corpus_ref) if spec.corpus_ref is not None else None
         self.timings["corpus_s"] = time.time() - t_start
+        self.cpu_lap("corpus_s")
         task = build_task(tspec, train_bytes)
         task, template, optimizer, train_step = build_training(tspec, abstract=True, task=task)
         self.timings["model_s"] = time.time() - t_start
+        self.cpu_lap("model_s")
         controller = (ray.get_actor(spec.controller_name, namespace=spec.namespace)
                       if spec.controller_name else None)
         if spec.spare:
@@ -226,8 +255,10 @@ class LearnerUnit:
             opt_state = optimizer.init(params)
             _, _, loss = train_step(params, opt_state, TaskStream(task, 0, 1).batch_at(0))
             float(loss)
+            self.cpu_lap("warm_step_s")
             _learner_core(tspec, spec.learner, params, opt_state,
                           [0] * tspec.fragments).compile_pushes()
+            self.cpu_lap("warm_pushes_s")
             for s in range(spec.syncer_shards):   # found now, registered at promotion
                 ray.get_actor(self._shard_name(s), namespace=spec.namespace)
         self.timings["prepare_s"] = time.time() - t_start
@@ -249,14 +280,13 @@ class LearnerUnit:
         return self.status()
 
     def _run(self) -> None:
-        import jax
-
-        from .task import TaskStream
-
         # A threaded actor may start ``run`` before the ``promote`` sent just ahead of it.
         if self.spec.spare and not self.promoted.wait(timeout=60.0):
             raise RuntimeError(f"{self.spec.learner} is a spare: promote it before run")
         t_start = time.time()
+        cpu_from = 0.0
+        if self.prepared is not None:   # a prepared process: its start's CPU counts from here
+            self._cpu_mark = cpu_from = time.process_time()
         if self.spec.hosts > 1 and self.gang is None:
             from .gang import Gang
 
@@ -264,6 +294,10 @@ class LearnerUnit:
             self.gang.join()   # jax.distributed over the unit, before JAX runs anything here
         if self.prepared is None:
             self.prepare()
+        import jax   # (imported by prepare: its CPU is prepare's ``import`` phase)
+
+        from .task import TaskStream
+
         prepared = self.prepared
         spec, tspec = self.spec, self.spec.training
         # The restore's phases, each in seconds (``timings``; a promoted spare's takeover).
@@ -272,6 +306,8 @@ class LearnerUnit:
         def phase(name: str) -> None:
             now = time.time()
             self.timings[name], lap[0] = now - lap[0], now
+            if name != "prepare_wait_s":   # (prepare's own laps cover it)
+                self.cpu_lap(name)
 
         phase("prepare_wait_s")   # ~0 for a prepared spare; a fresh process's whole prepare
         # The peer's inner state is asked for first: its copy (the peer's step in flight, then
@@ -335,6 +371,7 @@ class LearnerUnit:
         if not (prepared.get("pushes_compiled") and layout is None and self.gang is None):
             core.compile_pushes()
         self.timings["compile_pushes_s"] = time.time() - t_compile
+        self.cpu_lap("compile_pushes_s")
         self.timings["restore_s"] = time.time() - t_start
         self.timings["ready_at"] = time.time()
         self.stats["ready_at"] = self.timings["ready_at"]
@@ -394,6 +431,9 @@ class LearnerUnit:
                 first_step = "first_step_s" not in self.timings
                 if first_step:
                     self.timings["first_step_s"] = dt
+                    self.cpu_lap("first_step_s")
+                    # The start's CPU: from the process's birth, or a prepared one's ``run``.
+                    self.timings["cpu_start_s"] = time.process_time() - cpu_from
                     self.stats["timings"] = dict(self.timings)
                 with self.lock:
                     loop.record(dt)
@@ -664,6 +704,33 @@ def low_priority(niceness: int = SPARE_NICENESS):
             os.setpriority(os.PRIO_PROCESS, 0, before)
         except OSError:   # lowering niceness needs privileges: this thread stays low
             pass
+
+
+def _niceness() -> Optional[int]:
+    try:
+        return os.getpriority(os.PRIO_PROCESS, 0)
+    except (AttributeError, OSError):
+        return None
+
+
+def normal_priority(niceness: Optional[int]) -> bool:
+    """Puts every thread of this process back to ``niceness`` (Linux keeps one per thread).
+    Lowering a niceness needs privileges (root, CAP_SYS_NICE or RLIMIT_NICE): without them the
+    threads stay where they are (False), as ``low_priority`` leaves its thread."""
+    if niceness is None:
+        return False
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        return False
+    done = True
+    for tid in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) > niceness:
+                os.setpriority(os.PRIO_PROCESS, tid, niceness)
+        except OSError:   # not permitted, or the thread has ended
+            done = False
+    return done
 
 
 def start_profiler() -> Optional[str]:

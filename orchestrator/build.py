@@ -106,14 +106,18 @@ def fleet_settings(config) -> FleetSettings:
         factors = (tuple(float(f) for f in factors) if isinstance(factors, list)
                    else (float(factors),) * region.learners)
         ceiling = region.max_learners if region.max_learners is not None else region.learners
+        # (a unit of several hosts has no spares, so none is prestarted for it either)
         regions[name] = RegionPlan(region.learners, ceiling, factors, remote=region.remote,
-                                   spares=config.spares_of(name))
+                                   spares=config.spares_of(name),
+                                   prestart=(config.health.prestart_restarts
+                                             and region.devices().hosts == 1))
     return FleetSettings(regions=regions, min_learners=config.quorum.min_learners,
                          policy=restart_policy(config),
                          heartbeat_timeout_s=config.health.timeout_s,
                          straggler_factor=config.health.straggler_factor,
                          straggler_window_s=config.health.straggler_window_s,
                          straggler_min_excess_s=config.health.straggler_min_excess_s,
+                         spare_wait_s=config.health.spare_wait_s,
                          syncer_shards=config.syncer.shards)
 
 

@@ -161,7 +161,8 @@ def format_status(table: dict) -> str:
                          f"epoch {row['epoch']}  merges {row['merges']}  "
                          f"versions {row['versions']}")
     for name, spare in sorted((table.get("spares") or {}).items()):
-        lines.append(f"spare {name}: region {spare['region']}  {spare['state']}")
+        reserved = f"  for {spare['for']}'s restart" if spare.get("for") else ""
+        lines.append(f"spare {name}: region {spare['region']}  {spare['state']}{reserved}")
     if table.get("paused_reason"):
         lines.append(f"PAUSED: {table['paused_reason']}")
     for region, message in sorted((table.get("misconfigured") or {}).items()):

@@ -274,6 +274,10 @@ class HealthSection(_Section):
     straggler_min_excess_s: float = Field(0.05, ge=0)
     # Warm spare learner processes per region: an int for every local region, or {region: n}.
     spares: Union[int, dict[str, int]] = Field(0)
+    # A restart due while its region's spare prepares waits this long for it (0: never).
+    spare_wait_s: float = Field(10.0, ge=0)
+    # A failed learner's next process starts at once, prepared while its restart waits.
+    prestart_restarts: bool = True
     restart: RestartSection = RestartSection()
     placement_timeout_s: float = Field(60.0, gt=0)
 

@@ -280,6 +280,23 @@ FIELD_NOTES: dict[str, str] = {
                      "and found the syncer, and takes a failed (or new) learner's place at once. "
                      "Each holds a learner's resources (its `region:<name>` unit and devices). "
                      "A remote region's agent keeps that region's spares in its own cluster.",
+    "health.spare_wait_s": "A restart that falls due (its backoff and any repair over) while "
+                           "its region's spare is still preparing waits at most this many "
+                           "seconds for that spare, rather than start a new process beside it "
+                           "(which would slow both): the spare then prepares at normal priority "
+                           "(hurried), and a promoted spare's start costs a few hundredths of a "
+                           "CPU-second, a new process's about 2.4 on a CPU host "
+                           "(benchmarks/start_cost.py). One waiting restart per preparing "
+                           "spare, the earliest due first; 0: never wait. "
+                           "docs/architecture.md#warm-spares.",
+    "health.prestart_restarts": "When a learner fails and its restart must wait (the backoff, a "
+                                "repair time) with no ready spare, its next process starts at "
+                                "once as a spare reserved for it, on the resources the failed "
+                                "process freed: it prepares (JAX, the task, the compiled step) "
+                                "while the restart waits and is promoted when the restart is "
+                                "due, so the start then costs a promotion, not a new process's "
+                                "CPU-seconds. Not for units of several hosts. "
+                                "docs/architecture.md#warm-spares.",
     "health.straggler_window_s": "Seconds a learner must stay slow before it is called a "
                                  "straggler (a moment of slowness is timing noise).",
     "health.straggler_min_excess_s": "Slow also means at least this many seconds above the "

@@ -575,6 +575,9 @@ class Controller:
         if error is not None:   # an earlier spare's name is not released yet
             self.inbox.put((fleet_lib.SpareEnded(a.name, error), None))
 
+    def _do_hurryspare(self, a: fleet_lib.HurrySpare) -> None:
+        self.groups.hurry_spare(a.name)
+
     def _do_killspare(self, a: fleet_lib.KillSpare) -> None:
         self.groups.end_spare(a.name)
 

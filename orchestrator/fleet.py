@@ -23,7 +23,14 @@ its first step and holds no learner identity: ``STARTING ─ready─▶ READY``.
 (a restart, a scale-up) while its region has a READY spare takes the spare instead of a new
 process (``Launch.spare``), at once: no backoff, no repair wait (the spare is another process,
 on its own devices). A new spare starts behind it once the promotion is done; a slot already
-RESTARTING (waiting for its backoff or a repair) takes a spare as soon as one is ready.
+RESTARTING (waiting for its backoff or a repair) takes a spare as soon as one is ready. A restart
+that falls due while its region's spare is still preparing waits for that spare (at most
+``FleetSettings.spare_wait_s``) instead of starting a second new process beside it, and the
+spare is hurried (``HurrySpare``: its preparation leaves its low priority): a promoted spare's
+start costs the learner almost no CPU, a new process a whole start's. With
+``RegionPlan.prestart`` a failed learner whose restart must wait gets its next process at once,
+a spare reserved for it (``Spare.for_learner``), prepared while it waits and promoted when the
+restart is due.
 
 A node Ray reports draining (``Cluster.draining``: ``ray drain-node``, an autoscaler, the
 platform's announced preemption) is a planned preemption: each live learner on it is drained
@@ -108,6 +115,9 @@ class RegionPlan:
     # learners; this fleet mirrors their states from the agent's reports (``RemoteReport``).
     remote: bool = False
     spares: int = 0                       # warm spare learner processes kept ready
+    # A failed learner's next process is started at once and prepared as a spare reserved for
+    # it while its restart waits (backoff, repair), then promoted when the restart is due.
+    prestart: bool = False
 
 
 @dataclass(frozen=True)
@@ -123,6 +133,9 @@ class FleetSettings:
     straggler_window_s: float = 30.0     # slow for this long (one incarnation) before a verdict
     straggler_min_excess_s: float = 0.05  # and at least this much above its peers' median step
     restart_retry_s: float = 0.2        # a launch that failed (name not released yet) retries
+    # A restart due while its region's spare is still preparing waits this long for it rather
+    # than start a new process beside it (``start_due_restarts``); 0: never waits.
+    spare_wait_s: float = 0.0
     first_shard: int = 0                # a region agent's fleet: its region's first data shard
     num_shards: Optional[int] = None    # ... and the job's shard count (None: count the slots)
     syncer_shards: int = 1              # syncer shards (members the fleet can kill and restart)
@@ -182,6 +195,10 @@ class Spare:
     launched_s: float = 0.0
     ready_s: Optional[float] = None
     node_id: Optional[str] = None   # where it waits (from its ready answer)
+    # Prestarted for this learner's restart (``RegionPlan.prestart``): only it takes this one,
+    # and not before its restart is due. None: one of the region's ``spares``.
+    for_learner: Optional[str] = None
+    hurried: bool = False        # a due restart waits for it: it prepares at normal priority
 
 
 class ShardState(str, enum.Enum):
@@ -483,6 +500,14 @@ class KillSpare:
 
 
 @dataclass(frozen=True)
+class HurrySpare:
+    """A restart waits for this spare, still preparing: its preparation is on the restart's
+    critical path now, so it leaves its low priority."""
+
+    name: str
+
+
+@dataclass(frozen=True)
 class Kill:
     """End an incarnation: ``ray_kill`` or ``exit`` (chaos), ``bury`` (make sure it is gone)."""
 
@@ -567,10 +592,11 @@ class StartSyncer:
 # Every action type ``step`` can return: each body (controller.py, orchestrator/region_agent.py, inprocess.py)
 # has a handler for each (seam.py builds its table at its start; tests/unit/test_seam.py checks
 # that every class of this section is here and that every body handles all of them).
-ACTIONS: tuple[type, ...] = (Launch, LaunchSpare, KillSpare, Kill, Forget, DrainLearner,
+ACTIONS: tuple[type, ...] = (Launch, LaunchSpare, KillSpare, HurrySpare, Kill, Forget,
+                             DrainLearner,
                              PauseLearner, Slowdown, Hang, LinkFault, PartitionHome,
                              RestartRemote, KillSyncer, StartSyncer)
-Action = Union[Launch, LaunchSpare, KillSpare, Kill, Forget, DrainLearner, PauseLearner, Slowdown,
+Action = Union[Launch, LaunchSpare, KillSpare, HurrySpare, Kill, Forget, DrainLearner, PauseLearner, Slowdown,
                Hang, LinkFault, PartitionHome, RestartRemote, KillSyncer, StartSyncer]
 
 
@@ -1054,11 +1080,53 @@ class _Machine:
         self.actions.append(KillSpare(spare.name))
         self.note("spare_ended", None, spare=spare.name, region=spare.region, reason=reason[:300])
 
-    def ready_spare(self, region: str) -> Optional[Spare]:
+    def ready_spare(self, region: str, learner: Optional[str] = None) -> Optional[Spare]:
+        """A READY spare of ``region`` for ``learner``: the one prestarted for it first, else
+        the region's oldest (never one prestarted for another learner)."""
         ready = [x for x in self.fleet.spares.values()
                  if x.region == region and x.state == SpareState.READY
+                 and x.for_learner in (None, learner)
                  and x.node_id not in self.fleet.draining_nodes]
-        return min(ready, key=lambda x: x.ready_s or 0.0) if ready else None
+        return (min(ready, key=lambda x: (x.for_learner is None, x.ready_s or 0.0))
+                if ready else None)
+
+    def reserved(self, learner: str) -> list[Spare]:
+        return [x for x in self.fleet.spares.values() if x.for_learner == learner]
+
+    def prestart(self, slot: Slot) -> None:
+        """Starts the process of ``slot``'s restart now, prepared as a spare reserved for it
+        (at low priority, as any spare) while the restart waits: when it is due the start
+        costs the learner a promotion. Not where a spare of the region already prepares for
+        it (``spare_waiters``) or one is prestarted for it."""
+        plan = self.settings.regions.get(slot.region)
+        if (plan is None or not plan.prestart or slot.remote or self.fleet.stopping
+                or slot.region in self.fleet.misconfigured or self.reserved(slot.learner)):
+            return
+        preparing = sum(1 for x in self.fleet.spares.values() if x.region == slot.region
+                        and x.for_learner is None and x.state == SpareState.STARTING)
+        others = sum(1 for x in self.fleet.slots.values()
+                     if x.region == slot.region and x.learner != slot.learner
+                     and x.state == SlotState.RESTARTING and not self.reserved(x.learner))
+        if self.settings.spare_wait_s > 0 and preparing > others:
+            return
+        name = f"spare:{slot.region}:{self.fleet.next_spare}"
+        self.set(next_spare=self.fleet.next_spare + 1)
+        self.put_spare(Spare(name, slot.region, launched_s=self.now, for_learner=slot.learner))
+        self.actions.append(LaunchSpare(name, slot.region))
+        self.note("spare_launched", slot.learner, spare=name, region=slot.region)
+
+    def release_reserved(self, learner: str) -> None:
+        """``learner`` started without the spare prestarted for it (or left): the spare joins
+        the region's spares while they are short of ``spares``, else it ends (it holds a
+        learner's resources, which a new process of the region may need)."""
+        for spare in self.reserved(learner):
+            plan = self.settings.regions[spare.region]
+            have = sum(1 for x in self.fleet.spares.values()
+                       if x.region == spare.region and x.for_learner is None)
+            if have < plan.spares and not self.fleet.stopping:
+                self.put_spare(dataclasses.replace(spare, for_learner=None))
+            else:
+                self.drop_spare(spare, f"{learner} started without it")
 
     def maintain_spares(self) -> None:
         """Keeps each region's spares: one that does not get ready within the start-up timeout
@@ -1079,7 +1147,8 @@ class _Machine:
         for region, plan in self.settings.regions.items():
             if plan.remote or plan.spares <= 0 or region in self.fleet.misconfigured:
                 continue
-            have = sum(1 for x in self.fleet.spares.values() if x.region == region)
+            have = sum(1 for x in self.fleet.spares.values()
+                       if x.region == region and x.for_learner is None)
             if have < plan.spares:  # one at a time: low priority
                 name = f"spare:{region}:{self.fleet.next_spare}"
                 self.set(next_spare=self.fleet.next_spare + 1)
@@ -1129,12 +1198,15 @@ class _Machine:
             recovery=(("failed_s", died_s), ("detected_s", self.now), ("cause", cause.value)))
         self.move(slot, SlotState.RESTARTING, "learner_restart_scheduled", cause=cause.value,
                   message=verdict.message, delay_s=restart_at - self.now)
+        if spare is None and restart_at > self.now:
+            self.prestart(self.fleet.slots[slot.learner])
 
     def retire(self, slot: Slot, reason: str) -> None:
         if slot.state in LIVE:
             self.actions.append(Forget(slot.learner, slot.incarnation, reason.split(" ")[0]))
         slot = dataclasses.replace(slot, restart_at_s=None, recovery=None)
         self.move(slot, SlotState.RETIRED, "learner_retired", reason=reason)
+        self.release_reserved(slot.learner)
 
     def hand_over(self, slot: Slot) -> None:
         """A learner drained off a node announced for preemption (all its in-flight pushes
@@ -1173,9 +1245,11 @@ class _Machine:
         peer = self.peer_for(slot.learner, slot.region) if slot.incarnation > 0 else None
         faults = tuple(f for f in self.fleet.link_faults
                        if f.target == slot.region and f.end_s > self.now)
-        spare = self.ready_spare(slot.region) if not slot.remote else None
+        spare = self.ready_spare(slot.region, slot.learner) if not slot.remote else None
         if spare is not None:
             self.set(spares={k: v for k, v in self.fleet.spares.items() if k != spare.name})
+        self.release_reserved(slot.learner)
+        if spare is not None:
             self.note("spare_promoted", slot.learner, spare=spare.name,
                       incarnation=slot.incarnation, waited_s=self.now - (spare.ready_s or
                                                                          self.now))
@@ -1309,19 +1383,64 @@ class _Machine:
                           agent_silent_s=None if seen is None else round(self.now - seen, 1))
 
     def start_due_restarts(self) -> None:
+        waiting = self.spare_waiters()
         for slot in list(self.fleet.slots.values()):
             if slot.state != SlotState.RESTARTING or slot.restart_at_s is None or slot.remote:
                 continue
             # A spare that got ready while it waits takes its place now: the backoff and the
             # repair time are the failed process's, not the spare's (another process, its own
             # devices).
-            if self.now < slot.restart_at_s and self.ready_spare(slot.region) is None:
+            # (one prestarted for it waits for the restart to be due, backoff included: the
+            # backoff still paces a crash loop)
+            if self.now < slot.restart_at_s and not self.region_spare_ready(slot.region):
+                continue
+            if slot.learner in waiting and self.ready_spare(slot.region, slot.learner) is None:
+                self.hurry(self.fleet.spares[waiting[slot.learner]])
                 continue
             applied = self.fleet.applied_steps.get(slot.learner)
             start_step = applied[1] if applied is not None else slot.start_step
             incarnation = slot.incarnation + (0 if slot.restart_postponed else 1)
             slot = dataclasses.replace(slot, incarnation=incarnation)
             self.launch(slot, start_step, name="learner_restarted")
+
+    def hurry(self, spare: Spare) -> None:
+        """Once: a due restart waits for ``spare``; its preparation leaves its low priority
+        (it would otherwise be starved by the learners it is to join)."""
+        if not spare.hurried:
+            self.put_spare(dataclasses.replace(spare, hurried=True))
+            self.actions.append(HurrySpare(spare.name))
+
+    def region_spare_ready(self, region: str) -> bool:
+        spare = self.ready_spare(region)
+        return spare is not None and spare.for_learner is None
+
+    def spare_waiters(self) -> dict[str, str]:
+        """The due restarts that wait for a spare still preparing in their region, one per such
+        spare, the earliest due first, each no longer than ``spare_wait_s`` past its due time.
+        A new process beside the spare would cost a whole start's CPU on the cores the spare
+        and the training learners share, then leave the spare idle."""
+        preparing: dict[str, list[Spare]] = {}
+        out: dict[str, str] = {}
+        for spare in sorted(self.fleet.spares.values(), key=lambda x: (x.launched_s, x.name)):
+            if spare.state != SpareState.STARTING:
+                continue
+            if spare.for_learner is not None:
+                # Prestarted for it: the restart waits for its own process (a new one would
+                # need the resources it holds); one that never gets ready is dropped at the
+                # start-up timeout, and the restart then starts a new process.
+                out[spare.for_learner] = spare.name
+                continue
+            preparing.setdefault(spare.region, []).append(spare)
+        due = sorted((s for s in self.fleet.slots.values()
+                      if s.state == SlotState.RESTARTING and s.restart_at_s is not None
+                      and not s.remote and self.now >= s.restart_at_s
+                      and s.learner not in out and preparing.get(s.region)),
+                     key=lambda s: (s.restart_at_s, s.learner))
+        for slot in due if self.settings.spare_wait_s > 0 else ():
+            if (preparing[slot.region]
+                    and self.now < slot.restart_at_s + self.settings.spare_wait_s):
+                out[slot.learner] = preparing[slot.region].pop(0).name
+        return out
 
     def quorum_floor(self) -> None:
         """Pauses the job below the quorum floor or while an operator paused it; resumes when

@@ -660,6 +660,9 @@ class _Driver:
         self.schedule(now + self.restart.detect_hang_s, _FLEET, "fleet",
                       [fleet_lib.RunEnded(a.learner, incarnation, "hang")])
 
+    def do_hurryspare(self, now: float, a: fleet_lib.HurrySpare) -> None:
+        """A virtual spare's preparation has one fixed length: no priority to change."""
+
     def do_killspare(self, now: float, a: fleet_lib.KillSpare) -> None:
         self.cancel_start(now, ("spare", a.name))   # one still preparing stops taking CPU
 

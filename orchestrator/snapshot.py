@@ -12,6 +12,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from .runtime import learner_actor_name
+
 
 @dataclass(frozen=True)
 class LearnerRow:
@@ -35,6 +37,8 @@ class LearnerRow:
     unit: str = "1×1 cpu"        # hosts × devices per host, and the accelerator
     devices: Optional[dict] = None   # what JAX gave it at start (learners/devices.py)
     node: Optional[str] = None       # the Ray node its incarnation runs on (from its beats)
+    # The Ray actor of its incarnation: ``islands:<id>``, or the spare's it was promoted into.
+    actor: Optional[str] = None
 
 
 def unit_shape(controller: Any, region: str) -> str:
@@ -151,7 +155,7 @@ def job_snapshot(controller: Any) -> JobSnapshot:
             wire_bytes_up_total=closed.get("up", 0) + up_now,
             wire_bytes_down_total=closed.get("down", 0) + down_now,
             slow_tolerated=slot.slow_tolerated, unit=unit_shape(controller, slot.region),
-            node=slot.node_id,
+            node=slot.node_id, actor=learner_actor_name(slot.actor or name),
             devices=beat.get("devices"))
     states = collections.Counter(row.state for row in learners.values())
     wire = {region: {"up": 0, "down": 0} for region in controller.config.regions}
@@ -180,7 +184,8 @@ def job_snapshot(controller: Any) -> JobSnapshot:
         link=_link_rows(controller, now), step_seconds=step_seconds,
         participation_counts=dict(participation),
         spares={name: {"region": x.region, "state": x.state.value,
-                       "age_s": now - x.launched_s} for name, x in fleet.spares.items()})
+                       "age_s": now - x.launched_s, "for": x.for_learner}
+                for name, x in fleet.spares.items()})
 
 
 def finite(value: Any) -> Any:

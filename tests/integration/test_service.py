@@ -114,7 +114,8 @@ def test_killed_learner_restarts_and_reintegrates(job, mode):
     # The restarted learner holds exactly what the syncer says it holds: the global fragment of
     # its version (base id 0, after it joined) or the syncer's shadow of it (after an encoded
     # update). An update in flight (the shadow already newer) is compared on a later look.
-    unit = ray.get_actor(learner_actor_name(victim), namespace=NAMESPACE)
+    # (its actor: a new one, or the spare prestarted for it, health.prestart_restarts)
+    unit = ray.get_actor(snap()["learners"][victim]["actor"], namespace=NAMESPACE)
     syncer = ray.get_actor("islands:syncer", namespace=NAMESPACE)
 
     def compare_bases() -> int:

@@ -58,6 +58,14 @@ def test_a_killed_learner_is_replaced_by_a_ready_spare_at_once(job):
              "a:1 training again on the spare", describe=lambda: snap()["learners"]["a:1"])
     promoted = events(controller, "spare_promoted")
     assert [(e["learner"], e["spare"]) for e in promoted] == [("a:1", "spare:a:0")]
+    # Cheap start: the promoted spare's start took a sliver of the CPU its preparation did
+    # (process CPU-seconds, which the machine's load does not change).
+    timings = wait_for(lambda: (snap()["learners"]["a:1"].get("timings") or {}).get(
+        "cpu_start_s") is not None and snap()["learners"]["a:1"]["timings"], 30,
+        "a:1's first step's CPU-seconds")
+    prepared = sum(timings[f"cpu_{p}_s"] for p in ("boot", "load", "import", "model",
+                                                    "warm_step", "warm_pushes"))
+    assert timings["cpu_start_s"] < 0.25 * prepared, timings
     # Its first merged contribution closes the recovery, with its phases.
     recovery = wait_for(lambda: snap()["recoveries"], 60, "a:1's recovery record")[0]
     assert recovery["cause"] == "crash" and recovery["total_s"] < 30

@@ -246,3 +246,12 @@ def test_metrics_serve_binds_loopback_by_default():
         assert server.server_address[0] == "127.0.0.1"
     finally:
         server.shutdown()
+
+
+def test_status_names_the_learner_a_prestarted_spare_is_for():
+    table = {"learners": {}, "syncer": {"epoch": 0, "merges": 0},
+             "spares": {"spare:a:0": {"region": "a", "state": "ready", "for": None},
+                        "spare:a:1": {"region": "a", "state": "starting", "for": "a:2"}}}
+    text = cli.format_status(table)
+    assert "spare spare:a:0: region a  ready\n" in text + "\n"
+    assert "spare spare:a:1: region a  starting  for a:2's restart" in text

@@ -595,6 +595,185 @@ def test_a_spare_that_dies_or_never_gets_ready_is_replaced_and_stop_ends_the_spa
     assert "Launch" not in kinds(crash)
 
 
+def test_a_spare_ready_after_the_fault_takes_the_waiting_slot_at_its_spare_ready_not_the_repair():
+    """The soak of issue 35: a learner killed with a 5 s repair while its region's replacement
+    spare still prepared; the spare got ready 1.9 s later and must take over then (its own
+    process and devices), not when the failed slot's repair ends."""
+    fleet = spare_fleet()
+    # spare:a:0 takes a:1's place at 90.0; its replacement spare:a:1 starts once a:1 trains.
+    first = F.step(fleet, alive(fleet, "a:1") + [F.RunEnded("a:1", 0, "boom", crashed=True)],
+                   90.0)
+    trains = F.step(first.fleet, alive(first.fleet, "a:1") + [
+        F.Beat("a:1", 1, True, ready_at_s=90.8, adopted=True)], 91.0)
+    assert F.LaunchSpare("spare:a:1", "a") in trains.actions
+    fleet = F.step(trains.fleet, alive(trains.fleet), 92.0).fleet
+    # 94.0: a:0 killed with a 5 s repair, seen dead at 94.2; no ready spare yet.
+    kill = F.Chaos(Fault(94.0, FaultKind.KILL, "a:0", duration_s=5.0))
+    fleet = F.step(fleet, alive(fleet) + [kill], 94.0).fleet
+    dead = F.step(fleet, alive(fleet, "a:0") + [F.RunEnded("a:0", 0, "killed")], 94.2)
+    slot = dead.fleet.slots["a:0"]
+    assert slot.state == SlotState.RESTARTING and "Launch" not in kinds(dead)
+    # The repair counts from the detection: 94.2 + (99.0 - 94.0) = 99.2.
+    assert slot.restart_at_s == pytest.approx(99.2)
+    waiting = F.step(dead.fleet, alive(dead.fleet), 95.0)
+    assert "Launch" not in kinds(waiting)
+    # 95.9: spare:a:1 is ready, and is promoted in the same step.
+    ready = F.step(waiting.fleet, alive(waiting.fleet) + [F.SpareReady("spare:a:1")], 95.9)
+    launch = [a for a in ready.actions if isinstance(a, F.Launch)]
+    assert launch == [F.Launch("a:0", "a", 1, 0, 3, 1.0, "a:1", 0, (), "spare:a:1", "spare:a:0")]
+    assert names(ready) == ["spare_ready", "spare_promoted", "learner_restarted"]
+    assert ready.transitions[1].fields["waited_s"] == 0.0
+    slot = ready.fleet.slots["a:0"]
+    assert slot.state == SlotState.STARTING and slot.actor == "spare:a:1"
+    assert dict(slot.recovery)["restarted_s"] == 95.9    # not 99.2
+    assert slot.restart_at_s is None and ready.fleet.spares == {}
+    # Nothing happens again at the repair's end.
+    assert "Launch" not in kinds(F.step(ready.fleet, alive(ready.fleet, "a:0"), 99.2))
+
+
+def preparing_spare_fleet(wait_s=5.0):
+    """spare_fleet() after spare:a:0 took a:1's place at 90.0; its replacement spare:a:1 has
+    been preparing since 91.0 (when a:1 trained), and restarts wait ``wait_s`` for a spare."""
+    fleet = spare_fleet()
+    fleet = dataclasses.replace(fleet, settings=dataclasses.replace(fleet.settings,
+                                                                    spare_wait_s=wait_s))
+    first = F.step(fleet, alive(fleet, "a:1") + [F.RunEnded("a:1", 0, "boom", crashed=True)],
+                   90.0)
+    trains = F.step(first.fleet, alive(first.fleet, "a:1") + [
+        F.Beat("a:1", 1, True, ready_at_s=90.8, adopted=True)], 91.0)
+    assert F.LaunchSpare("spare:a:1", "a") in trains.actions
+    return trains.fleet
+
+
+def test_a_restart_due_while_its_regions_spare_prepares_waits_for_it_not_a_new_process():
+    fleet = preparing_spare_fleet()
+    crashed = F.step(fleet, alive(fleet, "a:0") + [F.RunEnded("a:0", 0, "boom", crashed=True)],
+                     92.0)
+    assert crashed.fleet.slots["a:0"].restart_at_s == 92.5          # the 0.5 s backoff
+    # Due at 92.5, but spare:a:1 is preparing: no second new process beside it.
+    due = F.step(crashed.fleet, alive(crashed.fleet), 92.5)
+    assert "Launch" not in kinds(due) and due.fleet.slots["a:0"].state == SlotState.RESTARTING
+    # Its preparation is on a:0's critical path now: it leaves its low priority, once.
+    assert due.actions == (F.HurrySpare("spare:a:1"),)
+    assert "HurrySpare" not in kinds(F.step(due.fleet, alive(due.fleet), 93.0))
+    # 94.0: the spare is ready and takes a:0's place in that step.
+    ready = F.step(due.fleet, alive(due.fleet) + [F.SpareReady("spare:a:1")], 94.0)
+    (launch,) = [a for a in ready.actions if isinstance(a, F.Launch)]
+    assert (launch.learner, launch.incarnation, launch.spare) == ("a:0", 1, "spare:a:1")
+    assert names(ready) == ["spare_ready", "spare_promoted", "learner_restarted"]
+    # A spare not ready within spare_wait_s (92.5 + 5.0): the restart starts a new process.
+    late = F.step(due.fleet, alive(due.fleet), 97.4)
+    assert "Launch" not in kinds(late)
+    gave_up = F.step(late.fleet, alive(late.fleet), 97.5)
+    (launch,) = [a for a in gave_up.actions if isinstance(a, F.Launch)]
+    assert (launch.learner, launch.spare) == ("a:0", None)
+    # spare_wait_s 0 (the fleet's default): a new process at the due time, as before.
+    eager = preparing_spare_fleet(wait_s=0.0)
+    crashed = F.step(eager, alive(eager, "a:0") + [F.RunEnded("a:0", 0, "boom", crashed=True)],
+                     92.0)
+    (launch,) = [a for a in F.step(crashed.fleet, alive(crashed.fleet), 92.5).actions
+                 if isinstance(a, F.Launch)]
+    assert (launch.learner, launch.spare) == ("a:0", None)
+
+
+def test_one_preparing_spare_holds_back_only_the_earliest_due_restart():
+    fleet = preparing_spare_fleet()
+    # a:0 and a:2 crash at 92.0 and 92.2: both due 0.5 s later; one spare is preparing.
+    one = F.step(fleet, alive(fleet, "a:0") + [F.RunEnded("a:0", 0, "boom", crashed=True)], 92.0)
+    two = F.step(one.fleet, alive(one.fleet, "a:2") + [
+        F.RunEnded("a:2", 0, "boom", crashed=True)], 92.2)
+    due = F.step(two.fleet, alive(two.fleet), 92.7)
+    # a:0 (due at 92.5) waits for spare:a:1; a:2 (due at 92.7) starts a new process now.
+    assert [(a.learner, a.spare) for a in due.actions if isinstance(a, F.Launch)] == [
+        ("a:2", None)]
+    assert due.fleet.slots["a:0"].state == SlotState.RESTARTING
+    ready = F.step(due.fleet, alive(due.fleet) + [F.SpareReady("spare:a:1")], 93.5)
+    assert [(a.learner, a.spare) for a in ready.actions if isinstance(a, F.Launch)] == [
+        ("a:0", "spare:a:1")]
+
+
+def prestart_fleet(spares=0):
+    """Region a: 3 learners training since t=1, restarts prestarted, ``spares`` spares (none
+    launched yet: the region's plan gets them after ``training``)."""
+    s = settings(regions={"a": F.RegionPlan(3, 4, spares=0, prestart=True)})
+    fleet = training(s)
+    plan = F.RegionPlan(3, 4, spares=spares, prestart=True)
+    return dataclasses.replace(fleet, settings=dataclasses.replace(s, regions={"a": plan}))
+
+
+def test_a_failed_learners_next_process_is_prestarted_and_promoted_when_its_restart_is_due():
+    fleet = prestart_fleet()
+    kill = F.Chaos(Fault(10.0, FaultKind.KILL, "a:0", duration_s=5.0))
+    fleet = F.step(fleet, alive(fleet) + [kill], 10.0).fleet
+    dead = F.step(fleet, alive(fleet, "a:0") + [F.RunEnded("a:0", 0, "killed")], 10.2)
+    # Due at 15.2 (the repair from the detection); its process starts now, reserved for it.
+    assert dead.fleet.slots["a:0"].restart_at_s == pytest.approx(15.2)
+    assert F.LaunchSpare("spare:a:0", "a") in dead.actions and "Launch" not in kinds(dead)
+    launched = [t for t in dead.transitions if t.name == "spare_launched"]
+    assert [(t.learner, t.fields["spare"]) for t in launched] == [("a:0", "spare:a:0")]
+    assert dead.fleet.spares["spare:a:0"].for_learner == "a:0"
+    # Ready at 12.0: it waits for the restart's due time (the slot's wait, backoff included).
+    ready = F.step(dead.fleet, alive(dead.fleet) + [F.SpareReady("spare:a:0")], 12.0)
+    assert "Launch" not in kinds(ready)
+    # a:1 crashes at 12.5 (due at 13.0): it never takes a:0's process; it gets its own.
+    crash = F.step(ready.fleet, alive(ready.fleet, "a:1") + [
+        F.RunEnded("a:1", 0, "boom", crashed=True)], 12.5)
+    assert F.LaunchSpare("spare:a:1", "a") in crash.actions
+    due1 = F.step(crash.fleet, alive(crash.fleet), 13.0)
+    assert "Launch" not in kinds(due1)              # a:1 waits for its own, still preparing
+    assert due1.actions == (F.HurrySpare("spare:a:1"),)   # now at normal priority
+    # 15.2: a:0 is due and takes its prestarted process: a promotion, not a new process.
+    due0 = F.step(due1.fleet, alive(due1.fleet), 15.2)
+    assert [(a.learner, a.spare) for a in due0.actions if isinstance(a, F.Launch)] == [
+        ("a:0", "spare:a:0")]
+    assert names(due0) == ["spare_promoted", "learner_restarted"]
+    # a:1's gets ready at 16.0, past its due time: promoted in that step.
+    one = F.step(due0.fleet, alive(due0.fleet) + [F.SpareReady("spare:a:1")], 16.0)
+    assert [(a.learner, a.spare) for a in one.actions if isinstance(a, F.Launch)] == [
+        ("a:1", "spare:a:1")]
+    assert one.fleet.spares == {}                   # no spares kept: none left over
+
+
+def test_a_prestarted_process_left_over_joins_the_regions_spares_or_ends():
+    # spares: 1, not launched yet when a:0 fails: a:0's process is prestarted.
+    fleet = prestart_fleet(spares=1)
+    crash = F.step(fleet, alive(fleet, "a:0") + [F.RunEnded("a:0", 0, "boom", crashed=True)],
+                   2.0)
+    reserved = [a for a in crash.actions if isinstance(a, F.LaunchSpare)]
+    assert reserved == [F.LaunchSpare("spare:a:0", "a"), F.LaunchSpare("spare:a:1", "a")]
+    assert crash.fleet.spares["spare:a:0"].for_learner == "a:0"
+    assert crash.fleet.spares["spare:a:1"].for_learner is None   # the region's spare
+    # The region's spare gets ready first, at 2.4 (a:0 not due yet, 2.5): it takes a:0 at
+    # once; a:0's own process becomes the region's spare (no other one started).
+    ready = F.step(crash.fleet, alive(crash.fleet) + [F.SpareReady("spare:a:1")], 2.4)
+    assert [(a.learner, a.spare) for a in ready.actions if isinstance(a, F.Launch)] == [
+        ("a:0", "spare:a:1")]
+    assert ready.fleet.spares["spare:a:0"].for_learner is None
+    assert "LaunchSpare" not in kinds(ready) and "KillSpare" not in kinds(ready)
+    # No spares kept: a learner retired while its process is prestarted ends that process.
+    fleet = prestart_fleet()
+    crash = F.step(fleet, alive(fleet, "a:2") + [F.RunEnded("a:2", 0, "boom", crashed=True)],
+                   2.0)
+    drained = F.step(crash.fleet, alive(crash.fleet) + [F.Drain("a:2")], 2.1)
+    assert F.KillSpare("spare:a:0") in drained.actions and drained.fleet.spares == {}
+    assert drained.fleet.slots["a:2"].state == SlotState.RETIRED
+
+
+def test_a_restart_a_preparing_spare_will_take_prestarts_nothing():
+    fleet = preparing_spare_fleet()         # spare:a:1 (the region's) preparing since 91.0
+    plan = dataclasses.replace(fleet.settings.regions["a"], prestart=True)
+    fleet = dataclasses.replace(fleet, settings=dataclasses.replace(
+        fleet.settings, regions={"a": plan}))
+    crashed = F.step(fleet, alive(fleet, "a:0") + [F.RunEnded("a:0", 0, "boom", crashed=True)],
+                     92.0)
+    assert "LaunchSpare" not in kinds(crashed)      # it will wait for spare:a:1
+    # A second failure has no preparing spare left to wait for: its process is prestarted.
+    second = F.step(crashed.fleet, alive(crashed.fleet, "a:2") + [
+        F.RunEnded("a:2", 0, "boom", crashed=True)], 92.1)
+    assert F.LaunchSpare("spare:a:2", "a") in second.actions
+    assert second.fleet.spares["spare:a:2"].for_learner == "a:2"
+
+
 def test_a_scale_up_takes_a_ready_spare():
     fleet = spare_fleet()
     result = F.step(fleet, [F.Scale("a", 4)], 10.0)

@@ -271,6 +271,40 @@ def test_a_spare_prepares_at_low_priority_and_only_its_thread_does():
     assert os.getpriority(os.PRIO_PROCESS, 0) == base      # the training thread is untouched
 
 
+def test_a_hurried_or_promoted_spare_brings_every_thread_back_to_normal_priority():
+    """The threads a spare's preparation started (JAX's) keep its low priority after it: a
+    hurry (a restart waits for it) or its promotion puts every thread back."""
+    import os
+    import threading
+
+    from islands.learners.unit import low_priority, normal_priority
+
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    if base >= 19:
+        pytest.skip("this process runs at the lowest priority already")
+    low, back, done = threading.Event(), threading.Event(), threading.Event()
+    seen = {}
+
+    def preparing():   # a thread started by the preparation, still alive after it
+        with low_priority():
+            low.set()
+            back.wait(10)
+            seen["after"] = os.getpriority(os.PRIO_PROCESS, 0)
+        done.set()
+
+    worker = threading.Thread(target=preparing)
+    worker.start()
+    assert low.wait(10)
+    if not normal_priority(base):
+        back.set()
+        worker.join()
+        pytest.skip("lowering a thread's niceness is not permitted here")
+    back.set()
+    worker.join()
+    assert done.is_set() and seen["after"] == base
+    assert os.getpriority(os.PRIO_PROCESS, 0) == base
+
+
 def test_the_profiler_server_listens_where_the_learner_says():
     """learner.profiler: the address a learner reports (heartbeat, console) accepts a capture
     client's connection."""
