@@ -26,10 +26,12 @@ from . import seam
 from .books import Books
 from islands.learners.fates import newest
 from .chaos import HOME_TARGET, Fault, FaultKind
-from islands.learners.messages import Heartbeat
+from islands.learners.messages import Heartbeat, known_stats
 from islands.syncer import timing
 
 from .fleet import SlotState
+from . import groups_api
+from .groups_api import SyncerStatus, combined
 from .groups import (LearnerGroups, SyncerShards, cluster_view, drain_node, draining_nodes,
                      restarted_actor, share)
 from .metrics import window_to_save
@@ -49,8 +51,25 @@ class Incarnation:
     ``LearnerGroups``)."""
 
     number: int
-    beat: dict = dataclasses.field(default_factory=dict)   # its last heartbeat
+    start_step: int = 0
+    beat: Optional[Heartbeat] = None   # its last heartbeat (none yet: it is starting)
     remote: bool = False   # in a region's own cluster: known from its agent's reports (link/)
+
+    def counters(self) -> dict:
+        """Its newest counters as plain values (the books, the saved state and the snapshot
+        read these): its last heartbeat's, or its start step before the first."""
+        return self.beat.as_dict() if self.beat is not None else {"step": self.start_step}
+
+    def ended_with(self, final: dict) -> None:
+        """Its run returned ``final`` (the unit's last stats): they update its last beat."""
+        stats = {k: v for k, v in known_stats(final).items() if k not in ("learner",
+                                                                           "incarnation")}
+        if self.beat is not None:
+            self.beat = dataclasses.replace(self.beat, **stats)
+            return
+        self.beat = Heartbeat.from_dict({"step": self.start_step, "t": time.time(), **stats,
+                                         "learner": final.get("learner", ""),
+                                         "incarnation": self.number})
 
 
 def missed_restarts(saved_started: Optional[list], shard: int, live_epoch: int) -> int:
@@ -91,10 +110,10 @@ class Controller:
         self.job_started_s: Optional[float] = None
         self.stop_event = threading.Event()
         self.threads: list[threading.Thread] = []
-        self.syncer_status: dict = {}        # every shard's status as one (syncer/shards.py)
+        self.syncer_status = SyncerStatus()  # every shard's status as one (syncer/shards.py)
         # Syncer shards (syncer.shards = S): their Ray side, and per shard its status.
         self.shards = SyncerShards(0)
-        self.shard_status: list = []
+        self.shard_status: list[Optional[SyncerStatus]] = []   # None: not answered yet
         self.shard_refusals_seen: list = []
         self.syncer_restarts = 0
         self.refusals_seen = 0               # the current syncer's refusals already emitted
@@ -111,7 +130,7 @@ class Controller:
         self.console = None                  # console.ConsoleServer, once served
         self.ray_metrics = None
         self.link_regions: dict[str, dict] = {}   # per remote region: its link's last report
-        self.remote_beats: dict[tuple, dict] = {}  # (learner, incarnation) -> newest beat
+        self.remote_beats: dict[tuple, Heartbeat] = {}  # (learner, incarnation) -> newest
         self.remote_restarts: dict[str, list] = {}  # per remote region: restarts for its agent
         self.settings = build.controller_settings(config)
         self.chaos_plan = build.chaos_plan(config)
@@ -208,7 +227,7 @@ class Controller:
         self.shard_specs = shard_specs(self.syncer_spec, self.config.syncer.shards)
         n = len(self.shard_specs)
         self.shards = SyncerShards(n)
-        self.shard_status, self.shard_refusals_seen = [{} for _ in range(n)], [0] * n
+        self.shard_status, self.shard_refusals_seen = [None] * n, [0] * n
         self.started_epochs = [0] * n     # the epoch each shard was last started with, here
 
     def _start_syncer(self, epoch: int, restore: bool, syncer_shard: int = 0) -> None:
@@ -247,8 +266,8 @@ class Controller:
             "syncer_restarts": self.syncer_restarts, "syncer_closed": self.syncer_closed,
             "chaos_fired": self.chaos_fired, "job_started_s": self.job_started_s,
             "started_s": self.started_s, "restarts": getattr(self, "restarts", 0),
-            "syncer_epoch": int(self.syncer_status.get("epoch") or 0),
-            "syncer_epochs": [int(st.get("epoch") or 0) for st in self.shard_status],
+            "syncer_epoch": int(self.syncer_status.epoch),
+            "syncer_epochs": [int(st.epoch) if st is not None else 0 for st in self.shard_status],
             "started_epochs": list(self.started_epochs),
             "goodput_history": window_to_save(self.goodput_history, time.time(),
                                               self.settings.goodput_window_s),
@@ -303,7 +322,7 @@ class Controller:
                 epoch = epochs[s] if s < len(epochs) else max(epochs)
                 self._start_syncer(epoch=epoch + 1, restore=True, syncer_shard=s)
         self._refresh_syncer_status()
-        ledger = self.syncer_status.get("ledger", {})
+        ledger = self.syncer_status.ledger
         now = time.time()
         slots, paused = [], []
         for row in saved["slots"]:
@@ -341,7 +360,7 @@ class Controller:
                     slot, state=running_state, incarnation=info["incarnation"],
                     start_step=info["start_step"], launched_s=now, last_beat_s=now))
                 self.running[slot.learner] = Incarnation(info["incarnation"],
-                                                         {"step": info["start_step"]})
+                                                         info["start_step"])
                 continue
             # Gone while the controller was away: relaunched, as a newer incarnation.
             known = int(ledger.get(slot.learner, {}).get("incarnation", slot.incarnation))
@@ -459,7 +478,7 @@ class Controller:
                 self._close(t.learner)  # the previous incarnation's newest beat stays in closed
                 number = int(t.fields["incarnation"])
                 self.running[t.learner] = Incarnation(
-                    number, self.remote_beats.pop((t.learner, number), {}), remote=True)
+                    number, beat=self.remote_beats.pop((t.learner, number), None), remote=True)
         elif t.name == "learner_retired":
             self.books.release(t.learner, now)
         elif t.name == "learner_recovered":
@@ -481,13 +500,13 @@ class Controller:
         beat = Heartbeat.of(beat)
         run = self.running.get(beat.learner)
         if run is not None and run.number == beat.incarnation:
-            if beat.devices is not None and run.beat.get("devices") is None:
+            if beat.devices is not None and (run.beat is None or run.beat.devices is None):
                 # Its first beat: the devices it proved at start, once per incarnation.
                 devices = beat.devices
                 self.emit("learner_devices", learner=beat.learner, incarnation=beat.incarnation,
                           backend=devices.get("backend"), platform=devices.get("platform"),
                           device_kind=devices.get("kind"), count=devices.get("count"))
-            run.beat = beat.as_dict()
+            run.beat = beat
             slot = self.fleet.slots.get(beat.learner)
             if slot is not None and beat.step_time_s and beat.training:
                 with self.lock:
@@ -501,7 +520,7 @@ class Controller:
         for ended in self.groups.ended():
             inc = self.running.get(ended.learner)
             if inc is not None and ended.final:
-                inc.beat = {**inc.beat, **ended.final}
+                inc.ended_with(ended.final)
             if ended.crashed:
                 self.emit("learner_error", learner=ended.learner, error=ended.error)
             out.append(fleet_lib.RunEnded(ended.learner, ended.incarnation, ended.error,
@@ -518,7 +537,7 @@ class Controller:
                                   for r in self.config.regions}, alive, draining_nodes())
 
     def _applied(self) -> fleet_lib.Applied:
-        ledger = self.syncer_status.get("ledger", {})
+        ledger = self.syncer_status.ledger
         return fleet_lib.Applied({name: (int(e["incarnation"]), int(e["applied_step"]),
                                          int(e["applied_tokens_incarnation"]))
                                   for name, e in ledger.items()})
@@ -531,7 +550,7 @@ class Controller:
         for refusal in refusals:
             self.emit("push_refused", **refusal)
         return [fleet_lib.Quarantine(name, incarnation, "drifts refused as garbage")
-                for name, incarnation in (self.syncer_status.get("quarantined") or {}).items()]
+                for name, incarnation in self.syncer_status.quarantined.items()]
 
     def _due_faults(self) -> list:
         if self.chaos_plan is None or self.job_started_s is None:
@@ -563,7 +582,7 @@ class Controller:
         if error is not None:   # the dead actor's name is not released yet: retry soon
             self.inbox.put((fleet_lib.LaunchFailed(a.learner, a.incarnation, error), None))
             return
-        self.running[a.learner] = Incarnation(a.incarnation, {"step": a.start_step})
+        self.running[a.learner] = Incarnation(a.incarnation, a.start_step)
 
     def _do_launchspare(self, a: fleet_lib.LaunchSpare) -> None:
         from . import build
@@ -580,8 +599,7 @@ class Controller:
 
     def _spare_observations(self) -> list:
         """A spare whose ``prepare`` returned is ready; one whose call failed has ended."""
-        return [fleet_lib.SpareReady(r.name, r.info.get("prepare_s"), r.info.get("node_id"))
-                if r.error is None
+        return [fleet_lib.SpareReady(r.name, r.prepare_s, r.node_id) if isinstance(r, groups_api.SpareReady)
                 else fleet_lib.SpareEnded(r.name, r.error) for r in self.groups.spare_results()]
 
     def _do_kill(self, a: fleet_lib.Kill) -> None:
@@ -600,9 +618,9 @@ class Controller:
         # The newest of its books: its last heartbeat (the incarnation may still be in `running`
         # when its death was seen before its run ended), or what its newest push carried.
         inc = self.running.get(a.learner)
-        beat = inc.beat if inc is not None and inc.number == a.incarnation else closed.get(
+        beat = inc.counters() if inc is not None and inc.number == a.incarnation else closed.get(
             "beat", {})
-        entry = self.syncer_status.get("ledger", {}).get(a.learner) or {}
+        entry = self.syncer_status.ledger.get(a.learner) or {}
         same = int(entry.get("incarnation", -1)) == a.incarnation
         fates = newest(beat.get("fates") if int(beat.get("incarnation", a.incarnation))
                        == a.incarnation else None, entry.get("fates") if same else None)
@@ -619,7 +637,7 @@ class Controller:
         if inc is None:
             return
         closed = self.closed.setdefault(learner, {"steps": 0, "up": 0, "down": 0})
-        beat = inc.beat
+        beat = inc.counters()
         start = int(self.fleet.slots[learner].start_step) if learner in self.fleet.slots else 0
         closed["steps"] += max(0, int(beat.get("step", start) or start) - start)
         closed["up"] += int(beat.get("wire_bytes_up", 0) or 0)
@@ -667,14 +685,14 @@ class Controller:
         become ``RemoteReport`` observations and their heartbeats (books included) are kept as
         a local learner's are. Returns the home syncer's view of the region's learners."""
         region, now = report["region"], time.time()
-        beats = {b.get("learner"): b for b in report.get("beats", []) if isinstance(b, dict)}
+        beats = remote_heartbeats(report.get("beats", []))
         with self.lock:
             self.link_regions[region] = {"bytes": dict(report.get("link_bytes") or {}),
                                          "reconnects": int(report.get("reconnects") or 0),
                                          "last_report_s": now}
         for learner, beat in beats.items():
             inc = self.running.get(learner)
-            number = int(beat.get("incarnation", -1))
+            number = beat.incarnation
             if inc is not None and inc.remote and inc.number == number:
                 inc.beat = beat
             else:  # its incarnation is not known here yet: kept for when it is
@@ -684,22 +702,22 @@ class Controller:
         agent_alive = fleet_lib.agent_reporting(now, now - age,
                                                 self.fleet.settings.heartbeat_timeout_s)
         for s in report.get("slots", []):
-            beat = beats.get(s["learner"], {})
+            beat = beats.get(s["learner"])
             self.inbox.put((fleet_lib.RemoteReport(
                 s["learner"], region, int(s["incarnation"]), s["state"], int(s.get("shard", 0)),
-                beat.get("step_time_s"), s.get("last_cause") or "",
-                beat=int(beat.get("incarnation", -1)) == int(s["incarnation"]),
+                beat.step_time_s if beat is not None else None, s.get("last_cause") or "",
+                beat=beat is not None and beat.incarnation == int(s["incarnation"]),
                 agent_alive=agent_alive, restarts=fleet_lib.restart_counts(s.get("restarts_json"))),
                 None))
         with self.lock:
-            status = dict(self.syncer_status)
+            status = self.syncer_status
             restarts = self.remote_restarts.pop(region, [])
         mine = lambda table: {k: v for k, v in (table or {}).items()  # noqa: E731
                               if k.rsplit(":", 1)[0] == region}
-        return {"epoch": status.get("epoch"), "versions": status.get("versions"),
-                "merges": status.get("merges"), "ledger": mine(status.get("ledger")),
-                "registered": mine(status.get("registered")),
-                "quarantined": mine(status.get("quarantined")), "restart": restarts,
+        return {"epoch": status.epoch, "versions": list(status.versions),
+                "merges": status.merges, "ledger": mine(status.ledger),
+                "registered": mine(status.registered),
+                "quarantined": mine(status.quarantined), "restart": restarts,
                 "paused": self.fleet.paused_reason,   # the region's learners pause with home
                 **({"ended": f"the home job {self.config.name!r} is stopping"}
                    if self.fleet.stopping else {})}
@@ -710,32 +728,31 @@ class Controller:
         them (``StartSyncer``)."""
         if self.stop_event.is_set():
             return []
-        return [fleet_lib.SyncerEnded(s, int(self.shard_status[s].get("epoch") or 0))
-                for s in self.shards.ended()]
+        return [fleet_lib.SyncerEnded(e.shard, self._shard_epoch(e.shard))
+                for e in self.shards.ended()]
+
+    def _shard_epoch(self, s: int) -> int:
+        status = self.shard_status[s]
+        return int(status.epoch) if status is not None else 0
 
     def _do_startsyncer(self, a: fleet_lib.StartSyncer) -> None:
         """A dead shard restarts alone, from its newest snapshot at its next epoch (fencing);
         the other shards keep merging meanwhile. Its counters died with it: keep what it last
         reported."""
-        s, last = a.shard, self.shard_status[a.shard]
+        s, last = a.shard, self.shard_status[a.shard] or SyncerStatus()
         with self.lock:
             for key in ("rejected", "staleness_counts", "participation_counts"):
                 closed = self.syncer_closed.setdefault(key, {})
-                for k, n in (last.get(key) or {}).items():
+                for k, n in getattr(last, key).items():
                     closed[k] = closed.get(k, 0) + n
-            self.shard_status[s] = {**last, "rejected": {}, "staleness_counts": {},
-                                    "participation_counts": {}}
-            self.syncer_status = self._combined_status()
+            self.shard_status[s] = dataclasses.replace(last, rejected={}, staleness_counts={},
+                                                       participation_counts={})
+            self.syncer_status = combined(self.shard_status)
         self.syncer_restarts += 1
         self.shard_refusals_seen[s] = 0
         self.refusals_seen = sum(self.shard_refusals_seen)
         self._start_syncer(epoch=a.epoch, restore=a.restore, syncer_shard=s)
         self._refresh_syncer_status()
-
-    def _combined_status(self) -> dict:
-        from islands.syncer.shards import combine_status
-
-        return combine_status(self.shard_status)
 
     def _refresh_syncer_status(self) -> None:
         # ξ_step and the pause rule as the in-process driver computes them (syncer/timing.py),
@@ -749,7 +766,7 @@ class Controller:
         with self.lock:
             for s, status in statuses.items():
                 self.shard_status[s] = status
-            self.syncer_status = self._combined_status()
+            self.syncer_status = combined(self.shard_status)
 
     # -- evaluation -----------------------------------------------------------------------------
     def _eval_loop(self) -> None:
@@ -778,7 +795,8 @@ class Controller:
     # -- the books and the snapshot -------------------------------------------------------------
     def _live_fates(self) -> dict:
         """Each running incarnation's own books, from its newest heartbeat."""
-        return {name: inc.beat.get("fates") for name, inc in list(self.running.items())}
+        return {name: inc.beat.fates if inc.beat is not None else None
+                for name, inc in list(self.running.items())}
 
     def tokens(self) -> dict:
         """Tokens by fate, each counted where it happens (``books.py``): applied, dropped (by
@@ -957,7 +975,8 @@ class Controller:
         snap = self.snapshot()
         with self.lock:
             events = list(self.events[-2000:])
-            profilers = {name: run.beat.get("profiler") for name, run in self.running.items()}
+            profilers = {name: run.beat.profiler if run.beat is not None else None
+                         for name, run in self.running.items()}
         return {"snapshot": snap, "events": events, "profilers": profilers,
                 "job": self.config.name, "goodput_window_s": self.settings.goodput_window_s,
                 "goodput_history": list(self.goodput_history),
@@ -996,6 +1015,22 @@ class Controller:
 
 
 recovery_phases = fleet_lib.recovery_phases
+
+
+def remote_heartbeats(beats: list) -> dict[str, Heartbeat]:
+    """A region report's beats (the link's JSON), parsed: per learner its newest. A beat that
+    does not parse is left out, and said once in the log."""
+    out = {}
+    for beat in beats:
+        if not isinstance(beat, dict):
+            continue
+        try:
+            parsed = Heartbeat.from_dict(beat)
+        except ValueError as exc:
+            log.warning("%s", exc)
+            continue
+        out[parsed.learner] = parsed
+    return out
 
 
 def _num_params(tree) -> int:

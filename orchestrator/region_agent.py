@@ -83,7 +83,7 @@ class RegionController(Controller):
         ``LinkShard`` actors ``join`` starts; their forgets and statuses are the link's)."""
         super()._init_shards()
         self.shards = SyncerShards(1)
-        self.shard_status, self.shard_refusals_seen, self.started_epochs = [{}], [0], [0]
+        self.shard_status, self.shard_refusals_seen, self.started_epochs = [None], [0], [0]
 
     def _start_syncer(self, epoch: int, restore: bool, syncer_shard: int = 0) -> None:
         ready = self.shards.attach(0, SYNCER_NAME, self.settings.placement_timeout_s)

@@ -122,7 +122,7 @@ def job_snapshot(controller: Any) -> JobSnapshot:
     now = time.time()
     fleet = controller.fleet
     with controller.lock:
-        status = dict(controller.syncer_status)
+        status = controller.syncer_status.as_dict()
         closed_syncer = {k: dict(v) for k, v in controller.syncer_closed.items()}
         eval_loss = controller.eval_history[-1][2] if controller.eval_history else None
         initial_eval_loss = controller.initial_eval_loss
@@ -133,7 +133,7 @@ def job_snapshot(controller: Any) -> JobSnapshot:
     for name, slot in fleet.slots.items():
         run = controller.running.get(name)
         closed = controller.closed.get(name, {})
-        beat = run.beat if run is not None else closed.get("beat", {})
+        beat = run.counters() if run is not None else closed.get("beat", {})
         current_steps = (max(0, int(beat.get("step", slot.start_step) or 0) - slot.start_step)
                          if run is not None else 0)
         up_now = int(beat.get("wire_bytes_up", 0) or 0) if run is not None else 0

@@ -12,7 +12,8 @@ MODULES = ["islands.syncer.fragments", "islands.syncer.merge", "islands.syncer.q
            "islands.orchestrator.fleet", "islands.orchestrator.region_agent", "islands.link.client",
             "islands.syncer.state", "islands.link.premerge", "islands.syncer.core",
            "islands.faults", "islands.learners.devices", "islands.orchestrator.runtime",
-           "islands.orchestrator.cli", "islands.orchestrator.seam", "islands.syncer.timing"]
+           "islands.orchestrator.cli", "islands.orchestrator.seam", "islands.syncer.timing",
+           "islands.orchestrator.groups_api"]
 
 
 @pytest.mark.parametrize("name", MODULES)
