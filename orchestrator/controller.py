@@ -85,6 +85,49 @@ def missed_restarts(saved_started: Optional[list], shard: int, live_epoch: int) 
     return max(0, live_epoch - int(saved_started[shard]))
 
 
+class OwnerRole:
+    """Where an owner runs, as the points of its loop that differ: this base is the home's
+    controller (its own syncer shards, its own evaluation, nothing more on a step); a region's
+    agent is the same owner with ``region_agent.RegionRole``, whose one syncer is its link.
+
+    The owner calls these at fixed points; a role holds no fleet state of its own beyond what
+    it reports elsewhere (a region's last failure causes), so the owner stays the one writer.
+    """
+
+    owns_syncers = True   # False: its one syncer shard is a link it attaches (attach_link)
+    evaluates = True      # False: the home evaluates Θ; a region fetches nothing for it
+
+    def bind(self, owner: "Controller") -> None:
+        """The owner it serves, told before the owner builds or recovers anything."""
+
+    def fleet_settings(self, settings: fleet_lib.FleetSettings) -> fleet_lib.FleetSettings:
+        return settings
+
+    def attach_link(self) -> None:
+        """Attaches the syncer shard that is a link (a role that ``owns_syncers`` has none)."""
+        raise NotImplementedError("the home starts its own syncer shards")
+
+    def recovery_observations(self) -> list:
+        """What a restarted owner's first step hears besides its rebuilt fleet."""
+        return []
+
+    def heard(self, beat: Heartbeat) -> None:
+        """A heartbeat the owner took."""
+
+    def recorded(self, transition: fleet_lib.Transition) -> None:
+        """A transition the owner recorded (its event is emitted)."""
+
+    def stepped(self) -> None:
+        """The owner's step is done (its new fleet adopted, its actions carried out)."""
+
+    def handlers(self) -> seam.Table:
+        """Handlers that replace the owner's for some action types (none: the home's)."""
+        return {}
+
+
+HOME = OwnerRole()   # holds no state: every home controller shares it
+
+
 class Controller:
     """Create with ``ray.remote(Controller).options(**controller_options(run_dir))``.
 
@@ -92,12 +135,19 @@ class Controller:
       config: a JobConfig (validated before any actor starts).
       run_dir: the job's run directory (snapshots, compile cache).
       resume: start the syncer from the newest snapshot in the job's snapshot directory.
+      role: where it runs (``OwnerRole``): the home (default) or a region's agent.
     """
 
-    def __init__(self, config, run_dir: str, resume: bool = False):
+    role: OwnerRole = HOME
+
+    def __init__(self, config, run_dir: str, resume: bool = False,
+                 role: Optional[OwnerRole] = None):
         from . import build
 
         self.config, self.run_dir, self.resume = config, run_dir, resume
+        if role is not None:
+            self.role = role
+        self.role.bind(self)
         self.fleet = fleet_lib.initial(self._fleet_settings())
         self.books = Books(config.syncer.fragments)
         self.inbox: "queue.Queue[tuple[Any, Optional[Future]]]" = queue.Queue()
@@ -136,14 +186,14 @@ class Controller:
         self.chaos_plan = build.chaos_plan(config)
         self.state_path = os.path.join(run_dir, "controller_state.json")
         # Every fleet action's handler, found now: a body missing one does not start.
-        self.handlers = seam.handler_table(self, "_do_")
+        self.handlers = {**seam.handler_table(self, "_do_"), **self.role.handlers()}
         if restarted_actor():
             self._recover()
 
     def _fleet_settings(self) -> fleet_lib.FleetSettings:
         from . import build
 
-        return build.fleet_settings(self.config)
+        return self.role.fleet_settings(build.fleet_settings(self.config))
 
     # -- events ---------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
@@ -185,7 +235,7 @@ class Controller:
         self.syncer_spec = build.syncer_spec(self.config, self.template, self.run_dir,
                                              self.task.is_embedding)
         self._init_shards()
-        for s in range(len(self.shard_specs)):
+        for s in range(self.shards.count):
             self._start_syncer(epoch=0, restore=self.resume, syncer_shard=s)
         self._refresh_syncer_status()
         t_syncer = time.time()
@@ -221,19 +271,26 @@ class Controller:
         _, self.template, _, _ = build_training(self.training, task=self.task)
 
     def _init_shards(self) -> None:
-        """The syncer shards' specs (one: the single syncer) and their empty slots."""
+        """The syncer shards' specs (one: the single syncer) and their empty slots. A region's
+        agent has one, its link, whatever ``syncer.shards`` the job has: the home's shards are
+        behind it (the region's learners reach shards s > 0 through the ``LinkShard`` actors
+        ``join`` starts; their forgets and statuses are the link's)."""
         from islands.syncer.shards import shard_specs
 
         self.shard_specs = shard_specs(self.syncer_spec, self.config.syncer.shards)
-        n = len(self.shard_specs)
+        n = len(self.shard_specs) if self.role.owns_syncers else 1
         self.shards = SyncerShards(n)
         self.shard_status, self.shard_refusals_seen = [None] * n, [0] * n
         self.started_epochs = [0] * n     # the epoch each shard was last started with, here
 
     def _start_syncer(self, epoch: int, restore: bool, syncer_shard: int = 0) -> None:
-        """Starts one syncer shard (shard 0 keeps the name ``islands:syncer``)."""
+        """Starts one syncer shard (shard 0 keeps the name ``islands:syncer``); a region's agent
+        attaches its link instead."""
         from islands.syncer.shards import syncer_shard_name
 
+        if not self.role.owns_syncers:
+            self.role.attach_link()
+            return
         s = syncer_shard
         options = dict(syncer_options(self.jax_cache_dir), name=syncer_shard_name(s))
         ready = self.shards.start(s, self.shard_specs[s], epoch, restore, options,
@@ -307,7 +364,7 @@ class Controller:
                                              self.task.is_embedding)
         self._init_shards()
         epochs = saved.get("syncer_epochs") or [saved["syncer_epoch"]]
-        for s in range(len(self.shard_specs)):
+        for s in range(self.shards.count):
             from islands.syncer.shards import syncer_shard_name
 
             try:
@@ -380,7 +437,7 @@ class Controller:
                                     if s.state == fleet_lib.SlotState.RESTARTING))
         # The rebuilt fleet is not paused: its first step pauses the learners again if a reason
         # still holds; else those found paused resume (nothing else would ever resume them).
-        self._step(self._recovery_observations())
+        self._step(self.role.recovery_observations())
         if self.fleet.paused_reason is None:
             for learner in paused:
                 self.groups.call(learner, "pause", False, time.time_ns())
@@ -388,10 +445,6 @@ class Controller:
             thread = threading.Thread(target=target, daemon=True, name=target.__name__)
             thread.start()
             self.threads.append(thread)
-
-    def _recovery_observations(self) -> list:
-        """What a restarted controller's first step hears besides its rebuilt fleet."""
-        return []
 
     # -- the owner thread -----------------------------------------------------------------------
     def _owner_loop(self) -> None:
@@ -457,6 +510,7 @@ class Controller:
         seam.turn(self.fleet, observations, time.time(), adopt=self._adopt_fleet,
                   record=self._record, recorded=self._track_slots, table=self.handlers,
                   on_error=self._action_failed)
+        self.role.stepped()
 
     def _adopt_fleet(self, fleet: fleet_lib.FleetState) -> None:
         self.fleet = fleet
@@ -484,6 +538,7 @@ class Controller:
         elif t.name == "learner_recovered":
             self.recoveries.append(dict(t.fields))
         self.emit(t.name, **fields)
+        self.role.recorded(t)
 
     def _command(self, obs) -> None:
         """Queues an operator command for the owner thread and waits for its verdict."""
@@ -514,6 +569,7 @@ class Controller:
         self.inbox.put((fleet_lib.Beat(beat.learner, beat.incarnation, beat.training,
                                        beat.step_time_s, beat.node_id, beat.ready_at,
                                        adopted=beat.adopted > 0), None))
+        self.role.heard(beat)
 
     def _ended_runs(self) -> list:
         out = []
@@ -778,9 +834,12 @@ class Controller:
             self.stop_event.wait(self.settings.eval_every_s)
 
     def evaluate_now(self) -> Optional[float]:
-        """The eval loss of the syncer's global parameters now (also recorded)."""
+        """The eval loss of the syncer's global parameters now (also recorded); None where the
+        home evaluates (a region's agent)."""
         from islands.learners.unit import eval_loss_fn
 
+        if not self.role.evaluates:
+            return None
         if not hasattr(self, "_evaluate"):
             self._evaluate = eval_loss_fn(self.training, self.template, self.task)
         flat = self.shards.global_params()
