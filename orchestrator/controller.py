@@ -11,7 +11,6 @@ only talks to Ray. Control plane only: tensors flow learner <-> syncer directly.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import queue
@@ -26,16 +25,17 @@ from . import seam
 from .books import Books
 from islands.learners.fates import newest
 from .chaos import HOME_TARGET, Fault, FaultKind
-from islands.learners.messages import Heartbeat, known_stats
+from islands.learners.messages import Heartbeat
 from islands.syncer import timing
 
 from .fleet import SlotState
-from . import groups_api
-from .groups_api import SyncerStatus, combined
+from . import groups_api, recovery
+from .owner_role import HOME, OwnerRole
+from .groups_api import Incarnation, SyncerStatus, combined
 from .groups import (LearnerGroups, SyncerShards, cluster_view, drain_node, draining_nodes,
                      restarted_actor, share)
-from .metrics import window_to_save
-from .snapshot import finite
+from . import remote_regions
+from .snapshot import console_view, goodput_view, learner_goodput, live_fates
 from .runtime import (CONTROLLER_NAME, NAMESPACE, SYNCER_NAME, controller_options,  # noqa: F401
                       enable_compile_cache, learner_actor_name,
                       syncer_options)
@@ -45,87 +45,7 @@ log = logging.getLogger("islands.controller")
 EVENT_LOG_LIMIT = 100_000
 
 
-@dataclasses.dataclass
-class Incarnation:
-    """What the controller knows of a slot's running incarnation (its Ray side is in
-    ``LearnerGroups``)."""
 
-    number: int
-    start_step: int = 0
-    beat: Optional[Heartbeat] = None   # its last heartbeat (none yet: it is starting)
-    remote: bool = False   # in a region's own cluster: known from its agent's reports (link/)
-
-    def counters(self) -> dict:
-        """Its newest counters as plain values (the books, the saved state and the snapshot
-        read these): its last heartbeat's, or its start step before the first."""
-        return self.beat.as_dict() if self.beat is not None else {"step": self.start_step}
-
-    def ended_with(self, final: dict) -> None:
-        """Its run returned ``final`` (the unit's last stats): they update its last beat."""
-        stats = {k: v for k, v in known_stats(final).items() if k not in ("learner",
-                                                                           "incarnation")}
-        if self.beat is not None:
-            self.beat = dataclasses.replace(self.beat, **stats)
-            return
-        self.beat = Heartbeat.from_dict({"step": self.start_step, "t": time.time(), **stats,
-                                         "learner": final.get("learner", ""),
-                                         "incarnation": self.number})
-
-
-def missed_restarts(saved_started: Optional[list], shard: int, live_epoch: int) -> int:
-    """Syncer restarts a restarted controller's saved state does not know of: each restart starts
-    the shard at the epoch after the dead one's, so the live shard's epoch less the one it was
-    last started with (as saved) counts them. No saved epoch (an older state file): none.
-
-    >>> missed_restarts([3, 5], 1, 6), missed_restarts([3], 0, 3), missed_restarts(None, 0, 9)
-    (1, 0, 0)
-    """
-    if not saved_started or shard >= len(saved_started):
-        return 0
-    return max(0, live_epoch - int(saved_started[shard]))
-
-
-class OwnerRole:
-    """Where an owner runs, as the points of its loop that differ: this base is the home's
-    controller (its own syncer shards, its own evaluation, nothing more on a step); a region's
-    agent is the same owner with ``region_agent.RegionRole``, whose one syncer is its link.
-
-    The owner calls these at fixed points; a role holds no fleet state of its own beyond what
-    it reports elsewhere (a region's last failure causes), so the owner stays the one writer.
-    """
-
-    owns_syncers = True   # False: its one syncer shard is a link it attaches (attach_link)
-    evaluates = True      # False: the home evaluates Θ; a region fetches nothing for it
-
-    def bind(self, owner: "Controller") -> None:
-        """The owner it serves, told before the owner builds or recovers anything."""
-
-    def fleet_settings(self, settings: fleet_lib.FleetSettings) -> fleet_lib.FleetSettings:
-        return settings
-
-    def attach_link(self) -> None:
-        """Attaches the syncer shard that is a link (a role that ``owns_syncers`` has none)."""
-        raise NotImplementedError("the home starts its own syncer shards")
-
-    def recovery_observations(self) -> list:
-        """What a restarted owner's first step hears besides its rebuilt fleet."""
-        return []
-
-    def heard(self, beat: Heartbeat) -> None:
-        """A heartbeat the owner took."""
-
-    def recorded(self, transition: fleet_lib.Transition) -> None:
-        """A transition the owner recorded (its event is emitted)."""
-
-    def stepped(self) -> None:
-        """The owner's step is done (its new fleet adopted, its actions carried out)."""
-
-    def handlers(self) -> seam.Table:
-        """Handlers that replace the owner's for some action types (none: the home's)."""
-        return {}
-
-
-HOME = OwnerRole()   # holds no state: every home controller shares it
 
 
 class Controller:
@@ -188,7 +108,7 @@ class Controller:
         # Every fleet action's handler, found now: a body missing one does not start.
         self.handlers = {**seam.handler_table(self, "_do_"), **self.role.handlers()}
         if restarted_actor():
-            self._recover()
+            recovery.recover(self)
 
     def _fleet_settings(self) -> fleet_lib.FleetSettings:
         from . import build
@@ -243,10 +163,7 @@ class Controller:
         # Seconds of the job's start before its learners were launched (benchmarks/startup.py).
         self.start_phases = {"build_task_s": t_task - t0, "warm_cache_s": t_cache - t_task,
                              "syncer_s": t_syncer - t_cache, "launch_s": time.time() - t_syncer}
-        for target in (self._owner_loop, self._eval_loop):
-            thread = threading.Thread(target=target, daemon=True, name=target.__name__)
-            thread.start()
-            self.threads.append(thread)
+        self._start_threads()
         self.job_started_s = time.time()  # the chaos plan's clock: faults hit a running job
         self.emit("job_started", learners=list(self.fleet.slots), regions=list(self.config.regions),
                   num_params=_num_params(self.template),
@@ -302,145 +219,11 @@ class Controller:
                   restored_from=ready["restored_from"], journaled=ready.get("journaled", []),
                   **shard)
 
-    # -- surviving a restart of this actor -------------------------------------------------------
+    # -- surviving a restart of this actor (recovery.py) -------------------------------------
     def _save_state(self) -> None:
-        """What a restarted controller cannot ask anyone else for: the books, the slots' states and
-        restart counts, the chaos plan's progress (written atomically, about once a second)."""
-        fleet = self.fleet
-        state = {
-            "books": self.books.to_json(), "closed": self.closed,
-            "slots": [{"learner": x.learner, "region": x.region, "index": x.index,
-                       "shard": x.shard, "speed_factor": x.speed_factor, "state": x.state.value,
-                       "incarnation": x.incarnation, "start_step": x.start_step,
-                       "restarts": {c.value: n for c, n in x.restarts}, "actor": x.actor,
-                       "slow_tolerated": x.slow_tolerated}
-                      for x in fleet.slots.values()],
-            "targets": dict(fleet.targets), "next_index": dict(fleet.next_index),
-            "next_shard": fleet.next_shard, "next_spare": fleet.next_spare,
-            "operator_paused": fleet.operator_paused,
-            "recoveries": self.recoveries[-1000:],
-            "eval_history": self.eval_history[-1000:], "initial_eval_loss": self.initial_eval_loss,
-            "syncer_restarts": self.syncer_restarts, "syncer_closed": self.syncer_closed,
-            "chaos_fired": self.chaos_fired, "job_started_s": self.job_started_s,
-            "started_s": self.started_s, "restarts": getattr(self, "restarts", 0),
-            "syncer_epoch": int(self.syncer_status.epoch),
-            "syncer_epochs": [int(st.epoch) if st is not None else 0 for st in self.shard_status],
-            "started_epochs": list(self.started_epochs),
-            "goodput_history": window_to_save(self.goodput_history, time.time(),
-                                              self.settings.goodput_window_s),
-            "step_seconds": self.step_seconds}
-        os.makedirs(self.run_dir, exist_ok=True)
-        tmp = self.state_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(finite(state), f, default=str, allow_nan=False)
-        os.replace(tmp, self.state_path)
+        recovery.save_state(self)
 
-    def _recover(self) -> None:
-        """Rebuilds the controller after Ray restarted it: its saved books and slots, the live
-        syncer (or a restored one), and the learners that kept training meanwhile — none of them
-        is stopped. Learners that died while it was away are relaunched by the first step."""
-        from . import build
-        from .health import Cause
-
-        with open(self.state_path) as f:
-            saved = json.load(f)
-        self.books = Books.from_json(saved["books"])
-        self.closed = saved["closed"]
-        self.recoveries, self.chaos_fired = saved["recoveries"], saved["chaos_fired"]
-        self.eval_history = [tuple(e) for e in saved["eval_history"]]
-        self.initial_eval_loss = saved["initial_eval_loss"]
-        self.syncer_restarts, self.syncer_closed = saved["syncer_restarts"], saved["syncer_closed"]
-        self.started_s, self.job_started_s = saved["started_s"], saved["job_started_s"]
-        self.restarts = saved["restarts"] + 1
-        # The sliding goodput window goes on from the samples it held (not from 1.0 at zero).
-        self.goodput_history = [tuple(x) for x in saved.get("goodput_history") or []]
-        self.step_seconds = saved.get("step_seconds") or {}
-        if self.chaos_plan is not None and self.job_started_s is not None:
-            self.chaos_plan.due(time.time() - self.job_started_s)  # fired before: not again
-        self._build_task()
-        self.jax_cache_dir = os.path.join(self.run_dir, "jax_cache")
-        enable_compile_cache(self.jax_cache_dir)
-        self.syncer_spec = build.syncer_spec(self.config, self.template, self.run_dir,
-                                             self.task.is_embedding)
-        self._init_shards()
-        epochs = saved.get("syncer_epochs") or [saved["syncer_epoch"]]
-        for s in range(self.shards.count):
-            from islands.syncer.shards import syncer_shard_name
-
-            try:
-                live_epoch = int(self.shards.attach(s, syncer_shard_name(s), 30)["epoch"])
-                # A restart between the last save and this controller's death (the state is
-                # up to a second old) left the shard at a newer epoch than saved: count it.
-                self.syncer_restarts += missed_restarts(saved.get("started_epochs"), s,
-                                                        live_epoch)
-                self.started_epochs[s] = live_epoch
-            except Exception:  # it died too: the usual syncer restart
-                self.syncer_restarts += 1
-                epoch = epochs[s] if s < len(epochs) else max(epochs)
-                self._start_syncer(epoch=epoch + 1, restore=True, syncer_shard=s)
-        self._refresh_syncer_status()
-        ledger = self.syncer_status.ledger
-        now = time.time()
-        slots, paused = [], []
-        for row in saved["slots"]:
-            slot = fleet_lib.Slot(
-                learner=row["learner"], region=row["region"], index=row["index"],
-                shard=row["shard"], speed_factor=row["speed_factor"],
-                state=fleet_lib.SlotState(row["state"]), incarnation=row["incarnation"],
-                start_step=row["start_step"], actor=row.get("actor"),
-                slow_tolerated=int(row.get("slow_tolerated", 0)),
-                restarts=tuple(sorted((Cause(c), n) for c, n in row["restarts"].items())))
-            if slot.state in fleet_lib.GONE:
-                slots.append(slot)
-                continue
-            if self.config.regions[slot.region].remote:
-                # Its agent runs it in the region's own cluster: nothing here to re-attach or
-                # relaunch. It is kept as saved; the agent's next report (every second) says
-                # how it is, and its beats time from now.
-                slots.append(dataclasses.replace(slot, last_beat_s=now))
-                self.running[slot.learner] = Incarnation(slot.incarnation, remote=True)
-                continue
-            # Still running? then it keeps training under the new controller.
-            info = self.groups.reattach(slot.learner, slot.actor or slot.learner,
-                                        self.config.regions[slot.region].devices().hosts)
-            if info is not None and info["state"] in ("training", "paused", "draining",
-                                                      "starting"):
-                running_state = {"training": fleet_lib.SlotState.TRAINING,
-                                 "paused": fleet_lib.SlotState.TRAINING,  # the floor decides again
-                                 "draining": fleet_lib.SlotState.DRAINING,
-                                 "starting": fleet_lib.SlotState.STARTING}[info["state"]]
-                if slot.state == fleet_lib.SlotState.DRAINING:
-                    running_state = fleet_lib.SlotState.DRAINING
-                if info["state"] == "paused":
-                    paused.append(slot.learner)
-                slots.append(dataclasses.replace(
-                    slot, state=running_state, incarnation=info["incarnation"],
-                    start_step=info["start_step"], launched_s=now, last_beat_s=now))
-                self.running[slot.learner] = Incarnation(info["incarnation"],
-                                                         info["start_step"])
-                continue
-            # Gone while the controller was away: relaunched, as a newer incarnation.
-            known = int(ledger.get(slot.learner, {}).get("incarnation", slot.incarnation))
-            slots.append(dataclasses.replace(slot, state=fleet_lib.SlotState.RESTARTING,
-                                             incarnation=max(slot.incarnation, known),
-                                             restart_at_s=now))
-        self.fleet = fleet_lib.rebuilt(self.fleet.settings, slots, saved["targets"],
-                                       saved["next_index"], saved["next_shard"],
-                                       saved.get("next_spare", 0),
-                                       bool(saved.get("operator_paused", False)))
-        # Spares waiting for promotion are not worth a recovery: end them; the fleet starts
-        # new ones once nobody is starting.
-        self.groups.end_stray_spares({x.actor for x in slots if x.actor})
-        self.emit("controller_restarted", restarts=self.restarts,
-                  learners_kept=sorted(self.running),
-                  relaunched=sorted(s.learner for s in slots
-                                    if s.state == fleet_lib.SlotState.RESTARTING))
-        # The rebuilt fleet is not paused: its first step pauses the learners again if a reason
-        # still holds; else those found paused resume (nothing else would ever resume them).
-        self._step(self.role.recovery_observations())
-        if self.fleet.paused_reason is None:
-            for learner in paused:
-                self.groups.call(learner, "pause", False, time.time_ns())
+    def _start_threads(self) -> None:
         for target in (self._owner_loop, self._eval_loop):
             thread = threading.Thread(target=target, daemon=True, name=target.__name__)
             thread.start()
@@ -737,46 +520,9 @@ class Controller:
 
     # -- regions in their own clusters (link/) --------------------------------------------------
     def link_report(self, report: dict) -> dict:
-        """A remote region's report, relayed by the home's link server: its learners' states
-        become ``RemoteReport`` observations and their heartbeats (books included) are kept as
-        a local learner's are. Returns the home syncer's view of the region's learners."""
-        region, now = report["region"], time.time()
-        beats = remote_heartbeats(report.get("beats", []))
-        with self.lock:
-            self.link_regions[region] = {"bytes": dict(report.get("link_bytes") or {}),
-                                         "reconnects": int(report.get("reconnects") or 0),
-                                         "last_report_s": now}
-        for learner, beat in beats.items():
-            inc = self.running.get(learner)
-            number = beat.incarnation
-            if inc is not None and inc.remote and inc.number == number:
-                inc.beat = beat
-            else:  # its incarnation is not known here yet: kept for when it is
-                self.remote_beats[(learner, number)] = beat
-        # The agent is alive when it updated its slots lately (the link client outlives it).
-        age = float(report.get("agent_age_s") or 0.0)
-        agent_alive = fleet_lib.agent_reporting(now, now - age,
-                                                self.fleet.settings.heartbeat_timeout_s)
-        for s in report.get("slots", []):
-            beat = beats.get(s["learner"])
-            self.inbox.put((fleet_lib.RemoteReport(
-                s["learner"], region, int(s["incarnation"]), s["state"], int(s.get("shard", 0)),
-                beat.step_time_s if beat is not None else None, s.get("last_cause") or "",
-                beat=beat is not None and beat.incarnation == int(s["incarnation"]),
-                agent_alive=agent_alive, restarts=fleet_lib.restart_counts(s.get("restarts_json"))),
-                None))
-        with self.lock:
-            status = self.syncer_status
-            restarts = self.remote_restarts.pop(region, [])
-        mine = lambda table: {k: v for k, v in (table or {}).items()  # noqa: E731
-                              if k.rsplit(":", 1)[0] == region}
-        return {"epoch": status.epoch, "versions": list(status.versions),
-                "merges": status.merges, "ledger": mine(status.ledger),
-                "registered": mine(status.registered),
-                "quarantined": mine(status.quarantined), "restart": restarts,
-                "paused": self.fleet.paused_reason,   # the region's learners pause with home
-                **({"ended": f"the home job {self.config.name!r} is stopping"}
-                   if self.fleet.stopping else {})}
+        """A remote region's report, relayed by the home's link server
+        (``remote_regions.take_report``); the home syncer's view of the region's learners."""
+        return remote_regions.take_report(self, report)
 
     # -- the syncer -----------------------------------------------------------------------------
     def _ended_syncers(self) -> list:
@@ -852,43 +598,17 @@ class Controller:
         return loss
 
     # -- the books and the snapshot -------------------------------------------------------------
-    def _live_fates(self) -> dict:
-        """Each running incarnation's own books, from its newest heartbeat."""
-        return {name: inc.beat.fates if inc.beat is not None else None
-                for name, inc in list(self.running.items())}
-
     def tokens(self) -> dict:
         """Tokens by fate, each counted where it happens (``books.py``): applied, dropped (by
         reason) and in flight, which account for every processed token."""
-        return self.books.tokens(self._live_fates()).as_dict(self.books.num_fragments)
+        return self.books.tokens(live_fates(self)).as_dict(self.books.num_fragments)
 
     def goodput(self) -> dict:
-        from .metrics import window_label, windowed_ratio
-        from .books import goodput
-
-        now = time.time()
-        useful = self.books.useful_s(self._live_fates())
-        allocated = self.books.allocated_s(now)
-        window_s = self.settings.goodput_window_s
-        history = list(self.goodput_history) + [(now, useful, allocated)]
-        split = self.books.badput(self._live_fates(), now)
-        # Counters never go back: the training phase's remainder wiggles by a step as beats land.
-        for cause, x in split["badput_s"].items():
-            self.badput_high[cause] = max(self.badput_high.get(cause, 0.0), x)
-        return {"useful_s": useful, "allocated_s": allocated, "goodput": goodput(useful, allocated),
-                "window": {"label": window_label(window_s), "seconds": window_s,
-                           "ratio": windowed_ratio(history, now, window_s)},
-                "goodput_s": split["goodput_s"], "badput_s": dict(self.badput_high),
-                "unsettled_s": split["unsettled_s"]}
+        return goodput_view(self)
 
     def learner_goodput(self, learner: str) -> float:
-        """One learner slot's goodput: its applied inner-step seconds (every incarnation) over
-        the seconds its slot was allocated (restarts included)."""
-        from .books import goodput
-
-        live = self._live_fates().get(learner)
-        useful = self.books.learner_tokens(learner, live).applied_s / self.books.num_fragments
-        return goodput(useful, self.books.allocated_s(time.time(), learner))
+        """One learner slot's goodput (``snapshot.learner_goodput``)."""
+        return learner_goodput(self, learner)
 
     def snapshot(self) -> dict:
         """One row of metrics.jsonl and the source of every exported metric."""
@@ -1029,21 +749,8 @@ class Controller:
         return self.metrics_port
 
     def console_view(self) -> dict:
-        """What the console shows, read once under the lock: the snapshot and what only the
-        fleet and the beats know (the console reads this view, never the controller's fields)."""
-        snap = self.snapshot()
-        with self.lock:
-            events = list(self.events[-2000:])
-            profilers = {name: run.beat.profiler if run.beat is not None else None
-                         for name, run in self.running.items()}
-        return {"snapshot": snap, "events": events, "profilers": profilers,
-                "job": self.config.name, "goodput_window_s": self.settings.goodput_window_s,
-                "goodput_history": list(self.goodput_history),
-                "misconfigured": dict(self.fleet.misconfigured),
-                "operator_paused": self.fleet.operator_paused,
-                "regions": {name: {"target": self.fleet.targets.get(name, 0),
-                                   "max_learners": region.max_learners, "remote": region.remote}
-                            for name, region in self.config.regions.items()}}
+        """What the console shows (``snapshot.console_view``)."""
+        return console_view(self)
 
     def serve_console(self, port: int, host: str, token: str, allow_chaos: bool = False) -> int:
         """Serves the operator console (``console.py``) on ``host:port`` from this actor; every
@@ -1075,21 +782,6 @@ class Controller:
 
 recovery_phases = fleet_lib.recovery_phases
 
-
-def remote_heartbeats(beats: list) -> dict[str, Heartbeat]:
-    """A region report's beats (the link's JSON), parsed: per learner its newest. A beat that
-    does not parse is left out, and said once in the log."""
-    out = {}
-    for beat in beats:
-        if not isinstance(beat, dict):
-            continue
-        try:
-            parsed = Heartbeat.from_dict(beat)
-        except ValueError as exc:
-            log.warning("%s", exc)
-            continue
-        out[parsed.learner] = parsed
-    return out
 
 
 def _num_params(tree) -> int:

@@ -19,7 +19,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import time
 from typing import Any, Iterable, Mapping, Optional, Protocol, Sequence, runtime_checkable
+
+from islands.learners.messages import Heartbeat, known_stats
 
 
 class How(str, enum.Enum):
@@ -130,6 +133,33 @@ def combined(statuses: Sequence[Optional[SyncerStatus]]) -> SyncerStatus:
 
     return SyncerStatus.from_dict(combine_status(
         [None if s is None else s.as_dict() for s in statuses]))
+
+
+@dataclasses.dataclass
+class Incarnation:
+    """What the owner knows of a slot's running incarnation (its Ray side is in the
+    ``LearnerGroup``)."""
+
+    number: int
+    start_step: int = 0
+    beat: Optional[Heartbeat] = None   # its last heartbeat (none yet: it is starting)
+    remote: bool = False   # in a region's own cluster: known from its agent's reports (link/)
+
+    def counters(self) -> dict:
+        """Its newest counters as plain values (the books, the saved state and the snapshot
+        read these): its last heartbeat's, or its start step before the first."""
+        return self.beat.as_dict() if self.beat is not None else {"step": self.start_step}
+
+    def ended_with(self, final: dict) -> None:
+        """Its run returned ``final`` (the unit's last stats): they update its last beat."""
+        stats = {k: v for k, v in known_stats(final).items() if k not in ("learner",
+                                                                           "incarnation")}
+        if self.beat is not None:
+            self.beat = dataclasses.replace(self.beat, **stats)
+            return
+        self.beat = Heartbeat.from_dict({"step": self.start_step, "t": time.time(), **stats,
+                                         "learner": final.get("learner", ""),
+                                         "incarnation": self.number})
 
 
 @runtime_checkable

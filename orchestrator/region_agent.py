@@ -25,7 +25,8 @@ import ray
 from islands.learners.messages import Heartbeat
 from islands.orchestrator import fleet as fleet_lib
 from islands.orchestrator import seam
-from islands.orchestrator.controller import Controller, OwnerRole
+from islands.orchestrator.controller import Controller
+from islands.orchestrator.owner_role import OwnerRole
 from islands.orchestrator.runtime import (NAMESPACE, ON_HEAD, SYNCER_NAME, Role,
                                           controller_options, cpu_runtime_env)
 

@@ -5,7 +5,7 @@ import dataclasses
 
 from islands.learners.messages import Heartbeat
 from islands.orchestrator import groups_api as api
-from islands.orchestrator.controller import Incarnation
+from islands.orchestrator.groups_api import Incarnation
 from islands.orchestrator.groups import LearnerGroups, SyncerShards
 
 
