@@ -318,7 +318,7 @@ class SyncerShards:
     def statuses(self, slowest_step_s: float, paused: bool,
                  timeout_s: float = 10) -> dict[int, SyncerStatus]:
         """Tells every shard the fleet's pace and pause, and returns the statuses that came
-        back, typed here (a shard that cannot answer is left out)."""
+        back (a shard that cannot answer is left out)."""
 
         refs = {}
         for s, handle in enumerate(self.handles):
@@ -330,7 +330,7 @@ class SyncerShards:
         out = {}
         for s, ref in refs.items():
             try:
-                out[s] = SyncerStatus.from_dict(ray.get(ref, timeout=timeout_s))
+                out[s] = SyncerStatus.of(ray.get(ref, timeout=timeout_s))
             except Exception:
                 continue
         return out

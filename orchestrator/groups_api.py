@@ -20,9 +20,10 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-from typing import Any, Iterable, Mapping, Optional, Protocol, Sequence, runtime_checkable
+from typing import Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 from islands.learners.messages import Heartbeat, known_stats
+from islands.syncer.status import SyncerStatus
 
 
 class How(str, enum.Enum):
@@ -77,62 +78,12 @@ class ShardEnded:
     shard: int
 
 
-def _fields_of(cls) -> frozenset:
-    return frozenset(f.name for f in dataclasses.fields(cls))
-
-
-@dataclasses.dataclass(frozen=True)
-class SyncerStatus:
-    """A syncer's status (one shard's, or every shard's combined by ``syncer/shards.py``).
-
-    The syncer actor answers ``status`` with the plain values (its public, JSON-able shape,
-    which tools and the link read by key); the owner loop holds this, converted on receipt
-    (``from_dict``). The tables inside are keyed by learner or fragment and stay plain values:
-    ``ledger`` is per learner its incarnation, applied watermark, merged steps and token books.
-    """
-
-    epoch: int = 0
-    versions: Sequence[int] = ()
-    merges: int = 0
-    merges_by_fragment: Mapping = dataclasses.field(default_factory=dict)
-    quorum_size: Mapping = dataclasses.field(default_factory=dict)
-    live_learners: Mapping = dataclasses.field(default_factory=dict)
-    participation_counts: Mapping = dataclasses.field(default_factory=dict)
-    grace_window_s: Optional[float] = None
-    staleness_counts: Mapping = dataclasses.field(default_factory=dict)
-    rejected: Mapping = dataclasses.field(default_factory=dict)
-    registered: Mapping = dataclasses.field(default_factory=dict)
-    refusals_total: int = 0
-    quarantined: Mapping = dataclasses.field(default_factory=dict)
-    ledger: Mapping = dataclasses.field(default_factory=dict)
-    wire_bytes_up: Mapping = dataclasses.field(default_factory=dict)
-    wire_bytes_down: Mapping = dataclasses.field(default_factory=dict)
-    restored_from: Any = None
-    syncer_shard: Optional[int] = None
-    fragment_ids: Optional[Sequence[int]] = None
-    shards: Optional[Sequence[dict]] = None    # combined: per shard its epoch, versions, ...
-
-    @classmethod
-    def from_dict(cls, status: Optional[Mapping]) -> "SyncerStatus":
-        """From the actor's answer; keys it does not know are ignored (a newer syncer), a
-        missing or None one keeps its default."""
-        names = _fields_of(cls)
-        return cls(**{k: v for k, v in (status or {}).items() if k in names and v is not None})
-
-    def as_dict(self) -> dict:
-        """The plain values (``syncer/shards.py`` combines these), without the unknown (None)
-        ones, as the actor's answer leaves them out."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                if getattr(self, f.name) is not None}
-
-
 def combined(statuses: Sequence[Optional[SyncerStatus]]) -> SyncerStatus:
     """Every shard's status as one (``syncer/shards.py`` ``combine_status``); a shard that has
     not answered yet (None) adds nothing."""
     from islands.syncer.shards import combine_status
 
-    return SyncerStatus.from_dict(combine_status(
-        [None if s is None else s.as_dict() for s in statuses]))
+    return SyncerStatus.from_dict(combine_status(statuses))
 
 
 @dataclasses.dataclass
