@@ -25,6 +25,7 @@ from typing import Optional
 
 import grpc
 
+from islands.syncer.status import SyncerStatus
 from islands.syncer.validate import SYNCER_DOWN
 
 from . import link_pb2 as pb
@@ -308,9 +309,10 @@ class LinkClient:
     def set_fleet(self, slowest_step_s: float, paused: bool = False) -> None:
         """The home syncer's pace is the home controller's to set."""
 
-    def status(self) -> dict:
+    def status(self) -> SyncerStatus:
+        """The home syncer's status as the home's last report reply gave it."""
         with self.lock:
-            return dict(self.status_cache)
+            return SyncerStatus.from_dict(self.status_cache)
 
     def refusals_since(self, total: int) -> tuple[list, int]:
         return [], total  # refusals are the home's events

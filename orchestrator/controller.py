@@ -11,7 +11,6 @@ only talks to Ray. Control plane only: tensors flow learner <-> syncer directly.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import queue
@@ -30,10 +29,13 @@ from islands.learners.messages import Heartbeat
 from islands.syncer import timing
 
 from .fleet import SlotState
+from . import groups_api, recovery
+from .owner_role import HOME, OwnerRole
+from .groups_api import Incarnation, SyncerStatus, combined
 from .groups import (LearnerGroups, SyncerShards, cluster_view, drain_node, draining_nodes,
                      restarted_actor, share)
-from .metrics import window_to_save
-from .snapshot import finite
+from . import remote_regions
+from .snapshot import console_view, goodput_view, learner_goodput, live_fates
 from .runtime import (CONTROLLER_NAME, NAMESPACE, SYNCER_NAME, controller_options,  # noqa: F401
                       enable_compile_cache, learner_actor_name,
                       syncer_options)
@@ -43,27 +45,7 @@ log = logging.getLogger("islands.controller")
 EVENT_LOG_LIMIT = 100_000
 
 
-@dataclasses.dataclass
-class Incarnation:
-    """What the controller knows of a slot's running incarnation (its Ray side is in
-    ``LearnerGroups``)."""
 
-    number: int
-    beat: dict = dataclasses.field(default_factory=dict)   # its last heartbeat
-    remote: bool = False   # in a region's own cluster: known from its agent's reports (link/)
-
-
-def missed_restarts(saved_started: Optional[list], shard: int, live_epoch: int) -> int:
-    """Syncer restarts a restarted controller's saved state does not know of: each restart starts
-    the shard at the epoch after the dead one's, so the live shard's epoch less the one it was
-    last started with (as saved) counts them. No saved epoch (an older state file): none.
-
-    >>> missed_restarts([3, 5], 1, 6), missed_restarts([3], 0, 3), missed_restarts(None, 0, 9)
-    (1, 0, 0)
-    """
-    if not saved_started or shard >= len(saved_started):
-        return 0
-    return max(0, live_epoch - int(saved_started[shard]))
 
 
 class Controller:
@@ -73,12 +55,19 @@ class Controller:
       config: a JobConfig (validated before any actor starts).
       run_dir: the job's run directory (snapshots, compile cache).
       resume: start the syncer from the newest snapshot in the job's snapshot directory.
+      role: where it runs (``OwnerRole``): the home (default) or a region's agent.
     """
 
-    def __init__(self, config, run_dir: str, resume: bool = False):
+    role: OwnerRole = HOME
+
+    def __init__(self, config, run_dir: str, resume: bool = False,
+                 role: Optional[OwnerRole] = None):
         from . import build
 
         self.config, self.run_dir, self.resume = config, run_dir, resume
+        if role is not None:
+            self.role = role
+        self.role.bind(self)
         self.fleet = fleet_lib.initial(self._fleet_settings())
         self.books = Books(config.syncer.fragments)
         self.inbox: "queue.Queue[tuple[Any, Optional[Future]]]" = queue.Queue()
@@ -91,10 +80,10 @@ class Controller:
         self.job_started_s: Optional[float] = None
         self.stop_event = threading.Event()
         self.threads: list[threading.Thread] = []
-        self.syncer_status: dict = {}        # every shard's status as one (syncer/shards.py)
+        self.syncer_status = SyncerStatus()  # every shard's status as one (syncer/shards.py)
         # Syncer shards (syncer.shards = S): their Ray side, and per shard its status.
         self.shards = SyncerShards(0)
-        self.shard_status: list = []
+        self.shard_status: list[Optional[SyncerStatus]] = []   # None: not answered yet
         self.shard_refusals_seen: list = []
         self.syncer_restarts = 0
         self.refusals_seen = 0               # the current syncer's refusals already emitted
@@ -111,20 +100,20 @@ class Controller:
         self.console = None                  # console.ConsoleServer, once served
         self.ray_metrics = None
         self.link_regions: dict[str, dict] = {}   # per remote region: its link's last report
-        self.remote_beats: dict[tuple, dict] = {}  # (learner, incarnation) -> newest beat
+        self.remote_beats: dict[tuple, Heartbeat] = {}  # (learner, incarnation) -> newest
         self.remote_restarts: dict[str, list] = {}  # per remote region: restarts for its agent
         self.settings = build.controller_settings(config)
         self.chaos_plan = build.chaos_plan(config)
         self.state_path = os.path.join(run_dir, "controller_state.json")
         # Every fleet action's handler, found now: a body missing one does not start.
-        self.handlers = seam.handler_table(self, "_do_")
+        self.handlers = {**seam.handler_table(self, "_do_"), **self.role.handlers()}
         if restarted_actor():
-            self._recover()
+            recovery.recover(self)
 
     def _fleet_settings(self) -> fleet_lib.FleetSettings:
         from . import build
 
-        return build.fleet_settings(self.config)
+        return self.role.fleet_settings(build.fleet_settings(self.config))
 
     # -- events ---------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
@@ -166,7 +155,7 @@ class Controller:
         self.syncer_spec = build.syncer_spec(self.config, self.template, self.run_dir,
                                              self.task.is_embedding)
         self._init_shards()
-        for s in range(len(self.shard_specs)):
+        for s in range(self.shards.count):
             self._start_syncer(epoch=0, restore=self.resume, syncer_shard=s)
         self._refresh_syncer_status()
         t_syncer = time.time()
@@ -174,10 +163,7 @@ class Controller:
         # Seconds of the job's start before its learners were launched (benchmarks/startup.py).
         self.start_phases = {"build_task_s": t_task - t0, "warm_cache_s": t_cache - t_task,
                              "syncer_s": t_syncer - t_cache, "launch_s": time.time() - t_syncer}
-        for target in (self._owner_loop, self._eval_loop):
-            thread = threading.Thread(target=target, daemon=True, name=target.__name__)
-            thread.start()
-            self.threads.append(thread)
+        self._start_threads()
         self.job_started_s = time.time()  # the chaos plan's clock: faults hit a running job
         self.emit("job_started", learners=list(self.fleet.slots), regions=list(self.config.regions),
                   num_params=_num_params(self.template),
@@ -202,19 +188,26 @@ class Controller:
         _, self.template, _, _ = build_training(self.training, task=self.task)
 
     def _init_shards(self) -> None:
-        """The syncer shards' specs (one: the single syncer) and their empty slots."""
+        """The syncer shards' specs (one: the single syncer) and their empty slots. A region's
+        agent has one, its link, whatever ``syncer.shards`` the job has: the home's shards are
+        behind it (the region's learners reach shards s > 0 through the ``LinkShard`` actors
+        ``join`` starts; their forgets and statuses are the link's)."""
         from islands.syncer.shards import shard_specs
 
         self.shard_specs = shard_specs(self.syncer_spec, self.config.syncer.shards)
-        n = len(self.shard_specs)
+        n = len(self.shard_specs) if self.role.owns_syncers else 1
         self.shards = SyncerShards(n)
-        self.shard_status, self.shard_refusals_seen = [{} for _ in range(n)], [0] * n
+        self.shard_status, self.shard_refusals_seen = [None] * n, [0] * n
         self.started_epochs = [0] * n     # the epoch each shard was last started with, here
 
     def _start_syncer(self, epoch: int, restore: bool, syncer_shard: int = 0) -> None:
-        """Starts one syncer shard (shard 0 keeps the name ``islands:syncer``)."""
+        """Starts one syncer shard (shard 0 keeps the name ``islands:syncer``); a region's agent
+        attaches its link instead."""
         from islands.syncer.shards import syncer_shard_name
 
+        if not self.role.owns_syncers:
+            self.role.attach_link()
+            return
         s = syncer_shard
         options = dict(syncer_options(self.jax_cache_dir), name=syncer_shard_name(s))
         ready = self.shards.start(s, self.shard_specs[s], epoch, restore, options,
@@ -226,153 +219,15 @@ class Controller:
                   restored_from=ready["restored_from"], journaled=ready.get("journaled", []),
                   **shard)
 
-    # -- surviving a restart of this actor -------------------------------------------------------
+    # -- surviving a restart of this actor (recovery.py) -------------------------------------
     def _save_state(self) -> None:
-        """What a restarted controller cannot ask anyone else for: the books, the slots' states and
-        restart counts, the chaos plan's progress (written atomically, about once a second)."""
-        fleet = self.fleet
-        state = {
-            "books": self.books.to_json(), "closed": self.closed,
-            "slots": [{"learner": x.learner, "region": x.region, "index": x.index,
-                       "shard": x.shard, "speed_factor": x.speed_factor, "state": x.state.value,
-                       "incarnation": x.incarnation, "start_step": x.start_step,
-                       "restarts": {c.value: n for c, n in x.restarts}, "actor": x.actor,
-                       "slow_tolerated": x.slow_tolerated}
-                      for x in fleet.slots.values()],
-            "targets": dict(fleet.targets), "next_index": dict(fleet.next_index),
-            "next_shard": fleet.next_shard, "next_spare": fleet.next_spare,
-            "operator_paused": fleet.operator_paused,
-            "recoveries": self.recoveries[-1000:],
-            "eval_history": self.eval_history[-1000:], "initial_eval_loss": self.initial_eval_loss,
-            "syncer_restarts": self.syncer_restarts, "syncer_closed": self.syncer_closed,
-            "chaos_fired": self.chaos_fired, "job_started_s": self.job_started_s,
-            "started_s": self.started_s, "restarts": getattr(self, "restarts", 0),
-            "syncer_epoch": int(self.syncer_status.get("epoch") or 0),
-            "syncer_epochs": [int(st.get("epoch") or 0) for st in self.shard_status],
-            "started_epochs": list(self.started_epochs),
-            "goodput_history": window_to_save(self.goodput_history, time.time(),
-                                              self.settings.goodput_window_s),
-            "step_seconds": self.step_seconds}
-        os.makedirs(self.run_dir, exist_ok=True)
-        tmp = self.state_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(finite(state), f, default=str, allow_nan=False)
-        os.replace(tmp, self.state_path)
+        recovery.save_state(self)
 
-    def _recover(self) -> None:
-        """Rebuilds the controller after Ray restarted it: its saved books and slots, the live
-        syncer (or a restored one), and the learners that kept training meanwhile — none of them
-        is stopped. Learners that died while it was away are relaunched by the first step."""
-        from . import build
-        from .health import Cause
-
-        with open(self.state_path) as f:
-            saved = json.load(f)
-        self.books = Books.from_json(saved["books"])
-        self.closed = saved["closed"]
-        self.recoveries, self.chaos_fired = saved["recoveries"], saved["chaos_fired"]
-        self.eval_history = [tuple(e) for e in saved["eval_history"]]
-        self.initial_eval_loss = saved["initial_eval_loss"]
-        self.syncer_restarts, self.syncer_closed = saved["syncer_restarts"], saved["syncer_closed"]
-        self.started_s, self.job_started_s = saved["started_s"], saved["job_started_s"]
-        self.restarts = saved["restarts"] + 1
-        # The sliding goodput window goes on from the samples it held (not from 1.0 at zero).
-        self.goodput_history = [tuple(x) for x in saved.get("goodput_history") or []]
-        self.step_seconds = saved.get("step_seconds") or {}
-        if self.chaos_plan is not None and self.job_started_s is not None:
-            self.chaos_plan.due(time.time() - self.job_started_s)  # fired before: not again
-        self._build_task()
-        self.jax_cache_dir = os.path.join(self.run_dir, "jax_cache")
-        enable_compile_cache(self.jax_cache_dir)
-        self.syncer_spec = build.syncer_spec(self.config, self.template, self.run_dir,
-                                             self.task.is_embedding)
-        self._init_shards()
-        epochs = saved.get("syncer_epochs") or [saved["syncer_epoch"]]
-        for s in range(len(self.shard_specs)):
-            from islands.syncer.shards import syncer_shard_name
-
-            try:
-                live_epoch = int(self.shards.attach(s, syncer_shard_name(s), 30)["epoch"])
-                # A restart between the last save and this controller's death (the state is
-                # up to a second old) left the shard at a newer epoch than saved: count it.
-                self.syncer_restarts += missed_restarts(saved.get("started_epochs"), s,
-                                                        live_epoch)
-                self.started_epochs[s] = live_epoch
-            except Exception:  # it died too: the usual syncer restart
-                self.syncer_restarts += 1
-                epoch = epochs[s] if s < len(epochs) else max(epochs)
-                self._start_syncer(epoch=epoch + 1, restore=True, syncer_shard=s)
-        self._refresh_syncer_status()
-        ledger = self.syncer_status.get("ledger", {})
-        now = time.time()
-        slots, paused = [], []
-        for row in saved["slots"]:
-            slot = fleet_lib.Slot(
-                learner=row["learner"], region=row["region"], index=row["index"],
-                shard=row["shard"], speed_factor=row["speed_factor"],
-                state=fleet_lib.SlotState(row["state"]), incarnation=row["incarnation"],
-                start_step=row["start_step"], actor=row.get("actor"),
-                slow_tolerated=int(row.get("slow_tolerated", 0)),
-                restarts=tuple(sorted((Cause(c), n) for c, n in row["restarts"].items())))
-            if slot.state in fleet_lib.GONE:
-                slots.append(slot)
-                continue
-            if self.config.regions[slot.region].remote:
-                # Its agent runs it in the region's own cluster: nothing here to re-attach or
-                # relaunch. It is kept as saved; the agent's next report (every second) says
-                # how it is, and its beats time from now.
-                slots.append(dataclasses.replace(slot, last_beat_s=now))
-                self.running[slot.learner] = Incarnation(slot.incarnation, remote=True)
-                continue
-            # Still running? then it keeps training under the new controller.
-            info = self.groups.reattach(slot.learner, slot.actor or slot.learner,
-                                        self.config.regions[slot.region].devices().hosts)
-            if info is not None and info["state"] in ("training", "paused", "draining",
-                                                      "starting"):
-                running_state = {"training": fleet_lib.SlotState.TRAINING,
-                                 "paused": fleet_lib.SlotState.TRAINING,  # the floor decides again
-                                 "draining": fleet_lib.SlotState.DRAINING,
-                                 "starting": fleet_lib.SlotState.STARTING}[info["state"]]
-                if slot.state == fleet_lib.SlotState.DRAINING:
-                    running_state = fleet_lib.SlotState.DRAINING
-                if info["state"] == "paused":
-                    paused.append(slot.learner)
-                slots.append(dataclasses.replace(
-                    slot, state=running_state, incarnation=info["incarnation"],
-                    start_step=info["start_step"], launched_s=now, last_beat_s=now))
-                self.running[slot.learner] = Incarnation(info["incarnation"],
-                                                         {"step": info["start_step"]})
-                continue
-            # Gone while the controller was away: relaunched, as a newer incarnation.
-            known = int(ledger.get(slot.learner, {}).get("incarnation", slot.incarnation))
-            slots.append(dataclasses.replace(slot, state=fleet_lib.SlotState.RESTARTING,
-                                             incarnation=max(slot.incarnation, known),
-                                             restart_at_s=now))
-        self.fleet = fleet_lib.rebuilt(self.fleet.settings, slots, saved["targets"],
-                                       saved["next_index"], saved["next_shard"],
-                                       saved.get("next_spare", 0),
-                                       bool(saved.get("operator_paused", False)))
-        # Spares waiting for promotion are not worth a recovery: end them; the fleet starts
-        # new ones once nobody is starting.
-        self.groups.end_stray_spares({x.actor for x in slots if x.actor})
-        self.emit("controller_restarted", restarts=self.restarts,
-                  learners_kept=sorted(self.running),
-                  relaunched=sorted(s.learner for s in slots
-                                    if s.state == fleet_lib.SlotState.RESTARTING))
-        # The rebuilt fleet is not paused: its first step pauses the learners again if a reason
-        # still holds; else those found paused resume (nothing else would ever resume them).
-        self._step(self._recovery_observations())
-        if self.fleet.paused_reason is None:
-            for learner in paused:
-                self.groups.call(learner, "pause", False, time.time_ns())
+    def _start_threads(self) -> None:
         for target in (self._owner_loop, self._eval_loop):
             thread = threading.Thread(target=target, daemon=True, name=target.__name__)
             thread.start()
             self.threads.append(thread)
-
-    def _recovery_observations(self) -> list:
-        """What a restarted controller's first step hears besides its rebuilt fleet."""
-        return []
 
     # -- the owner thread -----------------------------------------------------------------------
     def _owner_loop(self) -> None:
@@ -438,6 +293,7 @@ class Controller:
         seam.turn(self.fleet, observations, time.time(), adopt=self._adopt_fleet,
                   record=self._record, recorded=self._track_slots, table=self.handlers,
                   on_error=self._action_failed)
+        self.role.stepped()
 
     def _adopt_fleet(self, fleet: fleet_lib.FleetState) -> None:
         self.fleet = fleet
@@ -459,12 +315,13 @@ class Controller:
                 self._close(t.learner)  # the previous incarnation's newest beat stays in closed
                 number = int(t.fields["incarnation"])
                 self.running[t.learner] = Incarnation(
-                    number, self.remote_beats.pop((t.learner, number), {}), remote=True)
+                    number, beat=self.remote_beats.pop((t.learner, number), None), remote=True)
         elif t.name == "learner_retired":
             self.books.release(t.learner, now)
         elif t.name == "learner_recovered":
             self.recoveries.append(dict(t.fields))
         self.emit(t.name, **fields)
+        self.role.recorded(t)
 
     def _command(self, obs) -> None:
         """Queues an operator command for the owner thread and waits for its verdict."""
@@ -481,13 +338,13 @@ class Controller:
         beat = Heartbeat.of(beat)
         run = self.running.get(beat.learner)
         if run is not None and run.number == beat.incarnation:
-            if beat.devices is not None and run.beat.get("devices") is None:
+            if beat.devices is not None and (run.beat is None or run.beat.devices is None):
                 # Its first beat: the devices it proved at start, once per incarnation.
                 devices = beat.devices
                 self.emit("learner_devices", learner=beat.learner, incarnation=beat.incarnation,
                           backend=devices.get("backend"), platform=devices.get("platform"),
                           device_kind=devices.get("kind"), count=devices.get("count"))
-            run.beat = beat.as_dict()
+            run.beat = beat
             slot = self.fleet.slots.get(beat.learner)
             if slot is not None and beat.step_time_s and beat.training:
                 with self.lock:
@@ -495,13 +352,14 @@ class Controller:
         self.inbox.put((fleet_lib.Beat(beat.learner, beat.incarnation, beat.training,
                                        beat.step_time_s, beat.node_id, beat.ready_at,
                                        adopted=beat.adopted > 0), None))
+        self.role.heard(beat)
 
     def _ended_runs(self) -> list:
         out = []
         for ended in self.groups.ended():
             inc = self.running.get(ended.learner)
             if inc is not None and ended.final:
-                inc.beat = {**inc.beat, **ended.final}
+                inc.ended_with(ended.final)
             if ended.crashed:
                 self.emit("learner_error", learner=ended.learner, error=ended.error)
             out.append(fleet_lib.RunEnded(ended.learner, ended.incarnation, ended.error,
@@ -518,7 +376,7 @@ class Controller:
                                   for r in self.config.regions}, alive, draining_nodes())
 
     def _applied(self) -> fleet_lib.Applied:
-        ledger = self.syncer_status.get("ledger", {})
+        ledger = self.syncer_status.ledger
         return fleet_lib.Applied({name: (int(e["incarnation"]), int(e["applied_step"]),
                                          int(e["applied_tokens_incarnation"]))
                                   for name, e in ledger.items()})
@@ -531,7 +389,7 @@ class Controller:
         for refusal in refusals:
             self.emit("push_refused", **refusal)
         return [fleet_lib.Quarantine(name, incarnation, "drifts refused as garbage")
-                for name, incarnation in (self.syncer_status.get("quarantined") or {}).items()]
+                for name, incarnation in self.syncer_status.quarantined.items()]
 
     def _due_faults(self) -> list:
         if self.chaos_plan is None or self.job_started_s is None:
@@ -563,7 +421,7 @@ class Controller:
         if error is not None:   # the dead actor's name is not released yet: retry soon
             self.inbox.put((fleet_lib.LaunchFailed(a.learner, a.incarnation, error), None))
             return
-        self.running[a.learner] = Incarnation(a.incarnation, {"step": a.start_step})
+        self.running[a.learner] = Incarnation(a.incarnation, a.start_step)
 
     def _do_launchspare(self, a: fleet_lib.LaunchSpare) -> None:
         from . import build
@@ -583,8 +441,7 @@ class Controller:
 
     def _spare_observations(self) -> list:
         """A spare whose ``prepare`` returned is ready; one whose call failed has ended."""
-        return [fleet_lib.SpareReady(r.name, r.info.get("prepare_s"), r.info.get("node_id"))
-                if r.error is None
+        return [fleet_lib.SpareReady(r.name, r.prepare_s, r.node_id) if isinstance(r, groups_api.SpareReady)
                 else fleet_lib.SpareEnded(r.name, r.error) for r in self.groups.spare_results()]
 
     def _do_kill(self, a: fleet_lib.Kill) -> None:
@@ -603,9 +460,9 @@ class Controller:
         # The newest of its books: its last heartbeat (the incarnation may still be in `running`
         # when its death was seen before its run ended), or what its newest push carried.
         inc = self.running.get(a.learner)
-        beat = inc.beat if inc is not None and inc.number == a.incarnation else closed.get(
+        beat = inc.counters() if inc is not None and inc.number == a.incarnation else closed.get(
             "beat", {})
-        entry = self.syncer_status.get("ledger", {}).get(a.learner) or {}
+        entry = self.syncer_status.ledger.get(a.learner) or {}
         same = int(entry.get("incarnation", -1)) == a.incarnation
         fates = newest(beat.get("fates") if int(beat.get("incarnation", a.incarnation))
                        == a.incarnation else None, entry.get("fates") if same else None)
@@ -622,7 +479,7 @@ class Controller:
         if inc is None:
             return
         closed = self.closed.setdefault(learner, {"steps": 0, "up": 0, "down": 0})
-        beat = inc.beat
+        beat = inc.counters()
         start = int(self.fleet.slots[learner].start_step) if learner in self.fleet.slots else 0
         closed["steps"] += max(0, int(beat.get("step", start) or start) - start)
         closed["up"] += int(beat.get("wire_bytes_up", 0) or 0)
@@ -666,46 +523,9 @@ class Controller:
 
     # -- regions in their own clusters (link/) --------------------------------------------------
     def link_report(self, report: dict) -> dict:
-        """A remote region's report, relayed by the home's link server: its learners' states
-        become ``RemoteReport`` observations and their heartbeats (books included) are kept as
-        a local learner's are. Returns the home syncer's view of the region's learners."""
-        region, now = report["region"], time.time()
-        beats = {b.get("learner"): b for b in report.get("beats", []) if isinstance(b, dict)}
-        with self.lock:
-            self.link_regions[region] = {"bytes": dict(report.get("link_bytes") or {}),
-                                         "reconnects": int(report.get("reconnects") or 0),
-                                         "last_report_s": now}
-        for learner, beat in beats.items():
-            inc = self.running.get(learner)
-            number = int(beat.get("incarnation", -1))
-            if inc is not None and inc.remote and inc.number == number:
-                inc.beat = beat
-            else:  # its incarnation is not known here yet: kept for when it is
-                self.remote_beats[(learner, number)] = beat
-        # The agent is alive when it updated its slots lately (the link client outlives it).
-        age = float(report.get("agent_age_s") or 0.0)
-        agent_alive = fleet_lib.agent_reporting(now, now - age,
-                                                self.fleet.settings.heartbeat_timeout_s)
-        for s in report.get("slots", []):
-            beat = beats.get(s["learner"], {})
-            self.inbox.put((fleet_lib.RemoteReport(
-                s["learner"], region, int(s["incarnation"]), s["state"], int(s.get("shard", 0)),
-                beat.get("step_time_s"), s.get("last_cause") or "",
-                beat=int(beat.get("incarnation", -1)) == int(s["incarnation"]),
-                agent_alive=agent_alive, restarts=fleet_lib.restart_counts(s.get("restarts_json"))),
-                None))
-        with self.lock:
-            status = dict(self.syncer_status)
-            restarts = self.remote_restarts.pop(region, [])
-        mine = lambda table: {k: v for k, v in (table or {}).items()  # noqa: E731
-                              if k.rsplit(":", 1)[0] == region}
-        return {"epoch": status.get("epoch"), "versions": status.get("versions"),
-                "merges": status.get("merges"), "ledger": mine(status.get("ledger")),
-                "registered": mine(status.get("registered")),
-                "quarantined": mine(status.get("quarantined")), "restart": restarts,
-                "paused": self.fleet.paused_reason,   # the region's learners pause with home
-                **({"ended": f"the home job {self.config.name!r} is stopping"}
-                   if self.fleet.stopping else {})}
+        """A remote region's report, relayed by the home's link server
+        (``remote_regions.take_report``); the home syncer's view of the region's learners."""
+        return remote_regions.take_report(self, report)
 
     # -- the syncer -----------------------------------------------------------------------------
     def _ended_syncers(self) -> list:
@@ -713,32 +533,31 @@ class Controller:
         them (``StartSyncer``)."""
         if self.stop_event.is_set():
             return []
-        return [fleet_lib.SyncerEnded(s, int(self.shard_status[s].get("epoch") or 0))
-                for s in self.shards.ended()]
+        return [fleet_lib.SyncerEnded(e.shard, self._shard_epoch(e.shard))
+                for e in self.shards.ended()]
+
+    def _shard_epoch(self, s: int) -> int:
+        status = self.shard_status[s]
+        return int(status.epoch) if status is not None else 0
 
     def _do_startsyncer(self, a: fleet_lib.StartSyncer) -> None:
         """A dead shard restarts alone, from its newest snapshot at its next epoch (fencing);
         the other shards keep merging meanwhile. Its counters died with it: keep what it last
         reported."""
-        s, last = a.shard, self.shard_status[a.shard]
+        s, last = a.shard, self.shard_status[a.shard] or SyncerStatus()
         with self.lock:
             for key in ("rejected", "staleness_counts", "participation_counts"):
                 closed = self.syncer_closed.setdefault(key, {})
-                for k, n in (last.get(key) or {}).items():
+                for k, n in getattr(last, key).items():
                     closed[k] = closed.get(k, 0) + n
-            self.shard_status[s] = {**last, "rejected": {}, "staleness_counts": {},
-                                    "participation_counts": {}}
-            self.syncer_status = self._combined_status()
+            self.shard_status[s] = dataclasses.replace(last, rejected={}, staleness_counts={},
+                                                       participation_counts={})
+            self.syncer_status = combined(self.shard_status)
         self.syncer_restarts += 1
         self.shard_refusals_seen[s] = 0
         self.refusals_seen = sum(self.shard_refusals_seen)
         self._start_syncer(epoch=a.epoch, restore=a.restore, syncer_shard=s)
         self._refresh_syncer_status()
-
-    def _combined_status(self) -> dict:
-        from islands.syncer.shards import combine_status
-
-        return combine_status(self.shard_status)
 
     def _refresh_syncer_status(self) -> None:
         # ξ_step and the pause rule as the in-process driver computes them (syncer/timing.py),
@@ -752,7 +571,7 @@ class Controller:
         with self.lock:
             for s, status in statuses.items():
                 self.shard_status[s] = status
-            self.syncer_status = self._combined_status()
+            self.syncer_status = combined(self.shard_status)
 
     # -- evaluation -----------------------------------------------------------------------------
     def _eval_loop(self) -> None:
@@ -764,9 +583,12 @@ class Controller:
             self.stop_event.wait(self.settings.eval_every_s)
 
     def evaluate_now(self) -> Optional[float]:
-        """The eval loss of the syncer's global parameters now (also recorded)."""
+        """The eval loss of the syncer's global parameters now (also recorded); None where the
+        home evaluates (a region's agent)."""
         from islands.learners.unit import eval_loss_fn
 
+        if not self.role.evaluates:
+            return None
         if not hasattr(self, "_evaluate"):
             self._evaluate = eval_loss_fn(self.training, self.template, self.task)
         flat = self.shards.global_params()
@@ -779,42 +601,17 @@ class Controller:
         return loss
 
     # -- the books and the snapshot -------------------------------------------------------------
-    def _live_fates(self) -> dict:
-        """Each running incarnation's own books, from its newest heartbeat."""
-        return {name: inc.beat.get("fates") for name, inc in list(self.running.items())}
-
     def tokens(self) -> dict:
         """Tokens by fate, each counted where it happens (``books.py``): applied, dropped (by
         reason) and in flight, which account for every processed token."""
-        return self.books.tokens(self._live_fates()).as_dict(self.books.num_fragments)
+        return self.books.tokens(live_fates(self)).as_dict(self.books.num_fragments)
 
     def goodput(self) -> dict:
-        from .metrics import window_label, windowed_ratio
-        from .books import goodput
-
-        now = time.time()
-        useful = self.books.useful_s(self._live_fates())
-        allocated = self.books.allocated_s(now)
-        window_s = self.settings.goodput_window_s
-        history = list(self.goodput_history) + [(now, useful, allocated)]
-        split = self.books.badput(self._live_fates(), now)
-        # Counters never go back: the training phase's remainder wiggles by a step as beats land.
-        for cause, x in split["badput_s"].items():
-            self.badput_high[cause] = max(self.badput_high.get(cause, 0.0), x)
-        return {"useful_s": useful, "allocated_s": allocated, "goodput": goodput(useful, allocated),
-                "window": {"label": window_label(window_s), "seconds": window_s,
-                           "ratio": windowed_ratio(history, now, window_s)},
-                "goodput_s": split["goodput_s"], "badput_s": dict(self.badput_high),
-                "unsettled_s": split["unsettled_s"]}
+        return goodput_view(self)
 
     def learner_goodput(self, learner: str) -> float:
-        """One learner slot's goodput: its applied inner-step seconds (every incarnation) over
-        the seconds its slot was allocated (restarts included)."""
-        from .books import goodput
-
-        live = self._live_fates().get(learner)
-        useful = self.books.learner_tokens(learner, live).applied_s / self.books.num_fragments
-        return goodput(useful, self.books.allocated_s(time.time(), learner))
+        """One learner slot's goodput (``snapshot.learner_goodput``)."""
+        return learner_goodput(self, learner)
 
     def snapshot(self) -> dict:
         """One row of metrics.jsonl and the source of every exported metric."""
@@ -955,20 +752,8 @@ class Controller:
         return self.metrics_port
 
     def console_view(self) -> dict:
-        """What the console shows, read once under the lock: the snapshot and what only the
-        fleet and the beats know (the console reads this view, never the controller's fields)."""
-        snap = self.snapshot()
-        with self.lock:
-            events = list(self.events[-2000:])
-            profilers = {name: run.beat.get("profiler") for name, run in self.running.items()}
-        return {"snapshot": snap, "events": events, "profilers": profilers,
-                "job": self.config.name, "goodput_window_s": self.settings.goodput_window_s,
-                "goodput_history": list(self.goodput_history),
-                "misconfigured": dict(self.fleet.misconfigured),
-                "operator_paused": self.fleet.operator_paused,
-                "regions": {name: {"target": self.fleet.targets.get(name, 0),
-                                   "max_learners": region.max_learners, "remote": region.remote}
-                            for name, region in self.config.regions.items()}}
+        """What the console shows (``snapshot.console_view``)."""
+        return console_view(self)
 
     def serve_console(self, port: int, host: str, token: str, allow_chaos: bool = False) -> int:
         """Serves the operator console (``console.py``) on ``host:port`` from this actor; every
@@ -999,6 +784,7 @@ class Controller:
 
 
 recovery_phases = fleet_lib.recovery_phases
+
 
 
 def _num_params(tree) -> int:

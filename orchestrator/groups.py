@@ -19,32 +19,12 @@ from typing import Any, Iterable, Optional
 
 import ray
 
+from .groups_api import How, RunEnded, ShardEnded, SpareFailed, SpareReady, SyncerStatus
 from .runtime import (NAMESPACE, learner_actor_name, learner_options, release_unit,
                       reserve_unit)
 
 log = logging.getLogger("islands.controller")
 SPARE_PREFIX = "islands:spare:"
-
-
-@dataclasses.dataclass(frozen=True)
-class RunEnded:
-    """A unit's run is over: what it returned (its final stats) or why it ended."""
-
-    learner: str
-    incarnation: int
-    final: Optional[dict]
-    error: Optional[str]
-    preempted: bool = False
-    crashed: bool = False   # its training loop raised (the actor itself was alive)
-
-
-@dataclasses.dataclass(frozen=True)
-class SpareResult:
-    """A spare's ``prepare`` returned (``info``) or failed (``error``)."""
-
-    name: str
-    info: Optional[dict]
-    error: Optional[str]
 
 
 @dataclasses.dataclass
@@ -73,6 +53,8 @@ def error_text(exc: Exception, limit: int) -> str:
 
 
 class LearnerGroups:
+    """The Ray body of ``groups_api.LearnerGroup``."""
+
     def __init__(self):
         self.units: dict[str, _Unit] = {}
         self.spares: dict[str, _Spare] = {}
@@ -203,24 +185,25 @@ class LearnerGroups:
         for ref in ready:
             name = refs[ref]
             unit = self.units[name]
-            final, error, preempted, crashed = None, None, False, False
+            final, error, how = None, None, How.RETURNED
             try:
                 final = ray.get(ref)
             except ray.exceptions.RayActorError as exc:
-                error, preempted = str(exc)[:300] or "actor died", bool(
-                    getattr(exc, "preempted", False))
+                error = str(exc)[:300] or "actor died"
+                how = How.PREEMPTED if getattr(exc, "preempted", False) else How.DIED
             except Exception as exc:  # the training loop raised: a crash of the learner
-                error, crashed = error_text(exc, 500), True
-            if error is None or crashed:
+                error, how = error_text(exc, 500), How.CRASHED
+            if how in (How.RETURNED, How.CRASHED):
                 try:
                     ray.kill(unit.handle, no_restart=True)
                 except Exception:  # already gone: its name is free anyway
                     pass
             self._forget(name)
-            out.append(RunEnded(name, unit.incarnation, final, error, preempted, crashed))
+            out.append(RunEnded(name, unit.incarnation, final, error, how))
         return out
 
-    def spare_results(self) -> list[SpareResult]:
+    def spare_results(self) -> "list[SpareReady | SpareFailed]":
+        """Spares whose ``prepare`` returned (ready, on their node) or failed (ended)."""
 
         pending = {s.prepare_ref: name for name, s in self.spares.items()
                    if s.prepare_ref is not None}
@@ -232,9 +215,11 @@ class LearnerGroups:
             name = pending[ref]
             self.spares[name].prepare_ref = None
             try:
-                out.append(SpareResult(name, ray.get(ref), None))
+                info = ray.get(ref)
             except Exception as exc:
-                out.append(SpareResult(name, None, error_text(exc, 300)))
+                out.append(SpareFailed(name, error_text(exc, 300)))
+                continue
+            out.append(SpareReady(name, info.get("prepare_s"), info.get("node_id")))
         return out
 
     def wait(self, other_refs: list, timeout_s: float) -> bool:
@@ -302,14 +287,11 @@ class SyncerShards:
         self.handles[s], self.closed_refs[s] = handle, handle.wait_closed.remote()
         return ready
 
-    def ended(self) -> list[int]:
+    def ended(self) -> list[ShardEnded]:
         """The shards whose actor has ended since they were started or attached."""
 
-        out = []
-        for s, ref in enumerate(self.closed_refs):
-            if ref is not None and ray.wait([ref], timeout=0)[0]:
-                out.append(s)
-        return out
+        return [ShardEnded(s) for s, ref in enumerate(self.closed_refs)
+                if ref is not None and ray.wait([ref], timeout=0)[0]]
 
     def kill(self, s: int) -> None:
 
@@ -340,7 +322,7 @@ class SyncerShards:
                 pass
 
     def statuses(self, slowest_step_s: float, paused: bool,
-                 timeout_s: float = 10) -> dict[int, dict]:
+                 timeout_s: float = 10) -> dict[int, SyncerStatus]:
         """Tells every shard the fleet's pace and pause, and returns the statuses that came
         back (a shard that cannot answer is left out)."""
 
@@ -354,7 +336,7 @@ class SyncerShards:
         out = {}
         for s, ref in refs.items():
             try:
-                out[s] = ray.get(ref, timeout=timeout_s)
+                out[s] = SyncerStatus.of(ray.get(ref, timeout=timeout_s))
             except Exception:
                 continue
         return out

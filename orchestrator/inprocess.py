@@ -24,13 +24,11 @@ import dataclasses
 import heapq
 import itertools
 import math
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
-from islands import CARRY_OVERLAP
-from islands.faults import LEARNER_LOSS_KINDS, Fault, FaultKind, FaultWindows, Link
+from islands.faults import LEARNER_LOSS_KINDS, Fault, FaultKind, FaultWindows
 from islands.learners.core import LearnerCore
 from islands.learners.inner import at_schedule_step
 from islands.learners.loop import LearnerLoop
@@ -38,12 +36,13 @@ from islands.orchestrator import fleet as fleet_lib
 from islands.orchestrator import seam
 from islands.orchestrator.books import Books
 from islands.orchestrator.chaos import FaultPlan, RestartCosts
-from islands.orchestrator.health import RestartPolicy
+from islands.orchestrator.run_record import RunRecord, StepRecord, series_from_intervals  # noqa: F401
+from islands.orchestrator.virtual_fleet import (Fleet, assemble_like,  # noqa: F401
+                                                build_syncer_and_learners, fleet_settings)
 from islands.syncer import downlink as downlink_lib
 from islands.syncer import fragments as fragments_lib
 from islands.syncer import timing
-from islands.syncer.core import MergeResult, SyncerCore
-from islands.syncer.fragments import FragmentPlan
+from islands.syncer.core import SyncerCore
 from islands.syncer.validate import SYNCER_DOWN
 
 # Event priorities at equal times: pushes leave before the syncer decides, the syncer answers
@@ -51,169 +50,6 @@ from islands.syncer.validate import SYNCER_DOWN
 # A fault at the time a step ends hits after that step's pushes left (they are then refused), and
 # before the learner starts another step; a restarted learner starts after everything else.
 _STEP_DONE, _FAULT, _ARRIVE, _CHECK, _REPLY, _STEP_START, _FLEET, _RESTART = range(8)
-
-
-@dataclass(frozen=True)
-class Fleet:
-    """Speeds, regions and links of the simulated learners.
-
-    Attributes:
-      speed_factors: one per learner; step time = step_time_s / speed.
-      step_time_s: nominal seconds per inner step.
-      step_noise: relative step-time noise, uniform in [−noise, +noise], seeded per learner.
-      latency_s: one-way latency of every message.
-      bandwidth_bytes_per_s: link bandwidth (inf = instantaneous transfer).
-      seed: seed of the noise.
-      regions: the region of each learner (network faults and region losses act per region);
-        None: the learner id up to its last ":" ("us-east:0" is in "us-east").
-      spares: warm spares kept per region by the same fleet state machine as the service.
-    """
-
-    speed_factors: Sequence[float]
-    step_time_s: float = 1.0
-    step_noise: float = 0.0
-    latency_s: float = 0.0
-    bandwidth_bytes_per_s: float = math.inf
-    seed: int = 0
-    regions: Optional[Sequence[str]] = None
-    spares: int = 0              # warm spares per region (RestartCosts.promote_s to take over)
-
-    def transfer_s(self, nbytes: int) -> float:
-        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
-
-    @property
-    def link(self) -> Link:
-        return Link(self.latency_s, self.bandwidth_bytes_per_s)
-
-    def region_of(self, index: int, learner_id: str) -> str:
-        if self.regions is not None:
-            return self.regions[index]
-        return learner_id.rsplit(":", 1)[0] if ":" in learner_id else learner_id
-
-    def noise_rng(self, index: int) -> np.random.Generator:
-        """Learner ``index``'s own noise stream: a fault elsewhere never changes its step times."""
-        return np.random.default_rng((self.seed, index))
-
-    def nominal_step_s(self, index: int) -> float:
-        return self.step_time_s / self.speed_factors[index]
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    """One inner step: learner index, incarnation, the step count after it, start and duration."""
-
-    learner: int
-    incarnation: int
-    step: int
-    start_s: float
-    step_s: float
-
-
-@dataclass
-class RunRecord:
-    """What an in-process run produced."""
-
-    global_params: Any
-    learner_params: list[Any]
-    merges: list[MergeResult] = field(default_factory=list)
-    evals: list[tuple[float, int, float]] = field(default_factory=list)  # (time_s, tokens, loss)
-    train_losses: list[list[float]] = field(default_factory=list)
-    rejected: dict = field(default_factory=dict)
-    wire_bytes_up: int = 0
-    wire_bytes_down: int = 0
-    tokens_processed: int = 0
-    end_time_s: float = 0.0
-    steps: list[int] = field(default_factory=list)
-    # -- failures and goodput (docs/architecture.md#failures-and-reintegration, §6) ----------------------------------------------------
-    learner_ids: list[str] = field(default_factory=list)
-    regions: list[str] = field(default_factory=list)
-    step_log: list[StepRecord] = field(default_factory=list)
-    restarts: list[dict] = field(default_factory=list)   # one per new incarnation
-    faults_fired: list[Fault] = field(default_factory=list)
-    faults_skipped: list[tuple[Fault, str]] = field(default_factory=list)  # (fault, why)
-    down_intervals: list[list[tuple[float, float]]] = field(default_factory=list)
-    allocated_s: list[float] = field(default_factory=list)     # per learner slot
-    useful_s: list[float] = field(default_factory=list)        # applied inner-step seconds
-    ledger: dict[str, dict] = field(default_factory=dict)      # tokens by fate, per learner
-    dropped_pushes: int = 0
-    wire_bytes_restore: int = 0    # fragments fetched by restarted learners (fp32)
-    watermarks: dict[tuple[int, int], int] = field(default_factory=dict)  # (i, inc) -> step
-    learners: list[LearnerCore] = field(default_factory=list)  # final cores (restarts included)
-    transitions: list[tuple[float, fleet_lib.Transition]] = field(default_factory=list)
-    refusals: list[dict] = field(default_factory=list)   # every refused push, with its reason
-    commands_refused: list[tuple] = field(default_factory=list)  # (time_s, command, why)
-
-    @property
-    def goodput(self) -> float:
-        """Σ applied inner-step seconds ÷ Σ allocated seconds (docs/architecture.md#goodput); 0 for an empty run."""
-        allocated = sum(self.allocated_s)
-        return sum(self.useful_s) / allocated if allocated > 0 else 0.0
-
-    def applied(self, s: StepRecord) -> bool:
-        """Whether a step's update reached a merge (its incarnation's watermark covers it)."""
-        return s.step <= self.watermarks.get((s.learner, s.incarnation), -1)
-
-    def goodput_series(self, bin_s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Goodput over virtual time: ``(bin_end_s, windowed, cumulative)``.
-
-        A step counts as useful in hindsight (its update was applied by the end of the run),
-        spread over the bins it overlaps; allocated time is each slot's ``[0, allocated_s]``.
-        """
-        return series_from_intervals(
-            [(s.start_s, s.start_s + s.step_s) for s in self.step_log if self.applied(s)],
-            self.allocated_s, bin_s)
-
-
-def series_from_intervals(useful: Sequence[tuple[float, float]], allocated_s: Sequence[float],
-                          bin_s: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Windowed and cumulative goodput from useful intervals and per-slot allocation ends.
-
-    Args:
-      useful: ``(start_s, end_s)`` of each useful piece of work (any slot).
-      allocated_s: per slot, the slot exists on ``[0, allocated_s]``.
-      bin_s: window width (seconds).
-
-    Returns:
-      ``(bin_end_s, windowed, cumulative)``; windowed = useful ÷ allocated within the bin.
-    """
-    if bin_s <= 0:
-        raise ValueError(f"bin_s must be > 0, got {bin_s}")
-    horizon = max(list(allocated_s) + [end for _, end in useful] + [0.0])
-    edges = np.arange(0.0, horizon + bin_s, bin_s)
-    if len(edges) < 2:
-        edges = np.array([0.0, bin_s])
-    useful_bins = np.zeros(len(edges) - 1)
-    for start, end in useful:
-        first = int(start // bin_s)
-        last = min(int(math.ceil(end / bin_s)), len(useful_bins))
-        for b in range(first, last):
-            useful_bins[b] += max(0.0, min(end, edges[b + 1]) - max(start, edges[b]))
-    alloc_bins = np.zeros_like(useful_bins)
-    for end in allocated_s:
-        alloc_bins += np.clip(end - edges[:-1], 0.0, bin_s)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        windowed = np.where(alloc_bins > 0, useful_bins / alloc_bins, np.nan)
-        cumulative = np.where(np.cumsum(alloc_bins) > 0,
-                              np.cumsum(useful_bins) / np.cumsum(alloc_bins), np.nan)
-    return edges[1:], windowed, cumulative
-
-
-def fleet_settings(ids: Sequence[str], regions: Sequence[str], speed_factors: Sequence[float],
-                   min_learners: int, spares: int = 0) -> fleet_lib.FleetSettings:
-    """The fleet brain's settings for a virtual fleet: learners that cannot hang or straggle,
-    restarts without a backoff of their own (``RestartCosts.restart_s`` holds it), no budget."""
-    by_region: dict[str, list[int]] = {}
-    for i, region in enumerate(regions):
-        by_region.setdefault(region, []).append(i)
-    plans = {region: fleet_lib.RegionPlan(len(idx), len(idx),
-                                          tuple(float(speed_factors[i]) for i in idx),
-                                          tuple(ids[i] for i in idx), spares=spares)
-             for region, idx in by_region.items()}
-    return fleet_lib.FleetSettings(
-        regions=plans, min_learners=min_learners,
-        policy=RestartPolicy(backoff_initial_s=0.0, backoff_multiplier=1.0, backoff_max_s=0.0,
-                             max_crash_restarts=None, max_preemption_restarts=None),
-        heartbeat_timeout_s=math.inf, startup_timeout_s=math.inf, straggler_factor=math.inf)
 
 
 class _Driver:
@@ -939,32 +775,6 @@ def run_inprocess(
                    eval_every_steps=eval_every_steps, assemble=assemble, faults=faults,
                    restart=restart, opt_init=opt_init, until_s=until_s,
                    commands=commands).run()
-
-
-def assemble_like(template: Any) -> Callable[[dict], Any]:
-    """Returns ``flat {path: array} -> tree`` shaped like ``template``."""
-    return fragments_lib.assembler(template)
-
-
-def build_syncer_and_learners(*, params: Any, opt_init: Callable[[Any], Any], plan: FragmentPlan,
-                              settings, outer_optimizer, error_feedback_factory: Callable[[], Any],
-                              decode, wire_bytes, learner_ids: Sequence[str], merge_alpha: float,
-                              is_embedding=lambda path: False, carry_overlap: bool = CARRY_OVERLAP,
-                              downlink: Optional[downlink_lib.DownlinkSettings] = None,
-                              ) -> tuple[SyncerCore, list[LearnerCore]]:
-    """A syncer holding ``params`` and learners registered with it, all starting from ``params``.
-    ``downlink``: how the syncer answers merged pushes (None: the full fragment, fp32)."""
-    fragments = [fragments_lib.extract(params, plan, p) for p in range(plan.num_fragments)]
-    syncer = SyncerCore(fragments, settings, outer_optimizer, decode, is_embedding,
-                        downlink=downlink)
-    cores = []
-    for learner_id in learner_ids:
-        _, frags = syncer.register(learner_id, 0)
-        cores.append(LearnerCore(learner_id, params, opt_init(params), plan,
-                                 [v for _, v in frags], error_feedback_factory(), wire_bytes,
-                                 decode, overlap_steps=settings.overlap_steps,
-                                 merge_alpha=merge_alpha, carry_overlap=carry_overlap))
-    return syncer, cores
 
 
 def run_task(task, *, steps: int, optimizer, num_learners: int = 2, fragments: int = 2,

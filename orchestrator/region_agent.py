@@ -1,7 +1,8 @@
 """A region in its own Ray cluster: ``islands region join --home HOST:PORT --region NAME``.
 
 The region agent is the job's controller in region mode (``RegionController``, named
-``islands:controller`` in the region's cluster): the same fleet state machine and health rules
+``islands:controller`` in the region's cluster, a ``Controller`` with a ``RegionRole``): the
+same fleet state machine and health rules
 launch, check, restart and reintegrate the region's learners locally, from a local peer, so a
 restart crosses the WAN only for the parameters the new incarnation registers with. Its syncer is
 the link (``LinkClient``, named ``islands:syncer`` there): learners push to it unchanged, and the
@@ -21,10 +22,11 @@ from typing import Optional
 
 import ray
 
-from islands.learners.messages import beat_dict
+from islands.learners.messages import Heartbeat
 from islands.orchestrator import fleet as fleet_lib
+from islands.orchestrator import seam
 from islands.orchestrator.controller import Controller
-from islands.orchestrator.groups import SyncerShards
+from islands.orchestrator.owner_role import OwnerRole
 from islands.orchestrator.runtime import (NAMESPACE, ON_HEAD, SYNCER_NAME, Role,
                                           controller_options, cpu_runtime_env)
 
@@ -57,91 +59,73 @@ def region_config(config: dict, region: str):
                                      "quorum": {**config["quorum"], "min_learners": 1}})
 
 
-class RegionController(Controller):
-    """The region agent: the controller on the region's side of the link.
-
-    Create with ``ray.remote(RegionController).options(**controller_options(run_dir))`` after
-    the ``LinkClient`` is up under ``islands:syncer``. Ray restarts it as it restarts the home's
-    controller: the base's recovery re-attaches the link (its one shard) and the learners still
-    running, and relaunches the ones gone; the home sees none of it but a short silence.
+class RegionRole(OwnerRole):
+    """What makes an owner a region's agent (``controller.OwnerRole``): its one syncer shard is
+    the link client (``islands:syncer`` in the region's cluster), its data shards are the home's
+    share for the region, the home evaluates, and after every step the agent tells the home its
+    slots (with each one's last failure cause) and relays its learners' heartbeats.
     """
 
-    def __init__(self, config, run_dir: str, region: str, shard_base: int, num_shards: int):
-        # Set before the base's __init__, which recovers a restarted agent from them.
+    owns_syncers = False
+    evaluates = False
+
+    def __init__(self, region: str, shard_base: int, num_shards: int):
         self.region, self.shard_base, self.num_shards = region, shard_base, num_shards
         self.last_cause: dict[str, str] = {}
-        self.syncer = None   # the link client (the region's one syncer), once attached
-        super().__init__(config, run_dir)
+        self.owner: Optional[Controller] = None
 
-    def _fleet_settings(self) -> fleet_lib.FleetSettings:
-        return dataclasses.replace(super()._fleet_settings(), first_shard=self.shard_base,
+    def bind(self, owner: Controller) -> None:
+        self.owner = owner
+
+    @property
+    def link(self):
+        """The link client (the region's one syncer), once attached; None before."""
+        handles = self.owner.shards.handles
+        return handles[0] if handles else None
+
+    def fleet_settings(self, settings: fleet_lib.FleetSettings) -> fleet_lib.FleetSettings:
+        return dataclasses.replace(settings, first_shard=self.shard_base,
                                    num_shards=self.num_shards)
 
-    def _init_shards(self) -> None:
-        """The agent's one syncer is the link, whatever ``syncer.shards`` the job has: the
-        home's shards are behind it (the region's learners reach shards s > 0 through the
-        ``LinkShard`` actors ``join`` starts; their forgets and statuses are the link's)."""
-        super()._init_shards()
-        self.shards = SyncerShards(1)
-        self.shard_status, self.shard_refusals_seen, self.started_epochs = [{}], [0], [0]
+    def attach_link(self) -> None:
+        owner = self.owner
+        ready = owner.shards.attach(0, SYNCER_NAME, owner.settings.placement_timeout_s)
+        owner.emit("link_ready", region=self.region, epoch=ready["epoch"])
 
-    def _start_syncer(self, epoch: int, restore: bool, syncer_shard: int = 0) -> None:
-        ready = self.shards.attach(0, SYNCER_NAME, self.settings.placement_timeout_s)
-        self.syncer = self.shards.handles[0]   # the link client, for the agent's own calls
-        self.emit("link_ready", region=self.region, epoch=ready["epoch"])
-
-    def _recover(self) -> None:
-        super()._recover()
-        self.syncer = self.shards.handles[0]
-
-    def _recovery_observations(self) -> list:
+    def recovery_observations(self) -> list:
         """The home's pause as the link last heard it: the link tells changes only, and the
         rebuilt fleet must hold (or resume) its learners as before the restart."""
-
-        state = ray.get(self.shards.handles[0].home_state.remote(), timeout=30)
+        state = ray.get(self.link.home_state.remote(), timeout=30)
         return [fleet_lib.HomePause(state.get("paused"))]
 
-    def evaluate_now(self) -> Optional[float]:
-        """The home evaluates the global parameters; the region fetches nothing for it."""
-        return None
+    def heard(self, beat: Heartbeat) -> None:
+        if self.link is not None:   # to home over the link, as plain values
+            self.link.beat.remote(beat.as_dict())
 
-    def heartbeat(self, beat: dict) -> None:
-        super().heartbeat(beat)
-        if self.syncer is not None:   # to home over the link, as plain values
-            self.syncer.beat.remote(beat_dict(beat))
-
-    def _record(self, t) -> None:
-        super()._record(t)
+    def recorded(self, t: fleet_lib.Transition) -> None:
         if t.name == "learner_failed":
             self.last_cause[t.learner] = str(t.fields.get("cause", ""))
         elif t.name == "learner_retired":
             self.last_cause[t.learner] = str(t.fields.get("reason", "")).split(" ")[0]
 
-    def _step(self, observations: list) -> None:
-        super()._step(observations)
-        if self.syncer is None:
+    def stepped(self) -> None:
+        if self.link is None:
             return
         slots = [{"learner": s.learner, "incarnation": s.incarnation, "state": s.state.value,
                   "shard": s.shard, "last_cause": self.last_cause.get(s.learner, ""),
                   # The home mirrors this count: one restart budget per learner, the agent's.
                   "restarts_json": json.dumps({c.value: n for c, n in s.restarts})}
-                 for s in self.fleet.slots.values()]
-        self.syncer.set_slots.remote(slots)
+                 for s in self.owner.fleet.slots.values()]
+        self.link.set_slots.remote(slots)
 
-    def home_verdict(self, learner: str, incarnation: int, cause: str) -> None:
-        """The home found this incarnation hung (its heartbeats stopped reaching home): the same
-        verdict as this agent's own check, which usually comes first."""
-        self.inbox.put((fleet_lib.Unhealthy(learner, incarnation, cause,
-                                            f"{cause} seen at home"), None))
-
-    def home_pause(self, reason) -> None:
-        """Training at home paused (``reason``) or resumed (None): this region's learners
-        follow, through the same quorum-floor rule as a pause of its own."""
-        self.inbox.put((fleet_lib.HomePause(reason), None))
+    def handlers(self) -> seam.Table:
+        return {fleet_lib.LinkFault: self._do_linkfault,
+                fleet_lib.PartitionHome: self._do_partitionhome,
+                fleet_lib.RestartRemote: self._do_restartremote}
 
     def _do_linkfault(self, a) -> None:
         """Chaos on the region's link acts on the real link (the relay), not in the learners."""
-        self.syncer.link_fault.remote(a.fault)
+        self.link.link_fault.remote(a.fault)
 
     def _do_partitionhome(self, a) -> None:
         raise RuntimeError("a home partition is the home's chaos: a region agent's fleet has no "
@@ -151,9 +135,58 @@ class RegionController(Controller):
         raise RuntimeError(f"RestartRemote({a.learner}): the region's learners are the agent's "
                            "own; the home's verdicts reach it as Unhealthy (home_verdict)")
 
+
+# The controller's actor methods the agent answers as the home's controller does: its learners'
+# heartbeats, ``join``'s start, events and shutdown, and an operator's reads and commands.
+FORWARDED = ("start", "heartbeat", "events_since", "shutdown", "ping", "emit", "snapshot",
+             "summary", "status_table", "tokens", "goodput", "learner_goodput", "evaluate_now",
+             "scale", "drain", "drain_node", "pause", "chaos_kill", "chaos_slowdown",
+             "chaos_hang", "chaos_region_loss", "chaos_network", "serve_metrics",
+             "serve_console", "console_url", "console_view")
+
+
+class RegionController:
+    """The region agent: the job's owner loop on the region's side of the link, a
+    ``Controller`` built with a ``RegionRole`` (composition: it customises the controller only
+    through the role's hooks).
+
+    Create with ``ray.remote(RegionController).options(**controller_options(run_dir))`` after
+    the ``LinkClient`` is up under ``islands:syncer``. Ray restarts it as it restarts the home's
+    controller: the owner's recovery re-attaches the link (its one shard) and the learners still
+    running, and relaunches the ones gone; the home sees none of it but a short silence.
+    """
+
+    def __init__(self, config, run_dir: str, region: str, shard_base: int, num_shards: int):
+        self.role = RegionRole(region, shard_base, num_shards)
+        self.owner = Controller(config, run_dir, role=self.role)
+
+    def home_verdict(self, learner: str, incarnation: int, cause: str) -> None:
+        """The home found this incarnation hung (its heartbeats stopped reaching home): the same
+        verdict as this agent's own check, which usually comes first."""
+        self.owner.inbox.put((fleet_lib.Unhealthy(learner, incarnation, cause,
+                                                  f"{cause} seen at home"), None))
+
+    def home_pause(self, reason) -> None:
+        """Training at home paused (``reason``) or resumed (None): this region's learners
+        follow, through the same quorum-floor rule as a pause of its own."""
+        self.owner.inbox.put((fleet_lib.HomePause(reason), None))
+
     def link_status(self) -> dict:
 
-        return ray.get(self.syncer.link_status.remote(), timeout=10)
+        return ray.get(self.role.link.link_status.remote(), timeout=10)
+
+
+def _forward(name: str):
+    def method(self, *args, **kwargs):
+        return getattr(self.owner, name)(*args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = getattr(Controller, name).__doc__
+    return method
+
+
+for _name in FORWARDED:
+    setattr(RegionController, _name, _forward(_name))
 
 
 def leave_reason(home_ended: Optional[str], since_ok_s: float,

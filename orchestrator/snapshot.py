@@ -126,7 +126,7 @@ def job_snapshot(controller: Any) -> JobSnapshot:
     now = time.time()
     fleet = controller.fleet
     with controller.lock:
-        status = dict(controller.syncer_status)
+        status = controller.syncer_status.as_dict()
         closed_syncer = {k: dict(v) for k, v in controller.syncer_closed.items()}
         eval_loss = controller.eval_history[-1][2] if controller.eval_history else None
         initial_eval_loss = controller.initial_eval_loss
@@ -137,7 +137,7 @@ def job_snapshot(controller: Any) -> JobSnapshot:
     for name, slot in fleet.slots.items():
         run = controller.running.get(name)
         closed = controller.closed.get(name, {})
-        beat = run.beat if run is not None else closed.get("beat", {})
+        beat = run.counters() if run is not None else closed.get("beat", {})
         current_steps = (max(0, int(beat.get("step", slot.start_step) or 0) - slot.start_step)
                          if run is not None else 0)
         up_now = int(beat.get("wire_bytes_up", 0) or 0) if run is not None else 0
@@ -186,6 +186,62 @@ def job_snapshot(controller: Any) -> JobSnapshot:
         spares={name: {"region": x.region, "state": x.state.value,
                        "age_s": now - x.launched_s, "for": x.for_learner}
                 for name, x in fleet.spares.items()})
+
+
+# -- views of the owner (the controller or a region agent) its actor methods return -----------
+def live_fates(owner: Any) -> dict:
+    """Each running incarnation's own books, from its newest heartbeat."""
+    return {name: inc.beat.fates if inc.beat is not None else None
+            for name, inc in list(owner.running.items())}
+
+
+def goodput_view(owner: Any) -> dict:
+    """The job's goodput now, its sliding window and its badput by cause (never going back)."""
+    from .metrics import window_label, windowed_ratio
+    from .books import goodput
+
+    now = time.time()
+    useful = owner.books.useful_s(live_fates(owner))
+    allocated = owner.books.allocated_s(now)
+    window_s = owner.settings.goodput_window_s
+    history = list(owner.goodput_history) + [(now, useful, allocated)]
+    split = owner.books.badput(live_fates(owner), now)
+    # Counters never go back: the training phase's remainder wiggles by a step as beats land.
+    for cause, x in split["badput_s"].items():
+        owner.badput_high[cause] = max(owner.badput_high.get(cause, 0.0), x)
+    return {"useful_s": useful, "allocated_s": allocated, "goodput": goodput(useful, allocated),
+            "window": {"label": window_label(window_s), "seconds": window_s,
+                       "ratio": windowed_ratio(history, now, window_s)},
+            "goodput_s": split["goodput_s"], "badput_s": dict(owner.badput_high),
+            "unsettled_s": split["unsettled_s"]}
+
+
+def learner_goodput(owner: Any, learner: str) -> float:
+    """One learner slot's goodput: its applied inner-step seconds (every incarnation) over
+    the seconds its slot was allocated (restarts included)."""
+    from .books import goodput
+
+    live = live_fates(owner).get(learner)
+    useful = owner.books.learner_tokens(learner, live).applied_s / owner.books.num_fragments
+    return goodput(useful, owner.books.allocated_s(time.time(), learner))
+
+
+def console_view(owner: Any) -> dict:
+    """What the console shows, read once under the lock: the snapshot and what only the
+    fleet and the beats know (the console reads this view, never the controller's fields)."""
+    snap = owner.snapshot()
+    with owner.lock:
+        events = list(owner.events[-2000:])
+        profilers = {name: run.beat.profiler if run.beat is not None else None
+                     for name, run in owner.running.items()}
+    return {"snapshot": snap, "events": events, "profilers": profilers,
+            "job": owner.config.name, "goodput_window_s": owner.settings.goodput_window_s,
+            "goodput_history": list(owner.goodput_history),
+            "misconfigured": dict(owner.fleet.misconfigured),
+            "operator_paused": owner.fleet.operator_paused,
+            "regions": {name: {"target": owner.fleet.targets.get(name, 0),
+                               "max_learners": region.max_learners, "remote": region.remote}
+                        for name, region in owner.config.regions.items()}}
 
 
 def finite(value: Any) -> Any:

@@ -21,6 +21,7 @@ from . import shards as shards_lib
 from . import timing
 from .core import SyncerCore, SyncerSettings
 from .state import snapshot_due
+from .status import SyncerStatus
 from .shards import SYNCER_NAME  # noqa: F401  (shard 0's name; shards.syncer_shard_name)
 from .validate import Push
 
@@ -330,7 +331,7 @@ class Syncer:
     async def global_params(self) -> tuple[dict, list[int]]:
         return self.core.params_flat(), list(self.core.versions)
 
-    async def status(self) -> dict:
+    async def status(self) -> SyncerStatus:
         ledger = {name: {"incarnation": e.incarnation, "applied_tokens": e.applied_tokens,
                          "applied_tokens_incarnation": e.applied_tokens_done,
                          "applied_compute_s": e.applied_compute_total_s,
@@ -339,29 +340,29 @@ class Syncer:
                          "merged_steps": {self._global(p): v for p, v in e.merged_steps.items()},
                          "merged_tokens_total": e.merged_tokens_total, "fates": e.fates}
                   for name, e in self.core.ledger.items()}
-        return {
-            "epoch": self.core.epoch,
-            "versions": list(self.core.versions),
-            "merges": int(sum(self.core.versions)),  # survives restarts: versions are snapshotted
-            "merges_by_fragment": {self._global(p): v for p, v in enumerate(self.core.versions)},
-            "quorum_size": dict(self.last_quorum),
+        return SyncerStatus(
+            epoch=self.core.epoch,
+            versions=list(self.core.versions),
+            merges=int(sum(self.core.versions)),  # survives restarts: versions are snapshotted
+            merges_by_fragment={self._global(p): v for p, v in enumerate(self.core.versions)},
+            quorum_size=dict(self.last_quorum),
             # Participation (docs/metrics.md): live learners at each fragment's last merge, and
             # the merges that replaced Θ by "participants/live".
-            "live_learners": {self._global(p): n for p, n in self.core.last_live.items()},
-            "participation_counts": dict(self.core.participation_counts),
-            "grace_window_s": self.last_grace_s,
-            "staleness_counts": dict(self.core.staleness_counts),
-            "rejected": {r.value: n for r, n in self.core.rejected.items()},
-            "registered": dict(self.core.learners),
-            "refusals_total": self.core.refusals_total,
-            "quarantined": dict(self.core.quarantined),
-            "ledger": ledger,
-            "wire_bytes_up": dict(self.wire_bytes_up),
-            "wire_bytes_down": dict(self.wire_bytes_down),
-            "restored_from": self.restored_from,
-            "syncer_shard": self.spec.syncer_shard,
-            "fragment_ids": self._ids(),
-        }
+            live_learners={self._global(p): n for p, n in self.core.last_live.items()},
+            participation_counts=dict(self.core.participation_counts),
+            grace_window_s=self.last_grace_s,
+            staleness_counts=dict(self.core.staleness_counts),
+            rejected={r.value: n for r, n in self.core.rejected.items()},
+            registered=dict(self.core.learners),
+            refusals_total=self.core.refusals_total,
+            quarantined=dict(self.core.quarantined),
+            ledger=ledger,
+            wire_bytes_up=dict(self.wire_bytes_up),
+            wire_bytes_down=dict(self.wire_bytes_down),
+            restored_from=self.restored_from,
+            syncer_shard=self.spec.syncer_shard,
+            fragment_ids=self._ids(),
+        )
 
     async def fragment_at(self, p: int, version: int) -> Optional[dict]:
         """Fragment p at ``version`` if it is still in the history, else None."""

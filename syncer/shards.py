@@ -14,6 +14,8 @@ import heapq
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
+from .status import SyncerStatus
+
 SYNCER_NAME = "islands:syncer"
 
 
@@ -151,8 +153,10 @@ def combine_status(statuses: Sequence[Optional[Mapping]]) -> dict:
     Sums: merges, counts, bytes, a learner's merged fragment-tokens. Per fragment: the owner's
     value. A learner's applied watermark (tokens, compute, step) is the newest any shard holds (a
     shard's is over its fragments only; the books read the exact per-fragment steps). ``epoch``:
-    the highest shard epoch. A shard that could not answer (None) adds nothing.
+    the highest shard epoch. A shard that could not answer (None) adds nothing. A status may
+    be typed (``status.SyncerStatus``, as the actor answers) or its plain values.
     """
+    statuses = [s.as_dict() if isinstance(s, SyncerStatus) else s for s in statuses]
     live = [s for s in statuses if s]
     if len(statuses) == 1 and live:
         return dict(live[0], shards=[_shard_row(0, live[0])])

@@ -236,8 +236,8 @@ def test_remote_merges_partition_and_a_local_restart(two_clusters):
     _wait(lambda: status()["counts"].get("pushes_merged", 0) >= 3, 300, "3 remote merges")
     first = status()
     assert first["bytes"]["up"] > 0 and first["bytes"]["down"] > 0
-    ledger = _wait(lambda: (ray.get(link.status.remote())["ledger"].get("far:0") or {})
-                   if len((ray.get(link.status.remote())["ledger"].get("far:0") or {})
+    ledger = _wait(lambda: (ray.get(link.status.remote()).ledger.get("far:0") or {})
+                   if len((ray.get(link.status.remote()).ledger.get("far:0") or {})
                           .get("merged_steps") or {}) == 2 else None, 120,
                    "far:0 merged on both shards")
     assert sorted(int(p) for p in ledger["merged_steps"]) == [0, 1]
@@ -542,8 +542,8 @@ def test_an_agent_leaves_cleanly_on_sigterm_and_with_its_home_job(two_clusters):
         ray.init(address=address, namespace="islands", log_to_driver=False)
         try:
             link = ray.get_actor("islands:syncer", namespace="islands")
-            far = lambda: (ray.get(link.status.remote(), timeout=30).get(  # noqa: E731
-                "ledger") or {}).get("far:0") or {}
+            far = lambda: ray.get(link.status.remote(), timeout=30).ledger.get(  # noqa: E731
+                "far:0") or {}
             incarnation = _home_rows(home_dir)[-1]["learners"]["far:0"]["incarnation"]
             first = wait_for(lambda: far().get("incarnation") == incarnation and far(), 120,
                              "far:0's rejoined incarnation in the home's ledger",

@@ -77,7 +77,7 @@ def _far_merged_steps(controller=None) -> dict:
             status = ray.get(ray.get_actor(name, namespace="islands").status.remote(), timeout=10)
         except Exception:   # restarting
             continue
-        entry = status["ledger"].get("far:0") or {}
+        entry = status.ledger.get("far:0") or {}
         out.update({int(p): s for p, s in (entry.get("merged_steps") or {}).items()})
     return out
 

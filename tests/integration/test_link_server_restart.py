@@ -64,7 +64,7 @@ def _far_ledger() -> dict:
                          timeout=10)
     except Exception:
         return {}
-    return status["ledger"].get("far:0") or {}
+    return status.ledger.get("far:0") or {}
 
 
 def _info(link):

@@ -52,7 +52,7 @@ def killed_once(config, run_dir) -> dict:
         ray.get(controller.start.remote())
         snap = lambda: ray.get(controller.snapshot.remote())  # noqa: E731
         syncer = ray.get_actor(SYNCER_NAME, namespace=NAMESPACE)
-        ledger = lambda: ray.get(syncer.status.remote())["ledger"].get("a:0") or {}  # noqa: E731
+        ledger = lambda: ray.get(syncer.status.remote()).ledger.get("a:0") or {}  # noqa: E731
         wait_for(lambda: (ledger().get("applied_step") or 0) >= KILL_AFTER_STEP, 240,
                  f"a:0 merged past step {KILL_AFTER_STEP}", describe=ledger)
         wait_for(lambda: snap()["learner_states"].get("training") == len(snap()["learners"]),

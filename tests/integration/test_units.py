@@ -63,7 +63,7 @@ def test_a_two_host_unit_trains_beside_one_host_learners_and_loss_falls(job):
         ["pair:0", "pair", "2×1"]]
     assert snap()["learners"]["one:0"]["unit"] == "1×1 cpu"
     syncer = ray.get_actor(SYNCER_NAME, namespace=NAMESPACE)
-    ledger = ray.get(syncer.status.remote())["ledger"]
+    ledger = ray.get(syncer.status.remote()).ledger
     assert ledger["pair:0"]["merged_tokens_total"] > 0, ledger
     assert ledger["one:0"]["merged_tokens_total"] > 0, ledger
     initial = wait_for(lambda: snap()["initial_eval_loss"], 60, "the initial evaluation")

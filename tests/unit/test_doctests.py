@@ -8,11 +8,12 @@ import pytest
 MODULES = ["islands.syncer.fragments", "islands.syncer.merge", "islands.syncer.quorum",
            "islands.learners.core", "islands.learners.mesh", "islands.orchestrator.health",
            "islands.orchestrator.metrics", "islands.orchestrator.chaos",
-           "islands.orchestrator.controller", "islands.orchestrator.accelerators",
+           "islands.orchestrator.recovery", "islands.orchestrator.accelerators",
            "islands.orchestrator.fleet", "islands.orchestrator.region_agent", "islands.link.client",
             "islands.syncer.state", "islands.link.premerge", "islands.syncer.core",
            "islands.faults", "islands.learners.devices", "islands.orchestrator.runtime",
-           "islands.orchestrator.cli", "islands.orchestrator.seam", "islands.syncer.timing"]
+           "islands.orchestrator.cli", "islands.orchestrator.seam", "islands.syncer.timing",
+           "islands.orchestrator.groups_api", "islands.syncer.status"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -330,8 +330,8 @@ def test_the_syncer_answers_a_premerged_push_once_its_round_merged():
 
     merged, home, status = _actor_run(body)
     assert (merged.status.value, merged.version) == ("merged", 1) and home.version == 1
-    assert status["quorum_size"] == {0: 3}   # the round's learners: two in the group, one alone
-    assert {n: e["merged_tokens_total"] for n, e in status["ledger"].items()} == {
+    assert status.quorum_size == {0: 3}   # the round's learners: two in the group, one alone
+    assert {n: e["merged_tokens_total"] for n, e in status.ledger.items()} == {
         "far:0": 64, "far:1": 96, "home:0": 32}
 
 

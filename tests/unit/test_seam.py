@@ -15,7 +15,7 @@ import numpy as np
 import optax
 import pytest
 
-from islands.orchestrator.region_agent import RegionController
+from islands.orchestrator.region_agent import RegionController, RegionRole
 from islands.orchestrator import fleet as F
 from islands.orchestrator import inprocess, seam
 from islands.orchestrator.books import Books
@@ -26,7 +26,7 @@ from islands.syncer import fragments, merge, outer
 from islands.syncer.core import SyncerSettings
 from islands.syncer.validate import RejectReason
 
-BODIES = [(Controller, "_do_"), (RegionController, "_do_"), (inprocess._Driver, "do_")]
+BODIES = [(Controller, "_do_"), (inprocess._Driver, "do_")]
 NOT_ACTIONS = {"Transition", "Step"}   # dataclasses of the actions section that are its output
 
 
@@ -56,6 +56,18 @@ def test_every_action_has_a_handler_in_every_body(body, prefix):
     assert set(table) == set(F.ACTIONS)
     for action_type, handler in table.items():
         assert handler.__name__ == prefix + action_type.__name__.lower()
+
+
+def test_the_region_agent_is_a_controller_with_the_regions_role_not_a_subclass():
+    """Composition: the agent holds a ``Controller`` built with a ``RegionRole``, whose handlers
+    replace the home's for the three actions a region carries out its own way."""
+    assert not issubclass(RegionController, Controller)
+    role = RegionRole("a", 0, 1)
+    table = {**seam.handler_table(Controller, "_do_"), **role.handlers()}
+    assert set(table) == set(F.ACTIONS)
+    assert {t for t, handler in table.items() if getattr(handler, "__self__", None) is role} == {
+        F.LinkFault, F.PartitionHome, F.RestartRemote}
+    assert not (role.owns_syncers or role.evaluates)
 
 
 def test_a_body_missing_handlers_is_refused_at_its_start_naming_them():
@@ -94,7 +106,7 @@ def test_the_controller_reports_a_failed_action_and_goes_on_with_the_next():
 
 def test_the_region_agent_and_the_driver_refuse_remote_only_actions_clearly():
     fault = FaultPlan().partition("a", at_s=1.0, duration_s=2.0).faults[0]
-    agent = RegionController.__new__(RegionController)
+    agent = RegionRole("a", 0, 1)
     with pytest.raises(RuntimeError, match="home partition"):
         agent._do_partitionhome(F.PartitionHome(fault))
     driver = inprocess._Driver.__new__(inprocess._Driver)

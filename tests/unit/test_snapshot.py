@@ -230,7 +230,7 @@ def test_the_journal_is_written_off_the_loop_and_the_merge_answered_once_durable
             tokens_done=128, session=reg["session"])))
         await asyncio.get_running_loop().run_in_executor(None, started.wait)  # being written
         status = await syncer.status()            # the loop is free meanwhile
-        held = (reply.done(), status["versions"], entry.exists(), 0 in syncer.journal_pending)
+        held = (reply.done(), status.versions, entry.exists(), 0 in syncer.journal_pending)
         release.set()
         answer = await asyncio.wait_for(reply, timeout=60)
         syncer._loop_task.cancel()

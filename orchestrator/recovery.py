@@ -1,0 +1,175 @@
+"""Surviving a restart of the owner's actor: what it saves (about once a second) and how a
+restarted controller (or region agent) rebuilds itself from that, the live syncer shards and the
+learners that kept training meanwhile. Functions over the owner (``controller.Controller``), as
+``snapshot.job_snapshot`` reads it; the owner's loop itself is not here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from typing import Any, Optional
+
+from . import fleet as fleet_lib
+from .books import Books
+from .groups_api import Incarnation
+from .metrics import window_to_save
+from .runtime import enable_compile_cache
+from .snapshot import finite
+
+
+def missed_restarts(saved_started: Optional[list], shard: int, live_epoch: int) -> int:
+    """Syncer restarts a restarted controller's saved state does not know of: each restart starts
+    the shard at the epoch after the dead one's, so the live shard's epoch less the one it was
+    last started with (as saved) counts them. No saved epoch (an older state file): none.
+
+    >>> missed_restarts([3, 5], 1, 6), missed_restarts([3], 0, 3), missed_restarts(None, 0, 9)
+    (1, 0, 0)
+    """
+    if not saved_started or shard >= len(saved_started):
+        return 0
+    return max(0, live_epoch - int(saved_started[shard]))
+
+
+def save_state(owner: Any) -> None:
+    """What a restarted controller cannot ask anyone else for: the books, the slots' states and
+    restart counts, the chaos plan's progress (written atomically, about once a second)."""
+    fleet = owner.fleet
+    state = {
+        "books": owner.books.to_json(), "closed": owner.closed,
+        "slots": [{"learner": x.learner, "region": x.region, "index": x.index,
+                   "shard": x.shard, "speed_factor": x.speed_factor, "state": x.state.value,
+                   "incarnation": x.incarnation, "start_step": x.start_step,
+                   "restarts": {c.value: n for c, n in x.restarts}, "actor": x.actor,
+                   "slow_tolerated": x.slow_tolerated}
+                  for x in fleet.slots.values()],
+        "targets": dict(fleet.targets), "next_index": dict(fleet.next_index),
+        "next_shard": fleet.next_shard, "next_spare": fleet.next_spare,
+        "operator_paused": fleet.operator_paused,
+        "recoveries": owner.recoveries[-1000:],
+        "eval_history": owner.eval_history[-1000:], "initial_eval_loss": owner.initial_eval_loss,
+        "syncer_restarts": owner.syncer_restarts, "syncer_closed": owner.syncer_closed,
+        "chaos_fired": owner.chaos_fired, "job_started_s": owner.job_started_s,
+        "started_s": owner.started_s, "restarts": getattr(owner, "restarts", 0),
+        "syncer_epoch": int(owner.syncer_status.epoch),
+        "syncer_epochs": [int(st.epoch) if st is not None else 0 for st in owner.shard_status],
+        "started_epochs": list(owner.started_epochs),
+        "goodput_history": window_to_save(owner.goodput_history, time.time(),
+                                          owner.settings.goodput_window_s),
+        "step_seconds": owner.step_seconds}
+    os.makedirs(owner.run_dir, exist_ok=True)
+    tmp = owner.state_path + ".tmp"
+    with open(tmp, "w") as f:
+        json.dump(finite(state), f, default=str, allow_nan=False)
+    os.replace(tmp, owner.state_path)
+
+
+def recover(owner: Any) -> None:
+    """Rebuilds the controller after Ray restarted it: its saved books and slots, the live
+    syncer (or a restored one), and the learners that kept training meanwhile — none of them
+    is stopped. Learners that died while it was away are relaunched by the first step."""
+    from . import build
+    from .health import Cause
+
+    with open(owner.state_path) as f:
+        saved = json.load(f)
+    owner.books = Books.from_json(saved["books"])
+    owner.closed = saved["closed"]
+    owner.recoveries, owner.chaos_fired = saved["recoveries"], saved["chaos_fired"]
+    owner.eval_history = [tuple(e) for e in saved["eval_history"]]
+    owner.initial_eval_loss = saved["initial_eval_loss"]
+    owner.syncer_restarts, owner.syncer_closed = saved["syncer_restarts"], saved["syncer_closed"]
+    owner.started_s, owner.job_started_s = saved["started_s"], saved["job_started_s"]
+    owner.restarts = saved["restarts"] + 1
+    # The sliding goodput window goes on from the samples it held (not from 1.0 at zero).
+    owner.goodput_history = [tuple(x) for x in saved.get("goodput_history") or []]
+    owner.step_seconds = saved.get("step_seconds") or {}
+    if owner.chaos_plan is not None and owner.job_started_s is not None:
+        owner.chaos_plan.due(time.time() - owner.job_started_s)  # fired before: not again
+    owner._build_task()
+    owner.jax_cache_dir = os.path.join(owner.run_dir, "jax_cache")
+    enable_compile_cache(owner.jax_cache_dir)
+    owner.syncer_spec = build.syncer_spec(owner.config, owner.template, owner.run_dir,
+                                         owner.task.is_embedding)
+    owner._init_shards()
+    epochs = saved.get("syncer_epochs") or [saved["syncer_epoch"]]
+    for s in range(owner.shards.count):
+        from islands.syncer.shards import syncer_shard_name
+
+        try:
+            live_epoch = int(owner.shards.attach(s, syncer_shard_name(s), 30)["epoch"])
+            # A restart between the last save and this controller's death (the state is
+            # up to a second old) left the shard at a newer epoch than saved: count it.
+            owner.syncer_restarts += missed_restarts(saved.get("started_epochs"), s,
+                                                    live_epoch)
+            owner.started_epochs[s] = live_epoch
+        except Exception:  # it died too: the usual syncer restart
+            owner.syncer_restarts += 1
+            epoch = epochs[s] if s < len(epochs) else max(epochs)
+            owner._start_syncer(epoch=epoch + 1, restore=True, syncer_shard=s)
+    owner._refresh_syncer_status()
+    ledger = owner.syncer_status.ledger
+    now = time.time()
+    slots, paused = [], []
+    for row in saved["slots"]:
+        slot = fleet_lib.Slot(
+            learner=row["learner"], region=row["region"], index=row["index"],
+            shard=row["shard"], speed_factor=row["speed_factor"],
+            state=fleet_lib.SlotState(row["state"]), incarnation=row["incarnation"],
+            start_step=row["start_step"], actor=row.get("actor"),
+            slow_tolerated=int(row.get("slow_tolerated", 0)),
+            restarts=tuple(sorted((Cause(c), n) for c, n in row["restarts"].items())))
+        if slot.state in fleet_lib.GONE:
+            slots.append(slot)
+            continue
+        if owner.config.regions[slot.region].remote:
+            # Its agent runs it in the region's own cluster: nothing here to re-attach or
+            # relaunch. It is kept as saved; the agent's next report (every second) says
+            # how it is, and its beats time from now.
+            slots.append(dataclasses.replace(slot, last_beat_s=now))
+            owner.running[slot.learner] = Incarnation(slot.incarnation, remote=True)
+            continue
+        # Still running? then it keeps training under the new controller.
+        info = owner.groups.reattach(slot.learner, slot.actor or slot.learner,
+                                    owner.config.regions[slot.region].devices().hosts)
+        if info is not None and info["state"] in ("training", "paused", "draining",
+                                                  "starting"):
+            running_state = {"training": fleet_lib.SlotState.TRAINING,
+                             "paused": fleet_lib.SlotState.TRAINING,  # the floor decides again
+                             "draining": fleet_lib.SlotState.DRAINING,
+                             "starting": fleet_lib.SlotState.STARTING}[info["state"]]
+            if slot.state == fleet_lib.SlotState.DRAINING:
+                running_state = fleet_lib.SlotState.DRAINING
+            if info["state"] == "paused":
+                paused.append(slot.learner)
+            slots.append(dataclasses.replace(
+                slot, state=running_state, incarnation=info["incarnation"],
+                start_step=info["start_step"], launched_s=now, last_beat_s=now))
+            owner.running[slot.learner] = Incarnation(info["incarnation"],
+                                                     info["start_step"])
+            continue
+        # Gone while the controller was away: relaunched, as a newer incarnation.
+        known = int(ledger.get(slot.learner, {}).get("incarnation", slot.incarnation))
+        slots.append(dataclasses.replace(slot, state=fleet_lib.SlotState.RESTARTING,
+                                         incarnation=max(slot.incarnation, known),
+                                         restart_at_s=now))
+    owner.fleet = fleet_lib.rebuilt(owner.fleet.settings, slots, saved["targets"],
+                                   saved["next_index"], saved["next_shard"],
+                                   saved.get("next_spare", 0),
+                                   bool(saved.get("operator_paused", False)))
+    # Spares waiting for promotion are not worth a recovery: end them; the fleet starts
+    # new ones once nobody is starting.
+    owner.groups.end_stray_spares({x.actor for x in slots if x.actor})
+    owner.emit("controller_restarted", restarts=owner.restarts,
+              learners_kept=sorted(owner.running),
+              relaunched=sorted(s.learner for s in slots
+                                if s.state == fleet_lib.SlotState.RESTARTING))
+    # The rebuilt fleet is not paused: its first step pauses the learners again if a reason
+    # still holds; else those found paused resume (nothing else would ever resume them).
+    owner._step(owner.role.recovery_observations())
+    if owner.fleet.paused_reason is None:
+        for learner in paused:
+            owner.groups.call(learner, "pause", False, time.time_ns())
+    owner._start_threads()

@@ -1,0 +1,111 @@
+"""A virtual fleet for the in-process driver (``inprocess.py``): its learners' speeds, regions
+and links, the fleet brain's settings for it, and the syncer and learner cores it starts from.
+No Ray, no clock: the driver runs them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from islands import CARRY_OVERLAP
+from islands.faults import Link
+from islands.learners.core import LearnerCore
+from islands.orchestrator import fleet as fleet_lib
+from islands.orchestrator.health import RestartPolicy
+from islands.syncer import downlink as downlink_lib
+from islands.syncer import fragments as fragments_lib
+from islands.syncer.core import SyncerCore
+from islands.syncer.fragments import FragmentPlan
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """Speeds, regions and links of the simulated learners.
+
+    Attributes:
+      speed_factors: one per learner; step time = step_time_s / speed.
+      step_time_s: nominal seconds per inner step.
+      step_noise: relative step-time noise, uniform in [−noise, +noise], seeded per learner.
+      latency_s: one-way latency of every message.
+      bandwidth_bytes_per_s: link bandwidth (inf = instantaneous transfer).
+      seed: seed of the noise.
+      regions: the region of each learner (network faults and region losses act per region);
+        None: the learner id up to its last ":" ("us-east:0" is in "us-east").
+      spares: warm spares kept per region by the same fleet state machine as the service.
+    """
+
+    speed_factors: Sequence[float]
+    step_time_s: float = 1.0
+    step_noise: float = 0.0
+    latency_s: float = 0.0
+    bandwidth_bytes_per_s: float = math.inf
+    seed: int = 0
+    regions: Optional[Sequence[str]] = None
+    spares: int = 0              # warm spares per region (RestartCosts.promote_s to take over)
+
+    def transfer_s(self, nbytes: int) -> float:
+        return self.latency_s + nbytes / self.bandwidth_bytes_per_s
+
+    @property
+    def link(self) -> Link:
+        return Link(self.latency_s, self.bandwidth_bytes_per_s)
+
+    def region_of(self, index: int, learner_id: str) -> str:
+        if self.regions is not None:
+            return self.regions[index]
+        return learner_id.rsplit(":", 1)[0] if ":" in learner_id else learner_id
+
+    def noise_rng(self, index: int) -> np.random.Generator:
+        """Learner ``index``'s own noise stream: a fault elsewhere never changes its step times."""
+        return np.random.default_rng((self.seed, index))
+
+    def nominal_step_s(self, index: int) -> float:
+        return self.step_time_s / self.speed_factors[index]
+
+
+def fleet_settings(ids: Sequence[str], regions: Sequence[str], speed_factors: Sequence[float],
+                   min_learners: int, spares: int = 0) -> fleet_lib.FleetSettings:
+    """The fleet brain's settings for a virtual fleet: learners that cannot hang or straggle,
+    restarts without a backoff of their own (``RestartCosts.restart_s`` holds it), no budget."""
+    by_region: dict[str, list[int]] = {}
+    for i, region in enumerate(regions):
+        by_region.setdefault(region, []).append(i)
+    plans = {region: fleet_lib.RegionPlan(len(idx), len(idx),
+                                          tuple(float(speed_factors[i]) for i in idx),
+                                          tuple(ids[i] for i in idx), spares=spares)
+             for region, idx in by_region.items()}
+    return fleet_lib.FleetSettings(
+        regions=plans, min_learners=min_learners,
+        policy=RestartPolicy(backoff_initial_s=0.0, backoff_multiplier=1.0, backoff_max_s=0.0,
+                             max_crash_restarts=None, max_preemption_restarts=None),
+        heartbeat_timeout_s=math.inf, startup_timeout_s=math.inf, straggler_factor=math.inf)
+
+
+def assemble_like(template: Any) -> Callable[[dict], Any]:
+    """Returns ``flat {path: array} -> tree`` shaped like ``template``."""
+    return fragments_lib.assembler(template)
+
+
+def build_syncer_and_learners(*, params: Any, opt_init: Callable[[Any], Any], plan: FragmentPlan,
+                              settings, outer_optimizer, error_feedback_factory: Callable[[], Any],
+                              decode, wire_bytes, learner_ids: Sequence[str], merge_alpha: float,
+                              is_embedding=lambda path: False, carry_overlap: bool = CARRY_OVERLAP,
+                              downlink: Optional[downlink_lib.DownlinkSettings] = None,
+                              ) -> tuple[SyncerCore, list[LearnerCore]]:
+    """A syncer holding ``params`` and learners registered with it, all starting from ``params``.
+    ``downlink``: how the syncer answers merged pushes (None: the full fragment, fp32)."""
+    fragments = [fragments_lib.extract(params, plan, p) for p in range(plan.num_fragments)]
+    syncer = SyncerCore(fragments, settings, outer_optimizer, decode, is_embedding,
+                        downlink=downlink)
+    cores = []
+    for learner_id in learner_ids:
+        _, frags = syncer.register(learner_id, 0)
+        cores.append(LearnerCore(learner_id, params, opt_init(params), plan,
+                                 [v for _, v in frags], error_feedback_factory(), wire_bytes,
+                                 decode, overlap_steps=settings.overlap_steps,
+                                 merge_alpha=merge_alpha, carry_overlap=carry_overlap))
+    return syncer, cores
