@@ -127,6 +127,9 @@ class LearnerGroup(Protocol):
     def launch_spare(self, name: str, region: str, devices, spec) -> Optional[str]:
         """Starts a warm spare; why not, or None."""
 
+    def hurry_spare(self, name: str) -> None:
+        """A restart waits for this spare: it finishes preparing at normal priority."""
+
     def end_spare(self, name: str) -> None:
         ...
 
