@@ -33,6 +33,22 @@ def missed_restarts(saved_started: Optional[list], shard: int, live_epoch: int) 
     return max(0, live_epoch - int(saved_started[shard]))
 
 
+def saved_slot(row: dict, remote: bool) -> "fleet_lib.Slot":
+    """A slot as ``save_state`` wrote it. ``remote``: its region runs in its own cluster, and its
+    learner stays mirrored from the region's agent (lost, the home took the learner for its own:
+    found it hung, restarted it at home, even prestarted it on resources only the region has).
+    """
+    from .health import Cause
+
+    return fleet_lib.Slot(
+        learner=row["learner"], region=row["region"], index=row["index"],
+        shard=row["shard"], speed_factor=row["speed_factor"],
+        state=fleet_lib.SlotState(row["state"]), incarnation=row["incarnation"],
+        start_step=row["start_step"], actor=row.get("actor"), remote=remote,
+        slow_tolerated=int(row.get("slow_tolerated", 0)),
+        restarts=tuple(sorted((Cause(c), n) for c, n in row["restarts"].items())))
+
+
 def save_state(owner: Any) -> None:
     """What a restarted controller cannot ask anyone else for: the books, the slots' states and
     restart counts, the chaos plan's progress (written atomically, about once a second)."""
@@ -71,7 +87,6 @@ def recover(owner: Any) -> None:
     syncer (or a restored one), and the learners that kept training meanwhile — none of them
     is stopped. Learners that died while it was away are relaunched by the first step."""
     from . import build
-    from .health import Cause
 
     with open(owner.state_path) as f:
         saved = json.load(f)
@@ -114,13 +129,7 @@ def recover(owner: Any) -> None:
     now = time.time()
     slots, paused = [], []
     for row in saved["slots"]:
-        slot = fleet_lib.Slot(
-            learner=row["learner"], region=row["region"], index=row["index"],
-            shard=row["shard"], speed_factor=row["speed_factor"],
-            state=fleet_lib.SlotState(row["state"]), incarnation=row["incarnation"],
-            start_step=row["start_step"], actor=row.get("actor"),
-            slow_tolerated=int(row.get("slow_tolerated", 0)),
-            restarts=tuple(sorted((Cause(c), n) for c, n in row["restarts"].items())))
+        slot = saved_slot(row, owner.config.regions[row["region"]].remote)
         if slot.state in fleet_lib.GONE:
             slots.append(slot)
             continue

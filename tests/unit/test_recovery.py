@@ -1,0 +1,19 @@
+"""A restarted controller's slots from its saved state (orchestrator/recovery.py)."""
+
+from islands.orchestrator import fleet as F
+from islands.orchestrator.health import Cause
+from islands.orchestrator.recovery import saved_slot
+
+ROW = {"learner": "far:0", "region": "far", "index": 0, "shard": 1, "speed_factor": 1.0,
+       "state": "training", "incarnation": 2, "start_step": 40, "restarts": {"hang": 1},
+       "actor": "spare:far:3", "slow_tolerated": 0}
+
+
+def test_a_remote_regions_learner_stays_mirrored_after_a_controller_restart():
+    """Lost once: the restarted home took far:0 for its own, found it hung (no local beats),
+    prestarted its restart at home and never took the region's reports of it again."""
+    slot = saved_slot(ROW, remote=True)
+    assert slot.remote and slot.state == F.SlotState.TRAINING
+    assert (slot.incarnation, slot.start_step, slot.actor) == (2, 40, "spare:far:3")
+    assert slot.restarts == ((Cause.HANG, 1),)
+    assert not saved_slot({**ROW, "learner": "a:0", "region": "a"}, remote=False).remote
