@@ -67,3 +67,22 @@ def _fmt(value: Any) -> str:
     if isinstance(value, float):
         return f"{value:.4g}" if abs(value) < 1e5 else f"{value:,.0f}"
     return str(value)
+
+
+def end_service(controller, run_dir: Optional[str] = None) -> None:
+    """A benchmark's teardown of the Ray service it started: the controller shut down (its
+    learners and syncer with it) and killed, Ray stopped, the benchmark's own run dir removed.
+    Never raises: a broken service must not hide the benchmark's result or error."""
+    import contextlib
+    import shutil
+
+    import ray
+
+    if controller is not None:
+        with contextlib.suppress(Exception):
+            ray.get(controller.shutdown.remote(), timeout=120)
+        with contextlib.suppress(Exception):
+            ray.kill(controller)
+    ray.shutdown()
+    if run_dir is not None:
+        shutil.rmtree(run_dir, ignore_errors=True)

@@ -50,7 +50,8 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 GOAL_RATIO = 0.97
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-from _machine import ensure_islands_importable, machine_info, command_line, format_table  # noqa: E402
+from _machine import (command_line, end_service, ensure_islands_importable,  # noqa: E402
+                      format_table, machine_info)
 
 
 @dataclass(frozen=True)
@@ -502,12 +503,7 @@ def service_rate_ray(preset_name: str, duration_s: float, warmup_s: float, run_d
                 "restarts": learner["restarts"], "merges": last["syncer"]["merges"],
                 "step_time_ema_s": learner["step_time_s"], "timings": learner["timings"]}
     finally:
-        if controller is not None:
-            with contextlib.suppress(Exception):
-                ray.get(controller.shutdown.remote(), timeout=120)
-            with contextlib.suppress(Exception):
-                ray.kill(controller)
-        ray.shutdown()
+        end_service(controller)
 
 
 def actor_pids() -> dict[str, int]:

@@ -42,10 +42,8 @@ Prints a table, then one JSON object as the last line; writes ``start-cost<tag>.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -55,7 +53,7 @@ from typing import Optional
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH_DIR)
-from _machine import command_line, format_table, machine_info  # noqa: E402
+from _machine import command_line, end_service, format_table, machine_info  # noqa: E402
 
 # In the order a new process pays them.
 PHASES = ("boot", "load", "init", "import", "devices", "corpus", "model", "warm_step",
@@ -207,13 +205,7 @@ def run(args) -> dict:
         out["load_after"] = loadavg()
         return out
     finally:
-        if controller is not None:
-            with contextlib.suppress(Exception):
-                ray.get(controller.shutdown.remote(), timeout=120)
-            with contextlib.suppress(Exception):
-                ray.kill(controller)
-        ray.shutdown()
-        shutil.rmtree(run_dir, ignore_errors=True)
+        end_service(controller, run_dir)
 
 
 def median(rows: list[dict], key: str):

@@ -25,10 +25,8 @@ Prints a table, then one JSON object as the last line; writes ``startup-<model>.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
-import shutil
 import statistics
 import sys
 import tempfile
@@ -37,7 +35,7 @@ import time
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH_DIR)
-from _machine import command_line, format_table, machine_info  # noqa: E402
+from _machine import command_line, end_service, format_table, machine_info  # noqa: E402
 
 GOAL_TAKEOVER_S = 1.5     # kill -> the promoted spare trains again (issue 32, on a GPU)
 # The promoted spare's restore, in the order ``LearnerUnit._run`` does it.
@@ -163,13 +161,7 @@ def run(args) -> dict:
         out["takeovers"] = rows
         return out
     finally:
-        if controller is not None:
-            with contextlib.suppress(Exception):
-                ray.get(controller.shutdown.remote(), timeout=120)
-            with contextlib.suppress(Exception):
-                ray.kill(controller)
-        ray.shutdown()
-        shutil.rmtree(run_dir, ignore_errors=True)
+        end_service(controller, run_dir)
 
 
 def summarise(rows: list[dict]) -> dict:
