@@ -35,10 +35,8 @@ from __future__ import annotations
 
 import argparse
 import bisect
-import contextlib
 import json
 import os
-import shutil
 import statistics
 import tempfile
 import time
@@ -52,7 +50,7 @@ GOAL_TOTAL_S = 5.0
 GOAL_SURVIVOR_RATIO = 0.98
 PHASES = ("detect_s", "restart_s", "restore_s", "first_contribution_s")
 BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
-from _machine import machine_info, command_line, format_table  # noqa: E402
+from _machine import command_line, end_service, format_table, machine_info  # noqa: E402
 
 
 def job_dict(min_step_time_s: float, heartbeat_s: float, backoff_s: float,
@@ -361,13 +359,7 @@ def run(modes: list[str], before_s: float, min_step_time_s: float, heartbeat_s: 
                           spares)
         return kills, recorder.series, t0, raw
     finally:
-        if controller is not None:
-            with contextlib.suppress(Exception):
-                ray.get(controller.shutdown.remote(), timeout=120)
-            with contextlib.suppress(Exception):
-                ray.kill(controller)
-        ray.shutdown()
-        shutil.rmtree(run_dir, ignore_errors=True)  # syncer snapshots and the JAX cache
+        end_service(controller, run_dir)   # its run dir: syncer snapshots and the JAX cache
 
 
 def print_report(rows: list[dict], summary: dict) -> None:
