@@ -13,7 +13,8 @@ inner optimizer state of a live peer (a fresh one when none is alive), and resum
 region's transfer time; a syncer kill drops the open rounds and the fleet restarts it
 (``SyncerCore.restart``) at a new epoch, which fences the old one. Operator commands
 (``commands``: a drain, a pause) go to the same fleet; every action it returns has a handler
-here (orchestrator/seam.py). Goodput
+here (orchestrator/seam.py), most of them one call on the learners' or the syncer's group, the
+seam's interfaces on this virtual clock (orchestrator/virtual_groups.py). Goodput
 (docs/architecture.md#goodput) is exact on the virtual clock: applied inner-step seconds (the ledger's
 ``applied_compute``) over the seconds each learner's slot existed, down time included.
 """
@@ -37,6 +38,9 @@ from islands.orchestrator import seam
 from islands.orchestrator.books import Books
 from islands.orchestrator.chaos import FaultPlan, RestartCosts
 from islands.orchestrator.run_record import RunRecord, StepRecord, series_from_intervals  # noqa: F401
+from islands.orchestrator.virtual_groups import (ARRIVE, CHECK, FAULT, FLEET, REPLY, STEP_DONE,
+                                                 STEP_START, VirtualLearnerGroup,
+                                                 VirtualSyncerGroup)
 from islands.orchestrator.virtual_fleet import (Fleet, assemble_like,  # noqa: F401
                                                 build_syncer_and_learners, fleet_settings)
 from islands.syncer import downlink as downlink_lib
@@ -44,12 +48,6 @@ from islands.syncer import fragments as fragments_lib
 from islands.syncer import timing
 from islands.syncer.core import SyncerCore
 from islands.syncer.validate import SYNCER_DOWN
-
-# Event priorities at equal times: pushes leave before the syncer decides, the syncer answers
-# before learners start their next step (so zero latency means "answered at this boundary").
-# A fault at the time a step ends hits after that step's pushes left (they are then refused), and
-# before the learner starts another step; a restarted learner starts after everything else.
-_STEP_DONE, _FAULT, _ARRIVE, _CHECK, _REPLY, _STEP_START, _FLEET, _RESTART = range(8)
 
 
 class _Driver:
@@ -69,13 +67,7 @@ class _Driver:
         self.commands = sorted(commands, key=lambda c: c[0])   # (time_s, fleet observation)
         self.restart, self.opt_init = restart, opt_init
         self.restart_cost = restart.sampler()   # (promotion?) -> seconds: flat or measured
-        self.starting = 0                      # processes starting now (restarts, spares)
-        # Process starts in flight: key -> (what, payload, CPU seconds left). With
-        # RestartCosts.start_cpu_s they share start_cores (processor sharing), so a burst of
-        # failures makes every start slower, as on a machine whose cores they share.
-        self.starts: dict = {}
-        self.starts_at = 0.0
-        self.starts_version = 0
+        self.now = 0.0                           # the virtual clock: the current event's time
         n = len(self.cores)
         self.ids = [core.learner for core in self.cores]
         self.index_of = {name: i for i, name in enumerate(self.ids)}
@@ -96,7 +88,6 @@ class _Driver:
         self.loops = [self.loop_for(i, core) for i, core in enumerate(self.cores)]
         self.paused = [False] * n
         self.parked = [False] * n        # paused at a step boundary, to start again on resume
-        self.restart_token = [0] * n     # invalidates a scheduled comeback that was killed
         self.rngs = [fleet.noise_rng(i) for i in range(n)]
         self.up = [True] * n
         self.finished_at: list[Optional[float]] = [None] * n
@@ -105,7 +96,6 @@ class _Driver:
         self.start_step = [core.step for core in self.cores]
         self.windows = FaultWindows()
         self.syncer_down_until = -math.inf
-        self.cause_of = [""] * n                 # the fault kind of each learner's last loss
         self.current_fault: Optional[Fault] = None
         self.events: list = []
         self.seq = itertools.count()
@@ -119,9 +109,11 @@ class _Driver:
         self.sync_time = timing.SyncTime(round_trip_s=timing.round_trip_s([fleet.latency_s]))
         self.step_s = [0.0] * n          # the seconds of each learner's current step
         self.in_step = [False] * n       # between a step's start and its end
-        self.draining: set[int] = set()  # told to drain: no new step, leaves once answered
         self.retired_at: list[Optional[float]] = [None] * n   # left the fleet (drained)
         self.settled: set[tuple[int, int]] = set()   # (i, incarnation) whose books are closed
+        # The seam's interfaces on this state (virtual_groups.py): the handlers' one call each.
+        self.groups = VirtualLearnerGroup(self)
+        self.shards = VirtualSyncerGroup(self)
         # Every fleet action's handler, found now: a driver missing one does not start.
         self.handlers = seam.handler_table(self, "do_")
 
@@ -170,7 +162,7 @@ class _Driver:
                  if self.fleet.step_noise else 0.0)
         factor = self.windows.slowdown(self.ids[i], self.regions[i], now)
         # Processes starting on the same cores (restarts, spares preparing) take CPU from it.
-        factor *= 1.0 + self.restart.survivor_slowdown_per_start * self.starting
+        factor *= 1.0 + self.restart.survivor_slowdown_per_start * self.groups.starting
         return self.fleet.nominal_step_s(i) * (1.0 + noise) * factor
 
     def arrival(self, i: int, now: float, nbytes: int) -> float:
@@ -211,37 +203,49 @@ class _Driver:
     def recheck_open_rounds(self, now: float) -> None:
         for p, slot in enumerate(self.syncer.slots):
             if slot.round:
-                self.schedule(now, _CHECK, "check", p)
+                self.schedule(now, CHECK, "check", p)
 
     # -- the loop -------------------------------------------------------------------------------
     def run(self) -> RunRecord:
+        self.begin()
+        self.advance()
+        return self.finish()
+
+    def begin(self) -> None:
+        """Time 0: the plan's faults and the commands are scheduled, the fleet has its slots
+        and every learner starts its first step."""
         self.faults.reset()
         for t in self.faults.times():
-            self.schedule(t, _FAULT, "fault", None)
+            self.schedule(t, FAULT, "fault", None)
         for t, command in self.commands:
-            self.schedule(t, _FLEET, "command", command)
+            self.schedule(t, FLEET, "command", command)
         self.maybe_eval(0.0)
         self.fleet_step(0.0, [])  # launches the slots: here they exist already
         self.fleet_step(0.0, [fleet_lib.Beat(name, 0, True, ready_at_s=0.0) for name in self.ids])
         for i, core in enumerate(self.cores):
             self.books.allocate(self.ids[i], 0.0)
-            self.schedule(0.0, _STEP_START, "start", (i, core.incarnation))
-        now = 0.0
-        while self.events:
+            self.schedule(0.0, STEP_START, "start", (i, core.incarnation))
+
+    def advance(self, until_s: float = math.inf) -> None:
+        """Carries out the events up to ``until_s`` (all of them: to the run's end); the clock
+        then stands at ``until_s``."""
+        while self.events and self.events[0][0] <= until_s:
             now, _, _, kind, payload = heapq.heappop(self.events)
+            self.now = now
             getattr(self, "on_" + kind)(now, payload)
-            if self.draining:
+            if self.groups.draining:
                 self.check_drains(now)
             if kind != "spare":  # a spare getting ready after the last step ends no run
                 self.record.end_time_s = now
-        return self.finish()
+        if until_s < math.inf:
+            self.now = until_s
 
     def on_start(self, now: float, payload) -> None:
         i, incarnation = payload
         if not self.current(i, incarnation):
             return
         core, loop = self.cores[i], self.loops[i]
-        if i in self.draining:
+        if i in self.groups.draining:
             return  # no new step: it leaves once its pushes are answered (check_drains)
         if self.paused[i]:
             self.parked[i] = True  # the quorum floor holds it; a resume starts it again
@@ -260,7 +264,7 @@ class _Driver:
         self.record.tokens_processed += self.tokens_per_batch
         self.record.step_log.append(StepRecord(i, incarnation, core.step, now, dt))
         self.in_step[i] = True
-        self.schedule(now + dt, _STEP_DONE, "done", payload)
+        self.schedule(now + dt, STEP_DONE, "done", payload)
 
     def on_done(self, now: float, payload) -> None:
         i, incarnation = payload
@@ -270,13 +274,13 @@ class _Driver:
         self.in_step[i] = False
         for plan in self.loops[i].pushes(self.epoch_of[i]):
             self.record.wire_bytes_up += plan.wire_bytes
-            self.schedule(self.arrival(i, now, plan.wire_bytes), _ARRIVE, "arrive", plan.push)
+            self.schedule(self.arrival(i, now, plan.wire_bytes), ARRIVE, "arrive", plan.push)
         self.loops[i].paced(self.step_s[i])   # at the step's end, as the Ray learner's pace
         if (i == 0 and self.eval_every_steps and core.step % self.eval_every_steps == 0
                 and core.step > self.last_eval_step):
             self.last_eval_step = core.step
             self.maybe_eval(now)
-        self.schedule(now, _STEP_START, "start", payload)
+        self.schedule(now, STEP_START, "start", payload)
 
     def on_arrive(self, now: float, push) -> None:
         i = self.index_of[push.learner]
@@ -299,7 +303,7 @@ class _Driver:
                 0 <= push.fragment < len(self.syncer.slots)) else (None, None)
             self.cores[i].refused(push.fragment, verdict.reason.value, current, version)
             return
-        self.schedule(now, _CHECK, "check", push.fragment)
+        self.schedule(now, CHECK, "check", push.fragment)
 
     def count_rejected(self, reason) -> None:
         self.record.rejected[reason] = self.record.rejected.get(reason, 0) + 1
@@ -332,10 +336,10 @@ class _Driver:
                 i = self.index_of[name]
                 nbytes = downlink_lib.update_bytes(update)
                 self.record.wire_bytes_down += nbytes
-                self.schedule(self.arrival(i, now, nbytes), _REPLY, "reply",
+                self.schedule(self.arrival(i, now, nbytes), REPLY, "reply",
                               (i, self.cores[i].incarnation, p, update, result.version))
         elif decision.wait_until_s is not None:
-            self.schedule(decision.wait_until_s, _CHECK, "check", p)
+            self.schedule(decision.wait_until_s, CHECK, "check", p)
 
     def on_reply(self, now: float, payload) -> None:
         i, incarnation, p, fragment, version = payload
@@ -352,6 +356,7 @@ class _Driver:
                                   for name, e in self.syncer.ledger.items()})
 
     def fleet_step(self, now: float, observations: list) -> None:
+        self.now = now   # the groups' clock while the actions are carried out
         held = timing.merges_held(self.fleet_state.paused_reason)
 
         def adopt(state: fleet_lib.FleetState) -> None:
@@ -366,10 +371,10 @@ class _Driver:
     def on_transition(self, now: float, t: fleet_lib.Transition) -> None:
         self.record.transitions.append((now, t))
         if t.name == "learner_restart_scheduled":
-            self.schedule(now + t.fields["delay_s"], _FLEET, "fleet", [])
+            self.schedule(now + t.fields["delay_s"], FLEET, "fleet", [])
         elif t.name == "learner_retired" and t.learner in self.index_of:
             i = self.index_of[t.learner]
-            self.draining.discard(i)
+            self.groups.draining.discard(i)
             self.books.release(t.learner, now)   # as the Ray controller's books
             if not self.up[i]:
                 self.retired_at[i] = now
@@ -387,69 +392,33 @@ class _Driver:
             return
         self.fleet_step(now, [command])
 
-    # -- process starts -----------------------------------------------------------------------
-    def begin_start(self, now: float, key, what: str, payload, wall_s: float) -> None:
-        """A new process starts (a restart's or a spare's): done after ``wall_s``, or, with
-        ``start_cpu_s``, once it had that much CPU out of ``start_cores`` shared by all starts."""
-        self.starting += 1
-        cpu_s = self.restart.start_cpu_s
-        if cpu_s <= 0:
-            self.starts[key] = (what, payload, None)
-            self.schedule(now + wall_s, _RESTART, "start_done", (key, None))
-            return
-        self.advance_starts(now)
-        self.starts[key] = (what, payload, cpu_s)
-        self.reschedule_starts(now)
-
-    def cancel_start(self, now: float, key) -> None:
-        """The starting process was killed: it needs no more CPU and never comes back."""
-        if key not in self.starts:
-            return
-        self.advance_starts(now)
-        del self.starts[key]
-        self.starting -= 1
-        self.reschedule_starts(now)
-
-    def start_rate(self) -> float:
-        """CPU seconds per second each start gets (one core at most: a process is one thread)."""
-        n = sum(1 for _, _, left in self.starts.values() if left is not None)
-        return min(1.0, self.restart.start_cores / n) if n else 0.0
-
-    def advance_starts(self, now: float) -> None:
-        done = (now - self.starts_at) * self.start_rate()
-        for key, (what, payload, left) in list(self.starts.items()):
-            if left is not None:
-                self.starts[key] = (what, payload, left - done)
-        self.starts_at = now
-
-    def reschedule_starts(self, now: float) -> None:
-        self.starts_version += 1
-        left = [x for _, _, x in self.starts.values() if x is not None]
-        if left:
-            self.schedule(now + max(min(left), 0.0) / self.start_rate(), _RESTART, "start_done",
-                          (None, self.starts_version))
-
+    # -- what the groups report ------------------------------------------------------------------
     def on_start_done(self, now: float, payload) -> None:
-        key, version = payload
-        if key is not None:          # a flat start: this one is done, unless it was cancelled
-            finished = [key] if key in self.starts else []
-        else:                        # the CPU pool: whichever starts ran out of work
-            if version != self.starts_version:
-                return
-            self.advance_starts(now)
-            finished = [k for k, (_, _, left) in self.starts.items()
-                        if left is not None and left <= 1e-9]
-        done = [(k, self.starts.pop(k)) for k in finished]
-        self.starting -= len(done)
-        if key is None:
-            self.reschedule_starts(now)
-        for _, (what, item, _) in done:
+        for what, item in self.groups.finished_starts(now, payload):
             (self.on_restart if what == "restart" else self.on_spare)(now, item)
 
-    def on_spare(self, now: float, name: str) -> None:
-        if self.fleet_state.stopping or name not in self.fleet_state.spares:
+    def on_spare(self, now: float, ready) -> None:
+        """A spare is ready: the fleet hears it through the group's poll, as the Ray
+        controller does (not once the job stops, or for a spare it has let go)."""
+        self.groups.report(ready)
+        results = self.groups.spare_results()
+        if self.fleet_state.stopping:
             return
-        self.fleet_step(now, [fleet_lib.SpareReady(name)])
+        observed = [fleet_lib.SpareReady(r.name, r.prepare_s, r.node_id) for r in results
+                    if r.name in self.fleet_state.spares]
+        if observed:
+            self.fleet_step(now, observed)
+
+    def on_seen(self, now: float, ended) -> None:
+        """A run's end is seen (a death, at its detection time): through the group's poll."""
+        self.groups.report(ended)
+        self.fleet_step(now, self.ended_runs())
+
+    def ended_runs(self) -> list:
+        """The group's ended runs as the fleet's observations (the Ray controller's
+        ``_ended_runs``)."""
+        return [fleet_lib.RunEnded(e.learner, e.incarnation, e.error, e.preempted, e.crashed)
+                for e in self.groups.ended()]
 
     def on_fault(self, now: float, _payload) -> None:
         for fault in self.faults.due(now):
@@ -467,58 +436,24 @@ class _Driver:
             self.current_fault = fault
             self.fleet_step(now, [obs])
 
-    # -- actions ----------------------------------------------------------------------------------
+    # -- actions: one call on a group each, as the Ray controller's --------------------------------
     def do_launch(self, now: float, a: fleet_lib.Launch) -> None:
-        if a.incarnation == 0 and self.cores[self.index_of[a.learner]].incarnation == 0:
-            return  # the initial learners exist already
-        i = self.index_of[a.learner]
-        self.restart_token[i] += 1
-        payload = (i, a, self.restart_token[i])
-        if a.spare is not None:   # a promotion: the process is there, its cost is flat
-            self.schedule(now + self.restart_cost(True), _RESTART, "restart", payload)
-        else:                     # a new process: until it is back (on_restart)
-            self.begin_start(now, ("restart", i, self.restart_token[i]), "restart", payload,
-                             self.restart_cost(False))
+        self.groups.launch(a.learner, a.incarnation, a.region, None, a, spare=a.spare)
 
     def do_launchspare(self, now: float, a: fleet_lib.LaunchSpare) -> None:
-        if self.until_s is None or now + self.restart.spare_ready_s < self.until_s:
-            self.begin_start(now, ("spare", a.name), "spare", a.name,
-                             self.restart.spare_ready_s)
-
-    def do_hang(self, now: float, a: fleet_lib.Hang) -> None:
-        """A wedged learner does nothing from now on; the health timeout finds it and it is
-        restarted like a dead one (its unmerged work is lost)."""
-        i = self.index_of[a.learner]
-        incarnation = self.cores[i].incarnation
-        if self.up[i]:
-            self.kill(i, now, "hang")
-        self.cause_of[i] = "hang"
-        self.schedule(now + self.restart.detect_hang_s, _FLEET, "fleet",
-                      [fleet_lib.RunEnded(a.learner, incarnation, "hang")])
+        # One that could not be ready before the run ends is not started; the fleet waits for it
+        # to the end, as it would for a spare still preparing then.
+        self.groups.launch_spare(a.name, a.region, None, None)
 
     def do_hurryspare(self, now: float, a: fleet_lib.HurrySpare) -> None:
-        """A virtual spare's preparation has one fixed length: no priority to change."""
+        self.groups.hurry_spare(a.name)
 
     def do_killspare(self, now: float, a: fleet_lib.KillSpare) -> None:
-        self.cancel_start(now, ("spare", a.name))   # one still preparing stops taking CPU
+        self.groups.end_spare(a.name)
 
     def do_kill(self, now: float, a: fleet_lib.Kill) -> None:
         """A chaos kill ends the incarnation now; the death is seen after the detection time."""
-        i = self.index_of[a.learner]
-        if a.mode == "bury":  # decided dead: a live one (a quarantined learner) stops now
-            if self.up[i] and self.cores[i].incarnation == a.incarnation:
-                self.kill(i, now, "quarantine")
-                self.cause_of[i] = "quarantine"
-            return
-        fault = self.current_fault
-        if self.up[i]:
-            self.kill(i, now, fault.kind.value)
-        else:  # killed during its restart: that comeback is off, its process is gone
-            self.cancel_start(now, ("restart", i, self.restart_token[i]))
-            self.restart_token[i] += 1
-        self.cause_of[i] = fault.kind.value
-        self.schedule(now + self.restart.detect_s(fault.kind), _FLEET, "fleet",
-                      [fleet_lib.RunEnded(a.learner, a.incarnation, f"{fault.kind.value}")])
+        self.groups.kill(a.learner, a.incarnation, a.mode)
 
     def do_forget(self, now: float, a: fleet_lib.Forget) -> None:
         """Unregisters it at the syncer; an incarnation that left without dying (drained) has
@@ -527,27 +462,29 @@ class _Driver:
         i = self.index_of[a.learner]
         if not self.up[i] and self.cores[i].incarnation == a.incarnation:
             self.settle(i, a.reason)
-        self.record.dropped_pushes += len(self.syncer.forget(a.learner))
+        self.shards.forget(a.learner, a.incarnation, a.reason)
 
     def do_drainlearner(self, now: float, a: fleet_lib.DrainLearner) -> None:
-        """As the Ray learner's ``drain``: it finishes the step it is in (its pushes leave), takes
-        no new one, and once every push it has in flight is answered (merged, or refused) its run
-        returns (``check_drains``): the fleet retires it and ``do_forget`` settles its books (the
-        pushes the syncer merged are applied)."""
-        self.draining.add(self.index_of[a.learner])
+        """It finishes its step, and its run returns once its pushes are answered
+        (``check_drains``): the fleet retires it and ``do_forget`` settles its books (the pushes
+        the syncer merged are applied)."""
+        self.groups.call(a.learner, "drain")
 
-    def check_drains(self, now: float) -> None:
-        """Ends the run of each draining learner that is between steps with nothing in flight."""
-        for i in sorted(self.draining):
-            core = self.cores[i]
-            if not self.up[i] or self.in_step[i] or any(
-                    t.in_flight_since_step is not None and t.reply is None for t in core.tracks):
-                continue   # down (its restart, if any, drains when it is back), or still busy
-            self.draining.discard(i)
-            self.record.watermarks[(i, core.incarnation)] = self.watermark(i)
-            self.up[i] = self.parked[i] = False
-            self.recheck_open_rounds(now)
-            self.fleet_step(now, [fleet_lib.RunEnded(self.ids[i], core.incarnation)])
+    def do_pauselearner(self, now: float, a: fleet_lib.PauseLearner) -> None:
+        self.groups.call(a.learner, "pause", a.paused)
+
+    def do_hang(self, now: float, a: fleet_lib.Hang) -> None:
+        self.groups.call(a.learner, "hang", a.duration_s)
+
+    # Slowdowns and link faults are windows on the fault's target, a learner or a region
+    # (FaultWindows), not calls on the learners running now as on Ray: a window also holds for
+    # an incarnation that starts within it (as a Ray restart is launched with the region's link
+    # faults), and the driver's step and transfer times read them.
+    def do_slowdown(self, now: float, a: fleet_lib.Slowdown) -> None:
+        self.windows.add(a.fault)
+
+    def do_linkfault(self, now: float, a: fleet_lib.LinkFault) -> None:
+        self.windows.add(a.fault)
 
     def do_partitionhome(self, now: float, a: fleet_lib.PartitionHome) -> None:
         """The home's network fails: every region's link is cut for the fault's window (the fleet
@@ -561,44 +498,26 @@ class _Driver:
                            "in-process driver has no remote regions, so the fleet cannot ask it "
                            "to restart a learner through a region agent")
 
-    def do_slowdown(self, now: float, a: fleet_lib.Slowdown) -> None:
-        self.windows.add(a.fault)
-
-    def do_linkfault(self, now: float, a: fleet_lib.LinkFault) -> None:
-        self.windows.add(a.fault)
-
     def do_killsyncer(self, now: float, a: fleet_lib.KillSyncer) -> None:
         """The syncer's process dies now; the fleet sees it end at once (the Ray controller, at
         its next tick) and restarts it (``StartSyncer``). Pushes that reach it meanwhile are
         refused."""
-        if now < self.syncer_down_until:
-            self.record.faults_skipped.append((self.faults.fired[-1], "syncer is already down"))
-            return
-        self.syncer_down_until = math.inf   # until a restarted syncer answers
-        self.fleet_step(now, [fleet_lib.SyncerEnded(a.syncer_shard, self.syncer.epoch)])
+        self.shards.kill(a.syncer_shard)
+        ended = self.shards.ended()
+        if ended:
+            self.fleet_step(now, [fleet_lib.SyncerEnded(e.shard, self.syncer.epoch)
+                                  for e in ended])
 
     def do_startsyncer(self, now: float, a: fleet_lib.StartSyncer) -> None:
-        """A new syncer at ``a.epoch`` (fencing), restored as the Ray syncer restores from its
-        snapshot and merge journal (``SyncerCore.restart``: as of the last merge; the open
-        rounds are dropped). It answers after ``RestartCosts.syncer_restart_s``, when every live
-        learner registers again (``on_syncer_back``)."""
-        if a.shard != 0 or not a.restore:
-            raise ValueError(f"StartSyncer(shard {a.shard}, restore={a.restore}): the in-process "
-                             "driver has one syncer (shard 0), restarted from its own state")
-        for push in self.syncer.restart(a.epoch):
-            i = self.index_of[push.learner]
-            self.record.dropped_pushes += 1
-            if self.current(i, push.incarnation):
-                self.cores[i].push_refused(push.fragment)
-        self.syncer_down_until = now + self.restart.syncer_restart_s
-        self.schedule(self.syncer_down_until, _FAULT, "syncer_back", None)
+        """A new syncer at ``a.epoch``, restored from its own state (``SyncerCore.restart``); it
+        answers after ``RestartCosts.syncer_restart_s`` (``on_syncer_back``)."""
+        self.shards.start(a.shard, None, a.epoch, a.restore, {}, math.inf)
 
-    def do_pauselearner(self, now: float, a: fleet_lib.PauseLearner) -> None:
-        i = self.index_of[a.learner]
-        self.paused[i] = a.paused
-        if not a.paused and self.parked[i]:
-            self.parked[i] = False
-            self.schedule(now, _STEP_START, "start", (i, self.cores[i].incarnation))
+    def check_drains(self, now: float) -> None:
+        """Ends the run of each draining learner that is between steps with nothing in flight."""
+        for i in sorted(self.groups.draining):
+            if self.groups.finish_drain(i, now):
+                self.fleet_step(now, self.ended_runs())
 
     def settle(self, i: int, reason: str) -> None:
         """Closes the books of learner i's current incarnation (once): its pushes the syncer
@@ -623,7 +542,7 @@ class _Driver:
 
     def on_restart(self, now: float, payload) -> None:
         i, launch, token = payload
-        if token != self.restart_token[i]:
+        if token != self.groups.restart_token[i]:
             return  # killed again while it was coming back
         if self.until_s is not None and now >= self.until_s:
             return  # the run is over before it is back; its slot stays allocated to the end
@@ -659,11 +578,11 @@ class _Driver:
         failed_s = self.down_since[i]
         self.down_since[i] = None
         self.record.restarts.append({
-            "learner": name, "incarnation": incarnation, "cause": self.cause_of[i],
+            "learner": name, "incarnation": incarnation, "cause": self.groups.cause_of[i],
             "failed_s": failed_s, "back_s": now, "down_s": now - failed_s,
             "resume_step": start_step, "peer": self.ids[peer] if peer is not None else None})
         self.fleet_step(now, [fleet_lib.Beat(name, incarnation, True, ready_at_s=now)])
-        self.schedule(now, _STEP_START, "start", (i, incarnation))
+        self.schedule(now, STEP_START, "start", (i, incarnation))
 
     def on_syncer_back(self, now: float, _payload) -> None:
         """Every live learner re-registers with the new epoch; local progress stays as drift."""
@@ -708,10 +627,8 @@ class _Driver:
                 **fates.as_dict(self.num_fragments),
                 "restarts": sum(r["learner"] == name for r in record.restarts)}
         # The job ends as the Ray controller ends it: stop, then every running learner's run ends.
-        end = record.end_time_s
-        self.fleet_step(end, [fleet_lib.Stop()] + [
-            fleet_lib.RunEnded(name, self.cores[i].incarnation)
-            for i, name in enumerate(self.ids) if self.up[i]])
+        self.groups.stop_all(0.0)
+        self.fleet_step(record.end_time_s, [fleet_lib.Stop()] + self.ended_runs())
         return record
 
 

@@ -1,12 +1,23 @@
 """The typed seam between an owner loop and its learners and syncers (orchestrator/groups_api.py):
-the Ray bodies implement the interfaces, and what they report is typed, not dicts."""
+the Ray bodies and the in-process driver's virtual ones (orchestrator/virtual_groups.py) implement
+the interfaces, and what they report is typed, not dicts."""
 
 import dataclasses
 
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
 from islands.learners.messages import Heartbeat
 from islands.orchestrator import groups_api as api
+from islands.orchestrator import inprocess
+from islands.orchestrator.chaos import FaultPlan, RestartCosts
 from islands.orchestrator.groups_api import Incarnation
 from islands.orchestrator.groups import LearnerGroups, SyncerShards
+from islands.syncer import codec as codec_lib
+from islands.syncer import fragments, merge, outer
+from islands.syncer.core import SyncerSettings
 
 
 def test_the_ray_bodies_implement_the_interfaces():
@@ -46,3 +57,108 @@ def test_an_incarnation_keeps_its_heartbeat_typed_and_its_final_stats():
     fresh = Incarnation(0, start_step=4)
     fresh.ended_with({"learner": "b:0", "incarnation": 0, "state": "stopped", "pushes": 2})
     assert (fresh.beat.learner, fresh.beat.step, fresh.beat.pushes) == ("b:0", 4, 2)
+
+
+# -- the in-process body: the same interfaces on the virtual clock (virtual_groups.py) ------------
+INNER = optax.sgd(0.1)
+COSTS = RestartCosts(detect_kill_s=1.0, restart_s=3.0, syncer_restart_s=1.0)
+
+
+def _train_step(params, opt_state, batch):
+    loss, grads = jax.value_and_grad(lambda p: jnp.mean((p["w"] - batch) ** 2))(params)
+    updates, opt_state = INNER.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+def virtual_driver():
+    """Two learners (1 s steps, one fragment pushed every step, 0.3 s each way), not yet run."""
+    params = {"w": jnp.ones((3, 2))}
+    codec = codec_lib.make_codec("none")
+    syncer, learners = inprocess.build_syncer_and_learners(
+        params=params, opt_init=INNER.init, plan=fragments.partition(params, 1),
+        settings=SyncerSettings(min_learners=1, grace_cap_s=0.0, overlap_steps=1,
+                                merge_rule=merge.MergeRule.MEAN, outlier_norm_factor=None),
+        outer_optimizer=outer.build("sgd", lr=1.0, momentum=0.0),
+        error_feedback_factory=lambda: codec_lib.error_feedback(codec),
+        decode=lambda c: codec_lib.decode_tree(codec, c), wire_bytes=codec_lib.tree_wire_bytes,
+        learner_ids=["r:0", "r:1"], merge_alpha=0.0)
+    return inprocess._Driver(
+        learners=learners, syncer=syncer, train_step=jax.jit(_train_step),
+        batch_for=lambda i, k: jnp.full((3, 2), float(i + k % 3)), tokens_per_batch=4,
+        fleet=inprocess.Fleet([1.0, 1.0], latency_s=0.3), num_fragments=1, sync_every_steps=1,
+        steps=20, evaluate=None, eval_every_steps=0, assemble=inprocess.assemble_like(params),
+        faults=None, restart=COSTS, opt_init=INNER.init, until_s=None)
+
+
+def polled(driver) -> list:
+    """(time, message) of every ended run the driver polls from its learner group."""
+    seen, ended = [], driver.groups.ended
+
+    def poll():
+        out = ended()
+        seen.extend((driver.now, e) for e in out)
+        return out
+    driver.groups.ended = poll
+    return seen
+
+
+def test_the_virtual_bodies_implement_the_interfaces():
+    d = virtual_driver()
+    assert isinstance(d.groups, api.LearnerGroup) and isinstance(d.shards, api.SyncerGroup)
+    assert d.shards.count == 1
+
+
+def test_a_virtual_learner_told_to_drain_leaves_once_its_last_push_is_answered():
+    d = virtual_driver()
+    seen = polled(d)
+    d.begin()
+    d.advance(4.5)                                  # r:1 is in its step of 4..5 s
+    assert d.groups.call("r:1", "drain") is True
+    d.advance(5.5)                                  # that step ended; its push is in flight
+    assert d.up[1] and seen == []
+    d.advance(7.0)
+    (t, ended), = [(t, e) for t, e in seen if e.learner == "r:1"]
+    assert t == pytest.approx(5.0 + 0.3 + 0.3)     # the reply to its push of step 5
+    assert (ended.incarnation, ended.how, ended.error, ended.final["step"]) == (
+        0, api.How.RETURNED, None, 5)
+    assert [s.start_s for s in d.record.step_log if s.learner == 1][-1] == 4.0
+    assert not d.up[1] and 1 not in d.groups.draining
+
+
+def test_a_killed_virtual_learner_takes_no_call_and_its_end_is_seen_after_detection():
+    d = virtual_driver()
+    seen = polled(d)
+    d.begin()
+    d.advance(2.5)
+    d.current_fault = FaultPlan().crash("r:0", at_s=2.5).faults[0]   # the fault being fired
+    assert d.groups.kill("r:0", 0, "ray_kill") is False   # its end is reported, not now
+    assert not d.up[0] and d.groups.cause_of[0] == "kill"
+    assert d.groups.call("r:0", "drain") is False         # down: nothing running takes it
+    assert d.groups.call("r:1", "nap") is False and d.groups.call("x:9", "drain") is False
+    d.advance(3.4)
+    assert seen == []
+    d.advance(3.5)                                  # detect_kill_s later
+    assert [(t, e.learner, e.how, e.error) for t, e in seen] == [
+        (3.5, "r:0", api.How.DIED, "kill")]
+    assert d.groups.kill("r:1", 7, "bury") is False       # not its incarnation: left alone
+    assert d.up[1]
+
+
+def test_the_virtual_syncer_restarts_through_its_core_at_a_new_epoch():
+    d = virtual_driver()
+    d.begin()
+    d.advance(2.5)
+    versions = list(d.syncer.versions)
+    d.shards.kill(0)
+    assert d.shards.ended() == [api.ShardEnded(0)] and d.shards.ended() == []
+    with pytest.raises(RuntimeError, match="down"):
+        d.shards.attach(0, "islands:syncer", 1.0)
+    ready = d.shards.start(0, None, 1, True, {}, 1.0)
+    assert (ready["epoch"], ready["versions"], ready["back_at_s"]) == (1, versions, 3.5)
+    with pytest.raises(ValueError, match="one syncer"):
+        d.shards.start(1, None, 2, True, {}, 1.0)
+    d.advance(4.0)
+    status = d.shards.statuses(1.0, False)[0]
+    assert status.epoch == 1 and set(status.registered) == {"r:0", "r:1"}
+    assert d.shards.attach(0, "islands:syncer", 1.0)["epoch"] == 1
+    assert set(d.shards.global_params()) == set(d.syncer.params_flat())

@@ -1,0 +1,369 @@
+"""The in-process driver's learners and syncer behind the seam's interfaces (groups_api.py), on
+its virtual clock. No Ray here.
+
+The third body of the seam: ``VirtualLearnerGroup`` and ``VirtualSyncerGroup`` implement
+``groups_api.LearnerGroup`` and ``groups_api.SyncerGroup`` on the state of an
+``inprocess._Driver`` (its arrays of learners, its ``SyncerCore``, its event queue), so that the
+driver's action handlers are one call on a group each, as the Ray controller's are on
+``groups.LearnerGroups`` and ``groups.SyncerShards``. What takes time on a cluster takes virtual
+time here: a process start (``chaos.RestartCosts``; with ``start_cpu_s`` the starts share
+``start_cores``), a death's detection, a spare's preparation, a syncer's restart.
+
+The driver is event-driven: what the Ray owner polls (``ended``, ``spare_results``) becomes due
+at an event of the virtual clock (a death at its detection time, a drained run once its pushes
+are answered, a spare at the end of its preparation); the driver ``report``s it to the group
+and polls at once, so each poll returns that one message, in the order the events came.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Iterable, Optional
+
+from .groups_api import How, RunEnded, ShardEnded, SpareFailed, SpareReady, SyncerStatus
+
+# Event priorities at equal times: pushes leave before the syncer decides, the syncer answers
+# before learners start their next step (so zero latency means "answered at this boundary").
+# A fault at the time a step ends hits after that step's pushes left (they are then refused), and
+# before the learner starts another step; a restarted learner starts after everything else.
+STEP_DONE, FAULT, ARRIVE, CHECK, REPLY, STEP_START, FLEET, RESTART = range(8)
+
+
+class VirtualLearnerGroup:
+    """The in-process body of ``groups_api.LearnerGroup``: the driver's learner slots, each one
+    virtual learner whose incarnations come and go on the virtual clock.
+
+    ``driver`` is the ``inprocess._Driver`` whose state this carries the fleet's actions out
+    on (``now``, ``cores``, ``up``, ``restart``, ``schedule`` ...). ``devices`` and ``spec`` mean
+    nothing here but the ``Launch`` itself: ``launch`` takes it as its ``spec`` (the new
+    incarnation's start step and peer)."""
+
+    CALLS = ("drain", "pause", "hang")   # the control calls a virtual learner takes
+
+    def __init__(self, driver: Any):
+        self.d = driver
+        n = len(driver.ids)
+        self.starting = 0                      # processes starting now (restarts, spares)
+        # Process starts in flight: key -> (what, payload, CPU seconds left). With
+        # RestartCosts.start_cpu_s they share start_cores (processor sharing), so a burst of
+        # failures makes every start slower, as on a machine whose cores they share.
+        self.starts: dict = {}
+        self.starts_at = 0.0
+        self.starts_version = 0
+        self.draining: set[int] = set()  # told to drain: no new step, leaves once answered
+        self.restart_token = [0] * n     # invalidates a scheduled comeback that was killed
+        self.cause_of = [""] * n         # the fault kind of each learner's last loss
+        self._ended: list[RunEnded] = []
+        self._spares: list = []
+
+    # -- start ----------------------------------------------------------------------------------
+    def launch(self, learner: str, incarnation: int, region: str, devices, spec,
+               link_faults: Iterable = (), spare: Optional[str] = None,
+               identity: Optional[dict] = None) -> Optional[str]:
+        """A new incarnation, back after its start (``driver.on_restart``): a new process's
+        (``begin_start``), or a promoted spare's, whose process is there (a flat cost). The
+        link faults need no passing on: they are windows on the region's link (``driver.windows``)."""
+        d, i = self.d, self.d.index_of[learner]
+        if incarnation == 0 and d.cores[i].incarnation == 0:
+            return None  # the initial learners exist already
+        self.restart_token[i] += 1
+        payload = (i, spec, self.restart_token[i])
+        if spare is not None:
+            d.schedule(d.now + d.restart_cost(True), RESTART, "restart", payload)
+        else:
+            self.begin_start(d.now, ("restart", i, self.restart_token[i]), "restart", payload,
+                             d.restart_cost(False))
+        return None
+
+    def launch_spare(self, name: str, region: str, devices, spec) -> Optional[str]:
+        """Starts preparing a spare; why not when it could not be ready before the run ends
+        (``until_s``): it is not started then."""
+        d = self.d
+        if d.until_s is not None and d.now + d.restart.spare_ready_s >= d.until_s:
+            return "it would be ready only after the run ends"
+        self.begin_start(d.now, ("spare", name), "spare", name, d.restart.spare_ready_s)
+        return None
+
+    def hurry_spare(self, name: str) -> None:
+        """A virtual spare's preparation has one fixed length: no priority to change."""
+
+    def end_spare(self, name: str) -> None:
+        self.cancel_start(self.d.now, ("spare", name))   # one still preparing stops taking CPU
+
+    # -- control --------------------------------------------------------------------------------
+    def call(self, learner: str, method: str, *args) -> bool:
+        """``drain``, ``pause(paused, order=None)`` or ``hang(duration_s)`` on ``learner``'s
+        virtual learner; True when a running incarnation took it, False for an unknown learner
+        or call. A drain or a pause is its slot's and holds across a restart (one told to drain
+        while down drains when it is back)."""
+        i = self.d.index_of.get(learner)
+        if i is None or method not in self.CALLS:
+            return False
+        running = self.d.up[i]
+        getattr(self, "_" + method)(i, *args)
+        return running
+
+    def _drain(self, i: int) -> None:
+        """As the Ray learner's ``drain``: it finishes the step it is in (its pushes leave),
+        takes no new one, and its run returns once every push it has in flight is answered
+        (``finish_drain``)."""
+        self.draining.add(i)
+
+    def _pause(self, i: int, paused: bool, order: Optional[int] = None) -> None:
+        """Paused, it parks at its next step boundary; resumed, a parked one steps again now."""
+        d = self.d
+        d.paused[i] = paused
+        if not paused and d.parked[i]:
+            d.parked[i] = False
+            d.schedule(d.now, STEP_START, "start", (i, d.cores[i].incarnation))
+
+    def _hang(self, i: int, duration_s: float) -> None:
+        """A wedged learner does nothing from now on; the health timeout finds it and it is
+        restarted like a dead one (its unmerged work is lost)."""
+        d = self.d
+        incarnation = d.cores[i].incarnation
+        if d.up[i]:
+            d.kill(i, d.now, "hang")
+        self.cause_of[i] = "hang"
+        self._seen_after(d.restart.detect_hang_s,
+                         RunEnded(d.ids[i], incarnation, None, "hang", How.DIED))
+
+    def kill(self, learner: str, incarnation: int, mode: str) -> bool:
+        """``bury``: a running incarnation (a quarantined one) stops now, and no end of its
+        run is reported (True). Otherwise a chaos kill of the plan's fault the driver is firing
+        (``driver.current_fault``): the incarnation ends now, or its start is called off when it
+        was coming back; its end is seen after the fault's detection time (False)."""
+        d, i = self.d, self.d.index_of[learner]
+        if mode == "bury":
+            if d.up[i] and d.cores[i].incarnation == incarnation:
+                d.kill(i, d.now, "quarantine")
+                self.cause_of[i] = "quarantine"
+                return True
+            return False
+        fault = d.current_fault
+        if d.up[i]:
+            d.kill(i, d.now, fault.kind.value)
+        else:  # killed during its restart: that comeback is off, its process is gone
+            self.cancel_start(d.now, ("restart", i, self.restart_token[i]))
+            self.restart_token[i] += 1
+        self.cause_of[i] = fault.kind.value
+        self._seen_after(d.restart.detect_s(fault.kind),
+                         RunEnded(learner, incarnation, None, fault.kind.value, How.DIED))
+        return False
+
+    def finish_drain(self, i: int, now: float) -> bool:
+        """Ends learner i's run, which was told to drain, if it is between steps with nothing
+        in flight; True when it did (``ended`` reports it)."""
+        d = self.d
+        core = d.cores[i]
+        if not d.up[i] or d.in_step[i] or any(
+                t.in_flight_since_step is not None and t.reply is None for t in core.tracks):
+            return False   # down (its restart, if any, drains when it is back), or still busy
+        self.draining.discard(i)
+        d.record.watermarks[(i, core.incarnation)] = d.watermark(i)
+        d.up[i] = d.parked[i] = False
+        d.recheck_open_rounds(now)
+        self.report(RunEnded(d.ids[i], core.incarnation, self._final(i), None))
+        return True
+
+    # -- poll -----------------------------------------------------------------------------------
+    def report(self, message: "RunEnded | SpareReady | SpareFailed") -> None:
+        """Its event has come on the virtual clock: the next ``ended`` or ``spare_results``
+        returns it."""
+        (self._ended if isinstance(message, RunEnded) else self._spares).append(message)
+
+    def ended(self) -> list[RunEnded]:
+        """The runs reported ended since the last poll."""
+        out, self._ended = self._ended, []
+        return out
+
+    def spare_results(self) -> "list[SpareReady | SpareFailed]":
+        """The spares reported ready since the last poll (a virtual spare never fails)."""
+        out, self._spares = self._spares, []
+        return out
+
+    def stop_all(self, timeout_s: float) -> None:
+        """The job's end: every running incarnation's run returns now (reported by ``ended``).
+        The virtual learners keep their state: the run's record has read it already."""
+        d = self.d
+        for i, name in enumerate(d.ids):
+            if d.up[i]:
+                self.report(RunEnded(name, d.cores[i].incarnation, self._final(i), None))
+
+    def _final(self, i: int) -> dict:
+        core = self.d.cores[i]
+        return {"learner": core.learner, "incarnation": core.incarnation, "step": core.step}
+
+    def _seen_after(self, delay_s: float, ended: RunEnded) -> None:
+        """Its end is seen (``driver.on_seen``) ``delay_s`` from now."""
+        self.d.schedule(self.d.now + delay_s, FLEET, "seen", ended)
+
+    # -- process starts -------------------------------------------------------------------------
+    def begin_start(self, now: float, key, what: str, payload, wall_s: float) -> None:
+        """A new process starts (a restart's or a spare's): done after ``wall_s``, or, with
+        ``start_cpu_s``, once it had that much CPU out of ``start_cores`` shared by all starts."""
+        self.starting += 1
+        cpu_s = self.d.restart.start_cpu_s
+        if cpu_s <= 0:
+            self.starts[key] = (what, payload, None)
+            self.d.schedule(now + wall_s, RESTART, "start_done", (key, None))
+            return
+        self.advance_starts(now)
+        self.starts[key] = (what, payload, cpu_s)
+        self.reschedule_starts(now)
+
+    def cancel_start(self, now: float, key) -> None:
+        """The starting process was killed: it needs no more CPU and never comes back."""
+        if key not in self.starts:
+            return
+        self.advance_starts(now)
+        del self.starts[key]
+        self.starting -= 1
+        self.reschedule_starts(now)
+
+    def start_rate(self) -> float:
+        """CPU seconds per second each start gets (one core at most: a process is one thread)."""
+        n = sum(1 for _, _, left in self.starts.values() if left is not None)
+        return min(1.0, self.d.restart.start_cores / n) if n else 0.0
+
+    def advance_starts(self, now: float) -> None:
+        done = (now - self.starts_at) * self.start_rate()
+        for key, (what, payload, left) in list(self.starts.items()):
+            if left is not None:
+                self.starts[key] = (what, payload, left - done)
+        self.starts_at = now
+
+    def reschedule_starts(self, now: float) -> None:
+        self.starts_version += 1
+        left = [x for _, _, x in self.starts.values() if x is not None]
+        if left:
+            self.d.schedule(now + max(min(left), 0.0) / self.start_rate(), RESTART, "start_done",
+                            (None, self.starts_version))
+
+    def finished_starts(self, now: float, payload) -> list[tuple[str, Any]]:
+        """The starts a ``start_done`` event finishes, in order: ``("restart", payload)`` for a
+        new incarnation, ``("spare", SpareReady)`` for a spare."""
+        key, version = payload
+        if key is not None:          # a flat start: this one is done, unless it was cancelled
+            finished = [key] if key in self.starts else []
+        else:                        # the CPU pool: whichever starts ran out of work
+            if version != self.starts_version:
+                return []
+            self.advance_starts(now)
+            finished = [k for k, (_, _, left) in self.starts.items()
+                        if left is not None and left <= 1e-9]
+        done = [self.starts.pop(k) for k in finished]
+        self.starting -= len(done)
+        if key is None:
+            self.reschedule_starts(now)
+        return [(what, item if what == "restart" else SpareReady(item, None, None))
+                for what, item, _ in done]
+
+
+class VirtualSyncerGroup:
+    """The in-process body of ``groups_api.SyncerGroup``: one shard, the driver's
+    ``SyncerCore``, which lives in memory (its restart keeps Θ, versions and ledger,
+    ``SyncerCore.restart``). It answers at once: the driver hands it ξ_step and the pause at
+    each decision itself (``on_check``)."""
+
+    def __init__(self, driver: Any):
+        self.d = driver
+        self._ended: list[ShardEnded] = []
+
+    @property
+    def count(self) -> int:
+        return 1
+
+    def _ready(self) -> dict:
+        core = self.d.syncer
+        return {"epoch": core.epoch, "versions": list(core.versions), "syncer_shard": 0}
+
+    def _check_shard(self, s: int) -> None:
+        if s != 0:
+            raise ValueError(f"syncer shard {s}: the in-process driver has one syncer (shard 0)")
+
+    def start(self, s: int, spec, epoch: int, restore: bool, options: dict,
+              timeout_s: float) -> dict:
+        """Restarts the syncer at ``epoch`` (fencing), restored as the Ray syncer restores from
+        its snapshot and merge journal (``SyncerCore.restart``: as of the last merge; the open
+        rounds are dropped, their learners told so). It answers ``syncer_restart_s`` later, when
+        every live learner registers again (``driver.on_syncer_back``); its ``ready`` answer
+        says when (``back_at_s``)."""
+        self._check_shard(s)
+        if not restore:
+            raise ValueError(f"StartSyncer(shard {s}, restore=False): the in-process driver's "
+                             "syncer restarts from its own state")
+        d = self.d
+        for push in d.syncer.restart(epoch):
+            i = d.index_of[push.learner]
+            d.record.dropped_pushes += 1
+            if d.current(i, push.incarnation):
+                d.cores[i].push_refused(push.fragment)
+        d.syncer_down_until = d.now + d.restart.syncer_restart_s
+        d.schedule(d.syncer_down_until, FAULT, "syncer_back", None)
+        return {**self._ready(), "back_at_s": d.syncer_down_until}
+
+    def attach(self, s: int, name: str, timeout_s: float) -> dict:
+        """The one shard is the driver's own core: its ``ready`` answer, unless it is down."""
+        self._check_shard(s)
+        if self.d.now < self.d.syncer_down_until:
+            raise RuntimeError("the in-process syncer is down")
+        return self._ready()
+
+    def ended(self) -> list[ShardEnded]:
+        """The shard if it was killed since the last poll."""
+        out, self._ended = self._ended, []
+        return out
+
+    def kill(self, s: int) -> None:
+        """Its process dies now: pushes that reach it are refused until a restarted one
+        answers. One that is down already is not killed again (the fault is recorded as
+        skipped)."""
+        self._check_shard(s)
+        d = self.d
+        if d.now < d.syncer_down_until:
+            d.record.faults_skipped.append((d.faults.fired[-1], "syncer is already down"))
+            return
+        d.syncer_down_until = math.inf   # until a restarted syncer answers
+        self._ended.append(ShardEnded(s))
+
+    def refusals_since(self, seen: list[int], timeout_s: float = 10) -> list:
+        """The refusals after the ``seen[0]`` already reported (``seen`` is advanced)."""
+        core = self.d.syncer
+        new = core.refusals_total - seen[0]
+        seen[0] = core.refusals_total
+        return list(core.refusals)[-new:] if new > 0 else []
+
+    def forget(self, learner: str, incarnation: int, reason: str,
+               timeout_s: float = 10) -> None:
+        """Unregisters ``learner`` and drops its unmerged pushes. ``SyncerCore.forget`` knows
+        learners, not incarnations: the one registered is forgotten."""
+        self.d.record.dropped_pushes += len(self.d.syncer.forget(learner))
+
+    def statuses(self, slowest_step_s: float, paused: bool,
+                 timeout_s: float = 10) -> dict[int, SyncerStatus]:
+        """The core's status (what the Ray syncer's ``status`` reads off its core); the pace and
+        the pause are not kept: the driver passes them to each decision."""
+        core = self.d.syncer
+        ledger = {name: {"incarnation": e.incarnation, "applied_step": e.applied_step,
+                         "applied_tokens": e.applied_tokens,
+                         "merged_steps": dict(e.merged_steps),
+                         "merged_tokens_total": e.merged_tokens_total, "fates": e.fates}
+                  for name, e in core.ledger.items()}
+        return {0: SyncerStatus(
+            epoch=core.epoch, versions=list(core.versions), merges=int(sum(core.versions)),
+            merges_by_fragment=dict(enumerate(core.versions)),
+            live_learners=dict(core.last_live),
+            participation_counts=dict(core.participation_counts),
+            staleness_counts=dict(core.staleness_counts),
+            rejected={r.value: n for r, n in core.rejected.items()},
+            registered=dict(core.learners), refusals_total=core.refusals_total,
+            quarantined=dict(core.quarantined), ledger=ledger, syncer_shard=0)}
+
+    def global_params(self, timeout_s: float = 30) -> dict:
+        """The global parameters, flat."""
+        return self.d.syncer.params_flat()
+
+    def snapshot_now(self, timeout_s: float = 60) -> None:
+        """Nothing to write: the virtual syncer's state is its core, in memory, and a restart
+        (``start``) restores from it."""
