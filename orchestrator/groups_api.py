@@ -6,7 +6,8 @@ A body of the owner loop (orchestrator/seam.py) carries the fleet's actions out 
 ``SyncerGroup`` (the syncer shards: start, attach, ask for status, forget, kill). What it hears
 back is typed: ``RunEnded``, ``SpareReady`` / ``SpareFailed``, ``ShardEnded``, ``SyncerStatus``.
 The Ray bodies are ``groups.LearnerGroups`` and ``groups.SyncerShards``; a region agent's one
-syncer shard is its link client, behind the same ``SyncerGroup``.
+syncer shard is its link client, behind the same ``SyncerGroup``; the in-process driver's are
+``virtual_groups.VirtualLearnerGroup`` and ``VirtualSyncerGroup``, on its virtual clock.
 
 >>> ended = RunEnded("a:0", 2, None, "actor died", How.PREEMPTED)
 >>> ended.preempted, ended.crashed
