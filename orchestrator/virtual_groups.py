@@ -34,8 +34,8 @@ class VirtualLearnerGroup:
     virtual learner whose incarnations come and go on the virtual clock.
 
     ``driver`` is the ``inprocess._Driver`` whose state this carries the fleet's actions out
-    on (``now``, ``cores``, ``up``, ``restart``, ``schedule`` ...). ``devices`` and ``spec`` mean
-    nothing here but the ``Launch`` itself: ``launch`` takes it as its ``spec`` (the new
+    on (``now``, ``cores``, ``up``, ``restart``, ``schedule`` ...). There are no devices here
+    (``devices`` is None), and ``launch``'s ``spec`` is the ``fleet.Launch`` itself (the new
     incarnation's start step and peer)."""
 
     CALLS = ("drain", "pause", "hang")   # the control calls a virtual learner takes
@@ -61,8 +61,8 @@ class VirtualLearnerGroup:
                link_faults: Iterable = (), spare: Optional[str] = None,
                identity: Optional[dict] = None) -> Optional[str]:
         """A new incarnation, back after its start (``driver.on_restart``): a new process's
-        (``begin_start``), or a promoted spare's, whose process is there (a flat cost). The
-        link faults need no passing on: they are windows on the region's link (``driver.windows``)."""
+        (``begin_start``), or a promoted spare's, whose process is there (a flat cost). Link
+        faults need no passing on: they are windows on the region's link (``driver.windows``)."""
         d, i = self.d, self.d.index_of[learner]
         if incarnation == 0 and d.cores[i].incarnation == 0:
             return None  # the initial learners exist already
@@ -119,7 +119,8 @@ class VirtualLearnerGroup:
 
     def _hang(self, i: int, duration_s: float) -> None:
         """A wedged learner does nothing from now on; the health timeout finds it and it is
-        restarted like a dead one (its unmerged work is lost)."""
+        restarted like a dead one (its unmerged work is lost). One down already (its death not
+        seen yet) is not killed again, but its end is seen as a hang too."""
         d = self.d
         incarnation = d.cores[i].incarnation
         if d.up[i]:
