@@ -4,12 +4,19 @@ A cluster start and stop costs 10-15 s on the 2-core machine, once per module be
 that use the ``shared_ray`` fixture (tests/conftest.py) run one after another on one cluster,
 whose regions are the union of theirs; each leaves it as it found it: every actor of the job
 namespace ended and gone from Ray's list before the next module starts. Modules that need a
-cluster of their own (a logical GPU, a second cluster, a worker environment of their own) run
-after them, and the shared cluster is stopped before their first test.
+cluster of their own (a second cluster, a head started by ``ray start``) run after them, and the
+shared cluster is stopped before their first test.
+
+The cluster is started the way ``islands run`` starts its embedded one on a CPU machine: from a
+driver pinned to ``JAX_PLATFORMS=cpu``, which every worker inherits (test_learner_devices proves
+that a GPU region's learners do not keep that pin), with one logical GPU for those regions, and
+with this folder on the workers' ``PYTHONPATH`` (test_task_service's learners import their task
+from a test module by name).
 """
 
 from __future__ import annotations
 
+import os
 import time
 
 NAMESPACE = "islands"
@@ -17,7 +24,10 @@ SHARED_CPUS = 4
 # The union of the shared modules' regions, each with the most any of them declares. A region
 # that a test needs absent (test_cold_start's "never") is in none of them.
 SHARED_RESOURCES = {"region:a": 3, "region:b": 1, "region:us-east": 3, "region:eu-west": 3,
-                    "region:one": 2, "region:pair": 2, "region:east": 3, "region:west": 3}
+                    "region:one": 2, "region:pair": 2, "region:east": 3, "region:west": 3,
+                    "region:cpu": 1, "region:gpu": 1, "region:warm": 1}
+SHARED_GPUS = 1   # logical: test_learner_devices' GPU regions ask for 0.25 each
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 _state = {"shared": False}
 
@@ -31,9 +41,20 @@ def shared_cluster() -> None:
         if _state["shared"]:
             return
         ray.shutdown()
-    ray.init(address="local", num_cpus=SHARED_CPUS, resources=SHARED_RESOURCES,
-             namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
-             _node_ip_address="127.0.0.1")
+    pinned = {"JAX_PLATFORMS": "cpu", "PYTHONPATH": os.pathsep.join(
+        [HERE] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    before = {k: os.environ.get(k) for k in pinned}
+    os.environ.update(pinned)   # the workers inherit the environment the cluster starts with
+    try:
+        ray.init(address="local", num_cpus=SHARED_CPUS, num_gpus=SHARED_GPUS,
+                 resources=SHARED_RESOURCES, namespace=NAMESPACE, include_dashboard=False,
+                 log_to_driver=False, _node_ip_address="127.0.0.1")
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     _state["shared"] = True
 
 

@@ -1,7 +1,8 @@
 """Learners train on the devices their region asked for, or not at all (docs/accelerators.md).
 
-A real local Ray cluster that declares one logical GPU, started (as ``islands run`` starts its
-embedded one) from a driver pinned to ``JAX_PLATFORMS=cpu``: every worker process inherits that.
+The shared local Ray cluster (tests/integration/clusters.py) declares one logical GPU and was
+started (as ``islands run`` starts its embedded one) from a driver pinned to
+``JAX_PLATFORMS=cpu``: every worker process inherits that.
 A GPU region's learner, its warm spare and a GPU unit of 2 hosts must each get their own platform
 (CUDA), find no CUDA on this machine and refuse to train with the one-line device check, as a
 configuration failure that is not retried; a CPU region in the same job stays pinned to the CPU
@@ -21,7 +22,7 @@ from islands.orchestrator.config import JobConfig  # noqa: E402
 from islands.orchestrator.controller import NAMESPACE, Controller, controller_options  # noqa: E402
 from waiting import wait_for  # noqa: E402  (tests/integration/waiting.py)
 
-pytestmark = pytest.mark.ray
+pytestmark = [pytest.mark.ray, pytest.mark.usefixtures("shared_ray")]
 
 JOB = {
     **TINY_JOB, "name": "devices",
@@ -38,17 +39,11 @@ JOB = {
 @pytest.fixture(scope="module")
 def job(tmp_path_factory):
     config = JobConfig.model_validate(JOB)
-    inherited = os.environ.get("JAX_PLATFORMS")
-    os.environ["JAX_PLATFORMS"] = "cpu"   # the driver's pin, which every worker inherits
-    try:
-        ray.init(address="local", num_cpus=3, num_gpus=1, resources=config.region_resources(),
-                 namespace=NAMESPACE, include_dashboard=False, log_to_driver=False,
-                 _node_ip_address="127.0.0.1")
-    finally:
-        if inherited is None:
-            os.environ.pop("JAX_PLATFORMS")
-        else:
-            os.environ["JAX_PLATFORMS"] = inherited
+    # The shared cluster's workers inherit the pin (clusters.shared_cluster): a GPU learner that
+    # kept it would train on the CPU.
+    assert ray.cluster_resources().get("GPU") == 1
+    assert ray.get(ray.remote(lambda: os.environ.get("JAX_PLATFORMS")).options(
+        num_cpus=0).remote()) == "cpu"
     run_dir = tmp_path_factory.mktemp("run")
     controller = ray.remote(Controller).options(**controller_options(str(run_dir))).remote(
         config, str(run_dir))
@@ -56,7 +51,6 @@ def job(tmp_path_factory):
     yield controller, lambda: ray.get(controller.snapshot.remote())
     ray.get(controller.shutdown.remote(), timeout=120)
     ray.kill(controller)
-    ray.shutdown()
 
 
 def events(controller, kind=None):
