@@ -48,7 +48,7 @@ CONFIG = {
 def finished_run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("chaos-run")
     # Ends on events, not a fixed length: the last fault (the syncer kill at 30 s) is behind,
-    # the new epoch merged 10 times, the lost region's learner trains again; then the operator
+    # the new epoch merged 5 times, the lost region's learner trains again; then the operator
     # drains a:1 (DRAIN_AT_S in the in-process run) and the job ends once it left. The cap is
     # far behind those events (90 s): at 50 s, a slower CI machine once ended the job while a:1
     # was still draining, and it retired as stopped.
@@ -62,7 +62,7 @@ def finished_run(tmp_path_factory):
             return False
         restarted_at_merges.append(merges)
         if "drained" not in job:
-            if (merges >= restarted_at_merges[0] + 10 and b0.get("incarnation", 0) >= 1
+            if (merges >= restarted_at_merges[0] + 5 and b0.get("incarnation", 0) >= 1
                     and b0.get("state") == "training"):
                 job["drained"] = ray.get(job["controller"].drain.remote("a:1"))
             return False

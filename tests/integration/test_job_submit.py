@@ -122,7 +122,7 @@ def test_ray_job_submit_runs_the_job(head, tmp_path):
     (job_dir / "job.yaml").write_text(JOB_YAML)
     run_dir = tmp_path / "run"
     t0 = time.time()
-    result = submit(head, job_dir, "--duration", "18", "--run-dir", str(run_dir))
+    result = submit(head, job_dir, "--duration", "13", "--run-dir", str(run_dir))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "succeeded" in (result.stdout + result.stderr).lower()
     summary = json.loads((run_dir / "summary.json").read_text())

@@ -26,6 +26,7 @@ import yaml
 from conftest import TINY_JOB
 
 ISLANDS = [sys.executable, "-m", "islands.orchestrator.cli"]
+HANG_TIMEOUT_S = 20.0   # the home's health.timeout_s: above the 8 s partition, no false hangs
 
 
 def _reader(proc, lines: "queue.Queue"):
@@ -149,7 +150,7 @@ def two_clusters(tmp_path_factory):
               # Two syncer shards (one fragment each) and the default encoded downlink (nf2
               # replies): both cross the link.
               "syncer": {**TINY_JOB["syncer"], "shards": 2},
-              "health": {"timeout_s": 30.0},  # two clusters on 2 cores: no false hangs
+              "health": {"timeout_s": HANG_TIMEOUT_S},
               "link": {"port": 0, "token_file": str(token_file), "max_message_bytes": 8 << 20,
                        "keepalive_s": 2.0, "agent_home_timeout_s": 20.0,
                        "tls": {"cert_file": pki.server_cert, "key_file": pki.server_key,
@@ -288,7 +289,7 @@ def test_remote_merges_partition_and_a_local_restart(two_clusters):
 
 def test_a_home_partition_shorter_than_the_agents_timeout_restarts_nothing(two_clusters):
     """``islands chaos partition --home`` at home: the link server drops every region's link for
-    8 s (below link.agent_home_timeout_s, 20 s here, and health.timeout_s, 30 s). The remote
+    8 s (below link.agent_home_timeout_s and health.timeout_s, 20 s each here). The remote
     learner trains on through it, nothing restarts on either side, the agent stays, merges
     resume within seconds of its end, and the home's books balance.
 
@@ -458,7 +459,7 @@ def test_the_cli_operates_the_region_cluster_at_the_address_join_printed(two_clu
 
 def test_a_killed_agents_learner_is_failed_at_home_within_the_hang_timeout(two_clusters):
     """The agent's whole cluster dies at once (SIGKILL to its process group, as a lost machine):
-    its learner stops beating, and the home says so within the hang timeout (30 s here)."""
+    its learner stops beating, and the home says so within the hang timeout (20 s here)."""
     import ray
 
     from waiting import wait_for
@@ -477,16 +478,17 @@ def test_a_killed_agents_learner_is_failed_at_home_within_the_hang_timeout(two_c
         return next((e for e in _home_events(home_dir)[seen:]
                      if e["event"] == "learner_unreachable" and e["learner"] == "far:0"), None)
 
-    event = wait_for(unreachable, 30.0 + 15.0, "far:0 unreachable at home")
+    event = wait_for(unreachable, HANG_TIMEOUT_S + 15.0, "far:0 unreachable at home")
     detected_s = event["t"] - t_kill
     print(f"far:0 seen unreachable at home {detected_s:.1f}s after its agent's cluster died")
     # Its last heartbeat left up to 2 s before the kill (beats every 1 s, reports every 1 s).
-    assert detected_s <= 30.0 + 4.0, f"{detected_s:.1f}s: beyond the 30 s hang timeout"
+    assert detected_s <= HANG_TIMEOUT_S + 4.0, f"{detected_s:.1f}s: beyond the hang timeout"
     new = _home_events(home_dir)[seen:]
     failed = [e for e in new if e["event"] == "learner_failed" and e["learner"] == "far:0"]
     assert failed and failed[0]["cause"] == "hang", failed
     silent_s = float(failed[0]["detail"].split(" for ", 1)[1].split("s;", 1)[0])
-    assert 30.0 <= silent_s <= 32.0, failed[0]["detail"]  # the hang timeout, as a local one's
+    # the hang timeout, as a local one's
+    assert HANG_TIMEOUT_S <= silent_s <= HANG_TIMEOUT_S + 2.0, failed[0]["detail"]
     # Its state, the progress line's count and the books say so.
     row = wait_for(lambda: next((r for r in reversed(_home_rows(home_dir))
                                  if r.get("learners", {}).get("far:0", {}).get("state")
