@@ -2,6 +2,8 @@
 tree comparison."""
 
 import os
+import shutil
+import tempfile
 
 # Before anything imports Ray: local clusters (ray.init, `ray start` in a subprocess) bind
 # 127.0.0.1 instead of the machine's network address, so tests talk to loopback only.
@@ -15,6 +17,12 @@ import pytest  # noqa: E402
 jax.config.update("jax_platforms", "cpu")
 # An accidental [B, L, D] + [L, D] broadcast is an error, not a silent shape bug (STYLE, Tests).
 jax.config.update("jax_numpy_rank_promotion", "raise")
+# One persistent compilation cache for the session's tests (a fresh directory per session):
+# the many tests that build the same tiny programs load them instead of compiling each again.
+_COMPILE_CACHE = tempfile.mkdtemp(prefix="islands-tests-jax-cache-")
+jax.config.update("jax_compilation_cache_dir", _COMPILE_CACHE)
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 def assert_trees_close(a, b, atol: float = 1e-6, rtol: float = 1e-6) -> None:
@@ -94,5 +102,6 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(_COMPILE_CACHE, ignore_errors=True)
     if "clusters" in __import__("sys").modules:
         _clusters().leave_shared_cluster()

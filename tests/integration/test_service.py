@@ -181,10 +181,17 @@ def test_metrics_scrape_during_a_run(job):
     # allocated time without useful work; below, the restart is counted). Whether one learner's
     # few seconds of outage lower a 10 s window past its noise is not asserted: it did not, in
     # several clean-clone runs with carry.
+    incarnation = snap()["learners"]["eu-west:0"]["incarnation"]
     ray.get(controller.chaos_kill.remote("eu-west:0", "ray_kill"))
+
+    def back() -> bool:
+        row = snap()["learners"]["eu-west:0"]
+        return row["incarnation"] > incarnation and row["state"] == "training"
+
+    # Sampling a gauge over the outage: from the kill until the restart trains (30 s cap).
     windows = []
-    deadline = time.time() + 12
-    while time.time() < deadline:   # sampling a gauge over time: nothing to wait on
+    deadline = time.time() + 30
+    while time.time() < deadline and not (len(windows) >= 4 and back()):
         windows.append(window_now())
         time.sleep(0.5)
     assert windows and all(w is not None and 0.0 <= w <= 1.0 for w in windows), windows
