@@ -7,17 +7,17 @@ charges every failure the least it can cost:
 
   a learner kill     ``--promote-s``: the fastest recovery measured from a ready spare (failure
                      → the learner training again, 0.6 s), as if a ready spare were always there;
-  a region loss      that, for as many of its live learners as the region has spares, and the
-                     repair (``repair_s``) plus ``--promote-s`` for the others. The local chaos
-                     kills a region's learners, not its spares; on a real cluster the region's
-                     spares go with its nodes: ``--spares-die`` charges every victim the repair.
+  a region loss      the repair (``repair_s``) plus ``--promote-s`` for each of its live
+                     learners: its spares go with its nodes, as the chaos's region loss takes
+                     them. ``--spares-survive`` charges only ``--promote-s`` for as many victims as
+                     the region has spares (the chaos before it took spares).
 
 A learner that is down is not failed again (the drivers skip such a fault). The ceiling on the
 faulted run's goodput as a fraction of the fault-free run's is 1 − lost ÷ (learners × duration):
 every lost learner-second is a second of a slot that applies nothing.
 
     python benchmarks/fault_ceiling.py                  # seeds 0-199, the demo's faults
-    python benchmarks/fault_ceiling.py --spares-die
+    python benchmarks/fault_ceiling.py --spares-survive
 
 Prints a table, then one JSON object as the last line; writes fault-ceiling.png and
 fault_ceiling.json to ``--out``.
@@ -50,17 +50,17 @@ def demo_config(seed: int, duration_s: float, mtbf_s: float, repair_s: float,
 
 
 def least_lost_s(faults, regions: dict, spares: int, promote_s: float,
-                 spares_die: bool) -> tuple[float, dict]:
+                 spares_survive: bool) -> tuple[float, dict]:
     """Learner-seconds the plan's failures cost at the least, and how many of each kind hit.
 
     >>> from islands.faults import Fault
     >>> plan = [Fault(1.0, FaultKind.KILL, "a:0", 5.0),
     ...         Fault(1.2, FaultKind.KILL, "a:0", 5.0),          # still down: not failed again
     ...         Fault(10.0, FaultKind.REGION_LOSS, "a", 5.0)]     # 2 live: 1 spare, 1 repair
-    >>> least_lost_s(plan, {"a": ["a:0", "a:1"]}, 1, 0.5, False)
-    (6.5, {'kills': 1, 'region_victims': 2})
-    >>> least_lost_s(plan, {"a": ["a:0", "a:1"]}, 1, 0.5, True)[0]     # the spare died too
-    11.5
+    >>> least_lost_s(plan, {"a": ["a:0", "a:1"]}, 1, 0.5, False)    # the spare died too
+    (11.5, {'kills': 1, 'region_victims': 2})
+    >>> least_lost_s(plan, {"a": ["a:0", "a:1"]}, 1, 0.5, True)[0]
+    6.5
     """
     down_until: dict[str, float] = {}
     lost, hits = 0.0, {"kills": 0, "region_victims": 0}
@@ -75,7 +75,7 @@ def least_lost_s(faults, regions: dict, spares: int, promote_s: float,
         elif fault.kind == FaultKind.REGION_LOSS:
             victims = [name for name in regions[fault.target] if down_until.get(name, -1.0) <= t]
             for k, name in enumerate(victims):
-                cost = promote_s if (k < spares and not spares_die) else fault.duration_s + promote_s
+                cost = promote_s if (k < spares and spares_survive) else fault.duration_s + promote_s
                 lost += cost
                 down_until[name] = t + cost
             hits["region_victims"] += len(victims)
@@ -91,7 +91,7 @@ def main() -> None:
     p.add_argument("--region-mtbf", type=float, default=240.0)
     p.add_argument("--spares", type=int, default=1)
     p.add_argument("--promote-s", type=float, default=0.6)
-    p.add_argument("--spares-die", action="store_true")
+    p.add_argument("--spares-survive", action="store_true")
     args = p.parse_args()
 
     rows = []
@@ -102,7 +102,7 @@ def main() -> None:
                    for name, r in config.regions.items()}
         slots = sum(len(v) for v in regions.values())
         lost, hits = least_lost_s(build.chaos_plan(config).faults, regions, args.spares,
-                                  args.promote_s, args.spares_die)
+                                  args.promote_s, args.spares_survive)
         rows.append({"seed": seed, **hits, "lost_s": lost,
                      "ceiling": 1.0 - lost / (slots * args.duration)})
     ceilings = [r["ceiling"] for r in rows]
@@ -123,10 +123,10 @@ def main() -> None:
     ax.set_ylabel("seeds")
     ax.set_title(f"demo, {args.duration:.0f} s, MTBF {args.mtbf:.0f} s, region MTBF "
                  f"{args.region_mtbf:.0f} s, {args.spares} spare/region"
-                 + (" (spares die)" if args.spares_die else ""), fontsize=9)
+                 + (" (spares survive)" if args.spares_survive else ""), fontsize=9)
     ax.legend()
     fig.tight_layout()
-    tag = "-spares-die" if args.spares_die else ""
+    tag = "-spares-survive" if args.spares_survive else ""
     C.save_figure(fig, args.out, f"fault-ceiling{tag}.png")
     C.finish(f"fault_ceiling{tag.replace('-', '_')}",
              {"machine": C.machine(), "args": vars(args), **summary, "rows": rows}, args.out)

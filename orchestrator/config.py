@@ -320,7 +320,8 @@ class KillEvent(_Section):
 
 
 class RegionLossEvent(_Section):
-    """Every learner of a region dies at once (a lost slice or node)."""
+    """Every learner of a region dies at once (a lost slice or node), and its warm spares
+    with them; nothing of the region starts again before ``repair_s``."""
 
     type: Literal["region_loss"]
     target: str                          # a region name

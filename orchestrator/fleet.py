@@ -30,7 +30,8 @@ spare is hurried (``HurrySpare``: its preparation leaves its low priority): a pr
 start costs the learner almost no CPU, a new process a whole start's. With
 ``RegionPlan.prestart`` a failed learner whose restart must wait gets its next process at once,
 a spare reserved for it (``Spare.for_learner``), prepared while it waits and promoted when the
-restart is due.
+restart is due. A region loss takes the region's spares with its learners (they run on the same
+nodes), and no spare starts there, nor is any restart prestarted, before its repair is over.
 
 A node Ray reports draining (``Cluster.draining``: ``ray drain-node``, an autoscaler, the
 platform's announced preemption) is a planned preemption: each live learner on it is drained
@@ -46,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import statistics
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence, Union
@@ -242,6 +244,8 @@ class FleetState:
     misconfigured: Mapping[str, str] = field(default_factory=dict)
     # Nodes Ray reports draining: node id -> deadline (seconds on the fleet's clock; None: none).
     draining_nodes: Mapping[str, Optional[float]] = field(default_factory=dict)
+    # Regions lost (a region loss) -> the end of their repair: no spare starts there before it.
+    lost_regions: Mapping[str, float] = field(default_factory=dict)
 
     def live(self) -> list[Slot]:
         return [s for s in self.slots.values() if s.state in LIVE]
@@ -898,10 +902,18 @@ class _Machine:
         elif kind == FaultKind.REGION_LOSS:
             self.region_known(fault.target)
             victims = [s for s in self.fleet.in_region(fault.target) if s.state in LIVE]
+            # Its warm spares ran on the same nodes: they go with it, and none starts there
+            # again before the repair (a spare surviving the loss would flatter goodput).
+            spares = [x for x in self.fleet.spares.values() if x.region == fault.target]
             self.note("chaos", None, action="region_loss", target=fault.target,
-                      repair_s=fault.duration_s, learners=[s.learner for s in victims])
+                      repair_s=fault.duration_s, learners=[s.learner for s in victims],
+                      spares=[x.name for x in spares])
             for slot in victims:
                 self.kill(slot, "ray_kill", fault.duration_s)
+            for spare in spares:
+                self.drop_spare(spare, "its region was lost")
+            self.set(lost_regions={**self.fleet.lost_regions,
+                                   fault.target: self.now + fault.duration_s})
         elif kind == FaultKind.SLOWDOWN:
             targets = self.running_targets(fault.target)
             self.note("chaos", None, action="slowdown", target=fault.target, factor=fault.factor,
@@ -1080,6 +1092,10 @@ class _Machine:
         self.actions.append(KillSpare(spare.name))
         self.note("spare_ended", None, spare=spare.name, region=spare.region, reason=reason[:300])
 
+    def region_lost(self, region: str) -> bool:
+        """``region`` was lost (a region loss) and its repair is not over: nothing of it runs."""
+        return self.now < self.fleet.lost_regions.get(region, -math.inf)
+
     def ready_spare(self, region: str, learner: Optional[str] = None) -> Optional[Spare]:
         """A READY spare of ``region`` for ``learner``: the one prestarted for it first, else
         the region's oldest (never one prestarted for another learner)."""
@@ -1100,7 +1116,8 @@ class _Machine:
         it (``spare_waiters``) or one is prestarted for it."""
         plan = self.settings.regions.get(slot.region)
         if (plan is None or not plan.prestart or slot.remote or self.fleet.stopping
-                or slot.region in self.fleet.misconfigured or self.reserved(slot.learner)):
+                or slot.region in self.fleet.misconfigured or self.reserved(slot.learner)
+                or self.region_lost(slot.region)):
             return
         preparing = sum(1 for x in self.fleet.spares.values() if x.region == slot.region
                         and x.for_learner is None and x.state == SpareState.STARTING)
@@ -1145,7 +1162,8 @@ class _Machine:
                for x in self.fleet.slots.values()):
             return
         for region, plan in self.settings.regions.items():
-            if plan.remote or plan.spares <= 0 or region in self.fleet.misconfigured:
+            if (plan.remote or plan.spares <= 0 or region in self.fleet.misconfigured
+                    or self.region_lost(region)):
                 continue
             have = sum(1 for x in self.fleet.spares.values()
                        if x.region == region and x.for_learner is None)

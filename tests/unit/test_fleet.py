@@ -631,6 +631,41 @@ def test_a_spare_ready_after_the_fault_takes_the_waiting_slot_at_its_spare_ready
     assert "Launch" not in kinds(F.step(ready.fleet, alive(ready.fleet, "a:0"), 99.2))
 
 
+def test_a_region_loss_takes_its_spares_and_nothing_starts_there_before_the_repair():
+    """A region's warm spares run on its nodes: a region loss ends them with its learners. No
+    replacement spare and no prestarted restart starts in the region before the repair is
+    over; then the learners come back in new processes and the region gets a spare again."""
+    fleet = spare_fleet()
+    plan = dataclasses.replace(fleet.settings.regions["a"], prestart=True)
+    fleet = dataclasses.replace(fleet, settings=dataclasses.replace(fleet.settings,
+                                                                    regions={"a": plan}))
+    (spare,) = fleet.spares
+    loss = F.Chaos(Fault(10.0, FaultKind.REGION_LOSS, "a", duration_s=5.0))
+    lost = F.step(fleet, alive(fleet) + [loss], 10.0)
+    assert lost.transitions[0].fields["spares"] == [spare]
+    assert F.KillSpare(spare) in lost.actions and lost.fleet.spares == {}
+    ended = [t for t in lost.transitions if t.name == "spare_ended"]
+    assert [t.fields["reason"] for t in ended] == ["its region was lost"]
+    # The deaths are seen at 10.2: the repair counts from there (restarts at 15.2).
+    result = F.step(lost.fleet, [F.RunEnded(n, 0, "killed") for n in ("a:0", "a:1", "a:2")],
+                    10.2)
+    during = [result]
+    for t in (11.0, 13.0, 14.9):   # the region is back at 15.0 (the loss at 10.0 + 5 s)
+        during.append(F.step(during[-1].fleet, [], t))
+    for t, r in zip((10.2, 11.0, 13.0, 14.9), during):
+        assert not {"Launch", "LaunchSpare"} & set(kinds(r)), (t, kinds(r))
+    assert during[-1].fleet.spares == {}
+    back = F.step(during[-1].fleet, [], 15.2)
+    launches = [a for a in back.actions if isinstance(a, F.Launch)]
+    assert sorted(a.learner for a in launches) == ["a:0", "a:1", "a:2"]
+    assert all(a.spare is None for a in launches)     # new processes: the spare is gone
+    after, t = back, 15.2
+    while not any(isinstance(a, F.LaunchSpare) for a in after.actions) and t < 20.0:
+        t += 0.5
+        after = F.step(after.fleet, [F.Beat(n, 1, True) for n in ("a:0", "a:1", "a:2")], t)
+    assert any(isinstance(a, F.LaunchSpare) for a in after.actions), "no spare after the repair"
+
+
 def preparing_spare_fleet(wait_s=5.0):
     """spare_fleet() after spare:a:0 took a:1's place at 90.0; its replacement spare:a:1 has
     been preparing since 91.0 (when a:1 trained), and restarts wait ``wait_s`` for a spare."""
