@@ -311,6 +311,10 @@ FIELD_NOTES: dict[str, str] = {
                                          "learner is retired. Being slow never spends it.",
     "health.restart.max_preemption_restarts": "Restarts per learner after preemptions (its node "
                                               "went away); null: unlimited.",
+    "health.restart.reset_after_s": "A learner that trained this long since its last restart "
+                                    "was healthy: the restarts before count no more, in the "
+                                    "budgets or the backoff (a crash loop dies sooner); null: "
+                                    "they count for the learner's lifetime.",
     "health.placement_timeout_s": "Seconds to wait for the syncer to start (also after a syncer "
                                   "restart) before giving up.",
     # metrics

@@ -156,7 +156,11 @@ class Slot:
     last_beat_s: Optional[float] = None
     step_time_s: Optional[float] = None
     node_id: Optional[str] = None
-    restarts: tuple[tuple[Cause, int], ...] = ()
+    restarts: tuple[tuple[Cause, int], ...] = ()   # every restart of the learner's life
+    # The restarts the policy counts (budgets, backoff): those since it last trained healthily
+    # for ``RestartPolicy.reset_after_s``.
+    counted: tuple[tuple[Cause, int], ...] = ()
+    training_since_s: Optional[float] = None   # when this incarnation began to train
     restart_at_s: Optional[float] = None
     repair_until_s: float = 0.0
     killed_at_s: Optional[float] = None  # a chaos kill: the failure time, to the ms
@@ -178,10 +182,13 @@ class Slot:
     def restart_counts(self) -> dict[Cause, int]:
         return dict(self.restarts)
 
-    def with_restart(self, cause: Cause) -> "Slot":
-        counts = self.restart_counts
+    def with_restart(self, cause: Cause, fresh: bool = False) -> "Slot":
+        """One more restart for ``cause``; ``fresh``: the counted ones start over with it."""
+        counts, counted = self.restart_counts, {} if fresh else dict(self.counted)
         counts[cause] = counts.get(cause, 0) + 1
-        return dataclasses.replace(self, restarts=tuple(sorted(counts.items())))
+        counted[cause] = counted.get(cause, 0) + 1
+        return dataclasses.replace(self, restarts=tuple(sorted(counts.items())),
+                                   counted=tuple(sorted(counted.items())))
 
 
 class SpareState(str, enum.Enum):
@@ -711,7 +718,8 @@ class _Machine:
             if slot.recovery is not None and beat.ready_at_s is not None:
                 recovery.setdefault("restore_done_s", beat.ready_at_s)
             slot = self.put(dataclasses.replace(slot, recovery=tuple(recovery.items())
-                                                if slot.recovery is not None else None))
+                                                if slot.recovery is not None else None,
+                                                training_since_s=self.now))
             paused = self.fleet.paused_reason is not None
             self.move(slot, SlotState.PAUSED if paused else SlotState.TRAINING, "learner_ready",
                       incarnation=slot.incarnation)
@@ -1189,8 +1197,12 @@ class _Machine:
                          Forget(slot.learner, slot.incarnation, cause.value)]
         self.note("learner_failed", slot.learner, cause=cause.value, incarnation=slot.incarnation,
                   detail=detail, **{"from": slot.state.value})
-        verdict = self.settings.policy.decide(slot.learner, cause, slot.restart_counts)
-        slot = dataclasses.replace(slot, killed_at_s=None)
+        policy = self.settings.policy
+        trained_s = (died_s - slot.training_since_s if slot.training_since_s is not None
+                     else None)
+        fresh = policy.healthy(trained_s)   # not a crash loop: earlier restarts count no more
+        verdict = policy.decide(slot.learner, cause, {} if fresh else dict(slot.counted))
+        slot = dataclasses.replace(slot, killed_at_s=None, training_since_s=None)
         free = reintegration_failed(cause, slot.recovery)
         if free:
             verdict = dataclasses.replace(
@@ -1200,7 +1212,7 @@ class _Machine:
         if verdict.decision == RestartDecision.RETIRE:
             self.move(slot, SlotState.FAILED, "learner_retired", reason=verdict.message)
             return
-        slot = slot if free else slot.with_restart(cause)
+        slot = slot if free else slot.with_restart(cause, fresh)
         # The repair of a lost machine starts when the loss is seen.
         repair_s = max(0.0, slot.repair_until_s - died_s)
         restart_at = self.now + max(verdict.delay_s, repair_s)

@@ -42,6 +42,13 @@ class RestartPolicy:
 
     A preemption is the platform's doing, not the learner's, so it does not use up the crash budget.
     ``None`` means unlimited.
+
+    ``reset_after_s``: a learner that trained this long since its last (re)start was healthy;
+    its next failure is not part of a crash loop, so the restarts counted before it no longer
+    count, neither in the budgets nor in the backoff (``Slot.counted``; as Kubernetes resets a
+    container's crash-loop backoff once it has run fine for a while). Without it a long job
+    under ordinary failures loses each learner for good at its fifth, and every restart waits
+    the longest backoff. ``None``: counts are for the learner's lifetime.
     """
 
     backoff_initial_s: float = 0.5
@@ -49,6 +56,13 @@ class RestartPolicy:
     backoff_max_s: float = 30.0
     max_crash_restarts: Optional[int] = 5
     max_preemption_restarts: Optional[int] = None
+    reset_after_s: Optional[float] = 60.0
+
+    def healthy(self, trained_s: Optional[float]) -> bool:
+        """The incarnation that just failed had trained ``trained_s`` seconds (None: it never
+        trained): long enough that the restarts before it no longer count."""
+        return (self.reset_after_s is not None and trained_s is not None
+                and trained_s >= self.reset_after_s)
 
     def budget_for(self, cause: Cause) -> Optional[int]:
         if cause == Cause.STRAGGLER:

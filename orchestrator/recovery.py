@@ -46,7 +46,11 @@ def saved_slot(row: dict, remote: bool) -> "fleet_lib.Slot":
         state=fleet_lib.SlotState(row["state"]), incarnation=row["incarnation"],
         start_step=row["start_step"], actor=row.get("actor"), remote=remote,
         slow_tolerated=int(row.get("slow_tolerated", 0)),
-        restarts=tuple(sorted((Cause(c), n) for c, n in row["restarts"].items())))
+        restarts=tuple(sorted((Cause(c), n) for c, n in row["restarts"].items())),
+        # A state file from before ``counted``: every restart counts (the old rule).
+        counted=tuple(sorted((Cause(c), n) for c, n in row.get("counted",
+                                                                 row["restarts"]).items())),
+        training_since_s=row.get("training_since_s"))
 
 
 def save_state(owner: Any) -> None:
@@ -58,7 +62,9 @@ def save_state(owner: Any) -> None:
         "slots": [{"learner": x.learner, "region": x.region, "index": x.index,
                    "shard": x.shard, "speed_factor": x.speed_factor, "state": x.state.value,
                    "incarnation": x.incarnation, "start_step": x.start_step,
-                   "restarts": {c.value: n for c, n in x.restarts}, "actor": x.actor,
+                   "restarts": {c.value: n for c, n in x.restarts},
+                   "counted": {c.value: n for c, n in x.counted},
+                   "training_since_s": x.training_since_s, "actor": x.actor,
                    "slow_tolerated": x.slow_tolerated}
                   for x in fleet.slots.values()],
         "targets": dict(fleet.targets), "next_index": dict(fleet.next_index),

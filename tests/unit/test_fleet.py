@@ -106,6 +106,40 @@ def test_backoff_doubles_per_restart_and_the_crash_budget_ends_in_failed():
     assert result.fleet.slots["a:0"].state == SlotState.FAILED
 
 
+def test_a_learner_that_trained_healthily_starts_its_budget_and_backoff_over():
+    """RestartPolicy.reset_after_s: seven failures of a:0, each after 10 s of training (the
+    reset), never spend a budget of 2 and always wait the first backoff, 0.5 s; the lifetime
+    count still says 7. Then three failures each 1 s after it trained (a crash loop) spend the
+    budget: the third retires it."""
+    policy = dataclasses.replace(POLICY, max_crash_restarts=2, reset_after_s=10.0)
+    fleet = training(settings(heartbeat_timeout_s=1e9, policy=policy))   # a:0 trains since 1.0
+    now, incarnation, delays = 1.0, 0, []
+
+    def fail_after(fleet, trained_s):
+        nonlocal now, incarnation
+        now += trained_s   # its last beat then (the failure time the fleet knows)
+        fleet = F.step(fleet, [F.Beat("a:0", incarnation, True)], now).fleet
+        result = F.step(fleet, [F.RunEnded("a:0", incarnation, "died")], now)
+        if result.fleet.slots["a:0"].state == SlotState.FAILED:
+            return result
+        delays.append(result.transitions[1].fields["delay_s"])
+        now += 1.0                                          # past any backoff here
+        fleet = F.step(result.fleet, [], now).fleet         # relaunched
+        incarnation += 1
+        return F.step(fleet, [F.Beat("a:0", incarnation, True)], now)  # trains from now
+
+    for _ in range(7):
+        fleet = fail_after(fleet, 10.0).fleet
+    assert delays == [0.5] * 7
+    slot = fleet.slots["a:0"]
+    assert slot.restart_counts == {Cause.CRASH: 7} and dict(slot.counted) == {Cause.CRASH: 1}
+    fleet = fail_after(fleet, 1.0).fleet       # the counted ones go on: 2 of 2, backoff 1.0
+    assert delays[-1] == 1.0
+    result = fail_after(fleet, 1.0)
+    assert names(result) == ["learner_failed", "learner_retired"]
+    assert "crash budget of 2 spent" in result.transitions[1].fields["reason"]
+
+
 def test_preemption_uses_its_own_budget_node_gone_or_platform_says_so():
     fleet = F.step(training(), [F.Cluster({"a": 3, "b": 2}, frozenset({"n2"}))], 2.0).fleet
     result = F.step(fleet, [F.RunEnded("a:0", 0, "actor died")], 3.0)  # its node n1 is gone

@@ -17,3 +17,13 @@ def test_a_remote_regions_learner_stays_mirrored_after_a_controller_restart():
     assert (slot.incarnation, slot.start_step, slot.actor) == (2, 40, "spare:far:3")
     assert slot.restarts == ((Cause.HANG, 1),)
     assert not saved_slot({**ROW, "learner": "a:0", "region": "a"}, remote=False).remote
+
+
+def test_the_counted_restarts_and_the_training_start_survive_a_controller_restart():
+    """RestartPolicy.reset_after_s needs both; a state file written before ``counted`` existed
+    counts every restart, as the rule then did."""
+    slot = saved_slot({**ROW, "restarts": {"hang": 3, "crash": 2}, "counted": {"crash": 1},
+                       "training_since_s": 1234.5}, remote=False)
+    assert slot.counted == ((Cause.CRASH, 1),) and slot.training_since_s == 1234.5
+    old = saved_slot(ROW, remote=False)
+    assert old.counted == old.restarts == ((Cause.HANG, 1),) and old.training_since_s is None
