@@ -264,7 +264,7 @@ class RestartSection(_Section):
     backoff_max_s: float = Field(30.0, ge=0)
     max_crash_restarts: Optional[int] = Field(5, ge=0)
     max_preemption_restarts: Optional[int] = Field(None, ge=0)
-    reset_after_s: Optional[float] = Field(60.0, ge=0)
+    reset_after_s: Optional[float] = Field(30.0, ge=0)
 
 
 class HealthSection(_Section):

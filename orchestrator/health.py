@@ -56,7 +56,7 @@ class RestartPolicy:
     backoff_max_s: float = 30.0
     max_crash_restarts: Optional[int] = 5
     max_preemption_restarts: Optional[int] = None
-    reset_after_s: Optional[float] = 60.0
+    reset_after_s: Optional[float] = 30.0
 
     def healthy(self, trained_s: Optional[float]) -> bool:
         """The incarnation that just failed had trained ``trained_s`` seconds (None: it never
