@@ -60,10 +60,13 @@ def _wait(predicate, timeout_s, what):
 
 
 def _stop(proc):
-    """SIGINT (a clean stop: summary, then its own cluster's shutdown), then the whole process
-    group, so no Ray daemon of that cluster outlives the module and loads later ones."""
+    """SIGTERM (a clean stop, as Kubernetes stops a pod: summary, then its own cluster's
+    shutdown), then the whole process group, so no Ray daemon of that cluster outlives the module
+    and loads later ones. Not SIGINT: a test run started in the background of a non-interactive
+    shell (`bash .ci/run &`) ignores SIGINT, its children inherit that, and the home then ran
+    on until the 120 s wait below was over."""
     if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
@@ -574,7 +577,7 @@ def test_an_agent_leaves_cleanly_on_sigterm_and_with_its_home_job(two_clusters):
         agents.append(agent)
         _wait_line(agent.lines, agent, "learner_ready", 180)  # reporting to home by now
         t_end = time.time()
-        ctx["home"].send_signal(signal.SIGINT)
+        ctx["home"].send_signal(signal.SIGTERM)   # a clean stop (see _stop)
         rc = agent.wait(timeout=20.0 + 30.0)
         took = time.time() - t_end
         out = []
