@@ -3,9 +3,9 @@
 The one-learner job killed once (no peer exists) used to have every push of its restart refused
 as ``outlier_norm`` (its fresh AdamW state warmed up to the peak rate where the syncer expected
 the end of the cosine), was quarantined again and again and retired. Here it trains on: its new
-incarnation's pushes are merged, nothing is refused as garbage, nobody is quarantined, and the
-killed learner's goodput is no more than 0.05 below the same learner's in a job with a peer (a second
-learner in another region).
+incarnation's pushes are merged, nothing is refused as garbage, nobody is quarantined, and (slow:
+a second job) the killed learner's goodput is no more than 0.05 below the same learner's in a
+job with a peer (a second learner in another region).
 Both jobs run past the end of their learning-rate schedule before the kill (the case that
 failed) and end on events: the restart's merged steps, not a fixed length. One cluster.
 """
@@ -78,14 +78,27 @@ def killed_once(config, run_dir) -> dict:
                               if a["name"].startswith("islands:")], 60, "the job's actors gone")
 
 
-def test_a_lone_learner_killed_once_reintegrates_without_a_peer(cluster, tmp_path):
-    alone = killed_once(job("alone", {"a": {"learners": 1}}), tmp_path / "alone")
+def lone_learner_killed_once(run_dir) -> dict:
+    """The one-learner job killed once: no peer to copy from, and nothing refused as garbage,
+    nobody quarantined or retired."""
+    alone = killed_once(job("alone", {"a": {"learners": 1}}), run_dir)
     assert alone["restart"]["peer"] is None
     garbage = [e for e in alone["refused"]
                if e["reason"] in ("outlier_norm", "non_finite", "bad_shape", "bad_counters")]
     assert not garbage, garbage[:3]
     assert not [e for e in alone["events"] if e["event"] in ("learner_quarantined",
                                                             "learner_retired")]
+    return alone
+
+
+def test_a_lone_learner_killed_once_reintegrates_without_a_peer(cluster, tmp_path):
+    lone_learner_killed_once(tmp_path / "alone")
+
+
+@pytest.mark.slow  # a second job of the same length (~16 s) for the comparison
+def test_the_lone_learners_goodput_is_within_0_05_of_the_same_learner_with_a_peer(cluster,
+                                                                                    tmp_path):
+    alone = lone_learner_killed_once(tmp_path / "alone")
     peer = killed_once(job("peer", {"a": {"learners": 1}, "b": {"learners": 1}}),
                        tmp_path / "peer")
     assert peer["restart"]["peer"] == "b:0"
