@@ -47,7 +47,7 @@ class RestartPolicy:
     its next failure is not part of a crash loop, so the restarts counted before it no longer
     count, neither in the budgets nor in the backoff (``Slot.counted``; as Kubernetes resets a
     container's crash-loop backoff once it has run fine for a while). Without it a long job
-    under ordinary failures loses each learner for good at its fifth, and every restart waits
+    under ordinary failures loses each learner for good at its sixth, and every restart waits
     the longest backoff. ``None``: counts are for the learner's lifetime.
     """
 

@@ -32,8 +32,10 @@ class OwnerRole:
         return settings
 
     def attach_link(self) -> None:
-        """Attaches the syncer shard that is a link (a role that ``owns_syncers`` has none)."""
-        raise NotImplementedError("the home starts its own syncer shards")
+        """Attaches the syncer shard that is a link. The owner asks only a role that does not
+        ``owns_syncers``; the home starts its own shards, so this is a caller's mistake here."""
+        raise RuntimeError("attach_link called for the home, which starts its own syncer shards "
+                           "(owns_syncers is True)")
 
     def recovery_observations(self) -> list:
         """What a restarted owner's first step hears besides its rebuilt fleet."""
