@@ -69,6 +69,7 @@ def save_state(owner: Any) -> None:
                   for x in fleet.slots.values()],
         "targets": dict(fleet.targets), "next_index": dict(fleet.next_index),
         "next_shard": fleet.next_shard, "next_spare": fleet.next_spare,
+        "lost_regions": dict(fleet.lost_regions),
         "operator_paused": fleet.operator_paused,
         "recoveries": owner.recoveries[-1000:],
         "eval_history": owner.eval_history[-1000:], "initial_eval_loss": owner.initial_eval_loss,
@@ -174,6 +175,9 @@ def recover(owner: Any) -> None:
                                    saved["next_index"], saved["next_shard"],
                                    saved.get("next_spare", 0),
                                    bool(saved.get("operator_paused", False)))
+    # A region still in its repair after a region loss starts no spare before it is over.
+    owner.fleet = dataclasses.replace(owner.fleet, lost_regions={
+        region: float(until) for region, until in saved.get("lost_regions", {}).items()})
     # Spares waiting for promotion are not worth a recovery: end them; the fleet starts
     # new ones once nobody is starting.
     owner.groups.end_stray_spares({x.actor for x in slots if x.actor})
