@@ -54,6 +54,9 @@ class LearnerSpec:
     latency_ms: float = 0.0
     bandwidth_gbps: float = 10.0
     heartbeat_s: float = 1.0
+    # A drain waits this long at most for its in-flight pushes' answers (the job's
+    # health.timeout_s); one unanswered then is given up, and the learner leaves.
+    drain_timeout_s: float = 30.0
     namespace: str = "islands"
     syncer_name: str = "islands:syncer"
     # Syncer shards (syncer/shards.py): shard s > 0 is named ``<syncer_name>-<s>``.

@@ -381,6 +381,7 @@ class LearnerUnit:
         last_beat = 0.0
         step_time_ema = None
         arrived: list = []  # (usable_at, p, fragment, version)
+        drain_since: Optional[float] = None
         try:
             while not self.stop_event.is_set():
                 now = time.time()
@@ -389,6 +390,17 @@ class LearnerUnit:
                     continue
                 if self.drain_event.is_set():
                     if sender.idle() and not sender.pending:
+                        break
+                    drain_since = drain_since if drain_since is not None else now
+                    if now - drain_since > spec.drain_timeout_s:
+                        # A push never answered (seen once, across a syncer restart) must not
+                        # hold the drain forever: it is given up, as a dead learner's would be.
+                        log.warning("%s drained with %d push(es) unanswered after %.0fs",
+                                    spec.learner, len(sender.pending) + sender.queue.qsize(),
+                                    spec.drain_timeout_s)
+                        with self.lock:
+                            self.stats["drain_unanswered"] = (len(sender.pending)
+                                                              + sender.queue.qsize())
                         break
                     self.state = LearnerState.DRAINING
                     self._collect_replies(sender, arrived)
