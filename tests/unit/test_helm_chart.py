@@ -997,3 +997,16 @@ def test_a_values_file_of_the_previous_chart_with_a_disabled_local_region_render
     with pytest.raises(hp.HelmValuesError, match="missing propert"):
         chart().validate_schema(chart().merge_values(
             {"regions": {"local": {"disabled": False}, "us-east": LOCAL}}))
+
+
+def test_a_users_task_code_reaches_the_job_as_its_runtime_env():
+    """The user's own task module, by URI: KubeRay's ``runtimeEnvYAML`` of the RayJob (Ray
+    fetches it on every node); none by default."""
+    assert "runtimeEnvYAML" not in only(objects(), "RayJob")["spec"]
+    env = {"working_dir": "https://example.com/my_task.zip", "pip": ["flax"]}
+    spec = only(objects({"job": {"runtimeEnv": env}}), "RayJob")["spec"]
+    assert yaml.safe_load(spec["runtimeEnvYAML"]) == env
+    assert crd_errors(only(objects({"job": {"runtimeEnv": env}}), "RayJob")) == []
+    with pytest.raises(Exception, match="working_dir"):
+        chart().validate_schema(chart().merge_values(
+            with_regions({"job": {"runtimeEnv": {"working_dir": 3}}})))
