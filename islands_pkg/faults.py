@@ -162,6 +162,15 @@ class Link:
         check_loss_rate("loss_rate", self.loss_rate)
 
 
+def emulated_bytes_per_s(bandwidth_gbps: Optional[float]) -> float:
+    """A region's emulated bandwidth in bytes per second; None or 0 (the default): no cap.
+
+    >>> emulated_bytes_per_s(1.0), emulated_bytes_per_s(0), emulated_bytes_per_s(None)
+    (125000000.0, inf, inf)
+    """
+    return bandwidth_gbps * 1e9 / 8 if bandwidth_gbps else math.inf
+
+
 def rto_s(latency_s: float) -> float:
     """TCP's retransmission timeout on a link of one-way ``latency_s``: twice the round trip,
     at least ``MIN_RTO_S`` (the RTO is about SRTT + 4·RTTVAR, floored; 2·RTT is a steady link's).

@@ -51,8 +51,9 @@ class LearnerSpec:
     start_step: int = 0
     speed_factor: float = 1.0
     min_step_time_s: float = 0.0
+    # The emulated WAN; 0: none (a real network's own time only).
     latency_ms: float = 0.0
-    bandwidth_gbps: float = 10.0
+    bandwidth_gbps: float = 0.0
     heartbeat_s: float = 1.0
     # A drain waits this long at most for its in-flight pushes' answers (the job's
     # health.timeout_s); one unanswered then is given up, and the learner leaves.

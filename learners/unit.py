@@ -76,11 +76,11 @@ class LearnerUnit:
         # The niceness Ray gave this worker (its ``worker_niceness``): a spare's preparation
         # runs above it and comes back to it when hurried or promoted (``normal_priority``).
         self.base_niceness = _niceness()
-        from islands.faults import FaultWindows, Link
+        from islands.faults import FaultWindows, Link, emulated_bytes_per_s
 
         self.region = spec.learner.rsplit(":", 1)[0]
         self.link_faults = FaultWindows()   # chaos on this region's link, in wall-clock times
-        self.base_link = Link(spec.latency_ms / 1e3, spec.bandwidth_gbps * 1e9 / 8)
+        self.base_link = Link(spec.latency_ms / 1e3, emulated_bytes_per_s(spec.bandwidth_gbps))
 
     # -- control methods (called concurrently with run) -----------------------------------------
     def ping(self) -> dict:

@@ -225,7 +225,9 @@ class RegionSection(_Section):
     learners: int = Field(ge=0)
     max_learners: Optional[int] = Field(None, ge=0)
     speed_factors: Union[float, list[float]] = 1.0
-    bandwidth_gbps: float = Field(10.0, gt=0)
+    # The emulated WAN (a trial on one machine): off unless asked for. None or 0: no emulated
+    # bandwidth cap; 0: no emulated latency. A real network needs neither.
+    bandwidth_gbps: Optional[float] = Field(None, ge=0)
     latency_ms: float = Field(0.0, ge=0)
     # The region runs in its own Ray cluster and joins over the link (docs/regions.md): its
     # agent (`islands region join`) launches and restarts its learners; needs `link.port`.

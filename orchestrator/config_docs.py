@@ -245,8 +245,12 @@ FIELD_NOTES: dict[str, str] = {
                                     "`learner.min_step_time_s` / f and is never called a "
                                     "straggler when f < 1.",
     "regions.<name>.bandwidth_gbps": "Emulated bandwidth of the region's link to the syncer, "
-                                     "Gbit/s: b bytes take latency + b / bandwidth.",
-    "regions.<name>.latency_ms": "Emulated one-way latency of the region's link to the syncer.",
+                                     "Gbit/s: b bytes take latency + b / bandwidth on top of "
+                                     "the real network. null or 0 (the default): no emulated "
+                                     "cap. For trials on one machine (the demo sets it); leave "
+                                     "it out on a real cluster.",
+    "regions.<name>.latency_ms": "Emulated one-way latency of the region's link to the syncer, "
+                                 "on top of the real network; 0 (the default): none.",
     # a region's hardware (docs/accelerators.md)
     "regions.<name>.accelerator": "What each learner runs on; Ray reserves its devices. `cpu` "
                                   "learners run JAX on the CPU; `gpu` and `tpu` learners let "

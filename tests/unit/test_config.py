@@ -176,3 +176,30 @@ def test_the_downlink_default_is_the_same_with_remote_regions_and_premerge():
         assert (down.type, down.block_size) == ("nf2", 256)
         assert parse({**raw, "downlink_compression": {"type": "none"}}).downlink_compression.type \
             == "none"
+
+
+def test_the_emulated_wan_is_off_unless_asked_for(tiny_job):
+    """No emulated latency or bandwidth cap by default (a real cluster's network is all a
+    message takes); 0 is accepted and means none; the demo asks for it."""
+    import math
+
+    from islands.faults import emulated_bytes_per_s
+    from islands.orchestrator import fleet
+
+    config = tiny_job("wan")
+    region = config.regions["a"]
+    assert region.bandwidth_gbps is None and region.latency_ms == 0.0
+    launch = fleet.Launch("a:0", "a", incarnation=0, shard=0, num_shards=2, speed_factor=1.0,
+                          peer=None, start_step=0)
+    spec = build.learner_spec(config, build.training_spec(config), launch)
+    assert spec.bandwidth_gbps == 0.0 and spec.latency_ms == 0.0
+    assert emulated_bytes_per_s(spec.bandwidth_gbps) == math.inf
+    zero = parse({**config.model_dump(mode="json"),
+                  "regions": {"a": {"learners": 2, "bandwidth_gbps": 0, "latency_ms": 0}}})
+    assert emulated_bytes_per_s(zero.regions["a"].bandwidth_gbps) == math.inf
+    with pytest.raises(ConfigError, match="bandwidth_gbps"):
+        parse({**config.model_dump(mode="json"), "regions": {"a": {"learners": 2,
+                                                                   "bandwidth_gbps": -1}}})
+    demo = load_config(os.path.join(os.path.dirname(__file__), "..", "..", "deploy",
+                                    "examples", "local.yaml"))
+    assert demo.regions["us-east"].bandwidth_gbps == 1.0 and demo.regions["us-east"].latency_ms > 0
