@@ -212,6 +212,11 @@ class Int2Codec(_Codec):
     block_size: int = Field(codec_kinds.DEFAULT_BLOCK_SIZE, gt=0)
 
 
+# The block size of the default downlink's nf2, also when `{type: nf2}` is written without one
+# (the uplink's nf2 keeps the codecs' default, 64).
+DOWNLINK_NF2_BLOCK_SIZE = 256
+
+
 class Nf2Codec(_Codec):
     type: Literal["nf2"]
     block_size: int = Field(codec_kinds.DEFAULT_BLOCK_SIZE, gt=0)
@@ -469,7 +474,7 @@ class JobConfig(_Section):
     # compression) at 1 000 steps, 3 seeds, H = 24 and 96, for ~8× fewer bytes (BENCHMARKS.md).
     compression: Compression = Nf2Codec(type="nf2", block_size=64)
     # Across the link too: the codes cross it, and the learner applies them to its own copy.
-    downlink_compression: Compression = Nf2Codec(type="nf2", block_size=256)
+    downlink_compression: Compression = Nf2Codec(type="nf2", block_size=DOWNLINK_NF2_BLOCK_SIZE)
     regions: dict[str, RegionSection] = {"local": RegionSection(learners=2)}
     health: HealthSection = HealthSection()
     metrics: MetricsSection = MetricsSection()
@@ -477,6 +482,14 @@ class JobConfig(_Section):
     chaos: Optional[ChaosSection] = None
     run: RunSection = RunSection()
     link: LinkSection = LinkSection()
+
+    @field_validator("downlink_compression", mode="before")
+    @classmethod
+    def _downlink_nf2_block(cls, codec):
+        # `{type: nf2}` written out means the default downlink, not the uplink's block size.
+        if isinstance(codec, dict) and codec.get("type") == "nf2" and "block_size" not in codec:
+            return {**codec, "block_size": DOWNLINK_NF2_BLOCK_SIZE}
+        return codec
 
     @field_validator("regions")
     @classmethod

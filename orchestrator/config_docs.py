@@ -227,7 +227,9 @@ FIELD_NOTES: dict[str, str] = {
                                            "what one update left out goes with the next; false: "
                                            "the difference to the global fragment of the "
                                            "learner's version.",
-    "downlink_compression.block_size": "Elements per scale (float32; bfloat16 for nf2).",
+    "downlink_compression.block_size": "Elements per scale (float32; bfloat16 for nf2). For "
+                                       "nf2 it defaults to 256 (written out or not), for the "
+                                       "others to 64.",
     "syncer.downlink_full_after_versions": "With an encoded downlink, a learner whose copy is "
                                            "more than this many versions behind the merge gets "
                                            "the full fragment instead; null: never for that "

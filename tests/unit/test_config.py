@@ -203,3 +203,11 @@ def test_the_emulated_wan_is_off_unless_asked_for(tiny_job):
     demo = load_config(os.path.join(os.path.dirname(__file__), "..", "..", "deploy",
                                     "examples", "local.yaml"))
     assert demo.regions["us-east"].bandwidth_gbps == 1.0 and demo.regions["us-east"].latency_ms > 0
+
+
+def test_writing_the_downlinks_nf2_out_keeps_its_default_block():
+    assert parse({}).downlink_compression.block_size == 256
+    assert parse({"downlink_compression": {"type": "nf2"}}).downlink_compression.block_size == 256
+    assert parse({"downlink_compression": {"type": "nf2", "block_size": 32}}
+                 ).downlink_compression.block_size == 32
+    assert parse({"compression": {"type": "nf2"}}).compression.block_size == 64
