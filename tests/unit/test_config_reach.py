@@ -38,6 +38,7 @@ CHANGES = {
     "model.n_heads": 8,
     "model.compute_dtype": "bfloat16",
     "data.corpus": "/some/corpus/dir",
+    "regions.a.bandwidth_gbps": 2.5,   # None (no emulation) by default
     "task.path": "my_pkg.tasks:make",
     "task.args": None,         # only with another task.path: test_task_args_reach_the_learners
     "learner.overlap": "carry",
