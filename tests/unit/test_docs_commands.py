@@ -426,3 +426,15 @@ def test_every_yaml_snippet_validates(block, capsys, tmp_path):
     file.write_text(yaml.safe_dump(config))
     rc, out, err = run_islands(["config", "check", str(file)], capsys)
     assert rc == 0, f"{where}: the snippet does not validate:\n{err}"
+
+
+@pytest.mark.parametrize("name", ["gpu.yaml", "tpu.yaml"])
+def test_the_accelerator_examples_pass_the_checks_islands_run_makes(name):
+    """What `islands run` checks before Ray: the model builds and a batch fits the corpus."""
+    from islands.orchestrator.config import load_config
+    from islands.orchestrator.preflight import preflight
+
+    config = load_config(os.path.join(REPO, "deploy", "examples", name))
+    kinds = {region.accelerator for region in config.regions.values()}
+    assert kinds == {name.split(".")[0]}, kinds
+    preflight(config)
