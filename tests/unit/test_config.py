@@ -13,10 +13,14 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 
 # deploy/helm/ holds Helm values files, not job configs (tests/unit/test_helm_chart.py checks the
-# job configs the chart renders from them).
+# job configs the chart renders from them); deploy/prometheus/ holds alert rules
+# (tests/unit/test_alert_rules.py).
+NOT_JOB_CONFIGS = ("helm", "prometheus")
+
+
 @pytest.mark.parametrize("path", sorted(
     p for p in glob.glob(os.path.join(REPO, "deploy", "**", "*.yaml"), recursive=True)
-    if os.sep + os.path.join("deploy", "helm") + os.sep not in p))
+    if not any(os.sep + os.path.join("deploy", d) + os.sep in p for d in NOT_JOB_CONFIGS)))
 def test_every_deploy_yaml_loads(path):
     config = load_config(path)
     assert config.total_learners >= config.quorum.min_learners

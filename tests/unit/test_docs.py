@@ -19,7 +19,7 @@ from islands.syncer.validate import REJECT_REASONS
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 DOCS = os.path.join(REPO, "docs")
 PAGES = ("README.md", "architecture.md", "config.md", "metrics.md", "operations.md",
-         "accelerators.md")
+         "accelerators.md", "install.md", "quickstart-gpu.md", "troubleshooting.md", "faq.md")
 MARKDOWN = sorted(glob.glob(os.path.join(DOCS, "*.md"))) + [os.path.join(REPO, "README.md")]
 EXAMPLE = os.path.join(REPO, "deploy", "examples", "local.yaml")
 # What a user must never be sent to: the team's internal design notes and shared folder.
@@ -151,6 +151,13 @@ def test_every_relative_link_resolves(path):
         elif anchor and resolved.endswith(".md") and anchor not in anchors(resolved):
             broken.append(f"{target} (no heading #{anchor})")
     assert not broken, f"{os.path.relpath(path, REPO)}: broken links {broken}"
+
+
+def test_the_index_links_every_page():
+    index = read(os.path.join(DOCS, "README.md"))
+    pages = sorted(os.path.basename(p) for p in MARKDOWN if os.path.dirname(p) == DOCS)
+    missing = [p for p in pages if p != "README.md" and f"]({p})" not in index]
+    assert not missing, f"docs/README.md does not link {missing}"
 
 
 def test_readme_points_to_every_page():
