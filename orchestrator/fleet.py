@@ -191,6 +191,8 @@ class Slot:
     failures: tuple[tuple[int, str], ...] = ()
     # Retired as a crash loop: at which resume step, with which error (the console shows it).
     crash_loop: Optional[str] = None
+    # This incarnation was wedged on purpose (a chaos hang): its failure is no crash loop's.
+    injected: bool = False
 
     @property
     def restart_counts(self) -> dict[Cause, int]:
@@ -1031,6 +1033,7 @@ class _Machine:
                 raise CommandError(f"no running learner {fault.target!r}")
             self.note("chaos", fault.target, action="hang", target=fault.target,
                       duration_s=fault.duration_s)
+            self.put(dataclasses.replace(slot, injected=True))
             self.actions.append(Hang(fault.target, fault.duration_s))
         elif kind == FaultKind.SYNCER_KILL:
             shard = fault.syncer_shard
@@ -1105,6 +1108,7 @@ class _Machine:
             raise CommandError(f"no running learner {obs.learner!r}")
         self.note("chaos", obs.learner, action="hang", target=obs.learner,
                   duration_s=obs.duration_s)
+        self.put(dataclasses.replace(slot, injected=True))
         self.actions.append(Hang(obs.learner, obs.duration_s))
 
     def on_pausejob(self, obs: PauseJob) -> None:
@@ -1309,9 +1313,9 @@ class _Machine:
         trained_s = slot.trained_seconds(died_s)   # paused time is not training time
         fresh = policy.healthy(trained_s)   # not a crash loop: earlier restarts count no more
         verdict = policy.decide(slot.learner, cause, {} if fresh else dict(slot.counted))
-        chaos = slot.killed_at_s is not None
+        chaos = slot.killed_at_s is not None or slot.injected
         slot = dataclasses.replace(slot, killed_at_s=None, training_since_s=None, paused_s=0.0,
-                                   paused_since_s=None)
+                                   paused_since_s=None, injected=False)
         free = reintegration_failed(cause, slot.recovery)
         if (not free and not chaos and cause != Cause.CONFIG
                 and policy.budget_kind(cause) == "crash"):
@@ -1419,7 +1423,8 @@ class _Machine:
         slot = dataclasses.replace(slot, launched_s=self.now, last_beat_s=None, step_time_s=None,
                                    slow_since_s=None, start_step=start_step, restart_at_s=None,
                                    recovery=recovery, actor=spare.name if spare else None,
-                                   node_id=None, preempted_s=None, adopted=False)
+                                   node_id=None, preempted_s=None, adopted=False,
+                                   injected=False)
         peer_actor = self.fleet.slots[peer].actor if peer is not None else None
         self.actions.append(Launch(slot.learner, slot.region, slot.incarnation, slot.shard,
                                    self.num_shards(), slot.speed_factor, peer, start_step,

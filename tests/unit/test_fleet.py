@@ -1018,6 +1018,17 @@ def with_nodes(fleet, now, **regions):
     return F.step(fleet, [F.Cluster(dict(fleet.capacity), alive, region_nodes=nodes)], now).fleet
 
 
+def test_the_controllers_membership_report_names_each_regions_nodes():
+    pytest.importorskip("ray")
+    from islands.orchestrator.groups import region_nodes
+
+    nodes = [{"NodeID": "n1", "Resources": {"region:a": 2.0, "region:b": 1.0}},
+             {"NodeID": "n2", "Resources": {"region:a": 1.0, "GPU": 1.0}},
+             {"NodeID": "n3", "Resources": {"CPU": 4.0}}]
+    assert region_nodes(["a", "b", "c"], nodes) == {
+        "a": frozenset({"n1", "n2"}), "b": frozenset({"n1"}), "c": frozenset()}
+
+
 def test_a_failed_device_check_retires_the_learner_and_marks_its_node_once():
     """No membership known (or one node): the mark blocks its region, as before."""
     fleet = training()
@@ -1177,6 +1188,22 @@ def test_chaos_kills_at_one_step_are_never_a_crash_loop():
                                 resume_step=48)
         assert "learner_restart_scheduled" in names(result)
         now += 100.0
+
+
+def test_chaos_hangs_at_one_step_are_never_a_crash_loop():
+    policy = dataclasses.replace(POLICY, max_crash_restarts=None, crash_loop_after=2)
+    fleet = training(settings(heartbeat_timeout_s=5.0, policy=policy))
+    now = 1.0
+    for incarnation in range(3):
+        fleet = F.step(fleet, [F.HangCommand("a:0", 60.0)], now).fleet
+        hung = F.step(fleet, [F.Beat(n, 0, True, 0.1) for n in ("a:1", "b:0")], now + 6.0)
+        assert names(hung)[:2] == ["learner_unhealthy", "learner_failed"], names(hung)
+        assert "learner_restart_scheduled" in names(hung)
+        fleet = F.step(hung.fleet, [F.Applied({"a:0": (incarnation, 48, 1)})], now + 60.0).fleet
+        now += 61.0
+        fleet = F.step(fleet, [F.Beat("a:0", incarnation + 1, True, 0.1)] + [
+            F.Beat(n, 0, True, 0.1) for n in ("a:1", "b:0")], now).fleet
+    assert fleet.slots["a:0"].failures == ()
 
 
 def test_the_same_error_within_the_window_of_steps_is_a_crash_loop_and_progress_is_not():
