@@ -166,6 +166,9 @@ def format_status(table: dict) -> str:
     if table.get("paused_reason"):
         lines.append(f"PAUSED: {table['paused_reason']}")
     lines += misconfigured_lines(table.get("misconfigured"))
+    for name, l in sorted(table["learners"].items()):
+        if l.get("crash_loop"):   # retired: where and of what it kept dying
+            lines.append(f"CRASH LOOP {name}: {l['crash_loop']}")
     return "\n".join(lines)
 
 

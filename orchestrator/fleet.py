@@ -41,6 +41,13 @@ spare of its region, else a new process Ray places off the draining node) under 
 once (the syncer fences the older), so the new one starts when the old one is out. Spares on a
 draining node are ended (new ones start elsewhere). A learner still on the node when it goes
 dies as any other.
+
+A device check that fails deterministically (learners/devices.py) marks its node for the
+learner's region (``FleetState.misconfigured``); the region is blocked (no spare, no prestart,
+no scale-up; its next such failure retires as ``config``) only while every alive node of it is
+marked (``FleetState.blocked``). A good start there or an operator (``ClearMisconfigured``)
+clears a mark. A learner whose crashes keep coming at one resume step is retired as
+``crash_loop`` (``health.crash_loop``), whatever budget it has left.
 """
 
 from __future__ import annotations
@@ -1280,7 +1287,10 @@ class _Machine:
                for x in self.fleet.slots.values()):
             return
         for region, plan in self.settings.regions.items():
-            if (plan.remote or plan.spares <= 0 or self.fleet.blocked(region) is not None
+            # Not while any node of it is marked: a spare has no budget, and one placed on
+            # the marked node again and again would start processes forever.
+            if (plan.remote or plan.spares <= 0
+                    or any(region in m for m in self.fleet.misconfigured.values())
                     or self.region_lost(region)):
                 continue
             have = sum(1 for x in self.fleet.spares.values()

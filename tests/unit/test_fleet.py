@@ -1139,6 +1139,11 @@ def test_a_spare_that_fails_its_device_check_is_not_replaced():
     # Once the operator clears the node, a spare starts again.
     cleared = F.step(ended.fleet, [F.ClearMisconfigured("n1")], 101.0)
     assert F.LaunchSpare("spare:a:1", "a") in cleared.actions
+    # Another node of the region is unmarked (not blocked): still no new spare, which could
+    # land on the marked node again and again with no budget to stop it.
+    other = with_nodes(ended.fleet, 102.0, a={"n1", "n2"})
+    assert other.blocked("a") is None
+    assert not [a for a in F.step(other, [], 103.0).actions if isinstance(a, F.LaunchSpare)]
 
 
 # -- crash loops and the crash backoff ------------------------------------------------------------
