@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import sys
 from dataclasses import asdict, dataclass
 from typing import Mapping, Optional
@@ -24,6 +25,13 @@ INSTALL = {"gpu": "pip install 'islands[cuda]'", "tpu": "pip install 'islands[tp
 # Starts every device-check error: the controller retires such a learner instead of
 # restarting it (a configuration failure comes back on every restart).
 MISMATCH_MARK = "device check failed"
+# Starts the error of a backend that did not start for a reason that may pass (a device held
+# for a moment by a dying predecessor or another tenant, a driver hiccup): a crash, restarted
+# under the crash budget with its backoff.
+BACKEND_MARK = "device backend did not start"
+# What ``device_fault`` says.
+FAULT_CONFIG, FAULT_BACKEND = "config", "backend"
+NODE = re.compile(r"\(node ([0-9A-Za-z]+)\)")
 # The variables that decide a learner's devices (``LearnerUnit.environment`` shows them).
 ENVIRONMENT_SHOWN = ("JAX_PLATFORMS", "XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE",
                      "XLA_PYTHON_CLIENT_MEM_FRACTION", "CUDA_VISIBLE_DEVICES", "TPU_VISIBLE_CHIPS")
@@ -68,8 +76,17 @@ class DeviceReport:
         return f"{self.count} {self.platform} device(s) ({self.kind}), backend {self.backend}"
 
 
-class DeviceMismatch(RuntimeError):
-    """A learner's devices are not what its region asked for: it must not train."""
+class DeviceFault(RuntimeError):
+    """A learner's device check failed (one line): it must not train on what it found."""
+
+
+class DeviceMismatch(DeviceFault):
+    """A learner's devices are not what its region asked for, and would not be on a restart
+    on the same node: a configuration failure."""
+
+
+class BackendUnavailable(DeviceFault):
+    """The backend its region asked for is there but did not start: a crash (it may pass)."""
 
 
 def apply_env(env: Mapping[str, Optional[str]]) -> None:
@@ -160,15 +177,83 @@ def device_problem(request: DeviceRequest, report: DeviceReport,
             f"{likely_cause(request, report, env, has_plugin)}")
 
 
-def check_devices(request: Optional[DeviceRequest]) -> DeviceReport:
+def device_fault(request: DeviceRequest, report: DeviceReport,
+                 env: Optional[Mapping[str, str]] = None,
+                 has_plugin: Optional[bool] = None) -> Optional[str]:
+    """None when ``report`` matches ``request``; ``FAULT_CONFIG`` when the mismatch is deterministic
+    (it would come back on every start on this node): a backend that came up wrong (another
+    backend, another device count), ``JAX_PLATFORMS`` excluding the platform, no plugin, an
+    empty ``CUDA_VISIBLE_DEVICES``; when the backend asked for failed to start with
+    none of those to explain it (a device held for a moment, a driver hiccup): ``FAULT_BACKEND``.
+
+    >>> gpu = DeviceRequest("g", "gpu", 1, "num_gpus=1")
+    >>> down = DeviceReport(None, error="Unable to initialize backend 'cuda'")
+    >>> device_fault(gpu, down, {"JAX_PLATFORMS": "cuda"}, True)
+    'backend'
+    >>> device_fault(gpu, down, {"JAX_PLATFORMS": "cuda"}, False), device_fault(gpu, down, {"JAX_PLATFORMS": "cpu"}, True)
+    ('config', 'config')
+    >>> device_fault(gpu, DeviceReport("gpu", "gpu", "H100", 2), {}, True)
+    'config'
+    """
+    if report.error is None and report.backend == request.backend \
+            and report.count == request.local_devices:
+        return None
+    if report.error is None:
+        return FAULT_CONFIG
+    env = dict(os.environ) if env is None else env
+    has_plugin = plugin_installed(request.accelerator) if has_plugin is None else has_plugin
+    platforms = env.get("JAX_PLATFORMS", "")
+    wanted = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}[request.accelerator]
+    if platforms and wanted not in platforms.split(","):
+        return FAULT_CONFIG
+    if request.accelerator != "cpu" and not has_plugin:
+        return FAULT_CONFIG
+    if request.accelerator == "gpu" and env.get("CUDA_VISIBLE_DEVICES", None) == "":
+        return FAULT_CONFIG
+    return FAULT_BACKEND
+
+
+def check_devices(request: Optional[DeviceRequest], node_id: Optional[str] = None,
+                  env: Optional[Mapping[str, str]] = None,
+                  has_plugin: Optional[bool] = None) -> DeviceReport:
     """What JAX gave this process; raises ``DeviceMismatch`` (one line) when it is not what
-    ``request`` asks for. No request (a spec built by hand): nothing is checked."""
+    ``request`` asks for, ``BackendUnavailable`` when its backend failed to start for a reason
+    that may pass (``device_fault``). ``node_id`` (default: this process's Ray node, when Ray
+    is up) ends the line as ``(node <id>)``: the mark is that node's. No request (a spec built
+    by hand): nothing is checked."""
     report = observe_devices()
-    if request is not None:
-        problem = device_problem(request, report)
-        if problem is not None:
-            raise DeviceMismatch(problem)
-    return report
+    if request is None:
+        return report
+    fault = device_fault(request, report, env, has_plugin)
+    if fault is None:
+        return report
+    line = device_problem(request, report, env, has_plugin)
+    node_id = node_id or _this_node()
+    if node_id:
+        line += f" (node {node_id})"
+    if fault == FAULT_BACKEND:
+        raise BackendUnavailable(BACKEND_MARK + line[len(MISMATCH_MARK):])
+    raise DeviceMismatch(line)
+
+
+def _this_node() -> Optional[str]:
+    ray = sys.modules.get("ray")
+    try:
+        if ray is not None and ray.is_initialized():
+            return ray.get_runtime_context().get_node_id()
+    except Exception:   # no node to name: the fleet then marks the region's unknown node
+        pass
+    return None
+
+
+def mismatch_node(error: Optional[str]) -> Optional[str]:
+    """The node a device-check line names (``(node <id>)``), or None.
+
+    >>> mismatch_node("device check failed: region a ...; likely cause: x (node 4f2a)")
+    '4f2a'
+    """
+    found = NODE.findall(error or "")
+    return found[-1] if found else None
 
 
 def is_device_mismatch(error: Optional[str]) -> bool:

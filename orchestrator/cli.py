@@ -165,9 +165,26 @@ def format_status(table: dict) -> str:
         lines.append(f"spare {name}: region {spare['region']}  {spare['state']}{reserved}")
     if table.get("paused_reason"):
         lines.append(f"PAUSED: {table['paused_reason']}")
-    for region, message in sorted((table.get("misconfigured") or {}).items()):
-        lines.append(f"MISCONFIGURED region {region}: {message}")
+    lines += misconfigured_lines(table.get("misconfigured"))
+    for name, l in sorted(table["learners"].items()):
+        if l.get("crash_loop"):   # retired: where and of what it kept dying
+            lines.append(f"CRASH LOOP {name}: {l['crash_loop']}")
     return "\n".join(lines)
+
+
+def misconfigured_lines(marks) -> list:
+    """One line per node marked misconfigured for a region (``FleetState.marks``); a dict
+    {region: message} is what an older controller reports.
+
+    >>> misconfigured_lines([{"node": "n1", "region": "gpu", "message": "device check failed: x",
+    ...                       "blocked": True}])
+    ['MISCONFIGURED region gpu on node n1 (region blocked: every node of it is marked): device check failed: x']
+    """
+    if isinstance(marks, dict):
+        return [f"MISCONFIGURED region {r}: {m}" for r, m in sorted(marks.items())]
+    return [f"MISCONFIGURED region {m['region']} on node {m['node']}"
+            + (" (region blocked: every node of it is marked)" if m.get("blocked") else "")
+            + f": {m['message']}" for m in marks or []]
 
 
 def _config_command(args) -> int:
@@ -245,6 +262,15 @@ def main(argv=None) -> int:
     drain_node.add_argument("--deadline-s", type=non_negative_seconds, default=None,
                             help="seconds until the node goes (default: none)")
     drain_node.add_argument("--address", default=None)
+
+    clear = sub.add_parser(
+        "clear-misconfigured", help="clear a node's misconfigured marks (its device check "
+                                    "failed) once it is fixed: its regions may use it again")
+    clear_what = clear.add_mutually_exclusive_group(required=True)
+    clear_what.add_argument("node_id", nargs="?", help="the Ray node id, as `islands status` "
+                                                       "shows it")
+    clear_what.add_argument("--all", action="store_true", help="every marked node")
+    clear.add_argument("--address", default=None)
 
     chaos = sub.add_parser("chaos", help="inject a fault on purpose")
     chaos_sub = chaos.add_subparsers(dest="action", required=True)
@@ -417,6 +443,9 @@ def main(argv=None) -> int:
             print(ray.get(controller.drain.remote(args.learner)))
         elif args.command == "drain-node":
             print(ray.get(controller.drain_node.remote(args.node_id, args.deadline_s, "cli")))
+        elif args.command == "clear-misconfigured":
+            print(ray.get(controller.clear_misconfigured.remote(
+                None if args.all else args.node_id, "cli")))
         elif args.command in ("pause", "resume"):
             print(ray.get(controller.pause.remote(args.command == "pause", "cli")))
         elif args.command == "console":

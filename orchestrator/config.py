@@ -271,7 +271,11 @@ class RestartSection(_Section):
     backoff_max_s: float = Field(30.0, ge=0)
     max_crash_restarts: Optional[int] = Field(5, ge=0)
     max_preemption_restarts: Optional[int] = Field(None, ge=0)
-    reset_after_s: Optional[float] = Field(30.0, ge=0)
+    # > 0: a reset after 0 s would forgive every crash at once (a deterministic failure then
+    # restarts forever at the first backoff). The default is Kubernetes' 10 minutes.
+    reset_after_s: Optional[float] = Field(600.0, gt=0)
+    crash_loop_after: Optional[int] = Field(3, ge=2)
+    crash_loop_window_steps: int = Field(16, ge=0)
 
 
 class HealthSection(_Section):

@@ -311,7 +311,9 @@ FIELD_NOTES: dict[str, str] = {
     "health.restart": "Restart policy: exponential backoff, a budget per cause.",
     "health.restart.backoff_initial_s": "Delay before a learner's first restart.",
     "health.restart.backoff_multiplier": "Growth of the delay: min(initial × multiplier^n, max) "
-                                         "with n the learner's restarts so far (every cause).",
+                                         "with n the learner's counted crash restarts (crashes, "
+                                         "hangs, quarantines; planned handovers, stragglers and "
+                                         "preemptions never lengthen it).",
     "health.restart.backoff_max_s": "Upper bound of the delay.",
     "health.restart.max_crash_restarts": "Restarts per learner for crashes, hangs and "
                                          "quarantines together; null: unlimited. Over budget the "
@@ -319,9 +321,20 @@ FIELD_NOTES: dict[str, str] = {
     "health.restart.max_preemption_restarts": "Restarts per learner after preemptions (its node "
                                               "went away); null: unlimited.",
     "health.restart.reset_after_s": "A learner that trained this long since its last restart "
-                                    "was healthy: the restarts before count no more, in the "
-                                    "budgets or the backoff (a crash loop dies sooner); null: "
-                                    "they count for the learner's lifetime.",
+                                    "(paused time left out) was healthy: the restarts before "
+                                    "count no more, in the budgets or the backoff; null: they "
+                                    "count for the learner's lifetime. Must be > 0; keep it "
+                                    "longer than the time a deterministic failure takes to "
+                                    "come back, or such a learner restarts forever "
+                                    "(Kubernetes resets a crash backoff after 10 minutes).",
+    "health.restart.crash_loop_after": "A learner whose crashes (chaos kills aside) came this "
+                                       "many times at one resume step, or with the same error "
+                                       "within `crash_loop_window_steps` steps, is retired as "
+                                       "`crash_loop` (the event names the step and the error), "
+                                       "whatever budget it has left; null: never.",
+    "health.restart.crash_loop_window_steps": "How close (in steps) resume steps of the same "
+                                              "error count as one place for "
+                                              "`crash_loop_after`; 0: only the same step.",
     "health.placement_timeout_s": "Seconds to wait for the syncer to start (also after a syncer "
                                   "restart) before giving up.",
     # metrics

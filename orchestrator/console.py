@@ -34,7 +34,7 @@ TOKEN_FILE = "console_token"       # in the run dir, when the token was generate
 EVENTS_SHOWN = 40
 REFUSALS_SHOWN = 15
 # Actions; the chaos ones only with console.allow_chaos.
-ACTIONS = ("scale", "drain", "drain_node", "restart", "pause", "resume")
+ACTIONS = ("scale", "drain", "drain_node", "restart", "pause", "resume", "clear_misconfigured")
 CHAOS_ACTIONS = ("chaos_kill", "chaos_hang", "chaos_slowdown", "chaos_region_loss")
 
 
@@ -162,6 +162,9 @@ def plan_action(body: Any, allow_chaos: bool, origin: str) -> tuple[str, Callabl
         return action, lambda c: c.chaos_kill(args["learner"], "ray_kill"), args
     if action in ("pause", "resume"):
         return action, lambda c: c.pause(action == "pause", origin), {}
+    if action == "clear_misconfigured":   # islands clear-misconfigured NODE (no node: --all)
+        args = {"node_id": _str(body, "node_id") if body.get("node_id") is not None else None}
+        return action, lambda c: c.clear_misconfigured(args["node_id"], origin), args
     if action == "chaos_hang":
         args = {"learner": _str(body, "learner"),
                 "duration_s": float(_number(body, "duration_s"))}

@@ -369,11 +369,12 @@ class Controller:
         return out
 
     def _cluster(self) -> fleet_lib.Cluster:
-        total, alive = cluster_view(self.config.regions)
+        total, alive, by_region = cluster_view(self.config.regions)
         # Whole units: a unit of H hosts takes H of its region's resource.
         return fleet_lib.Cluster({r: float(int(total.get(f"region:{r}", 0.0)
                                                / self.config.regions[r].devices().hosts + 1e-9))
-                                  for r in self.config.regions}, alive, draining_nodes())
+                                  for r in self.config.regions}, alive, draining_nodes(),
+                                 region_nodes=by_region)
 
     def _applied(self) -> fleet_lib.Applied:
         ledger = self.syncer_status.ledger
@@ -630,7 +631,7 @@ class Controller:
                 "syncer": {k: snap["syncer"].get(k)
                            for k in ("epoch", "versions", "merges", "shards")},
                 "paused_reason": snap["paused_reason"], "spares": snap.get("spares") or {},
-                "misconfigured": dict(self.fleet.misconfigured)}
+                "misconfigured": self.fleet.marks()}
 
     # -- operator commands ----------------------------------------------------------------------
     def scale(self, region: str, n: int) -> str:
@@ -658,6 +659,12 @@ class Controller:
         """Pauses (or resumes) every learner; they stay up and keep their state."""
         self._command(fleet_lib.PauseJob(bool(paused), origin))
         return "paused" if paused else "resumed"
+
+    def clear_misconfigured(self, node_id: Optional[str] = None, origin: str = "operator") -> str:
+        """Clears a node's misconfigured marks (None: every node's): the regions it carries may
+        place learners, spares and scale-ups there again."""
+        self._command(fleet_lib.ClearMisconfigured(node_id, origin))
+        return f"cleared node {node_id}" if node_id else "cleared every marked node"
 
     def chaos_kill(self, target: str, mode: str = "ray_kill") -> str:
         """Kills a learner (``ray.kill`` or a hard exit inside it) or the syncer, on purpose."""

@@ -41,6 +41,13 @@ spare of its region, else a new process Ray places off the draining node) under 
 once (the syncer fences the older), so the new one starts when the old one is out. Spares on a
 draining node are ended (new ones start elsewhere). A learner still on the node when it goes
 dies as any other.
+
+A device check that fails deterministically (learners/devices.py) marks its node for the
+learner's region (``FleetState.misconfigured``); the region is blocked (no spare, no prestart,
+no scale-up; its next such failure retires as ``config``) only while every alive node of it is
+marked (``FleetState.blocked``). A good start there or an operator (``ClearMisconfigured``)
+clears a mark. A learner whose crashes keep coming at one resume step is retired as
+``crash_loop`` (``health.crash_loop``), whatever budget it has left.
 """
 
 from __future__ import annotations
@@ -53,10 +60,15 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence, Union
 
 from islands.learners.devices import MISMATCH_MARK as DEVICE_MISMATCH_MARK
-from islands.learners.devices import is_device_mismatch
+from islands.learners.devices import is_device_mismatch, mismatch_node
 
 from .chaos import HOME_TARGET, Fault, FaultKind
-from .health import Cause, RestartDecision, RestartPolicy, death_cause, detect, grown_target
+from .health import (Cause, RestartDecision, RestartPolicy, crash_loop, death_cause, detect,
+                     error_signature, grown_target)
+
+# The node of a device-check failure whose line names none (an in-process learner, an older
+# learner): its mark blocks the whole region, as nothing tells its nodes apart.
+UNKNOWN_NODE = "unknown"
 
 
 class SlotState(str, enum.Enum):
@@ -177,10 +189,30 @@ class Slot:
     # This incarnation has adopted a merged global fragment since it started (its beats say so):
     # only then may it donate its inner optimizer state to a restarting peer (peer_for).
     adopted: bool = False
+    # Seconds this incarnation spent paused since it began to train, and the start of the pause
+    # it is in (None: not paused): paused time is not training time (``trained_seconds``).
+    paused_s: float = 0.0
+    paused_since_s: Optional[float] = None
+    # Its recent crash-budget failures that were not chaos kills: (resume step of the failed
+    # incarnation, error signature), the newest last (``health.crash_loop``).
+    failures: tuple[tuple[int, str], ...] = ()
+    # Retired as a crash loop: at which resume step, with which error (the console shows it).
+    crash_loop: Optional[str] = None
+    # This incarnation was wedged on purpose (a chaos hang): its failure is no crash loop's.
+    injected: bool = False
 
     @property
     def restart_counts(self) -> dict[Cause, int]:
         return dict(self.restarts)
+
+    def trained_seconds(self, died_s: float) -> Optional[float]:
+        """Seconds the incarnation trained before ``died_s``, its paused time left out (None:
+        it never trained)."""
+        if self.training_since_s is None:
+            return None
+        paused = self.paused_s + (died_s - self.paused_since_s
+                                  if self.paused_since_s is not None else 0.0)
+        return max(0.0, died_s - self.training_since_s - paused)
 
     def with_restart(self, cause: Cause, fresh: bool = False) -> "Slot":
         """One more restart for ``cause``; ``fresh``: the counted ones start over with it."""
@@ -246,9 +278,15 @@ class FleetState:
     home_paused: Optional[str] = None     # a region agent: its home's pause reason (HomePause)
     agents_seen: Mapping[str, float] = field(default_factory=dict)  # remote region -> last report
     syncer_shards: Mapping[int, SyncerShard] = field(default_factory=dict)
-    # Regions whose learners (or spares) failed their device check, with its message: none of
-    # their learners restarts, no spare is kept, and a scale-up is refused with the message.
-    misconfigured: Mapping[str, str] = field(default_factory=dict)
+    # Nodes where a learner (or spare) of a region failed its device check: node id ->
+    # {region: the check's line}. A region is blocked (``blocked``) only while every alive node
+    # of it is marked: then its learners that fail the check retire, no spare is kept, nothing
+    # is prestarted, and a scale-up is refused with the message. A good start of the region
+    # on the node clears its mark, and so does an operator (``ClearMisconfigured``).
+    misconfigured: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    # Region -> the alive nodes carrying its ``region:<name>`` resource (None: not known; then a
+    # mark blocks its region).
+    region_nodes: Optional[Mapping[str, frozenset]] = None
     # Nodes Ray reports draining: node id -> deadline (seconds on the fleet's clock; None: none).
     draining_nodes: Mapping[str, Optional[float]] = field(default_factory=dict)
     # Regions lost (a region loss) -> the end of their repair: no spare starts there before it.
@@ -259,6 +297,29 @@ class FleetState:
 
     def in_region(self, region: str) -> list[Slot]:
         return [s for s in self.slots.values() if s.region == region]
+
+    def blocked(self, region: str) -> Optional[str]:
+        """The device-check line that blocks ``region``, or None: it is blocked while it has a
+        mark and no alive node of it is unmarked (Ray places a learner by its region's
+        resource, not by node, so only then is there nowhere it could pass). Unknown nodes
+        (no membership report, or a mark of ``UNKNOWN_NODE``) block it on any mark."""
+        marks = {node: regions[region] for node, regions in self.misconfigured.items()
+                 if region in regions}
+        if not marks:
+            return None
+        nodes = None if self.region_nodes is None else self.region_nodes.get(region)
+        if nodes is not None and self.alive_nodes is not None:
+            nodes = nodes & self.alive_nodes
+        if UNKNOWN_NODE not in marks and nodes and set(nodes) - set(marks):
+            return None
+        return next(iter(marks.values()))
+
+    def marks(self) -> list[dict]:
+        """Every mark, for display: node, region, message and whether it blocks its region."""
+        return [{"node": node, "region": region, "message": message,
+                 "blocked": self.blocked(region) is not None}
+                for node, regions in sorted(self.misconfigured.items())
+                for region, message in sorted(regions.items())]
 
 
 def initial(settings: FleetSettings) -> FleetState:
@@ -357,6 +418,8 @@ class Cluster:
     capacity: Mapping[str, float]
     alive_nodes: Optional[frozenset] = None
     draining: Optional[Mapping[str, Optional[float]]] = None
+    # Region -> the alive nodes carrying its resource (None: not known, the last report holds).
+    region_nodes: Optional[Mapping[str, frozenset]] = None
 
 
 @dataclass(frozen=True)
@@ -478,9 +541,18 @@ class Stop:
     """The job is ending: clean ends retire, nothing restarts."""
 
 
+@dataclass(frozen=True)
+class ClearMisconfigured:
+    """An operator clears a node's misconfigured marks (``node`` None: every node's), e.g. once
+    the node's driver or environment is fixed."""
+
+    node: Optional[str] = None
+    origin: str = "operator"
+
+
 Observation = Union[Beat, RunEnded, Quarantine, LaunchFailed, Cluster, Applied, Scale, Drain,
                     Chaos, HangCommand, Stop, RemoteReport, SpareReady, SpareEnded, PauseJob,
-                    Unhealthy, HomePause, SyncerEnded, SyncerStarted]
+                    Unhealthy, HomePause, SyncerEnded, SyncerStarted, ClearMisconfigured]
 
 
 # -- actions: what a body must do -----------------------------------------------------------------
@@ -717,12 +789,14 @@ class _Machine:
             recovery = dict(slot.recovery or ())
             if slot.recovery is not None and beat.ready_at_s is not None:
                 recovery.setdefault("restore_done_s", beat.ready_at_s)
+            paused = self.fleet.paused_reason is not None
             slot = self.put(dataclasses.replace(slot, recovery=tuple(recovery.items())
                                                 if slot.recovery is not None else None,
-                                                training_since_s=self.now))
-            paused = self.fleet.paused_reason is not None
+                                                training_since_s=self.now, paused_s=0.0,
+                                                paused_since_s=self.now if paused else None))
             self.move(slot, SlotState.PAUSED if paused else SlotState.TRAINING, "learner_ready",
                       incarnation=slot.incarnation)
+            self.clear_mark(slot.node_id, slot.region, f"{slot.learner} started there")
             if paused:  # a learner that came back joins the pause
                 self.actions.append(PauseLearner(slot.learner, True))
 
@@ -746,14 +820,23 @@ class _Machine:
             self.retire(slot, f"drained (ended with: {obs.error or 'clean exit'})"[:300])
             return
         if is_device_mismatch(obs.error):
-            self.set_misconfigured(slot.region, obs.error)
+            self.set_misconfigured(mismatch_node(obs.error) or slot.node_id, slot.region,
+                                   obs.error)
+            if self.fleet.blocked(slot.region) is None:
+                # Another alive node of its region is unmarked: it may pass there. A crash
+                # (budget, backoff): Ray may place it on the marked node again.
+                self.fail(slot, Cause.CRASH, detail=("another node of its region is not marked: "
+                                                     f"restarted as a crash; {obs.error}")[:300],
+                          error=obs.error)
+                return
             cause = Cause.CONFIG
         elif obs.error is None or obs.crashed:
             cause = Cause.CRASH
         else:
             cause = death_cause(slot.node_id, self.fleet.alive_nodes or frozenset({slot.node_id}),
                                 obs.preempted, obs.error)
-        self.fail(slot, cause, detail=(obs.error or "run returned")[:300])
+        self.fail(slot, cause, detail=(obs.error or "run returned")[:300],
+                  error=obs.error or "run returned")
 
     def on_quarantine(self, obs: Quarantine) -> None:
         slot = self.current(obs.learner, obs.incarnation)
@@ -789,7 +872,9 @@ class _Machine:
         previous = dict(self.fleet.capacity)
         self.set(capacity=dict(obs.capacity),
                  alive_nodes=obs.alive_nodes if obs.alive_nodes is not None
-                 else self.fleet.alive_nodes)
+                 else self.fleet.alive_nodes,
+                 region_nodes=({r: frozenset(n) for r, n in obs.region_nodes.items()}
+                               if obs.region_nodes is not None else self.fleet.region_nodes))
         for region, plan in self.settings.regions.items():
             if plan.remote:  # its nodes are in its own cluster; its agent follows them
                 continue
@@ -848,6 +933,7 @@ class _Machine:
         self.put_spare(spare)
         self.note("spare_ready", None, spare=spare.name, region=spare.region,
                   prepare_s=self.now - spare.launched_s)
+        self.clear_mark(spare.node_id, spare.region, f"{spare.name} passed its check there")
         if spare.node_id is not None and spare.node_id in self.fleet.draining_nodes:
             self.drop_spare(spare, "its node is draining")
 
@@ -855,8 +941,9 @@ class _Machine:
         spare = self.fleet.spares.get(obs.name)
         if spare is None:
             return  # promoted already (its run is a learner's now) or already buried
-        if is_device_mismatch(obs.error):   # a new spare would fail the same way
-            self.set_misconfigured(spare.region, obs.error)
+        if is_device_mismatch(obs.error):   # a new spare there would fail the same way
+            self.set_misconfigured(mismatch_node(obs.error) or spare.node_id, spare.region,
+                                   obs.error)
         self.drop_spare(spare, obs.error or "ended")
 
     def on_scale(self, obs: Scale) -> None:
@@ -869,10 +956,12 @@ class _Machine:
                                "(islands scale with that cluster's address)")
         if obs.n < 0:
             raise CommandError(f"learner count must be >= 0, got {obs.n}")
-        if obs.region in self.fleet.misconfigured and obs.n > len(
+        blocked = self.fleet.blocked(obs.region)
+        if blocked is not None and obs.n > len(
                 [s for s in self.fleet.in_region(obs.region) if s.state not in GONE]):
             raise CommandError(f"region {obs.region}: its learners cannot train there: "
-                               f"{self.fleet.misconfigured[obs.region]}")
+                               f"{blocked} (every alive node of the region is marked; clear a "
+                               "fixed node with islands clear-misconfigured)")
         if obs.n > plan.max_learners:
             raise CommandError(f"region {obs.region}: {obs.n} exceeds max_learners "
                                f"({plan.max_learners})")
@@ -951,6 +1040,7 @@ class _Machine:
                 raise CommandError(f"no running learner {fault.target!r}")
             self.note("chaos", fault.target, action="hang", target=fault.target,
                       duration_s=fault.duration_s)
+            self.put(dataclasses.replace(slot, injected=True))
             self.actions.append(Hang(fault.target, fault.duration_s))
         elif kind == FaultKind.SYNCER_KILL:
             shard = fault.syncer_shard
@@ -1025,6 +1115,7 @@ class _Machine:
             raise CommandError(f"no running learner {obs.learner!r}")
         self.note("chaos", obs.learner, action="hang", target=obs.learner,
                   duration_s=obs.duration_s)
+        self.put(dataclasses.replace(slot, injected=True))
         self.actions.append(Hang(obs.learner, obs.duration_s))
 
     def on_pausejob(self, obs: PauseJob) -> None:
@@ -1061,6 +1152,15 @@ class _Machine:
         if obs.reason != self.fleet.home_paused:
             self.set(home_paused=obs.reason)
 
+    def on_clearmisconfigured(self, obs: ClearMisconfigured) -> None:
+        marked = sorted(self.fleet.misconfigured)
+        if obs.node is not None and obs.node not in self.fleet.misconfigured:
+            raise CommandError(f"node {obs.node!r} is not marked misconfigured; marked are "
+                               f"{marked or 'none'}")
+        for node in [obs.node] if obs.node is not None else marked:
+            for region in sorted(self.fleet.misconfigured.get(node, {})):
+                self.clear_mark(node, region, f"cleared by {obs.origin}", origin=obs.origin)
+
     def on_stop(self, _obs: Stop) -> None:
         self.set(stopping=True)
         for spare in list(self.fleet.spares.values()):
@@ -1088,12 +1188,29 @@ class _Machine:
     def put_spare(self, spare: Spare) -> None:
         self.set(spares={**self.fleet.spares, spare.name: spare})
 
-    def set_misconfigured(self, region: str, error: str) -> None:
-        """A learner of ``region`` failed its device check: the region is misconfigured."""
-        if region not in self.fleet.misconfigured:
-            message = error[max(0, error.find(DEVICE_MISMATCH_MARK)):][:500]
-            self.set(misconfigured={**self.fleet.misconfigured, region: message})
-            self.note("region_misconfigured", None, region=region, message=message)
+    def set_misconfigured(self, node: Optional[str], region: str, error: str) -> None:
+        """A learner of ``region`` failed its device check on ``node``: the node is marked for
+        the region (once; a node may carry several regions, each with its own devices)."""
+        node = node or UNKNOWN_NODE
+        marks = dict(self.fleet.misconfigured.get(node, {}))
+        if region in marks:
+            return
+        marks[region] = error[max(0, error.find(DEVICE_MISMATCH_MARK)):][:500]
+        self.set(misconfigured={**self.fleet.misconfigured, node: marks})
+        self.note("node_misconfigured", None, node=node, region=region, message=marks[region],
+                  region_blocked=self.fleet.blocked(region) is not None)
+
+    def clear_mark(self, node: Optional[str], region: str, reason: str,
+                   origin: str = "fleet") -> None:
+        """``node`` is no longer marked for ``region`` (a good start there, or an operator)."""
+        marks = dict(self.fleet.misconfigured.get(node, {})) if node is not None else {}
+        if region not in marks:
+            return
+        del marks[region]
+        rest = {n: m for n, m in self.fleet.misconfigured.items() if n != node}
+        self.set(misconfigured={**rest, **({node: marks} if marks else {})})
+        self.note("node_misconfigured_cleared", None, node=node, region=region, reason=reason,
+                  origin=origin)
 
     def drop_spare(self, spare: Spare, reason: str) -> None:
         self.set(spares={k: v for k, v in self.fleet.spares.items() if k != spare.name})
@@ -1124,7 +1241,7 @@ class _Machine:
         it (``spare_waiters``) or one is prestarted for it."""
         plan = self.settings.regions.get(slot.region)
         if (plan is None or not plan.prestart or slot.remote or self.fleet.stopping
-                or slot.region in self.fleet.misconfigured or self.reserved(slot.learner)
+                or self.fleet.blocked(slot.region) is not None or self.reserved(slot.learner)
                 or self.region_lost(slot.region)):
             return
         preparing = sum(1 for x in self.fleet.spares.values() if x.region == slot.region
@@ -1170,7 +1287,10 @@ class _Machine:
                for x in self.fleet.slots.values()):
             return
         for region, plan in self.settings.regions.items():
-            if (plan.remote or plan.spares <= 0 or region in self.fleet.misconfigured
+            # Not while any node of it is marked: a spare has no budget, and one placed on
+            # the marked node again and again would start processes forever.
+            if (plan.remote or plan.spares <= 0
+                    or any(region in m for m in self.fleet.misconfigured.values())
                     or self.region_lost(region)):
                 continue
             have = sum(1 for x in self.fleet.spares.values()
@@ -1190,20 +1310,42 @@ class _Machine:
                                      repair_until_s=self.now + repair_s))
         self.actions.append(Kill(slot.learner, slot.incarnation, mode))
 
-    def fail(self, slot: Slot, cause: Cause, detail: str = "") -> None:
-        """Buries the incarnation, then restarts (after the policy's backoff) or gives up."""
+    def fail(self, slot: Slot, cause: Cause, detail: str = "",
+             error: Optional[str] = None) -> None:
+        """Buries the incarnation, then restarts (after the policy's backoff) or gives up.
+        ``error``: what the incarnation died of, for crash-loop detection (``detail`` if None)."""
         died_s = _first(slot.killed_at_s, slot.last_beat_s, slot.launched_s, self.now)
         self.actions += [Kill(slot.learner, slot.incarnation),
                          Forget(slot.learner, slot.incarnation, cause.value)]
         self.note("learner_failed", slot.learner, cause=cause.value, incarnation=slot.incarnation,
-                  detail=detail, **{"from": slot.state.value})
+                  detail=detail, resume_step=slot.start_step, **{"from": slot.state.value})
         policy = self.settings.policy
-        trained_s = (died_s - slot.training_since_s if slot.training_since_s is not None
-                     else None)
+        trained_s = slot.trained_seconds(died_s)   # paused time is not training time
         fresh = policy.healthy(trained_s)   # not a crash loop: earlier restarts count no more
         verdict = policy.decide(slot.learner, cause, {} if fresh else dict(slot.counted))
-        slot = dataclasses.replace(slot, killed_at_s=None, training_since_s=None)
+        chaos = slot.killed_at_s is not None or slot.injected
+        slot = dataclasses.replace(slot, killed_at_s=None, training_since_s=None, paused_s=0.0,
+                                   paused_since_s=None, injected=False)
         free = reintegration_failed(cause, slot.recovery)
+        if (not free and not chaos and cause != Cause.CONFIG
+                and policy.budget_kind(cause) == "crash"):
+            # A chaos kill is the job's own doing, not the learner's: never a crash loop.
+            failure = (slot.start_step, error_signature(error if error is not None
+                                                        else detail or cause.value))
+            slot = self.put(dataclasses.replace(slot, failures=(slot.failures + (failure,))[-8:]))
+            loop = crash_loop(slot.failures, policy.crash_loop_after,
+                              policy.crash_loop_window_steps)
+            if loop is not None:
+                step, signature = loop
+                text = (f"failed {policy.crash_loop_after} times at resume step {step} "
+                        f"with: {signature}")
+                slot = dataclasses.replace(slot, restart_at_s=None, recovery=None,
+                                           crash_loop=text[:300])
+                self.move(slot, SlotState.FAILED, "learner_retired",
+                          reason=f"retire {slot.learner}: crash loop: {text}"[:300],
+                          cause=Cause.CRASH_LOOP.value, step=step, error=signature)
+                self.release_reserved(slot.learner)
+                return
         if free:
             verdict = dataclasses.replace(
                 verdict, decision=RestartDecision.RESTART,
@@ -1291,7 +1433,8 @@ class _Machine:
         slot = dataclasses.replace(slot, launched_s=self.now, last_beat_s=None, step_time_s=None,
                                    slow_since_s=None, start_step=start_step, restart_at_s=None,
                                    recovery=recovery, actor=spare.name if spare else None,
-                                   node_id=None, preempted_s=None, adopted=False)
+                                   node_id=None, preempted_s=None, adopted=False,
+                                   injected=False)
         peer_actor = self.fleet.slots[peer].actor if peer is not None else None
         self.actions.append(Launch(slot.learner, slot.region, slot.incarnation, slot.shard,
                                    self.num_shards(), slot.speed_factor, peer, start_step,
@@ -1497,7 +1640,8 @@ class _Machine:
                 if slot.remote:  # counted, but its agent runs it (the pause stays home)
                     continue
                 if slot.state == SlotState.TRAINING:
-                    self.put(dataclasses.replace(slot, state=SlotState.PAUSED))
+                    self.put(dataclasses.replace(slot, state=SlotState.PAUSED,
+                                                 paused_since_s=self.now))
                 self.actions.append(PauseLearner(slot.learner, True))
         elif reason is not None and reason != self.fleet.paused_reason:
             self.set(paused_reason=reason)   # still paused, for another reason now
@@ -1507,7 +1651,10 @@ class _Machine:
             for slot in live:
                 if slot.remote:
                     continue
-                self.put(dataclasses.replace(slot, state=SlotState.TRAINING))
+                paused_s = slot.paused_s + (self.now - slot.paused_since_s
+                                            if slot.paused_since_s is not None else 0.0)
+                self.put(dataclasses.replace(slot, state=SlotState.TRAINING, paused_s=paused_s,
+                                             paused_since_s=None))
                 self.actions.append(PauseLearner(slot.learner, False))
 
 

@@ -43,11 +43,12 @@ class _Spare:
 
 def error_text(exc: Exception, limit: int) -> str:
     """What a learner's failed call says: a failed device check as its own one line (it names
-    the configuration to fix), anything else as Ray's error, cut to ``limit``."""
-    from islands.learners.devices import DeviceMismatch
+    the configuration to fix, or the backend that did not start), anything else as Ray's
+    error, cut to ``limit``."""
+    from islands.learners.devices import DeviceFault
 
     cause = getattr(exc, "cause", None)
-    if isinstance(cause, DeviceMismatch):
+    if isinstance(cause, DeviceFault):
         return str(cause)
     return repr(exc)[:limit]
 
@@ -367,12 +368,24 @@ def restarted_actor() -> bool:
     return ray.get_runtime_context().was_current_actor_reconstructed
 
 
-def cluster_view(regions) -> tuple[dict, frozenset]:
-    """(resources by name, alive node ids) of the cluster, for the fleet's membership."""
+def cluster_view(regions) -> tuple[dict, frozenset, dict]:
+    """(resources by name, alive node ids, {region: its alive node ids}) of the cluster, for
+    the fleet's membership."""
 
     total = ray.cluster_resources()
-    alive = frozenset(n["NodeID"] for n in ray.nodes() if n.get("Alive"))
-    return total, alive
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    alive = frozenset(n["NodeID"] for n in nodes)
+    return total, alive, region_nodes(regions, nodes)
+
+
+def region_nodes(regions, nodes: list) -> dict:
+    """{region: the ids of the ``nodes`` (``ray.nodes()`` entries) carrying ``region:<name>``}.
+
+    >>> region_nodes(["a", "b"], [{"NodeID": "n1", "Resources": {"region:a": 2.0}}])
+    {'a': frozenset({'n1'}), 'b': frozenset()}
+    """
+    return {r: frozenset(n["NodeID"] for n in nodes
+                         if n.get("Resources", {}).get(f"region:{r}", 0.0) > 0) for r in regions}
 
 
 def draining_nodes() -> Optional[dict]:

@@ -20,6 +20,9 @@ class Cause(str, enum.Enum):
     # Its node was announced for preemption (a Ray node drain with a deadline): it finished its
     # in-flight pushes and left; its place was taken elsewhere. No budget is spent.
     PREEMPTED_PLANNED = "preempted_planned"
+    # Only a retirement's cause, never a restart's: it failed again and again at the same
+    # resume step (or with the same error within a few steps) — restarting cannot help.
+    CRASH_LOOP = "crash_loop"
 
 
 class RestartDecision(str, enum.Enum):
@@ -43,12 +46,18 @@ class RestartPolicy:
     A preemption is the platform's doing, not the learner's, so it does not use up the crash budget.
     ``None`` means unlimited.
 
-    ``reset_after_s``: a learner that trained this long since its last (re)start was healthy;
-    its next failure is not part of a crash loop, so the restarts counted before it no longer
-    count, neither in the budgets nor in the backoff (``Slot.counted``; as Kubernetes resets a
-    container's crash-loop backoff once it has run fine for a while). Without it a long job
-    under ordinary failures loses each learner for good at its sixth, and every restart waits
-    the longest backoff. ``None``: counts are for the learner's lifetime.
+    ``reset_after_s``: a learner that trained this long since its last (re)start (its paused
+    time left out) was healthy; its next failure is not part of a crash loop, so the restarts
+    counted before it no longer count, neither in the budgets nor in the backoff
+    (``Slot.counted``; as Kubernetes resets a container's crash-loop backoff once it has run
+    fine for 10 minutes). Without it a long job under ordinary failures loses each learner for
+    good at its sixth, and every restart waits the longest backoff; too short, and a learner
+    that fails deterministically that long after each start restarts forever. ``None``: counts
+    are for the learner's lifetime.
+
+    ``crash_loop_after``: a learner whose crashes (not chaos kills) came this many times at one
+    resume step, or with one error within ``crash_loop_window_steps`` steps, is retired as a
+    ``crash_loop`` whatever its budget (``crash_loop``); None: never.
     """
 
     backoff_initial_s: float = 0.5
@@ -56,7 +65,14 @@ class RestartPolicy:
     backoff_max_s: float = 30.0
     max_crash_restarts: Optional[int] = 5
     max_preemption_restarts: Optional[int] = None
-    reset_after_s: Optional[float] = 30.0
+    reset_after_s: Optional[float] = 600.0
+    crash_loop_after: Optional[int] = 3
+    crash_loop_window_steps: int = 16
+
+    def budget_kind(self, cause: Cause) -> str:
+        """The budget a restart for ``cause`` is counted in (crash, preemption, straggler,
+        planned)."""
+        return _budget_kind(cause)
 
     def healthy(self, trained_s: Optional[float]) -> bool:
         """The incarnation that just failed had trained ``trained_s`` seconds (None: it never
@@ -79,7 +95,9 @@ class RestartPolicy:
           cause: why it failed now.
           restarts: restarts so far by cause (before this failure).
 
-        The backoff grows with the learner's total restarts: delay = min(initial·mult^n, max).
+        The backoff grows with the learner's counted crash-budget restarts (crash, hang,
+        quarantine): delay = min(initial·mult^n, max). Planned handovers, straggler restarts
+        and preemptions never lengthen it (a crash after a few handovers is a first crash).
         Being slow never spends a budget: a straggler restart is neither limited by the crash
         budget nor counted in it (in an asynchronous job a slow learner costs only its own
         tokens, and retiring it would lose a learner for good).
@@ -94,8 +112,9 @@ class RestartPolicy:
         if budget is not None and attempt > budget:
             return Verdict(RestartDecision.RETIRE, 0.0, attempt, budget,
                            f"retire {learner}: {kind} budget of {budget} spent ({cause.value})")
-        total = sum(restarts.values())
-        delay = min(self.backoff_initial_s * self.backoff_multiplier ** total, self.backoff_max_s)
+        crashes = sum(n for c, n in restarts.items() if _budget_kind(c) == "crash")
+        delay = min(self.backoff_initial_s * self.backoff_multiplier ** crashes,
+                    self.backoff_max_s)
         of = "unlimited" if budget is None else str(budget)
         return Verdict(RestartDecision.RESTART, delay, attempt, budget,
                        f"restart {attempt} of {of} ({cause.value}) {learner} in {delay:.2f}s")
@@ -105,6 +124,40 @@ def _budget_kind(cause: Cause) -> str:
     """The budget a restart for ``cause`` is counted in."""
     return {Cause.PREEMPTION: "preemption", Cause.STRAGGLER: "straggler",
             Cause.PREEMPTED_PLANNED: "planned"}.get(cause, "crash")
+
+
+def error_signature(text: str) -> str:
+    """What makes two failures "the same error": the text with its numbers and hex ids made
+    alike (a pid, an address, an actor id differ between incarnations), whitespace collapsed.
+
+    >>> error_signature("RayTaskError(ValueError)(ValueError('bad record 17 at 0x7f3a9c'))")
+    "RayTaskError(ValueError)(ValueError('bad record # at #'))"
+    """
+    import re
+
+    text = re.sub(r"0x[0-9a-fA-F]+|\b[0-9a-fA-F]{12,}\b|\d+", "#", text or "")
+    return " ".join(text.split())[:200]
+
+
+def crash_loop(failures: "tuple[tuple[int, str], ...]", after: Optional[int],
+               window_steps: int) -> "Optional[tuple[int, str]]":
+    """(resume step, error) when the newest of ``failures`` ((resume step, error signature),
+    oldest first) makes ``after`` failures at its resume step, or ``after`` with its error
+    within ``window_steps`` steps of it; None otherwise (or ``after`` None).
+
+    >>> crash_loop(((40, "a"), (48, "b"), (48, "c")), 3, 0), crash_loop(((40, "a"), (48, "b")), 3, 16)
+    (None, None)
+    >>> crash_loop(((0, "x"), (48, "b"), (48, "c"), (48, "d")), 3, 0)
+    (48, 'd')
+    >>> crash_loop(((40, "x"), (48, "x"), (50, "x")), 3, 16), crash_loop(((10, "x"), (48, "x"), (50, "x")), 3, 16)
+    ((50, 'x'), None)
+    """
+    if not after or not failures:
+        return None
+    step, signature = failures[-1]
+    same = sum(1 for s, e in failures
+               if s == step or (e == signature and abs(s - step) <= window_steps))
+    return (step, signature) if same >= after else None
 
 
 def detect(now_s: float, last_beat_s: Optional[float], started_s: float, step_time_s: Optional[float],

@@ -50,7 +50,26 @@ def saved_slot(row: dict, remote: bool) -> "fleet_lib.Slot":
         # A state file from before ``counted``: every restart counts (the old rule).
         counted=tuple(sorted((Cause(c), n) for c, n in row.get("counted",
                                                                  row["restarts"]).items())),
-        training_since_s=row.get("training_since_s"))
+        training_since_s=row.get("training_since_s"),
+        failures=tuple((int(step), str(error)) for step, error in row.get("failures", [])),
+        crash_loop=row.get("crash_loop"))
+
+
+def saved_marks(saved) -> dict:
+    """The fleet's misconfigured marks as ``save_state`` wrote them ({node: {region: line}});
+    the older shape {region: line} (a region's mark, its node not known) becomes the marks of
+    ``fleet.UNKNOWN_NODE``, which block their regions as before; none saved: none.
+
+    >>> saved_marks({"n1": {"gpu": "device check failed: x"}}), saved_marks({"gpu": "device check failed: x"})
+    ({'n1': {'gpu': 'device check failed: x'}}, {'unknown': {'gpu': 'device check failed: x'}})
+    """
+    out: dict = {}
+    for key, value in (saved or {}).items():
+        if isinstance(value, str):
+            out.setdefault(fleet_lib.UNKNOWN_NODE, {})[key] = value
+        else:
+            out.setdefault(key, {}).update({r: str(m) for r, m in value.items()})
+    return out
 
 
 def save_state(owner: Any) -> None:
@@ -65,11 +84,13 @@ def save_state(owner: Any) -> None:
                    "restarts": {c.value: n for c, n in x.restarts},
                    "counted": {c.value: n for c, n in x.counted},
                    "training_since_s": x.training_since_s, "actor": x.actor,
-                   "slow_tolerated": x.slow_tolerated}
+                   "slow_tolerated": x.slow_tolerated,
+                   "failures": [list(f) for f in x.failures], "crash_loop": x.crash_loop}
                   for x in fleet.slots.values()],
         "targets": dict(fleet.targets), "next_index": dict(fleet.next_index),
         "next_shard": fleet.next_shard, "next_spare": fleet.next_spare,
         "lost_regions": dict(fleet.lost_regions),
+        "misconfigured": {node: dict(regions) for node, regions in fleet.misconfigured.items()},
         "operator_paused": fleet.operator_paused,
         "recoveries": owner.recoveries[-1000:],
         "eval_history": owner.eval_history[-1000:], "initial_eval_loss": owner.initial_eval_loss,
@@ -177,7 +198,8 @@ def recover(owner: Any) -> None:
                                    bool(saved.get("operator_paused", False)))
     # A region still in its repair after a region loss starts no spare before it is over.
     owner.fleet = dataclasses.replace(owner.fleet, lost_regions={
-        region: float(until) for region, until in saved.get("lost_regions", {}).items()})
+        region: float(until) for region, until in saved.get("lost_regions", {}).items()},
+        misconfigured=saved_marks(saved.get("misconfigured")))
     # Spares waiting for promotion are not worth a recovery: end them; the fleet starts
     # new ones once nobody is starting.
     owner.groups.end_stray_spares({x.actor for x in slots if x.actor})

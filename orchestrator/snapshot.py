@@ -39,6 +39,8 @@ class LearnerRow:
     node: Optional[str] = None       # the Ray node its incarnation runs on (from its beats)
     # The Ray actor of its incarnation: ``islands:<id>``, or the spare's it was promoted into.
     actor: Optional[str] = None
+    # Retired as a crash loop: its resume step and error.
+    crash_loop: Optional[str] = None
 
 
 def unit_shape(controller: Any, region: str) -> str:
@@ -156,7 +158,7 @@ def job_snapshot(controller: Any) -> JobSnapshot:
             wire_bytes_down_total=closed.get("down", 0) + down_now,
             slow_tolerated=slot.slow_tolerated, unit=unit_shape(controller, slot.region),
             node=slot.node_id, actor=learner_actor_name(slot.actor or name),
-            devices=beat.get("devices"))
+            devices=beat.get("devices"), crash_loop=slot.crash_loop)
     states = collections.Counter(row.state for row in learners.values())
     wire = {region: {"up": 0, "down": 0} for region in controller.config.regions}
     restarts: collections.Counter = collections.Counter()
@@ -237,7 +239,7 @@ def console_view(owner: Any) -> dict:
     return {"snapshot": snap, "events": events, "profilers": profilers,
             "job": owner.config.name, "goodput_window_s": owner.settings.goodput_window_s,
             "goodput_history": list(owner.goodput_history),
-            "misconfigured": dict(owner.fleet.misconfigured),
+            "misconfigured": owner.fleet.marks(),
             "operator_paused": owner.fleet.operator_paused,
             "regions": {name: {"target": owner.fleet.targets.get(name, 0),
                                "max_learners": region.max_learners, "remote": region.remote}

@@ -70,7 +70,8 @@ class Fleet:
 def fleet_settings(ids: Sequence[str], regions: Sequence[str], speed_factors: Sequence[float],
                    min_learners: int, spares: int = 0) -> fleet_lib.FleetSettings:
     """The fleet brain's settings for a virtual fleet: learners that cannot hang or straggle,
-    restarts without a backoff of their own (``RestartCosts.restart_s`` holds it), no budget."""
+    restarts without a backoff of their own (``RestartCosts.restart_s`` holds it), no budget
+    and no crash-loop retirement (every failure here is an injected fault)."""
     by_region: dict[str, list[int]] = {}
     for i, region in enumerate(regions):
         by_region.setdefault(region, []).append(i)
@@ -81,7 +82,8 @@ def fleet_settings(ids: Sequence[str], regions: Sequence[str], speed_factors: Se
     return fleet_lib.FleetSettings(
         regions=plans, min_learners=min_learners,
         policy=RestartPolicy(backoff_initial_s=0.0, backoff_multiplier=1.0, backoff_max_s=0.0,
-                             max_crash_restarts=None, max_preemption_restarts=None),
+                             max_crash_restarts=None, max_preemption_restarts=None,
+                             crash_loop_after=None),
         heartbeat_timeout_s=math.inf, startup_timeout_s=math.inf, straggler_factor=math.inf)
 
 

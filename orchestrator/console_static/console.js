@@ -75,6 +75,8 @@ function updateRow(row, name, l) {
   badge.dataset.state = l.state;
   badge.textContent = l.state;
   const gone = l.state === "retired" || l.state === "failed";
+  // A crash loop names its resume step and error (why it is gone for good).
+  if (l.crash_loop && !c[1].querySelector(".why")) c[1].append(el("small", {class: "why"}, " crash loop: " + l.crash_loop));
   for (const b of c[HEADERS.length - 1].querySelectorAll("button")) b.disabled = gone;
   const node = c[HEADERS.length - 1].querySelector("[data-drain-node]");
   node.dataset.node = l.node || "";
@@ -144,13 +146,27 @@ function renderBadput(g) {
   }
 }
 
+// Nodes whose device check failed for a region; an operator clears a fixed one
+// (islands clear-misconfigured).
+function renderMarks(marks) {
+  $("misconfigured-card").hidden = !marks.length;
+  $("misconfigured").tBodies[0].replaceChildren(...marks.map((m) => {
+    const clear = el("button", {class: "act", "data-clear-node": m.node, title: "the node is fixed: its regions may use it again"}, "Clear");
+    clear.onclick = () => act({action: "clear_misconfigured", node_id: m.node});
+    return el("tr", {}, el("td", {}, m.node), el("td", {}, m.region), el("td", {}, m.blocked ? "yes" : "no"),
+              el("td", {}, m.message), el("td", {}, clear));
+  }));
+}
+
 function render(s) {
   $("job").textContent = s.job;
   const st = $("status");
-  const wrong = Object.entries(s.misconfigured || {}).map(([r, m]) => `region ${r}: ${m}`);
+  const marks = s.misconfigured || [];
+  const wrong = marks.map((m) => `region ${m.region} on node ${m.node}${m.blocked ? " (region blocked)" : ""}: ${m.message}`);
   st.textContent = s.paused_reason ? "PAUSED: " + s.paused_reason
     : wrong.length ? "MISCONFIGURED " + wrong.join("; ") : `training · ${fmt.secs(s.elapsed_s)}`;
   st.className = "status " + (s.paused_reason || wrong.length ? "paused" : "ok");
+  renderMarks(marks);
   $("goodput-run").textContent = fmt.ratio(s.goodput.goodput);
   $("goodput-window").textContent = fmt.ratio(s.goodput.window && s.goodput.window.ratio);
   $("window-label").textContent = "last " + (s.goodput.window ? s.goodput.window.label : "window");

@@ -5,8 +5,8 @@ started (as ``islands run`` starts its embedded one) from a driver pinned to
 ``JAX_PLATFORMS=cpu``: every worker process inherits that.
 A GPU region's learner, its warm spare and a GPU unit of 2 hosts must each get their own platform
 (CUDA), find no CUDA on this machine and refuse to train with the one-line device check, as a
-configuration failure that is not retried; a CPU region in the same job stays pinned to the CPU
-and trains. With the old inheritance back (a GPU learner keeping the controller's
+configuration failure that is not retried (the cluster's one node is marked for their regions,
+so the regions are blocked); a CPU region in the same job stays pinned to the CPU and trains. With the old inheritance back (a GPU learner keeping the controller's
 ``JAX_PLATFORMS=cpu``) the GPU learner would train on the CPU and this module fails.
 """
 
@@ -78,8 +78,11 @@ def test_gpu_learners_refuse_the_cpu_and_cpu_learners_stay_on_it(job):
     learners = snap()["learners"]
     assert learners["gpu:0"]["state"] == "failed" and learners["gpu:0"]["incarnation"] == 0
     assert learners["gpu:0"]["restarts"] == {} and learners["pair:0"]["restarts"] == {}
-    misconfigured = ray.get(controller.status_table.remote())["misconfigured"]
-    assert set(misconfigured) >= {"gpu", "pair"}, misconfigured
+    # The mark is the node's (the cluster's only one, so it blocks the regions).
+    node = ray.get_runtime_context().get_node_id()
+    marks = ray.get(controller.status_table.remote())["misconfigured"]
+    assert {m["region"] for m in marks} >= {"gpu", "pair"}, marks
+    assert all(m["node"] == node and m["blocked"] for m in marks), marks
     with pytest.raises(ray.exceptions.RayTaskError, match="its learners cannot train there"):
         ray.get(controller.scale.remote("gpu", 2))
 
@@ -96,7 +99,8 @@ def test_the_spare_gets_the_same_check_and_is_not_relaunched(job):
              "the CPU learner 20 steps further")
     launched = [e for e in events(controller, "spare_launched") if e["region"] == "warm"]
     assert len(launched) == 1, launched
-    assert "warm" in ray.get(controller.status_table.remote())["misconfigured"]
+    assert "warm" in {m["region"] for m in ray.get(controller.status_table.remote())[
+        "misconfigured"]}
 
 
 def test_the_cpu_learner_proves_its_cpu_and_shows_it(job):
@@ -111,7 +115,30 @@ def test_the_cpu_learner_proves_its_cpu_and_shows_it(job):
     assert shown and shown[0]["backend"] == "cpu"
     table = format_status(ray.get(controller.status_table.remote()))
     assert any(line.startswith("cpu:0") and "cpu 1× cpu" in line for line in table.splitlines())
-    assert "MISCONFIGURED region gpu: device check failed" in table
+    node = ray.get_runtime_context().get_node_id()
+    assert (f"MISCONFIGURED region gpu on node {node} (region blocked: every node of it is "
+            "marked): device check failed") in table
     from islands.orchestrator.metrics import device_counts
 
     assert device_counts(snap()["learners"]).get(("cpu", "cpu")) == 1
+
+
+def test_an_operator_clears_the_node_and_the_region_tries_it_again(job, capsys):
+    """``islands clear-misconfigured --all``: the marks go, so the warm region starts a spare
+    again; it fails its check on the same node and marks it again (the node was not fixed)."""
+    controller, _ = job
+    from islands.orchestrator.cli import main
+
+    launched = len([e for e in events(controller, "spare_launched") if e["region"] == "warm"])
+    assert main(["clear-misconfigured", "--all"]) == 0
+    assert "cleared every marked node" in capsys.readouterr().out
+    cleared = {e["region"] for e in events(controller, "node_misconfigured_cleared")}
+    assert cleared >= {"gpu", "pair", "warm"}, cleared
+    assert all(e["origin"] == "cli" for e in events(controller, "node_misconfigured_cleared"))
+    wait_for(lambda: len([e for e in events(controller, "spare_launched")
+                          if e["region"] == "warm"]) > launched, 60, "a new warm spare")
+    wait_for(lambda: "warm" in {m["region"] for m in ray.get(
+        controller.status_table.remote())["misconfigured"]}, 120, "warm marked again")
+    # A node that is not marked is refused, naming the marked ones.
+    assert main(["clear-misconfigured", "no-such-node"]) == 2
+    assert "node 'no-such-node' is not marked misconfigured" in capsys.readouterr().err

@@ -67,6 +67,10 @@ def test_defaults_and_helpers():
      "chaos.events.0.target: kill cannot target 'eu:7'"),
     ({"health": {"heartbeat_s": 5, "timeout_s": 2}},
      "health.timeout_s: timeout_s (2.0) must exceed heartbeat_s (5.0)"),
+    ({"health": {"restart": {"reset_after_s": 0}}},
+     "health.restart.reset_after_s: Input should be greater than 0, got 0"),
+    ({"health": {"restart": {"crash_loop_after": 1}}},
+     "health.restart.crash_loop_after: Input should be greater than or equal to 2"),
 ])
 def test_bad_input_names_the_field(raw, message):
     with pytest.raises(ConfigError) as info:
@@ -215,3 +219,18 @@ def test_writing_the_downlinks_nf2_out_keeps_its_default_block():
     assert parse({"downlink_compression": {"type": "nf2", "block_size": 32}}
                  ).downlink_compression.block_size == 32
     assert parse({"compression": {"type": "nf2"}}).compression.block_size == 64
+
+
+def test_the_restart_policy_defaults_are_the_configs():
+    """The fleet's own default policy (tests, the in-process driver) is the config's: a crash
+    backoff reset after 10 minutes of training, crash loops retired at their third time."""
+    import dataclasses
+
+    from islands.orchestrator.build import restart_policy
+    from islands.orchestrator.health import RestartPolicy
+
+    config = parse({"regions": {"a": {"learners": 1}}})
+    assert restart_policy(config) == RestartPolicy()
+    assert RestartPolicy().reset_after_s == 600.0 and RestartPolicy().crash_loop_after == 3
+    assert {f.name for f in dataclasses.fields(RestartPolicy)} == set(
+        config.health.restart.model_dump())

@@ -63,6 +63,12 @@ def test_actions_call_the_clis_controller_methods():
                  {"action": "resume"}, {"action": "drain_node", "node_id": "n2", "deadline_s": 30},
                  {"action": "drain_node", "node_id": "n3"}):
         plan_action(body, False, "console 10.0.0.9")[1](Recorder())
+    for body in ({"action": "clear_misconfigured", "node_id": "n4"},
+                 {"action": "clear_misconfigured"}):   # every marked node
+        plan_action(body, False, "console 10.0.0.9")[1](Recorder())
+    assert calls[-2:] == [("clear_misconfigured", ("n4", "console 10.0.0.9")),
+                          ("clear_misconfigured", (None, "console 10.0.0.9"))]
+    calls[-2:] = []
     assert calls == [("scale", ("a", 2)), ("drain", ("a:1",)), ("chaos_kill", ("a:0", "ray_kill")),
                      ("pause", (True, "console 10.0.0.9")), ("pause", (False, "console 10.0.0.9")),
                      ("drain_node", ("n2", 30.0, "console 10.0.0.9")),
@@ -90,7 +96,8 @@ def test_the_page_state_comes_from_the_controllers_view_alone():
     events = [{"event": "push_refused", "learner": "a:1"}, {"event": "merge", "fragment": 0}]
     view = {"snapshot": snap, "events": events, "profilers": {"a:0": {"step_s": 0.1}},
             "job": "demo", "goodput_window_s": 60.0, "goodput_history": [],
-            "misconfigured": {"gpu": "device check failed"}, "operator_paused": False,
+            "misconfigured": [{"node": "n1", "region": "gpu", "message": "device check failed",
+                               "blocked": True}], "operator_paused": False,
             "regions": {"a": {"target": 2, "max_learners": 4, "remote": False}}}
     state = console_state(view, allow_chaos=False)
     assert state["job"] == "demo" and state["goodput"] is None

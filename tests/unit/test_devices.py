@@ -7,8 +7,10 @@ import sys
 
 import pytest
 
-from islands.learners.devices import (MISMATCH_MARK, DeviceMismatch, DeviceReport, DeviceRequest,
-                                      check_devices, device_problem, is_device_mismatch)
+from islands.learners.devices import (BACKEND_MARK, MISMATCH_MARK, BackendUnavailable,
+                                      DeviceMismatch, DeviceReport, DeviceRequest, check_devices,
+                                      device_fault, device_problem, is_device_mismatch,
+                                      mismatch_node)
 from islands.orchestrator import accelerators as acc
 from islands.orchestrator.runtime import Role, process_env, ray_env_vars
 
@@ -81,6 +83,53 @@ def test_a_gpu_learners_environment_never_falls_back_to_the_cpu():
     assert line.startswith("device check failed: region g asked Ray for num_gpus=0.5"), out
     assert "JAX gave it no backend (JAX_PLATFORMS=cuda did not start" in line
     assert "likely cause: a CPU-only jaxlib" in line
+
+
+DOWN = DeviceReport(None, error="Unable to initialize backend 'cuda': CUDA_ERROR_OUT_OF_MEMORY")
+GPU = DeviceRequest("g", "gpu", 1, "num_gpus=1")
+
+
+@pytest.mark.parametrize("request_, report, env, has_plugin, fault", [
+    # Deterministic: the same start on the same node fails the same way.
+    (GPU, CPU, {"JAX_PLATFORMS": "cuda"}, True, "config"),            # a wrong backend came up
+    (GPU, DeviceReport("gpu", "gpu", "H100", 2), {"JAX_PLATFORMS": "cuda"}, True, "config"),
+    (GPU, DOWN, {"JAX_PLATFORMS": "cpu"}, True, "config"),            # JAX_PLATFORMS excludes it
+    (GPU, DOWN, {"JAX_PLATFORMS": "cuda"}, False, "config"),          # no plugin
+    (GPU, DOWN, {"JAX_PLATFORMS": "cuda", "CUDA_VISIBLE_DEVICES": ""}, True, "config"),
+    # May pass: the plugin is there, the platform asked for, the backend did not come up.
+    (GPU, DOWN, {"JAX_PLATFORMS": "cuda"}, True, "backend"),
+    (GPU, DOWN, {}, True, "backend"),
+    (GPU, H200, {"JAX_PLATFORMS": "cuda"}, True, None),
+])
+def test_a_deterministic_mismatch_is_config_and_a_backend_that_did_not_start_is_not(
+        request_, report, env, has_plugin, fault):
+    assert device_fault(request_, report, env, has_plugin) == fault
+
+
+def test_a_backend_that_did_not_start_raises_its_own_line_naming_the_node():
+    """The real path in a fresh process: JAX asked for CUDA on this CPU-only machine, with a
+    plugin said to be there (as where a GPU is held by another process): not a configuration
+    failure (no MISMATCH_MARK), so the fleet restarts it as a crash."""
+    env = {**os.environ, **ray_env_vars(process_env(Role.LEARNER, acc.learner_devices("gpu", 1)))}
+    code = ("from islands.learners.devices import *\n"
+            "try:\n    check_devices(DeviceRequest('g', 'gpu', 1, 'num_gpus=1'), 'ab12',"
+            " has_plugin=True)\n"
+            "except BackendUnavailable as exc:\n    print(type(exc).__name__, exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         timeout=120)
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith(f"BackendUnavailable {BACKEND_MARK}: region g asked Ray"), out
+    assert "JAX gave it no backend (JAX_PLATFORMS=cuda did not start" in line
+    assert "held by another process" in line and line.endswith("(node ab12)")
+    assert not is_device_mismatch(line) and mismatch_node(line) == "ab12"
+    assert issubclass(BackendUnavailable, RuntimeError)
+
+
+def test_a_mismatch_names_its_node():
+    with pytest.raises(DeviceMismatch) as info:
+        check_devices(GPU, node_id="n7")
+    assert mismatch_node(str(info.value)) == "n7" and is_device_mismatch(str(info.value))
+    assert mismatch_node(MISMATCH_MARK + ": region g ...") is None
 
 
 def test_the_cli_driver_never_opens_an_accelerator(tmp_path):

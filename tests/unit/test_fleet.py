@@ -16,7 +16,8 @@ from islands.orchestrator.health import Cause, RestartPolicy
 from islands.orchestrator.fleet import SlotState
 
 POLICY = RestartPolicy(backoff_initial_s=0.5, backoff_multiplier=2.0, backoff_max_s=30.0,
-                       max_crash_restarts=2, max_preemption_restarts=None)
+                       max_crash_restarts=2, max_preemption_restarts=None,
+                       crash_loop_after=None)   # budgets here; crash loops have their own tests
 
 
 def settings(**overrides) -> F.FleetSettings:
@@ -999,25 +1000,131 @@ def test_the_home_mirrors_a_remote_learners_restart_count_and_keeps_none_of_its_
 MISMATCH = ("device check failed: region a asked Ray for num_gpus=1 and needs 1 gpu device(s); "
             "JAX gave it 1 cpu device(s) (cpu), backend cpu; likely cause: JAX_PLATFORMS=cpu "
             "reached the learner")
+BACKEND_DOWN = ("device backend did not start: region a asked Ray for num_gpus=1 and needs 1 gpu "
+                "device(s); JAX gave it no backend (JAX_PLATFORMS=cuda did not start: Unable to "
+                "initialize backend 'cuda'); likely cause: the device is held by another process "
+                "or its driver is not loaded (nvidia-smi / the TPU runtime logs on that node) "
+                "(node n1)")
 
 
-def test_a_failed_device_check_retires_the_learner_and_marks_its_region_once():
+def on(node):
+    return f"{MISMATCH} (node {node})"
+
+
+def with_nodes(fleet, now, **regions):
+    """The membership report: region -> its alive nodes."""
+    nodes = {r: frozenset(n) for r, n in regions.items()}
+    alive = frozenset().union(*nodes.values())
+    return F.step(fleet, [F.Cluster(dict(fleet.capacity), alive, region_nodes=nodes)], now).fleet
+
+
+def test_the_controllers_membership_report_names_each_regions_nodes():
+    pytest.importorskip("ray")
+    from islands.orchestrator.groups import region_nodes
+
+    nodes = [{"NodeID": "n1", "Resources": {"region:a": 2.0, "region:b": 1.0}},
+             {"NodeID": "n2", "Resources": {"region:a": 1.0, "GPU": 1.0}},
+             {"NodeID": "n3", "Resources": {"CPU": 4.0}}]
+    assert region_nodes(["a", "b", "c"], nodes) == {
+        "a": frozenset({"n1", "n2"}), "b": frozenset({"n1"}), "c": frozenset()}
+
+
+def test_a_failed_device_check_retires_the_learner_and_marks_its_node_once():
+    """No membership known (or one node): the mark blocks its region, as before."""
     fleet = training()
-    result = F.step(fleet, [F.RunEnded("a:1", 0, MISMATCH, crashed=True)], 5.0)
-    assert names(result) == ["region_misconfigured", "learner_failed", "learner_retired"]
+    result = F.step(fleet, [F.RunEnded("a:1", 0, on("n1"), crashed=True)], 5.0)
+    assert names(result) == ["node_misconfigured", "learner_failed", "learner_retired"]
+    assert result.transitions[0].fields == {"node": "n1", "region": "a", "message": on("n1"),
+                                            "region_blocked": True}
     assert result.transitions[1].fields["cause"] == "config"
     assert "not restarted" in result.transitions[2].fields["reason"]
     slot = result.fleet.slots["a:1"]
     assert slot.state == SlotState.FAILED and slot.restart_at_s is None and slot.restarts == ()
-    assert result.fleet.misconfigured == {"a": MISMATCH}
-    # Nothing restarts later, and a second learner of the region is not noted again.
-    later = F.step(result.fleet, [F.RunEnded("a:0", 0, MISMATCH, crashed=True)], 6.0)
+    assert result.fleet.misconfigured == {"n1": {"a": on("n1")}}
+    # Nothing restarts later, and a second learner failing on the node does not mark it again.
+    later = F.step(result.fleet, [F.RunEnded("a:0", 0, on("n1"), crashed=True)], 6.0)
     assert names(later) == ["learner_failed", "learner_retired"]
     assert not [a for a in later.actions if isinstance(a, F.Launch)]
     # A scale-up of the region is refused with the check's line; other regions scale as ever.
     with pytest.raises(F.CommandError, match="its learners cannot train there: device check"):
         F.step(later.fleet, [F.Scale("a", 2)], 6.5)
     assert "scaled" in names(F.step(later.fleet, [F.Scale("b", 2)], 6.5))
+    # A line that names no node (an in-process learner) marks the region's unknown node.
+    unknown = F.step(fleet, [F.RunEnded("a:1", 0, MISMATCH, crashed=True)], 5.0)
+    assert set(unknown.fleet.misconfigured) == {"n1"}   # its beats said where it ran
+    assert set(F.step(F.step(F.initial(settings()), [], 0.0).fleet,
+                      [F.RunEnded("a:1", 0, MISMATCH, crashed=True)], 1.0).fleet.misconfigured
+               ) == {F.UNKNOWN_NODE}
+
+
+def test_a_mark_blocks_its_region_only_while_every_alive_node_of_it_is_marked():
+    fleet = with_nodes(training(settings(heartbeat_timeout_s=1e9)), 2.0,
+                       a={"n1", "n2"}, b={"n1"})
+    # a:1 fails its check on n1; n2 is unmarked: it may pass there, so it restarts as a crash.
+    first = F.step(fleet, [F.RunEnded("a:1", 0, on("n1"), crashed=True)], 5.0)
+    assert names(first) == ["node_misconfigured", "learner_failed", "learner_restart_scheduled"]
+    assert first.transitions[0].fields["region_blocked"] is False
+    assert first.transitions[1].fields["cause"] == "crash"
+    assert "another node of its region is not marked" in first.transitions[1].fields["detail"]
+    assert first.fleet.slots["a:1"].restart_counts == {Cause.CRASH: 1}
+    assert first.fleet.blocked("a") is None and first.fleet.blocked("b") is None
+    assert "scaled" in names(F.step(first.fleet, [F.Scale("a", 3)], 5.5))
+    # Every alive node of a marked: blocked; its next failing learner retires as config.
+    both = F.step(first.fleet, [F.RunEnded("a:0", 0, on("n2"), crashed=True)], 6.0)
+    assert names(both)[:3] == ["node_misconfigured", "learner_failed", "learner_retired"]
+    assert both.fleet.blocked("a") == on("n1") and both.fleet.blocked("b") is None
+    with pytest.raises(F.CommandError, match="every alive node of the region is marked"):
+        F.step(both.fleet, [F.Scale("a", 3)], 6.5)
+    # A node joins the region (or a marked one leaves): it is not blocked any more.
+    grown = with_nodes(both.fleet, 7.0, a={"n1", "n2", "n3"}, b={"n1"})
+    assert grown.blocked("a") is None
+    assert [m["blocked"] for m in grown.marks()] == [False, False]
+    gone = with_nodes(both.fleet, 7.0, a={"n1"}, b={"n1"})
+    assert gone.blocked("a") is not None
+
+
+def test_a_good_start_on_a_marked_node_clears_its_mark_for_that_region_only():
+    fleet = with_nodes(training(settings(heartbeat_timeout_s=1e9)), 2.0,
+                       a={"n1", "n2"}, b={"n1"})
+    marked = F.step(fleet, [F.RunEnded("a:1", 0, on("n1"), crashed=True)], 5.0).fleet
+    relaunched = F.step(marked, [], 10.0).fleet
+    assert relaunched.slots["a:1"].state == SlotState.STARTING
+    # b's learner starting on n1 proves nothing about a's devices there.
+    b_back = F.step(F.step(relaunched, [F.RunEnded("b:0", 0, "died")], 10.0).fleet, [], 20.0)
+    b_ready = F.step(b_back.fleet, [F.Beat("b:0", 1, True, 0.1, node_id="n1")], 21.0)
+    assert "node_misconfigured_cleared" not in names(b_ready)
+    ready = F.step(b_ready.fleet, [F.Beat("a:1", 1, True, 0.1, node_id="n1")], 22.0)
+    assert names(ready) == ["learner_ready", "node_misconfigured_cleared"]
+    assert ready.transitions[1].fields["reason"] == "a:1 started there"
+    assert ready.fleet.misconfigured == {}
+
+
+def test_an_operator_clears_one_marked_node_or_every_one():
+    fleet = with_nodes(training(settings(heartbeat_timeout_s=1e9)), 2.0,
+                       a={"n1", "n2"}, b={"n1"})
+    marked = F.step(fleet, [F.RunEnded("a:1", 0, on("n1"), crashed=True),
+                            F.RunEnded("a:0", 0, on("n2"), crashed=True)], 5.0).fleet
+    assert marked.blocked("a") is not None
+    with pytest.raises(F.CommandError, match="node 'n9' is not marked misconfigured; marked are"):
+        F.check_command(marked, F.ClearMisconfigured("n9"))
+    one = F.step(marked, [F.ClearMisconfigured("n2", origin="cli")], 6.0)
+    assert names(one)[0] == "node_misconfigured_cleared"
+    assert one.transitions[0].fields["origin"] == "cli"
+    assert set(one.fleet.misconfigured) == {"n1"} and one.fleet.blocked("a") is None
+    every = F.step(marked, [F.ClearMisconfigured()], 6.0)
+    assert names(every)[:2] == ["node_misconfigured_cleared"] * 2
+    assert every.fleet.misconfigured == {}
+
+
+def test_a_backend_that_did_not_start_is_a_crash_with_budget_and_backoff():
+    """A GPU held for a moment: the learner restarts after the backoff, nothing is marked."""
+    fleet = training(settings(heartbeat_timeout_s=1e9))
+    result = F.step(fleet, [F.RunEnded("a:1", 0, BACKEND_DOWN, crashed=True)], 5.0)
+    assert names(result) == ["learner_failed", "learner_restart_scheduled"]
+    assert result.transitions[1].fields["cause"] == "crash"
+    assert result.transitions[1].fields["delay_s"] == 0.5
+    assert result.fleet.misconfigured == {} and result.fleet.blocked("a") is None
+    assert result.fleet.slots["a:1"].restart_counts == {Cause.CRASH: 1}
 
 
 def test_a_spare_that_fails_its_device_check_is_not_replaced():
@@ -1025,10 +1132,157 @@ def test_a_spare_that_fails_its_device_check_is_not_replaced():
     fleet = F.step(F.initial(s), [], 0.0).fleet
     launched = F.step(fleet, [F.Beat("a:0", 0, True, 0.1)], 1.0)
     assert F.LaunchSpare("spare:a:0", "a") in launched.actions
-    ended = F.step(launched.fleet, [F.SpareEnded("spare:a:0", MISMATCH)], 3.0)
-    assert names(ended) == ["region_misconfigured", "spare_ended"]
+    ended = F.step(launched.fleet, [F.SpareEnded("spare:a:0", on("n1"))], 3.0)
+    assert names(ended) == ["node_misconfigured", "spare_ended"]
     for t in (4.0, 10.0, 100.0):   # a spare that died of anything else would be replaced
         assert not [a for a in F.step(ended.fleet, [], t).actions if isinstance(a, F.LaunchSpare)]
+    # Once the operator clears the node, a spare starts again.
+    cleared = F.step(ended.fleet, [F.ClearMisconfigured("n1")], 101.0)
+    assert F.LaunchSpare("spare:a:1", "a") in cleared.actions
+    # Another node of the region is unmarked (not blocked): still no new spare, which could
+    # land on the marked node again and again with no budget to stop it.
+    other = with_nodes(ended.fleet, 102.0, a={"n1", "n2"})
+    assert other.blocked("a") is None
+    assert not [a for a in F.step(other, [], 103.0).actions if isinstance(a, F.LaunchSpare)]
+
+
+# -- crash loops and the crash backoff ------------------------------------------------------------
+def fail_at(fleet, learner, incarnation, now, error, resume_step=None):
+    """``learner``'s incarnation dies with ``error`` at ``now``; relaunched (past any backoff)
+    at ``resume_step`` (the syncer's ledger) and training again. Returns (result, fleet)."""
+    result = F.step(fleet, [F.RunEnded(learner, incarnation, error, crashed=True)], now)
+    if result.fleet.slots[learner].state != SlotState.RESTARTING:
+        return result, result.fleet
+    obs = [F.Applied({learner: (incarnation, resume_step, 1)})] if resume_step is not None else []
+    fleet = F.step(result.fleet, obs, now + 60.0).fleet
+    fleet = F.step(fleet, [F.Beat(learner, incarnation + 1, True, 0.1)], now + 61.0).fleet
+    return result, fleet
+
+
+def test_a_learner_failing_at_one_resume_step_is_retired_as_a_crash_loop():
+    """A bad record at step 50: each restart resumes at 48 and dies there again. The third
+    failure at 48 retires it as crash_loop (its budget of 5 is not spent), naming the step and
+    the error."""
+    policy = dataclasses.replace(POLICY, max_crash_restarts=5, crash_loop_after=3)
+    fleet = training(settings(heartbeat_timeout_s=1e9, policy=policy))
+    error = "RayTaskError(ValueError)(ValueError('bad record at step 50 (pid=%d)'))"
+    now = 10.0
+    result, fleet = fail_at(fleet, "a:0", 0, now, error % 101, resume_step=48)  # from step 0
+    for incarnation, pid in ((1, 202), (2, 303), (3, 404)):
+        assert fleet.slots["a:0"].start_step == 48
+        now += 100.0
+        result, fleet = fail_at(fleet, "a:0", incarnation, now, error % pid, resume_step=48)
+        assert result.transitions[0].fields["resume_step"] == 48
+    assert names(result) == ["learner_failed", "learner_retired"]
+    retired = result.transitions[1].fields
+    assert retired["cause"] == "crash_loop" and retired["step"] == 48
+    assert retired["error"] == "RayTaskError(ValueError)(ValueError('bad record at step # (pid=#)'))"
+    assert "crash loop: failed 3 times at resume step 48" in retired["reason"]
+    slot = fleet.slots["a:0"]
+    assert slot.state == SlotState.FAILED and "resume step 48" in slot.crash_loop
+    assert slot.restart_counts == {Cause.CRASH: 3}   # budget left: the loop, not the budget
+
+
+def test_chaos_kills_at_one_step_are_never_a_crash_loop():
+    policy = dataclasses.replace(POLICY, max_crash_restarts=None, crash_loop_after=2)
+    fleet = training(settings(heartbeat_timeout_s=1e9, policy=policy))
+    now = 10.0
+    for incarnation in range(4):
+        fleet = F.step(fleet, [F.Chaos(Fault(now, FaultKind.KILL, "a:0", 0.0))], now).fleet
+        result, fleet = fail_at(fleet, "a:0", incarnation, now + 0.1, "actor died",
+                                resume_step=48)
+        assert "learner_restart_scheduled" in names(result)
+        now += 100.0
+
+
+def test_chaos_hangs_at_one_step_are_never_a_crash_loop():
+    policy = dataclasses.replace(POLICY, max_crash_restarts=None, crash_loop_after=2)
+    fleet = training(settings(heartbeat_timeout_s=5.0, policy=policy))
+    now = 1.0
+    for incarnation in range(3):
+        fleet = F.step(fleet, [F.HangCommand("a:0", 60.0)], now).fleet
+        hung = F.step(fleet, [F.Beat(n, 0, True, 0.1) for n in ("a:1", "b:0")], now + 6.0)
+        assert names(hung)[:2] == ["learner_unhealthy", "learner_failed"], names(hung)
+        assert "learner_restart_scheduled" in names(hung)
+        fleet = F.step(hung.fleet, [F.Applied({"a:0": (incarnation, 48, 1)})], now + 60.0).fleet
+        now += 61.0
+        fleet = F.step(fleet, [F.Beat("a:0", incarnation + 1, True, 0.1)] + [
+            F.Beat(n, 0, True, 0.1) for n in ("a:1", "b:0")], now).fleet
+    assert fleet.slots["a:0"].failures == ()
+
+
+def test_the_same_error_within_the_window_of_steps_is_a_crash_loop_and_progress_is_not():
+    policy = dataclasses.replace(POLICY, max_crash_restarts=None, crash_loop_after=3,
+                                 crash_loop_window_steps=16)
+    fleet = training(settings(heartbeat_timeout_s=1e9, policy=policy))
+    # An out-of-memory death every ~100 steps: far apart, never a loop.
+    now, step = 10.0, 0
+    for incarnation in range(5):
+        step += 100
+        result, fleet = fail_at(fleet, "a:0", incarnation, now, "actor died: OOM", step)
+        assert "learner_restart_scheduled" in names(result)
+        now += 100.0
+    # Then three within 16 steps (500, 508, 512): retired.
+    for incarnation, at in ((5, 508), (6, 512), (7, None)):
+        result, fleet = fail_at(fleet, "a:0", incarnation, now, "actor died: OOM", at)
+        now += 100.0
+    assert result.transitions[-1].fields["cause"] == "crash_loop"
+    assert result.transitions[-1].fields["step"] == 512
+
+
+def test_a_learner_failing_a_fixed_time_after_each_start_is_retired_once_its_budget_is_spent():
+    """It dies 40 s after each start, somewhere else each time (no crash loop by step): with
+    the default policy (reset after 600 s of training) its crashes keep counting, and the sixth
+    retires it. The old 30 s reset restarted it forever."""
+    policy = RestartPolicy()
+    assert policy.reset_after_s >= 300 and policy.max_crash_restarts == 5
+    fleet = training(settings(heartbeat_timeout_s=1e9, policy=policy))
+    now, step, delays = 1.0, 0, []
+    for incarnation in range(6):
+        now += 40.0
+        fleet = F.step(fleet, [F.Beat("a:0", incarnation, True, 0.1)], now).fleet
+        step += 400
+        result, fleet = fail_at(fleet, "a:0", incarnation, now, "MemoryError()", step)
+        if incarnation < 5:
+            delays.append(result.transitions[1].fields["delay_s"])
+        now += 61.0
+    assert delays == [0.5, 1.0, 2.0, 4.0, 8.0]
+    assert names(result) == ["learner_failed", "learner_retired"]
+    assert "crash budget of 5 spent" in result.transitions[1].fields["reason"]
+    # The old default let each 40 s of training start the budget over: never retired.
+    old = dataclasses.replace(policy, reset_after_s=30.0)
+    assert old.healthy(40.0) and not policy.healthy(40.0)
+
+
+def test_paused_time_is_not_training_time():
+    """a:0 trains 2 s, is paused 100 s, trains 2 s more and fails: it trained 4 s, not 104 s
+    (reset_after_s 10): its earlier crash still counts."""
+    policy = dataclasses.replace(POLICY, max_crash_restarts=5, reset_after_s=10.0)
+    fleet = training(settings(heartbeat_timeout_s=1e9, policy=policy))   # trains since 1.0
+    result, fleet = fail_at(fleet, "a:0", 0, 2.0, "died")   # counted: crash 1, trains from 63.0
+    paused = F.step(fleet, [F.PauseJob(True)], 65.0)
+    assert fleet.slots["a:0"].training_since_s == 63.0
+    assert paused.fleet.slots["a:0"].paused_since_s == 65.0
+    resumed = F.step(paused.fleet, [F.PauseJob(False)], 165.0).fleet
+    assert resumed.slots["a:0"].paused_s == 100.0 and resumed.slots["a:0"].paused_since_s is None
+    beat = F.step(resumed, [F.Beat("a:0", 1, True, 0.1)], 167.0).fleet
+    assert beat.slots["a:0"].trained_seconds(167.0) == 4.0
+    result = F.step(beat, [F.RunEnded("a:0", 1, "died")], 167.0)
+    assert dict(result.fleet.slots["a:0"].counted) == {Cause.CRASH: 2}   # not reset
+    assert result.transitions[1].fields["delay_s"] == 1.0
+    # Failing while still paused: the pause so far is left out too.
+    again = F.step(F.step(beat, [F.PauseJob(True)], 168.0).fleet, [], 500.0).fleet
+    assert again.slots["a:0"].trained_seconds(500.0) == 5.0
+
+
+def test_handovers_and_straggler_restarts_do_not_lengthen_the_crash_backoff():
+    policy = dataclasses.replace(POLICY, max_crash_restarts=5)
+    fleet = training(settings(heartbeat_timeout_s=1e9, policy=policy))
+    history = ((Cause.STRAGGLER, 1), (Cause.PREEMPTED_PLANNED, 4))
+    slot = dataclasses.replace(fleet.slots["a:0"], restarts=history, counted=history)
+    fleet = dataclasses.replace(fleet, slots={**fleet.slots, "a:0": slot})
+    result = F.step(fleet, [F.RunEnded("a:0", 0, "died")], 5.0)
+    assert result.transitions[1].fields["delay_s"] == 0.5   # a first crash: 0.5·2^0, not 2^5
 
 
 # -- planned preemption (a node Ray reports draining) ----------------------------------------------

@@ -40,8 +40,9 @@ def test_preemption_has_its_own_budget():
                                      Cause.PREEMPTION, Cause.HANG])
     assert [v.decision.value for v in verdicts] == ["restart", "restart", "restart", "retire",
                                                     "retire"]
-    assert verdicts[1].message == "restart 1 of 1 (crash) us-east:2 in 1.00s"
-    assert verdicts[2].message == "restart 2 of 2 (preemption) us-east:2 in 2.00s"
+    # The backoff counts crashes only: the preemption before the crash does not lengthen it.
+    assert verdicts[1].message == "restart 1 of 1 (crash) us-east:2 in 0.50s"
+    assert verdicts[2].message == "restart 2 of 2 (preemption) us-east:2 in 1.00s"
 
 
 def test_detect_hang_straggler_and_startup():
@@ -97,7 +98,7 @@ def test_being_slow_never_spends_the_crash_budget():
     history = {Cause.STRAGGLER: 3}
     crash = policy.decide("a:0", Cause.CRASH, history)
     assert crash.decision == RestartDecision.RESTART and crash.attempt == 1
-    assert crash.delay_s == 8.0                   # backoff counts every restart: 1 · 2^3
+    assert crash.delay_s == 1.0                   # the backoff counts crashes only: 1 · 2^0
     slow = policy.decide("a:0", Cause.STRAGGLER, {Cause.CRASH: 1, Cause.STRAGGLER: 3})
     assert slow.decision == RestartDecision.RESTART and slow.budget is None
-    assert slow.message == "restart 4 of unlimited (straggler) a:0 in 16.00s"
+    assert slow.message == "restart 4 of unlimited (straggler) a:0 in 2.00s"

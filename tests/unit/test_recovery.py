@@ -27,3 +27,20 @@ def test_the_counted_restarts_and_the_training_start_survive_a_controller_restar
     assert slot.counted == ((Cause.CRASH, 1),) and slot.training_since_s == 1234.5
     old = saved_slot(ROW, remote=False)
     assert old.counted == old.restarts == ((Cause.HANG, 1),) and old.training_since_s is None
+
+
+def test_crash_loop_records_and_node_marks_survive_a_controller_restart():
+    """The new shapes are read back; a state file without them (or a region-keyed mark, the
+    shape before marks were a node's) still loads."""
+    from islands.orchestrator.recovery import saved_marks
+
+    slot = saved_slot({**ROW, "failures": [[48, "died"], [48, "died"]],
+                       "crash_loop": "failed 3 times at resume step 48 with: died"}, remote=False)
+    assert slot.failures == ((48, "died"), (48, "died")) and "step 48" in slot.crash_loop
+    old = saved_slot(ROW, remote=False)
+    assert old.failures == () and old.crash_loop is None
+    assert saved_marks({"n1": {"gpu": "device check failed: x"}}) == {
+        "n1": {"gpu": "device check failed: x"}}
+    assert saved_marks({"gpu": "device check failed: x"}) == {
+        F.UNKNOWN_NODE: {"gpu": "device check failed: x"}}
+    assert saved_marks(None) == {}
