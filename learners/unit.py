@@ -389,18 +389,18 @@ class LearnerUnit:
                     time.sleep(0.05)
                     continue
                 if self.drain_event.is_set():
-                    if sender.idle() and not sender.pending:
+                    if sender.idle() and not sender.pending and not sender.failed:
                         break
                     drain_since = drain_since if drain_since is not None else now
                     if now - drain_since > spec.drain_timeout_s:
                         # A push never answered (seen once, across a syncer restart) must not
                         # hold the drain forever: it is given up, as a dead learner's would be.
                         log.warning("%s drained with %d push(es) unanswered after %.0fs",
-                                    spec.learner, len(sender.pending) + sender.queue.qsize(),
+                                    spec.learner, len(sender.pending) + sender.unsent(),
                                     spec.drain_timeout_s)
                         with self.lock:
                             self.stats["drain_unanswered"] = (len(sender.pending)
-                                                              + sender.queue.qsize())
+                                                              + sender.unsent())
                         break
                     self.state = LearnerState.DRAINING
                     self._collect_replies(sender, arrived)
@@ -469,7 +469,7 @@ class LearnerUnit:
                     step_time_ema = loop.step_time_s
                     self.stats.update(step=core.step, tokens_done=core.tokens_done,
                                       compute_s=core.compute_s, loss=loss,
-                                      step_time_s=step_time_ema, in_flight=len(sender.pending),
+                                      step_time_s=step_time_ema, in_flight=len(sender.pending) + sender.unsent(),
                                       epoch=self.epoch)
                 if time.time() - last_beat >= spec.heartbeat_s:
                     self._beat(core, step_time_ema)
@@ -651,7 +651,15 @@ class _Sender:
         self.queue.put((at_s, self.seq, push))
 
     def idle(self) -> bool:
-        return self.queue.empty()
+        """Nothing left to send: none queued and none in hand (a push taken off the queue counts
+        until it is in ``pending`` or ``failed``: its encode and WAN delay take a while)."""
+        return self.unsent() == 0
+
+    def unsent(self) -> int:
+        """Pushes queued or in the sender's hand (``Queue.unfinished_tasks``, which ``put``
+        raises and ``task_done`` lowers once the push is sent or failed)."""
+        with self.queue.mutex:
+            return self.queue.unfinished_tasks
 
     def take_failed(self) -> list:
         with self.lock:
@@ -676,21 +684,27 @@ class _Sender:
                 at_s, _, plan = self.queue.get(timeout=0.1)
             except queue.Empty:
                 continue
-            plan = plan.on_host()   # waits for the encode, off the training thread
-            push = plan.push
-            with self.unit.lock:
-                self.unit.stats["compression_relative_error"] = plan.relative_error
-            wait = at_s - time.time()
-            if wait > 0 and self.closed.wait(wait):
-                return
             try:
-                ref = self.unit.syncer_for(push.fragment).push.remote(push)
-            except Exception:  # the syncer handle is dead; the training loop re-registers
-                with self.lock:
-                    self.failed.append(push)
-                continue
+                self._send(at_s, plan)
+            finally:
+                self.queue.task_done()   # sent or failed: no longer in hand
+
+    def _send(self, at_s: float, plan) -> None:
+        plan = plan.on_host()   # waits for the encode, off the training thread
+        push = plan.push
+        with self.unit.lock:
+            self.unit.stats["compression_relative_error"] = plan.relative_error
+        wait = at_s - time.time()
+        if wait > 0 and self.closed.wait(wait):
+            return
+        try:
+            ref = self.unit.syncer_for(push.fragment).push.remote(push)
+        except Exception:  # the syncer handle is dead; the training loop re-registers
             with self.lock:
-                self.pending.append((ref, push))
+                self.failed.append(push)
+            return
+        with self.lock:
+            self.pending.append((ref, push))
 
     def close(self) -> None:
         self.closed.set()
