@@ -73,6 +73,9 @@ class SlotState(str, enum.Enum):
     RETIRED = "retired"          # left on purpose (drained, scaled down, job stopped)
 
 
+# The books' drop reason of the work a learner held when the fleet ended its overdue drain.
+DRAIN_TIMEOUT = "drain_timeout"
+
 LIVE = frozenset({SlotState.STARTING, SlotState.TRAINING, SlotState.PAUSED, SlotState.DRAINING})
 GONE = frozenset({SlotState.FAILED, SlotState.RETIRED})
 # A remote incarnation the home found hung: down here whatever its agent's last report said.
@@ -141,6 +144,10 @@ class FleetSettings:
     first_shard: int = 0                # a region agent's fleet: its region's first data shard
     num_shards: Optional[int] = None    # ... and the job's shard count (None: count the slots)
     syncer_shards: int = 1              # syncer shards (members the fleet can kill and restart)
+    # A draining learner whose run has not returned this long after its drain began is ended
+    # and its unsent work dropped as ``drain_timeout`` (``check_drains``). The learner gives up
+    # on unanswered pushes by itself after ``health.timeout_s``; this bounds one that cannot.
+    drain_timeout_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -174,6 +181,7 @@ class Slot:
     tolerated_incarnation: int = -1      # ... the newest of them (one event per incarnation)
     # Draining because its node is (a planned preemption): restarted elsewhere once drained.
     preempted_s: Optional[float] = None
+    draining_since_s: Optional[float] = None   # its drain began (the fleet's deadline counts)
     # This incarnation has adopted a merged global fragment since it started (its beats say so):
     # only then may it donate its inner optimizer state to a restarting peer (peer_for).
     adopted: bool = False
@@ -520,11 +528,14 @@ class HurrySpare:
 
 @dataclass(frozen=True)
 class Kill:
-    """End an incarnation: ``ray_kill`` or ``exit`` (chaos), ``bury`` (make sure it is gone)."""
+    """End an incarnation: ``ray_kill`` or ``exit`` (chaos), ``bury`` (make sure it is gone).
+    ``reason``: why it is buried, for a body that settles the books at the kill (the
+    in-process one; empty: a quarantine); the Forget that follows carries it too."""
 
     learner: str
     incarnation: int
     mode: str = "bury"
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -819,7 +830,8 @@ class _Machine:
                 self.note("node_draining", None, node=node, deadline_in_s=left,
                           learners=[s.learner for s in victims], spares=[x.name for x in spares])
             for slot in victims:
-                slot = self.put(dataclasses.replace(slot, preempted_s=self.now))
+                slot = self.put(dataclasses.replace(slot, preempted_s=self.now,
+                                                    draining_since_s=self.now))
                 self.move(slot, SlotState.DRAINING, "learner_draining",
                           cause=Cause.PREEMPTED_PLANNED.value, node=node, deadline_in_s=left)
                 self.actions.append(DrainLearner(slot.learner))
@@ -1231,22 +1243,26 @@ class _Machine:
         if spare is None and restart_at > self.now:
             self.prestart(self.fleet.slots[slot.learner])
 
-    def retire(self, slot: Slot, reason: str) -> None:
-        if slot.state in LIVE:
+    def retire(self, slot: Slot, reason: str, forgotten: bool = False) -> None:
+        """``forgotten``: its Forget (with the books' reason) is sent already."""
+        if slot.state in LIVE and not forgotten:
             self.actions.append(Forget(slot.learner, slot.incarnation, reason.split(" ")[0]))
-        slot = dataclasses.replace(slot, restart_at_s=None, recovery=None)
+        slot = dataclasses.replace(slot, restart_at_s=None, recovery=None, draining_since_s=None)
         self.move(slot, SlotState.RETIRED, "learner_retired", reason=reason)
         self.release_reserved(slot.learner)
 
-    def hand_over(self, slot: Slot) -> None:
+    def hand_over(self, slot: Slot, forgotten: bool = False) -> None:
         """A learner drained off a node announced for preemption (all its in-flight pushes
         answered) restarts now, elsewhere: a ready spare of its region, else a new process
-        (Ray places nothing new on a draining node). Nothing failed: no budget, no backoff."""
+        (Ray places nothing new on a draining node). Nothing failed: no budget, no backoff.
+        ``forgotten``: it was ended at the drain's deadline (its Forget is sent already)."""
         cause = Cause.PREEMPTED_PLANNED
-        self.actions.append(Forget(slot.learner, slot.incarnation, "drained"))
+        if not forgotten:
+            self.actions.append(Forget(slot.learner, slot.incarnation, "drained"))
         since = slot.preempted_s if slot.preempted_s is not None else self.now
         slot = dataclasses.replace(
-            slot.with_restart(cause), preempted_s=None, killed_at_s=None, restart_at_s=self.now,
+            slot.with_restart(cause), preempted_s=None, draining_since_s=None, killed_at_s=None,
+            restart_at_s=self.now,
             restart_postponed=False,
             recovery=(("failed_s", since), ("detected_s", since), ("cause", cause.value)))
         self.move(slot, SlotState.RESTARTING, "learner_restart_scheduled", cause=cause.value,
@@ -1263,6 +1279,7 @@ class _Machine:
             self.retire(slot, "drained while restarting" if slot.state == SlotState.RESTARTING
                         else "drained before launch")
             return
+        slot = self.put(dataclasses.replace(slot, draining_since_s=self.now))
         self.move(slot, SlotState.DRAINING, "learner_draining")
         self.actions.append(DrainLearner(slot.learner))
 
@@ -1291,7 +1308,8 @@ class _Machine:
         slot = dataclasses.replace(slot, launched_s=self.now, last_beat_s=None, step_time_s=None,
                                    slow_since_s=None, start_step=start_step, restart_at_s=None,
                                    recovery=recovery, actor=spare.name if spare else None,
-                                   node_id=None, preempted_s=None, adopted=False)
+                                   node_id=None, preempted_s=None, draining_since_s=None,
+                                   adopted=False)
         peer_actor = self.fleet.slots[peer].actor if peer is not None else None
         self.actions.append(Launch(slot.learner, slot.region, slot.incarnation, slot.shard,
                                    self.num_shards(), slot.speed_factor, peer, start_step,
@@ -1321,12 +1339,34 @@ class _Machine:
 
     # -- timers -----------------------------------------------------------------------------------
     def timers(self) -> None:
+        self.check_drains()
         if not self.fleet.stopping:
             self.launch_pending()
             self.check_health()
             self.start_due_restarts()
             self.maintain_spares()
         self.quorum_floor()
+
+    def check_drains(self) -> None:
+        """Every drain ends: a learner still draining ``drain_timeout_s`` after its drain began
+        (wedged, or waiting on an answer that never comes) is ended, and what it still held is
+        dropped as ``drain_timeout``. A planned handover then goes on (it restarts elsewhere);
+        any other drain retires it."""
+        limit = self.settings.drain_timeout_s
+        for slot in list(self.fleet.slots.values()):
+            if (slot.state != SlotState.DRAINING or slot.remote
+                    or slot.draining_since_s is None or self.now - slot.draining_since_s < limit):
+                continue
+            self.actions += [Kill(slot.learner, slot.incarnation, reason=DRAIN_TIMEOUT),
+                             Forget(slot.learner, slot.incarnation, DRAIN_TIMEOUT)]
+            self.note("learner_drain_timeout", slot.learner, incarnation=slot.incarnation,
+                      draining_s=round(self.now - slot.draining_since_s, 1),
+                      handover=slot.preempted_s is not None)
+            if slot.preempted_s is not None and not self.fleet.stopping:
+                self.hand_over(slot, forgotten=True)
+            else:
+                self.retire(slot, f"{DRAIN_TIMEOUT}: still draining after {limit:g}s",
+                            forgotten=True)
 
     def launch_pending(self) -> None:
         """Launches new slots: at step 0, or where a resumed job's ledger says they were."""

@@ -50,7 +50,10 @@ def saved_slot(row: dict, remote: bool) -> "fleet_lib.Slot":
         # A state file from before ``counted``: every restart counts (the old rule).
         counted=tuple(sorted((Cause(c), n) for c, n in row.get("counted",
                                                                  row["restarts"]).items())),
-        training_since_s=row.get("training_since_s"))
+        training_since_s=row.get("training_since_s"),
+        # A handover in progress (its node is draining): it restarts elsewhere once out, not
+        # retired as a plain drain would be. Its drain's deadline goes on from when it began.
+        preempted_s=row.get("preempted_s"), draining_since_s=row.get("draining_since_s"))
 
 
 def save_state(owner: Any) -> None:
@@ -65,7 +68,8 @@ def save_state(owner: Any) -> None:
                    "restarts": {c.value: n for c, n in x.restarts},
                    "counted": {c.value: n for c, n in x.counted},
                    "training_since_s": x.training_since_s, "actor": x.actor,
-                   "slow_tolerated": x.slow_tolerated}
+                   "slow_tolerated": x.slow_tolerated, "preempted_s": x.preempted_s,
+                   "draining_since_s": x.draining_since_s}
                   for x in fleet.slots.values()],
         "targets": dict(fleet.targets), "next_index": dict(fleet.next_index),
         "next_shard": fleet.next_shard, "next_spare": fleet.next_spare,
@@ -160,9 +164,14 @@ def recover(owner: Any) -> None:
                 running_state = fleet_lib.SlotState.DRAINING
             if info["state"] == "paused":
                 paused.append(slot.learner)
+            since = slot.draining_since_s
+            if running_state == fleet_lib.SlotState.DRAINING and since is None:
+                since = now   # (a state file from before the drain's deadline was saved)
             slots.append(dataclasses.replace(
                 slot, state=running_state, incarnation=info["incarnation"],
-                start_step=info["start_step"], launched_s=now, last_beat_s=now))
+                start_step=info["start_step"], launched_s=now, last_beat_s=now,
+                draining_since_s=since if running_state == fleet_lib.SlotState.DRAINING
+                else None))
             owner.running[slot.learner] = Incarnation(info["incarnation"],
                                                      info["start_step"])
             continue
