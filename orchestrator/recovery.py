@@ -56,21 +56,25 @@ def saved_slot(row: dict, remote: bool) -> "fleet_lib.Slot":
         preempted_s=row.get("preempted_s"), draining_since_s=row.get("draining_since_s"))
 
 
+def slot_row(x: "fleet_lib.Slot") -> dict:
+    """A slot as ``save_state`` writes it (``saved_slot`` reads it back)."""
+    return {"learner": x.learner, "region": x.region, "index": x.index,
+            "shard": x.shard, "speed_factor": x.speed_factor, "state": x.state.value,
+            "incarnation": x.incarnation, "start_step": x.start_step,
+            "restarts": {c.value: n for c, n in x.restarts},
+            "counted": {c.value: n for c, n in x.counted},
+            "training_since_s": x.training_since_s, "actor": x.actor,
+            "slow_tolerated": x.slow_tolerated, "preempted_s": x.preempted_s,
+            "draining_since_s": x.draining_since_s}
+
+
 def save_state(owner: Any) -> None:
     """What a restarted controller cannot ask anyone else for: the books, the slots' states and
     restart counts, the chaos plan's progress (written atomically, about once a second)."""
     fleet = owner.fleet
     state = {
         "books": owner.books.to_json(), "closed": owner.closed,
-        "slots": [{"learner": x.learner, "region": x.region, "index": x.index,
-                   "shard": x.shard, "speed_factor": x.speed_factor, "state": x.state.value,
-                   "incarnation": x.incarnation, "start_step": x.start_step,
-                   "restarts": {c.value: n for c, n in x.restarts},
-                   "counted": {c.value: n for c, n in x.counted},
-                   "training_since_s": x.training_since_s, "actor": x.actor,
-                   "slow_tolerated": x.slow_tolerated, "preempted_s": x.preempted_s,
-                   "draining_since_s": x.draining_since_s}
-                  for x in fleet.slots.values()],
+        "slots": [slot_row(x) for x in fleet.slots.values()],
         "targets": dict(fleet.targets), "next_index": dict(fleet.next_index),
         "next_shard": fleet.next_shard, "next_spare": fleet.next_spare,
         "lost_regions": dict(fleet.lost_regions),
