@@ -17,6 +17,7 @@ A slot is one learner id (``us-east:0``) over its incarnations::
                                                │ budget spent ─▶ FAILED
     TRAINING/STARTING/PAUSED ─drain─▶ DRAINING ─drained─▶ RETIRED
                  node draining (planned preemption) ─▶ DRAINING ─drained─▶ RESTARTING (at once)
+                  ─relaunch─▶ AWAITING_PLACEMENT ─placed─▶ STARTING
 
 A warm spare (``RegionPlan.spares``) is a learner process that did everything a restart does before
 its first step and holds no learner identity: ``STARTING ─ready─▶ READY``. A slot that launches
@@ -71,12 +72,17 @@ class SlotState(str, enum.Enum):
     # cannot restart it, so it shows here until the agent reports it (or a successor) again.
     UNREACHABLE = "unreachable"
     RETIRED = "retired"          # left on purpose (drained, scaled down, job stopped)
+    # A handed-over learner's new incarnation, launched while nothing may take it yet (its node
+    # drained, no capacity elsewhere): it waits for Ray to place it, as long as that takes. No
+    # hang verdict and no budget: nothing failed. Badput ``awaiting_placement``.
+    AWAITING_PLACEMENT = "awaiting_placement"
 
 
 # The books' drop reason of the work a learner held when the fleet ended its overdue drain.
 DRAIN_TIMEOUT = "drain_timeout"
 
-LIVE = frozenset({SlotState.STARTING, SlotState.TRAINING, SlotState.PAUSED, SlotState.DRAINING})
+LIVE = frozenset({SlotState.STARTING, SlotState.TRAINING, SlotState.PAUSED, SlotState.DRAINING,
+                  SlotState.AWAITING_PLACEMENT})
 GONE = frozenset({SlotState.FAILED, SlotState.RETIRED})
 # A remote incarnation the home found hung: down here whatever its agent's last report said.
 HOME_FAILED = frozenset({SlotState.RESTARTING, SlotState.UNREACHABLE})
@@ -357,6 +363,16 @@ class LaunchFailed:
 
 
 @dataclass(frozen=True)
+class Placed:
+    """Ray placed this incarnation's process (it answers): a handover waiting for placement
+    starts (``SlotState.AWAITING_PLACEMENT``)."""
+
+    learner: str
+    incarnation: int
+    node_id: Optional[str] = None
+
+
+@dataclass(frozen=True)
 class Cluster:
     """Cluster membership: region capacities (``region:<name>`` resources), live nodes, and the
     nodes being drained (node id -> deadline on the fleet's clock, None for none; None: not
@@ -486,7 +502,7 @@ class Stop:
     """The job is ending: clean ends retire, nothing restarts."""
 
 
-Observation = Union[Beat, RunEnded, Quarantine, LaunchFailed, Cluster, Applied, Scale, Drain,
+Observation = Union[Beat, RunEnded, Quarantine, LaunchFailed, Placed, Cluster, Applied, Scale, Drain,
                     Chaos, HangCommand, Stop, RemoteReport, SpareReady, SpareEnded, PauseJob,
                     Unhealthy, HomePause, SyncerEnded, SyncerStarted]
 
@@ -724,7 +740,10 @@ class _Machine:
             slot, last_beat_s=self.now,
             step_time_s=beat.step_time_s if beat.step_time_s is not None else slot.step_time_s,
             node_id=beat.node_id or slot.node_id, adopted=slot.adopted or beat.adopted))
-        if slot.state == SlotState.STARTING and beat.training:
+        if slot.state == SlotState.AWAITING_PLACEMENT and not beat.training:
+            self.placed(slot)   # it runs: its start-up is timed from now
+            return
+        if slot.state in (SlotState.STARTING, SlotState.AWAITING_PLACEMENT) and beat.training:
             recovery = dict(slot.recovery or ())
             if slot.recovery is not None and beat.ready_at_s is not None:
                 recovery.setdefault("restore_done_s", beat.ready_at_s)
@@ -787,7 +806,7 @@ class _Machine:
 
     def on_launchfailed(self, obs: LaunchFailed) -> None:
         slot = self.current(obs.learner, obs.incarnation)
-        if slot is None or slot.state != SlotState.STARTING:
+        if slot is None or slot.state not in (SlotState.STARTING, SlotState.AWAITING_PLACEMENT):
             return
         if not slot.restart_postponed:
             self.note("learner_restart_postponed", slot.learner, reason=obs.reason[:300])
@@ -795,6 +814,18 @@ class _Machine:
         self.put(dataclasses.replace(
             slot, state=SlotState.RESTARTING, restart_postponed=True,
             restart_at_s=self.now + self.settings.restart_retry_s))
+
+    def on_placed(self, obs: Placed) -> None:
+        slot = self.current(obs.learner, obs.incarnation)
+        if slot is not None and slot.state == SlotState.AWAITING_PLACEMENT:
+            self.placed(slot, obs.node_id)
+
+    def placed(self, slot: Slot, node_id: Optional[str] = None) -> None:
+        """A handed-over incarnation got its place: it starts now, and the start-up timeout
+        (a hang) counts from here, not from its launch."""
+        self.move(dataclasses.replace(slot, launched_s=self.now, node_id=node_id or slot.node_id),
+                  SlotState.STARTING, "learner_placed", incarnation=slot.incarnation,
+                  waited_s=round(self.now - _first(slot.launched_s, self.now), 3))
 
     def on_cluster(self, obs: Cluster) -> None:
         previous = dict(self.fleet.capacity)
@@ -1078,7 +1109,10 @@ class _Machine:
         for spare in list(self.fleet.spares.values()):
             self.drop_spare(spare, "stopped")
         for slot in list(self.fleet.slots.values()):
-            if slot.state in (SlotState.RESTARTING, SlotState.PENDING):
+            if slot.state == SlotState.AWAITING_PLACEMENT:   # never placed: called off
+                self.actions.append(Kill(slot.learner, slot.incarnation))
+            if slot.state in (SlotState.RESTARTING, SlotState.PENDING,
+                              SlotState.AWAITING_PLACEMENT):
                 self.retire(slot, "stopped")
 
     def region_known(self, region: str) -> None:
@@ -1274,6 +1308,11 @@ class _Machine:
             # Draining off a preempted node already: now it leaves for good (scaled down).
             self.put(dataclasses.replace(slot, preempted_s=None))
             return
+        if slot.state == SlotState.AWAITING_PLACEMENT:
+            # Never placed: nothing trained, nothing in flight; its request is called off.
+            self.actions.append(Kill(slot.learner, slot.incarnation))
+            self.retire(slot, "drained while awaiting placement")
+            return
         if slot.state in (SlotState.RESTARTING, SlotState.PENDING):
             # No live incarnation: nothing is in flight, so it leaves now.
             self.retire(slot, "drained while restarting" if slot.state == SlotState.RESTARTING
@@ -1314,8 +1353,13 @@ class _Machine:
         self.actions.append(Launch(slot.learner, slot.region, slot.incarnation, slot.shard,
                                    self.num_shards(), slot.speed_factor, peer, start_step,
                                    faults, spare.name if spare else None, peer_actor))
-        self.move(slot, SlotState.STARTING, name, incarnation=slot.incarnation, peer=peer,
-                  resume_step=start_step, **({"spare": spare.name} if spare else {}))
+        # A handover in a new process may find no place (its node drains, nothing free
+        # elsewhere): it waits for one, not timed as a start (a spare is in place already).
+        handover = (spare is None and recovery is not None
+                    and dict(recovery).get("cause") == Cause.PREEMPTED_PLANNED.value)
+        self.move(slot, SlotState.AWAITING_PLACEMENT if handover else SlotState.STARTING, name,
+                  incarnation=slot.incarnation, peer=peer, resume_step=start_step,
+                  **({"spare": spare.name} if spare else {}))
 
     def scale_to(self, region: str, n: int, reason: str) -> None:
         # A learner draining off a preempted node comes back: it counts.

@@ -180,6 +180,10 @@ class VirtualLearnerGroup:
         out, self._ended = self._ended, []
         return out
 
+    def placed(self) -> list:
+        """Nothing waits for placement here: a restart's first beat starts it."""
+        return []
+
     def spare_results(self) -> "list[SpareReady | SpareFailed]":
         """The spares reported ready since the last poll (a virtual spare never fails)."""
         out, self._spares = self._spares, []
