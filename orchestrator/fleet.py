@@ -1032,7 +1032,8 @@ class _Machine:
             # The incarnation this fleet knew ended in the region: settle its books here.
             cause = r.last_cause or ("stopped" if self.fleet.stopping else "crash")
             self.actions.append(Forget(slot.learner, slot.incarnation, cause))
-            if state not in GONE:
+            # (a handover off a draining node of its cluster failed nothing)
+            if state not in GONE and cause not in ("drained", DRAIN_TIMEOUT):
                 self.note("learner_failed", slot.learner, cause=cause,
                           incarnation=slot.incarnation, detail="reported by its region agent",
                           **{"from": slot.state.value})
