@@ -490,12 +490,16 @@ class LearnerUnit:
         from islands.syncer.actor import ReplyStatus
 
         for push in sender.take_failed():
+            if self._superseded(push):
+                continue
             self._core("push_refused", push.fragment)
             self._reregister(self.shard_of[push.fragment])
         for ref, push in sender.finished():
             try:
                 reply = ray.get(ref)
             except ray.exceptions.RayActorError:
+                if self._superseded(push):
+                    continue
                 # The syncer (shard) died: this push is lost. Register with its successor (new
                 # epoch); the other shards' fragments go on as they were.
                 self._core("push_refused", push.fragment)
@@ -508,6 +512,8 @@ class LearnerUnit:
                     self.stats["wire_bytes_down"] += nbytes
                 arrived.append((self.arrival_s(time.time(), nbytes), reply.fragment,
                                 update, reply.version))
+            elif self._superseded(push):
+                continue
             else:
                 reason = (reply.reason if reply.status == ReplyStatus.REJECTED
                           else reply.status.value)
@@ -516,6 +522,14 @@ class LearnerUnit:
                     self._core("refused", push.fragment, reason, reply.params, reply.version)
                 if reason in ("stale_epoch", "unknown_learner", "bad_session"):
                     self._reregister(self.shard_of[push.fragment])
+
+    def _superseded(self, push) -> bool:
+        """A push to an earlier epoch of its syncer shard than the one this learner has since
+        registered with: the re-registration voided it (``LearnerCore.reregistered``), so its
+        refusal or loss says nothing about the fragment's track, whose newer push may be out.
+        Acting on it would send that fragment again while the newer push is unanswered (its
+        drift twice)."""
+        return superseded(push.epoch, self.epochs[self.shard_of[push.fragment]])
 
     # -- the syncer shards ----------------------------------------------------------------------
     def _shard_name(self, syncer_shard: int) -> str:
@@ -711,6 +725,16 @@ class _Sender:
 
 
 SPARE_NICENESS = 10
+
+
+def superseded(push_epoch: int, shard_epoch: int) -> bool:
+    """Whether a push's answer is void: it went to an earlier epoch of its syncer shard than the
+    learner's registration now holds.
+
+    >>> superseded(0, 1), superseded(1, 1)
+    (True, False)
+    """
+    return push_epoch < shard_epoch
 
 
 @contextlib.contextmanager

@@ -75,3 +75,53 @@ def test_a_push_that_could_not_be_sent_leaves_the_hand_as_failed():
         assert [push.fragment for push in sender.take_failed()] == [1] and not sender.pending
     finally:
         sender.close()
+
+
+# -- answers to pushes a re-registration voided -----------------------------------------------------
+def _learner():
+    """The learner's reply handling over a real LearnerCore (two fragments, one syncer shard),
+    registered with the syncer's epoch 1 after a restart; ``reregistered`` records what a new
+    registration would be asked for."""
+    import jax.numpy as jnp
+
+    from islands.syncer import fragments
+    from islands.learners.core import LearnerCore
+    from islands.syncer import codec as codec_lib
+
+    params = {"a": jnp.zeros(3), "b": jnp.ones(2)}
+    codec = codec_lib.make_codec("none")
+    core = LearnerCore("r:0", params, None, fragments.partition(params, 2), [0, 0],
+                       codec_lib.error_feedback(codec), codec_lib.tree_wire_bytes,
+                       lambda c: codec_lib.decode_tree(codec, c), overlap_steps=1)
+    unit = object.__new__(LearnerUnit)
+    unit.core, unit.gang, unit.lock, unit.stats = core, None, threading.Lock(), {"refused": 0}
+    unit.epochs, unit.shard_of = [0], {0: 0, 1: 0}
+    unit.reregistered = []
+    unit._reregister = unit.reregistered.append
+    return unit, core
+
+
+def test_the_loss_of_a_push_a_reregistration_voided_leaves_the_newer_push_alone():
+    """After a syncer restart the learner re-registered (epoch 1) and pushed fragment 0 again;
+    its older push of fragment 0 (epoch 0) then fails to send. Acting on that failure reset the
+    fragment's track while the newer push was out, so it was pushed twice (its drift twice, and
+    at the syncer a second push of the fragment accepted while the first was being merged)."""
+    import numpy as np
+
+    unit, core = _learner()
+    core.record_step(8, 0.1)
+    old = core.make_push(0, epoch=0).push                 # to the syncer that died
+    core.reregistered([{k: np.asarray(v) for k, v in t.base.items()} for t in core.tracks],
+                      [0, 0], "s1")
+    unit.epochs = [1]
+    core.record_step(8, 0.1)
+    new = core.make_push(0, epoch=1).push                 # to the restarted one
+    sender = _Sender(unit, None)
+    sender.failed = [old]
+    unit._collect_replies(sender, [])
+    assert core.tracks[0].in_flight_since_step == new.step and unit.reregistered == []
+    assert 0 not in core.due(2, 1)                        # not pushed again while out
+    # The newer push's own loss is acted on: it goes again after a registration.
+    sender.failed = [new]
+    unit._collect_replies(sender, [])
+    assert core.tracks[0].in_flight_since_step is None and unit.reregistered == [0]
