@@ -127,6 +127,17 @@ class LearnerGroups:
                                         hosts)
         return info
 
+    def end_unplaced(self, actor: str) -> None:
+        """Ends the learner actor named ``actor`` that Ray has not placed (a restarted
+        controller's handover awaiting placement): it holds the learner's name, so its
+        relaunch could never take it, and it would train as an orphan once placed."""
+
+        try:
+            ray.kill(ray.get_actor(learner_actor_name(actor), namespace=NAMESPACE),
+                     no_restart=True)
+        except ValueError:   # gone meanwhile
+            pass
+
     def launch_spare(self, name: str, region: str, devices, spec) -> Optional[str]:
         """Starts a warm spare (a learner's devices, held ready); why not, or None."""
 

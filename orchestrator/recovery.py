@@ -68,6 +68,28 @@ def slot_row(x: "fleet_lib.Slot") -> dict:
             "draining_since_s": x.draining_since_s}
 
 
+def relaunched(slot: "fleet_lib.Slot", known: int, now: float) -> "fleet_lib.Slot":
+    """A saved slot whose learner a restarted controller did not find running: restarted now,
+    after the newest incarnation the syncer's ledger knows (``known``). One that was awaiting
+    placement (a handover) stays a handover: its relaunch waits for placement again.
+
+    >>> row = {"learner": "a:0", "region": "a", "index": 0, "shard": 0, "speed_factor": 1.0,
+    ...        "state": "awaiting_placement", "incarnation": 2, "start_step": 9, "restarts": {}}
+    >>> slot = relaunched(saved_slot(row, remote=False), known=1, now=5.0)
+    >>> slot.state.value, slot.incarnation, slot.restart_at_s, dict(slot.recovery)["cause"]
+    ('restarting', 2, 5.0, 'preempted_planned')
+    """
+    from .health import Cause
+
+    recovery = slot.recovery
+    if slot.state == fleet_lib.SlotState.AWAITING_PLACEMENT:
+        recovery = (("failed_s", now), ("detected_s", now),
+                    ("cause", Cause.PREEMPTED_PLANNED.value))
+    return dataclasses.replace(slot, state=fleet_lib.SlotState.RESTARTING,
+                               incarnation=max(slot.incarnation, known), restart_at_s=now,
+                               recovery=recovery)
+
+
 def save_state(owner: Any) -> None:
     """What a restarted controller cannot ask anyone else for: the books, the slots' states and
     restart counts, the chaos plan's progress (written atomically, about once a second)."""
@@ -181,9 +203,9 @@ def recover(owner: Any) -> None:
             continue
         # Gone while the controller was away: relaunched, as a newer incarnation.
         known = int(ledger.get(slot.learner, {}).get("incarnation", slot.incarnation))
-        slots.append(dataclasses.replace(slot, state=fleet_lib.SlotState.RESTARTING,
-                                         incarnation=max(slot.incarnation, known),
-                                         restart_at_s=now))
+        slots.append(relaunched(slot, known, now))
+        if slot.state == fleet_lib.SlotState.AWAITING_PLACEMENT:
+            owner.groups.end_unplaced(slot.actor or slot.learner)
     owner.fleet = fleet_lib.rebuilt(owner.fleet.settings, slots, saved["targets"],
                                    saved["next_index"], saved["next_shard"],
                                    saved.get("next_spare", 0),

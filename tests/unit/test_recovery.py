@@ -64,3 +64,20 @@ def test_a_handover_survives_a_controller_restart():
     old = saved_slot({k: v for k, v in rows[1].items()
                       if k not in ("preempted_s", "draining_since_s")}, remote=False)
     assert old.preempted_s is None and old.draining_since_s is None
+
+
+def test_a_handover_awaiting_placement_at_a_controller_restart_awaits_it_again():
+    """Its process was never placed (nothing to re-attach): the restarted controller relaunches
+    it as a handover, which waits for placement again instead of being timed as a start."""
+    from islands.orchestrator.recovery import relaunched
+
+    settings = F.FleetSettings({"far": F.RegionPlan(1, 1)}, startup_timeout_s=60.0)
+    slot = relaunched(saved_slot({**ROW, "state": "awaiting_placement", "actor": None},
+                                 remote=False), known=1, now=100.0)
+    fleet = F.rebuilt(settings, [slot], {"far": 1}, {"far": 1}, 1)
+    out = F.step(fleet, [], 100.0)
+    (launch,) = out.actions
+    assert (launch.learner, launch.incarnation, launch.start_step) == ("far:0", 3, 40)
+    assert out.fleet.slots["far:0"].state == F.SlotState.AWAITING_PLACEMENT
+    assert [t.name for t in F.step(out.fleet, [], 100.0 + 600.0).transitions] == []
+    assert out.fleet.slots["far:0"].restarts == ((Cause.HANG, 1),)   # nothing counted anew
