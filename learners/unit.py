@@ -389,18 +389,18 @@ class LearnerUnit:
                     time.sleep(0.05)
                     continue
                 if self.drain_event.is_set():
-                    if sender.idle() and not sender.pending:
+                    if sender.idle() and not sender.pending and not sender.failed:
                         break
                     drain_since = drain_since if drain_since is not None else now
                     if now - drain_since > spec.drain_timeout_s:
                         # A push never answered (seen once, across a syncer restart) must not
                         # hold the drain forever: it is given up, as a dead learner's would be.
                         log.warning("%s drained with %d push(es) unanswered after %.0fs",
-                                    spec.learner, len(sender.pending) + sender.queue.qsize(),
+                                    spec.learner, len(sender.pending) + sender.unsent(),
                                     spec.drain_timeout_s)
                         with self.lock:
                             self.stats["drain_unanswered"] = (len(sender.pending)
-                                                              + sender.queue.qsize())
+                                                              + sender.unsent())
                         break
                     self.state = LearnerState.DRAINING
                     self._collect_replies(sender, arrived)
@@ -469,7 +469,7 @@ class LearnerUnit:
                     step_time_ema = loop.step_time_s
                     self.stats.update(step=core.step, tokens_done=core.tokens_done,
                                       compute_s=core.compute_s, loss=loss,
-                                      step_time_s=step_time_ema, in_flight=len(sender.pending),
+                                      step_time_s=step_time_ema, in_flight=len(sender.pending) + sender.unsent(),
                                       epoch=self.epoch)
                 if time.time() - last_beat >= spec.heartbeat_s:
                     self._beat(core, step_time_ema)
@@ -490,12 +490,16 @@ class LearnerUnit:
         from islands.syncer.actor import ReplyStatus
 
         for push in sender.take_failed():
+            if self._superseded(push):
+                continue
             self._core("push_refused", push.fragment)
             self._reregister(self.shard_of[push.fragment])
         for ref, push in sender.finished():
             try:
                 reply = ray.get(ref)
             except ray.exceptions.RayActorError:
+                if self._superseded(push):
+                    continue
                 # The syncer (shard) died: this push is lost. Register with its successor (new
                 # epoch); the other shards' fragments go on as they were.
                 self._core("push_refused", push.fragment)
@@ -508,6 +512,8 @@ class LearnerUnit:
                     self.stats["wire_bytes_down"] += nbytes
                 arrived.append((self.arrival_s(time.time(), nbytes), reply.fragment,
                                 update, reply.version))
+            elif self._superseded(push):
+                continue
             else:
                 reason = (reply.reason if reply.status == ReplyStatus.REJECTED
                           else reply.status.value)
@@ -516,6 +522,14 @@ class LearnerUnit:
                     self._core("refused", push.fragment, reason, reply.params, reply.version)
                 if reason in ("stale_epoch", "unknown_learner", "bad_session"):
                     self._reregister(self.shard_of[push.fragment])
+
+    def _superseded(self, push) -> bool:
+        """A push to an earlier epoch of its syncer shard than the one this learner has since
+        registered with: the re-registration voided it (``LearnerCore.reregistered``), so its
+        refusal or loss says nothing about the fragment's track, whose newer push may be out.
+        Acting on it would send that fragment again while the newer push is unanswered (its
+        drift twice)."""
+        return superseded(push.epoch, self.epochs[self.shard_of[push.fragment]])
 
     # -- the syncer shards ----------------------------------------------------------------------
     def _shard_name(self, syncer_shard: int) -> str:
@@ -651,7 +665,15 @@ class _Sender:
         self.queue.put((at_s, self.seq, push))
 
     def idle(self) -> bool:
-        return self.queue.empty()
+        """Nothing left to send: none queued and none in hand (a push taken off the queue counts
+        until it is in ``pending`` or ``failed``: its encode and WAN delay take a while)."""
+        return self.unsent() == 0
+
+    def unsent(self) -> int:
+        """Pushes queued or in the sender's hand (``Queue.unfinished_tasks``, which ``put``
+        raises and ``task_done`` lowers once the push is sent or failed)."""
+        with self.queue.mutex:
+            return self.queue.unfinished_tasks
 
     def take_failed(self) -> list:
         with self.lock:
@@ -676,27 +698,43 @@ class _Sender:
                 at_s, _, plan = self.queue.get(timeout=0.1)
             except queue.Empty:
                 continue
-            plan = plan.on_host()   # waits for the encode, off the training thread
-            push = plan.push
-            with self.unit.lock:
-                self.unit.stats["compression_relative_error"] = plan.relative_error
-            wait = at_s - time.time()
-            if wait > 0 and self.closed.wait(wait):
-                return
             try:
-                ref = self.unit.syncer_for(push.fragment).push.remote(push)
-            except Exception:  # the syncer handle is dead; the training loop re-registers
-                with self.lock:
-                    self.failed.append(push)
-                continue
+                self._send(at_s, plan)
+            finally:
+                self.queue.task_done()   # sent or failed: no longer in hand
+
+    def _send(self, at_s: float, plan) -> None:
+        plan = plan.on_host()   # waits for the encode, off the training thread
+        push = plan.push
+        with self.unit.lock:
+            self.unit.stats["compression_relative_error"] = plan.relative_error
+        wait = at_s - time.time()
+        if wait > 0 and self.closed.wait(wait):
+            return
+        try:
+            ref = self.unit.syncer_for(push.fragment).push.remote(push)
+        except Exception:  # the syncer handle is dead; the training loop re-registers
             with self.lock:
-                self.pending.append((ref, push))
+                self.failed.append(push)
+            return
+        with self.lock:
+            self.pending.append((ref, push))
 
     def close(self) -> None:
         self.closed.set()
 
 
 SPARE_NICENESS = 10
+
+
+def superseded(push_epoch: int, shard_epoch: int) -> bool:
+    """Whether a push's answer is void: it went to an earlier epoch of its syncer shard than the
+    learner's registration now holds.
+
+    >>> superseded(0, 1), superseded(1, 1)
+    (True, False)
+    """
+    return push_epoch < shard_epoch
 
 
 @contextlib.contextmanager

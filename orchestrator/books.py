@@ -101,6 +101,8 @@ def phase_of(state: str, trained: bool) -> Optional[str]:
         return "training"
     if state == "paused":
         return "paused"
+    if state == "awaiting_placement":   # a handover with nowhere to run yet (fleet.py)
+        return "placement"
     if state in ("restarting", "unreachable"):  # unreachable: a remote one, down as far as home knows
         return "recovery"
     return None
@@ -109,7 +111,7 @@ def phase_of(state: str, trained: bool) -> Optional[str]:
 # Badput causes: ml-goodput-measurement's BadputType where one fits, then ours.
 BADPUT_CAUSES = ("program_startup", "infrastructure_recovery", "disruption_wasted_progress",
                  "checkpoint_restore", "checkpoint_save", "data_loading", "refused", "overlap",
-                 "paused", "other")
+                 "paused", "awaiting_placement", "other")
 # Drop reasons that are not a disruption: work an operator or the job's end let go of.
 _NOT_DISRUPTION = ("drained", "stopped", "scaled")
 
@@ -124,6 +126,8 @@ def badput(phase_s: Mapping[str, float], fates: Fates, num_fragments: int = 1) -
     - program_startup / checkpoint_restore / infrastructure_recovery / paused: the allocated
       seconds of a first start, a restart's restore (parameters from the syncer, inner state from
       a peer, compilation), the wait between a failure and its relaunch, and a pause;
+    - awaiting_placement: a learner handed over off a draining node, waiting for Ray to place
+      its new process (no capacity elsewhere yet);
     - disruption_wasted_progress: inner-step seconds an incarnation held when it failed (its
       dropped seconds for a failure cause), measured by the token ledger;
     - refused / overlap: inner-step seconds dropped by a refused push / overwritten at adoption;
@@ -147,6 +151,7 @@ def badput(phase_s: Mapping[str, float], fates: Fates, num_fragments: int = 1) -
     out["checkpoint_restore"] = phase_s.get("restore", 0.0)
     out["infrastructure_recovery"] = phase_s.get("recovery", 0.0)
     out["paused"] = phase_s.get("paused", 0.0)
+    out["awaiting_placement"] = phase_s.get("placement", 0.0)
     dropped = 0.0
     for reason, seconds in fates.dropped_s_by.items():
         x = seconds / per

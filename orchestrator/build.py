@@ -118,7 +118,10 @@ def fleet_settings(config) -> FleetSettings:
                          straggler_window_s=config.health.straggler_window_s,
                          straggler_min_excess_s=config.health.straggler_min_excess_s,
                          spare_wait_s=config.health.spare_wait_s,
-                         syncer_shards=config.syncer.shards)
+                         syncer_shards=config.syncer.shards,
+                         # The learner gives up on its unanswered pushes after timeout_s; one
+                         # still draining a timeout later cannot leave by itself.
+                         drain_timeout_s=2 * config.health.timeout_s)
 
 
 @dataclass(frozen=True)

@@ -276,7 +276,9 @@ FIELD_NOTES: dict[str, str] = {
     "health.heartbeat_s": "Seconds between two heartbeats of a learner to the controller.",
     "health.timeout_s": "A learner with no heartbeat for this long is hung: it is killed and "
                         "restarted (cause `hang`). A draining learner waits at most this long "
-                        "for its in-flight pushes' answers, then leaves.",
+                        "for its in-flight pushes' answers, then leaves; one still draining "
+                        "twice this long after its drain began is ended, what it held dropped "
+                        "as `drain_timeout`.",
     "health.straggler_factor": "A learner whose own step time (this incarnation's, after its "
                                "first step) exceeds this × the median of its region's other "
                                "learners (at least two) for `straggler_window_s` is a straggler: "

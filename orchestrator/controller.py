@@ -236,6 +236,7 @@ class Controller:
             try:
                 observations = self._drain_inbox()
                 observations += self._ended_runs()
+                observations += [fleet_lib.Placed(*p) for p in self.groups.placed()]
                 observations += self._spare_observations()
                 observations += self._ended_syncers()
                 now = time.time()

@@ -17,6 +17,7 @@ A slot is one learner id (``us-east:0``) over its incarnations::
                                                │ budget spent ─▶ FAILED
     TRAINING/STARTING/PAUSED ─drain─▶ DRAINING ─drained─▶ RETIRED
                  node draining (planned preemption) ─▶ DRAINING ─drained─▶ RESTARTING (at once)
+                  ─relaunch─▶ AWAITING_PLACEMENT ─placed─▶ STARTING
 
 A warm spare (``RegionPlan.spares``) is a learner process that did everything a restart does before
 its first step and holds no learner identity: ``STARTING ─ready─▶ READY``. A slot that launches
@@ -83,9 +84,17 @@ class SlotState(str, enum.Enum):
     # cannot restart it, so it shows here until the agent reports it (or a successor) again.
     UNREACHABLE = "unreachable"
     RETIRED = "retired"          # left on purpose (drained, scaled down, job stopped)
+    # A handed-over learner's new incarnation, launched while nothing may take it yet (its node
+    # drained, no capacity elsewhere): it waits for Ray to place it, as long as that takes. No
+    # hang verdict and no budget: nothing failed. Badput ``awaiting_placement``.
+    AWAITING_PLACEMENT = "awaiting_placement"
 
 
-LIVE = frozenset({SlotState.STARTING, SlotState.TRAINING, SlotState.PAUSED, SlotState.DRAINING})
+# The books' drop reason of the work a learner held when the fleet ended its overdue drain.
+DRAIN_TIMEOUT = "drain_timeout"
+
+LIVE = frozenset({SlotState.STARTING, SlotState.TRAINING, SlotState.PAUSED, SlotState.DRAINING,
+                  SlotState.AWAITING_PLACEMENT})
 GONE = frozenset({SlotState.FAILED, SlotState.RETIRED})
 # A remote incarnation the home found hung: down here whatever its agent's last report said.
 HOME_FAILED = frozenset({SlotState.RESTARTING, SlotState.UNREACHABLE})
@@ -153,6 +162,10 @@ class FleetSettings:
     first_shard: int = 0                # a region agent's fleet: its region's first data shard
     num_shards: Optional[int] = None    # ... and the job's shard count (None: count the slots)
     syncer_shards: int = 1              # syncer shards (members the fleet can kill and restart)
+    # A draining learner whose run has not returned this long after its drain began is ended
+    # and its unsent work dropped as ``drain_timeout`` (``check_drains``). The learner gives up
+    # on unanswered pushes by itself after ``health.timeout_s``; this bounds one that cannot.
+    drain_timeout_s: float = 60.0
 
 
 @dataclass(frozen=True)
@@ -186,6 +199,7 @@ class Slot:
     tolerated_incarnation: int = -1      # ... the newest of them (one event per incarnation)
     # Draining because its node is (a planned preemption): restarted elsewhere once drained.
     preempted_s: Optional[float] = None
+    draining_since_s: Optional[float] = None   # its drain began (the fleet's deadline counts)
     # This incarnation has adopted a merged global fragment since it started (its beats say so):
     # only then may it donate its inner optimizer state to a restarting peer (peer_for).
     adopted: bool = False
@@ -410,6 +424,16 @@ class LaunchFailed:
 
 
 @dataclass(frozen=True)
+class Placed:
+    """Ray placed this incarnation's process (it answers): a handover waiting for placement
+    starts (``SlotState.AWAITING_PLACEMENT``)."""
+
+    learner: str
+    incarnation: int
+    node_id: Optional[str] = None
+
+
+@dataclass(frozen=True)
 class Cluster:
     """Cluster membership: region capacities (``region:<name>`` resources), live nodes, and the
     nodes being drained (node id -> deadline on the fleet's clock, None for none; None: not
@@ -550,7 +574,8 @@ class ClearMisconfigured:
     origin: str = "operator"
 
 
-Observation = Union[Beat, RunEnded, Quarantine, LaunchFailed, Cluster, Applied, Scale, Drain,
+Observation = Union[Beat, RunEnded, Quarantine, LaunchFailed, Placed, Cluster, Applied, Scale,
+                    Drain,
                     Chaos, HangCommand, Stop, RemoteReport, SpareReady, SpareEnded, PauseJob,
                     Unhealthy, HomePause, SyncerEnded, SyncerStarted, ClearMisconfigured]
 
@@ -592,11 +617,14 @@ class HurrySpare:
 
 @dataclass(frozen=True)
 class Kill:
-    """End an incarnation: ``ray_kill`` or ``exit`` (chaos), ``bury`` (make sure it is gone)."""
+    """End an incarnation: ``ray_kill`` or ``exit`` (chaos), ``bury`` (make sure it is gone).
+    ``reason``: why it is buried, for a body that settles the books at the kill (the
+    in-process one; empty: a quarantine); the Forget that follows carries it too."""
 
     learner: str
     incarnation: int
     mode: str = "bury"
+    reason: str = ""
 
 
 @dataclass(frozen=True)
@@ -785,7 +813,10 @@ class _Machine:
             slot, last_beat_s=self.now,
             step_time_s=beat.step_time_s if beat.step_time_s is not None else slot.step_time_s,
             node_id=beat.node_id or slot.node_id, adopted=slot.adopted or beat.adopted))
-        if slot.state == SlotState.STARTING and beat.training:
+        if slot.state == SlotState.AWAITING_PLACEMENT and not beat.training:
+            self.placed(slot)   # it runs: its start-up is timed from now
+            return
+        if slot.state in (SlotState.STARTING, SlotState.AWAITING_PLACEMENT) and beat.training:
             recovery = dict(slot.recovery or ())
             if slot.recovery is not None and beat.ready_at_s is not None:
                 recovery.setdefault("restore_done_s", beat.ready_at_s)
@@ -859,7 +890,7 @@ class _Machine:
 
     def on_launchfailed(self, obs: LaunchFailed) -> None:
         slot = self.current(obs.learner, obs.incarnation)
-        if slot is None or slot.state != SlotState.STARTING:
+        if slot is None or slot.state not in (SlotState.STARTING, SlotState.AWAITING_PLACEMENT):
             return
         if not slot.restart_postponed:
             self.note("learner_restart_postponed", slot.learner, reason=obs.reason[:300])
@@ -867,6 +898,18 @@ class _Machine:
         self.put(dataclasses.replace(
             slot, state=SlotState.RESTARTING, restart_postponed=True,
             restart_at_s=self.now + self.settings.restart_retry_s))
+
+    def on_placed(self, obs: Placed) -> None:
+        slot = self.current(obs.learner, obs.incarnation)
+        if slot is not None and slot.state == SlotState.AWAITING_PLACEMENT:
+            self.placed(slot, obs.node_id)
+
+    def placed(self, slot: Slot, node_id: Optional[str] = None) -> None:
+        """A handed-over incarnation got its place: it starts now, and the start-up timeout
+        (a hang) counts from here, not from its launch."""
+        self.move(dataclasses.replace(slot, launched_s=self.now, node_id=node_id or slot.node_id),
+                  SlotState.STARTING, "learner_placed", incarnation=slot.incarnation,
+                  waited_s=round(self.now - _first(slot.launched_s, self.now), 3))
 
     def on_cluster(self, obs: Cluster) -> None:
         previous = dict(self.fleet.capacity)
@@ -904,7 +947,8 @@ class _Machine:
                 self.note("node_draining", None, node=node, deadline_in_s=left,
                           learners=[s.learner for s in victims], spares=[x.name for x in spares])
             for slot in victims:
-                slot = self.put(dataclasses.replace(slot, preempted_s=self.now))
+                slot = self.put(dataclasses.replace(slot, preempted_s=self.now,
+                                                    draining_since_s=self.now))
                 self.move(slot, SlotState.DRAINING, "learner_draining",
                           cause=Cause.PREEMPTED_PLANNED.value, node=node, deadline_in_s=left)
                 self.actions.append(DrainLearner(slot.learner))
@@ -1079,7 +1123,8 @@ class _Machine:
             # The incarnation this fleet knew ended in the region: settle its books here.
             cause = r.last_cause or ("stopped" if self.fleet.stopping else "crash")
             self.actions.append(Forget(slot.learner, slot.incarnation, cause))
-            if state not in GONE:
+            # (a handover off a draining node of its cluster failed nothing)
+            if state not in GONE and cause not in ("drained", DRAIN_TIMEOUT):
                 self.note("learner_failed", slot.learner, cause=cause,
                           incarnation=slot.incarnation, detail="reported by its region agent",
                           **{"from": slot.state.value})
@@ -1166,7 +1211,10 @@ class _Machine:
         for spare in list(self.fleet.spares.values()):
             self.drop_spare(spare, "stopped")
         for slot in list(self.fleet.slots.values()):
-            if slot.state in (SlotState.RESTARTING, SlotState.PENDING):
+            if slot.state == SlotState.AWAITING_PLACEMENT:   # never placed: called off
+                self.actions.append(Kill(slot.learner, slot.incarnation))
+            if slot.state in (SlotState.RESTARTING, SlotState.PENDING,
+                              SlotState.AWAITING_PLACEMENT):
                 self.retire(slot, "stopped")
 
     def region_known(self, region: str) -> None:
@@ -1373,22 +1421,26 @@ class _Machine:
         if spare is None and restart_at > self.now:
             self.prestart(self.fleet.slots[slot.learner])
 
-    def retire(self, slot: Slot, reason: str) -> None:
-        if slot.state in LIVE:
+    def retire(self, slot: Slot, reason: str, forgotten: bool = False) -> None:
+        """``forgotten``: its Forget (with the books' reason) is sent already."""
+        if slot.state in LIVE and not forgotten:
             self.actions.append(Forget(slot.learner, slot.incarnation, reason.split(" ")[0]))
-        slot = dataclasses.replace(slot, restart_at_s=None, recovery=None)
+        slot = dataclasses.replace(slot, restart_at_s=None, recovery=None, draining_since_s=None)
         self.move(slot, SlotState.RETIRED, "learner_retired", reason=reason)
         self.release_reserved(slot.learner)
 
-    def hand_over(self, slot: Slot) -> None:
+    def hand_over(self, slot: Slot, forgotten: bool = False) -> None:
         """A learner drained off a node announced for preemption (all its in-flight pushes
         answered) restarts now, elsewhere: a ready spare of its region, else a new process
-        (Ray places nothing new on a draining node). Nothing failed: no budget, no backoff."""
+        (Ray places nothing new on a draining node). Nothing failed: no budget, no backoff.
+        ``forgotten``: it was ended at the drain's deadline (its Forget is sent already)."""
         cause = Cause.PREEMPTED_PLANNED
-        self.actions.append(Forget(slot.learner, slot.incarnation, "drained"))
+        if not forgotten:
+            self.actions.append(Forget(slot.learner, slot.incarnation, "drained"))
         since = slot.preempted_s if slot.preempted_s is not None else self.now
         slot = dataclasses.replace(
-            slot.with_restart(cause), preempted_s=None, killed_at_s=None, restart_at_s=self.now,
+            slot.with_restart(cause), preempted_s=None, draining_since_s=None, killed_at_s=None,
+            restart_at_s=self.now,
             restart_postponed=False,
             recovery=(("failed_s", since), ("detected_s", since), ("cause", cause.value)))
         self.move(slot, SlotState.RESTARTING, "learner_restart_scheduled", cause=cause.value,
@@ -1400,11 +1452,17 @@ class _Machine:
             # Draining off a preempted node already: now it leaves for good (scaled down).
             self.put(dataclasses.replace(slot, preempted_s=None))
             return
+        if slot.state == SlotState.AWAITING_PLACEMENT:
+            # Never placed: nothing trained, nothing in flight; its request is called off.
+            self.actions.append(Kill(slot.learner, slot.incarnation))
+            self.retire(slot, "drained while awaiting placement")
+            return
         if slot.state in (SlotState.RESTARTING, SlotState.PENDING):
             # No live incarnation: nothing is in flight, so it leaves now.
             self.retire(slot, "drained while restarting" if slot.state == SlotState.RESTARTING
                         else "drained before launch")
             return
+        slot = self.put(dataclasses.replace(slot, draining_since_s=self.now))
         self.move(slot, SlotState.DRAINING, "learner_draining")
         self.actions.append(DrainLearner(slot.learner))
 
@@ -1433,14 +1491,19 @@ class _Machine:
         slot = dataclasses.replace(slot, launched_s=self.now, last_beat_s=None, step_time_s=None,
                                    slow_since_s=None, start_step=start_step, restart_at_s=None,
                                    recovery=recovery, actor=spare.name if spare else None,
-                                   node_id=None, preempted_s=None, adopted=False,
-                                   injected=False)
+                                   node_id=None, preempted_s=None, draining_since_s=None,
+                                   adopted=False, injected=False)
         peer_actor = self.fleet.slots[peer].actor if peer is not None else None
         self.actions.append(Launch(slot.learner, slot.region, slot.incarnation, slot.shard,
                                    self.num_shards(), slot.speed_factor, peer, start_step,
                                    faults, spare.name if spare else None, peer_actor))
-        self.move(slot, SlotState.STARTING, name, incarnation=slot.incarnation, peer=peer,
-                  resume_step=start_step, **({"spare": spare.name} if spare else {}))
+        # A handover in a new process may find no place (its node drains, nothing free
+        # elsewhere): it waits for one, not timed as a start (a spare is in place already).
+        handover = (spare is None and recovery is not None
+                    and dict(recovery).get("cause") == Cause.PREEMPTED_PLANNED.value)
+        self.move(slot, SlotState.AWAITING_PLACEMENT if handover else SlotState.STARTING, name,
+                  incarnation=slot.incarnation, peer=peer, resume_step=start_step,
+                  **({"spare": spare.name} if spare else {}))
 
     def scale_to(self, region: str, n: int, reason: str) -> None:
         # A learner draining off a preempted node comes back: it counts.
@@ -1464,12 +1527,34 @@ class _Machine:
 
     # -- timers -----------------------------------------------------------------------------------
     def timers(self) -> None:
+        self.check_drains()
         if not self.fleet.stopping:
             self.launch_pending()
             self.check_health()
             self.start_due_restarts()
             self.maintain_spares()
         self.quorum_floor()
+
+    def check_drains(self) -> None:
+        """Every drain ends: a learner still draining ``drain_timeout_s`` after its drain began
+        (wedged, or waiting on an answer that never comes) is ended, and what it still held is
+        dropped as ``drain_timeout``. A planned handover then goes on (it restarts elsewhere);
+        any other drain retires it."""
+        limit = self.settings.drain_timeout_s
+        for slot in list(self.fleet.slots.values()):
+            if (slot.state != SlotState.DRAINING or slot.remote
+                    or slot.draining_since_s is None or self.now - slot.draining_since_s < limit):
+                continue
+            self.actions += [Kill(slot.learner, slot.incarnation, reason=DRAIN_TIMEOUT),
+                             Forget(slot.learner, slot.incarnation, DRAIN_TIMEOUT)]
+            self.note("learner_drain_timeout", slot.learner, incarnation=slot.incarnation,
+                      draining_s=round(self.now - slot.draining_since_s, 1),
+                      handover=slot.preempted_s is not None)
+            if slot.preempted_s is not None and not self.fleet.stopping:
+                self.hand_over(slot, forgotten=True)
+            else:
+                self.retire(slot, f"{DRAIN_TIMEOUT}: still draining after {limit:g}s",
+                            forgotten=True)
 
     def launch_pending(self) -> None:
         """Launches new slots: at step 0, or where a resumed job's ledger says they were."""

@@ -33,6 +33,7 @@ class _Unit:
     handle: Any
     run_ref: Any          # ``run`` (or, re-attached, ``wait_done``): resolves when it ends
     hosts: int = 1        # > 1: a gang whose placement group is freed when it ends
+    placed_ref: Any = None   # its ``ping`` while Ray may not have placed its process yet
 
 
 @dataclasses.dataclass
@@ -87,8 +88,31 @@ class LearnerGroups:
         for fault in link_faults:
             handle.link_fault.remote(fault)
         self._forget(learner)   # an earlier incarnation not reported ended: free what it held
-        self.units[learner] = _Unit(incarnation, handle, handle.run.remote(), devices.hosts)
+        # (a promoted spare is placed already; a new process answers once Ray placed it)
+        placed_ref = handle.ping.remote() if spare is None else None
+        self.units[learner] = _Unit(incarnation, handle, handle.run.remote(), devices.hosts,
+                                    placed_ref)
         return None
+
+    def placed(self) -> list[tuple[str, int, Optional[str]]]:
+        """The units whose new process Ray placed since the last poll (its ``ping``
+        answered): (learner, incarnation, node id)."""
+
+        waiting = {u.placed_ref: name for name, u in self.units.items()
+                   if u.placed_ref is not None}
+        if not waiting:
+            return []
+        ready, _ = ray.wait(list(waiting), num_returns=len(waiting), timeout=0)
+        out = []
+        for ref in ready:
+            unit = self.units[waiting[ref]]
+            unit.placed_ref = None
+            try:
+                node = ray.get(ref, timeout=0).get("node_id")
+            except Exception:   # it died before answering: its run's end says so
+                continue
+            out.append((waiting[ref], unit.incarnation, node))
+        return out
 
     def reattach(self, learner: str, actor: str, hosts: int = 1) -> Optional[dict]:
         """A restarted controller takes over a unit still running under ``actor``'s name: its
@@ -103,6 +127,17 @@ class LearnerGroups:
             self.units[learner] = _Unit(info["incarnation"], handle, handle.wait_done.remote(),
                                         hosts)
         return info
+
+    def end_unplaced(self, actor: str) -> None:
+        """Ends the learner actor named ``actor`` that Ray has not placed (a restarted
+        controller's handover awaiting placement): it holds the learner's name, so its
+        relaunch could never take it, and it would train as an orphan once placed."""
+
+        try:
+            ray.kill(ray.get_actor(learner_actor_name(actor), namespace=NAMESPACE),
+                     no_restart=True)
+        except ValueError:   # gone meanwhile
+            pass
 
     def launch_spare(self, name: str, region: str, devices, spec) -> Optional[str]:
         """Starts a warm spare (a learner's devices, held ready); why not, or None."""

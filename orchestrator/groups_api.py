@@ -143,6 +143,9 @@ class LearnerGroup(Protocol):
     def ended(self) -> list[RunEnded]:
         """The runs that ended since the last poll."""
 
+    def placed(self) -> list[tuple[str, int, Optional[str]]]:
+        """The new processes placed since the last poll: (learner, incarnation, node id)."""
+
     def spare_results(self) -> "list[SpareReady | SpareFailed]":
         """The spares whose ``prepare`` returned or failed since the last poll."""
 

@@ -372,6 +372,12 @@ class _Driver:
         self.record.transitions.append((now, t))
         if t.name == "learner_restart_scheduled":
             self.schedule(now + t.fields["delay_s"], FLEET, "fleet", [])
+        elif t.name == "learner_draining":
+            # The fleet's drain deadline (``fleet.check_drains``): looked at when it falls due,
+            # as the Ray controller's loop looks every tick.
+            limit = self.fleet_state.settings.drain_timeout_s
+            if math.isfinite(limit):
+                self.schedule(now + limit, FLEET, "fleet", [])
         elif t.name == "learner_retired" and t.learner in self.index_of:
             i = self.index_of[t.learner]
             self.groups.draining.discard(i)
@@ -453,7 +459,7 @@ class _Driver:
 
     def do_kill(self, now: float, a: fleet_lib.Kill) -> None:
         """A chaos kill ends the incarnation now; the death is seen after the detection time."""
-        self.groups.kill(a.learner, a.incarnation, a.mode)
+        self.groups.kill(a.learner, a.incarnation, a.mode, a.reason)
 
     def do_forget(self, now: float, a: fleet_lib.Forget) -> None:
         """Unregisters it at the syncer; an incarnation that left without dying (drained) has

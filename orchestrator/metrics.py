@@ -30,7 +30,7 @@ PARTICIPANTS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 PARTICIPATION_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
 RECOVERY_PHASES = ("detect", "restart", "restore", "first_contribution", "total")
 LEARNER_STATES = ("pending", "starting", "training", "paused", "draining", "restarting", "failed",
-                  "retired", "unreachable")
+                  "retired", "unreachable", "awaiting_placement")
 RESTART_REASONS = ("crash", "preemption", "preempted_planned", "hang", "straggler", "quarantine")
 TOKEN_FATES = ("applied", "dropped")
 # Inner-step seconds: a millisecond toy step to a minutes-long step of a big model.

@@ -52,7 +52,45 @@ def saved_slot(row: dict, remote: bool) -> "fleet_lib.Slot":
                                                                  row["restarts"]).items())),
         training_since_s=row.get("training_since_s"),
         failures=tuple((int(step), str(error)) for step, error in row.get("failures", [])),
-        crash_loop=row.get("crash_loop"))
+        crash_loop=row.get("crash_loop"),
+        # A handover in progress (its node is draining): it restarts elsewhere once out, not
+        # retired as a plain drain would be. Its drain's deadline goes on from when it began.
+        preempted_s=row.get("preempted_s"), draining_since_s=row.get("draining_since_s"))
+
+
+def slot_row(x: "fleet_lib.Slot") -> dict:
+    """A slot as ``save_state`` writes it (``saved_slot`` reads it back)."""
+    return {"learner": x.learner, "region": x.region, "index": x.index,
+            "shard": x.shard, "speed_factor": x.speed_factor, "state": x.state.value,
+            "incarnation": x.incarnation, "start_step": x.start_step,
+            "restarts": {c.value: n for c, n in x.restarts},
+            "counted": {c.value: n for c, n in x.counted},
+            "training_since_s": x.training_since_s, "actor": x.actor,
+            "slow_tolerated": x.slow_tolerated, "preempted_s": x.preempted_s,
+            "draining_since_s": x.draining_since_s,
+            "failures": [list(f) for f in x.failures], "crash_loop": x.crash_loop}
+
+
+def relaunched(slot: "fleet_lib.Slot", known: int, now: float) -> "fleet_lib.Slot":
+    """A saved slot whose learner a restarted controller did not find running: restarted now,
+    after the newest incarnation the syncer's ledger knows (``known``). One that was awaiting
+    placement (a handover) stays a handover: its relaunch waits for placement again.
+
+    >>> row = {"learner": "a:0", "region": "a", "index": 0, "shard": 0, "speed_factor": 1.0,
+    ...        "state": "awaiting_placement", "incarnation": 2, "start_step": 9, "restarts": {}}
+    >>> slot = relaunched(saved_slot(row, remote=False), known=1, now=5.0)
+    >>> slot.state.value, slot.incarnation, slot.restart_at_s, dict(slot.recovery)["cause"]
+    ('restarting', 2, 5.0, 'preempted_planned')
+    """
+    from .health import Cause
+
+    recovery = slot.recovery
+    if slot.state == fleet_lib.SlotState.AWAITING_PLACEMENT:
+        recovery = (("failed_s", now), ("detected_s", now),
+                    ("cause", Cause.PREEMPTED_PLANNED.value))
+    return dataclasses.replace(slot, state=fleet_lib.SlotState.RESTARTING,
+                               incarnation=max(slot.incarnation, known), restart_at_s=now,
+                               recovery=recovery)
 
 
 def saved_marks(saved) -> dict:
@@ -78,15 +116,7 @@ def save_state(owner: Any) -> None:
     fleet = owner.fleet
     state = {
         "books": owner.books.to_json(), "closed": owner.closed,
-        "slots": [{"learner": x.learner, "region": x.region, "index": x.index,
-                   "shard": x.shard, "speed_factor": x.speed_factor, "state": x.state.value,
-                   "incarnation": x.incarnation, "start_step": x.start_step,
-                   "restarts": {c.value: n for c, n in x.restarts},
-                   "counted": {c.value: n for c, n in x.counted},
-                   "training_since_s": x.training_since_s, "actor": x.actor,
-                   "slow_tolerated": x.slow_tolerated,
-                   "failures": [list(f) for f in x.failures], "crash_loop": x.crash_loop}
-                  for x in fleet.slots.values()],
+        "slots": [slot_row(x) for x in fleet.slots.values()],
         "targets": dict(fleet.targets), "next_index": dict(fleet.next_index),
         "next_shard": fleet.next_shard, "next_spare": fleet.next_spare,
         "lost_regions": dict(fleet.lost_regions),
@@ -181,17 +211,22 @@ def recover(owner: Any) -> None:
                 running_state = fleet_lib.SlotState.DRAINING
             if info["state"] == "paused":
                 paused.append(slot.learner)
+            since = slot.draining_since_s
+            if running_state == fleet_lib.SlotState.DRAINING and since is None:
+                since = now   # (a state file from before the drain's deadline was saved)
             slots.append(dataclasses.replace(
                 slot, state=running_state, incarnation=info["incarnation"],
-                start_step=info["start_step"], launched_s=now, last_beat_s=now))
+                start_step=info["start_step"], launched_s=now, last_beat_s=now,
+                draining_since_s=since if running_state == fleet_lib.SlotState.DRAINING
+                else None))
             owner.running[slot.learner] = Incarnation(info["incarnation"],
                                                      info["start_step"])
             continue
         # Gone while the controller was away: relaunched, as a newer incarnation.
         known = int(ledger.get(slot.learner, {}).get("incarnation", slot.incarnation))
-        slots.append(dataclasses.replace(slot, state=fleet_lib.SlotState.RESTARTING,
-                                         incarnation=max(slot.incarnation, known),
-                                         restart_at_s=now))
+        slots.append(relaunched(slot, known, now))
+        if slot.state == fleet_lib.SlotState.AWAITING_PLACEMENT:
+            owner.groups.end_unplaced(slot.actor or slot.learner)
     owner.fleet = fleet_lib.rebuilt(owner.fleet.settings, slots, saved["targets"],
                                    saved["next_index"], saved["next_shard"],
                                    saved.get("next_spare", 0),

@@ -72,6 +72,7 @@ class RegionRole(OwnerRole):
     def __init__(self, region: str, shard_base: int, num_shards: int):
         self.region, self.shard_base, self.num_shards = region, shard_base, num_shards
         self.last_cause: dict[str, str] = {}
+        self.drain_end: dict[str, str] = {}   # how a learner's drain under way ends (books)
         self.owner: Optional[Controller] = None
 
     def bind(self, owner: Controller) -> None:
@@ -107,6 +108,15 @@ class RegionRole(OwnerRole):
             self.last_cause[t.learner] = str(t.fields.get("cause", ""))
         elif t.name == "learner_retired":
             self.last_cause[t.learner] = str(t.fields.get("reason", "")).split(" ")[0]
+        elif t.name == "learner_draining":
+            self.drain_end[t.learner] = "drained"
+        elif t.name == "learner_drain_timeout":
+            self.drain_end[t.learner] = fleet_lib.DRAIN_TIMEOUT
+        elif (t.name == "learner_restart_scheduled"
+              and t.fields.get("cause") == fleet_lib.Cause.PREEMPTED_PLANNED.value):
+            # A handover off a draining node of this cluster: the home settles the old
+            # incarnation as this fleet did (its Forget's reason), not as a crash.
+            self.last_cause[t.learner] = self.drain_end.pop(t.learner, "drained")
 
     def stepped(self) -> None:
         if self.link is None:

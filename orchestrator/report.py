@@ -30,7 +30,8 @@ RECOVERY_PHASES = ("detect_s", "restart_s", "restore_s", "first_contribution_s",
 # created and after it is retired; "restarting" covers a first start as well as a restart.
 TIMELINE_STATES = ("training", "restarting", "paused", "draining", "absent")
 STATE_CATEGORY = {"training": "training", "starting": "restarting", "restarting": "restarting",
-                  "unreachable": "restarting", "paused": "paused", "draining": "draining",
+                  "unreachable": "restarting", "awaiting_placement": "restarting",
+                  "paused": "paused", "draining": "draining",
                   "retired": "absent", "absent": "absent"}
 TIMELINE_LABELS = {"training": "training", "restarting": "starting / restarting",
                    "paused": "paused (below quorum)", "draining": "draining",
@@ -42,7 +43,8 @@ TIMELINE_COLORS = {"training": "#2ca02c", "restarting": "#ff7f0e", "paused": "#7
 EVENT_STATE = {"learner_failed": "restarting", "learner_restart_scheduled": "restarting",
                "learner_unreachable": "restarting",
                "learner_restarted": "starting", "learner_recovered": "training",
-               "learner_draining": "draining", "learner_retired": "retired"}
+               "learner_draining": "draining", "learner_retired": "retired",
+               "learner_placed": "starting"}
 FAILURE_EVENTS = ("learner_failed", "syncer_failed")
 RESTART_EVENTS = ("learner_restarted",)
 

@@ -129,16 +129,18 @@ class VirtualLearnerGroup:
         self._seen_after(d.restart.detect_hang_s,
                          RunEnded(d.ids[i], incarnation, None, "hang", How.DIED))
 
-    def kill(self, learner: str, incarnation: int, mode: str) -> bool:
-        """``bury``: a running incarnation (a quarantined one) stops now, and no end of its
-        run is reported (True). Otherwise a chaos kill of the plan's fault the driver is firing
+    def kill(self, learner: str, incarnation: int, mode: str, reason: str = "") -> bool:
+        """``bury``: a running incarnation (a quarantined one, or one the fleet ended at its
+        drain's deadline: ``reason``) stops now, and no end of its run is reported (True); its
+        books are settled for ``reason``. Otherwise a chaos kill of the plan's fault the driver is firing
         (``driver.current_fault``): the incarnation ends now, or its start is called off when it
         was coming back; its end is seen after the fault's detection time (False)."""
         d, i = self.d, self.d.index_of[learner]
         if mode == "bury":
             if d.up[i] and d.cores[i].incarnation == incarnation:
-                d.kill(i, d.now, "quarantine")
-                self.cause_of[i] = "quarantine"
+                self.draining.discard(i)   # ended: its drain is over (a successor trains)
+                d.kill(i, d.now, reason or "quarantine")
+                self.cause_of[i] = reason or "quarantine"
                 return True
             return False
         fault = d.current_fault
@@ -177,6 +179,10 @@ class VirtualLearnerGroup:
         """The runs reported ended since the last poll."""
         out, self._ended = self._ended, []
         return out
+
+    def placed(self) -> list:
+        """Nothing waits for placement here: a restart's first beat starts it."""
+        return []
 
     def spare_results(self) -> "list[SpareReady | SpareFailed]":
         """The spares reported ready since the last poll (a virtual spare never fails)."""

@@ -216,6 +216,11 @@ class Syncer:
                                   "staleness": list(result.staleness)})
         # Computed now: the shadows each update leaves are recorded as this merge left them.
         updates = self.core.updates(result)
+        # The merged pushes' waiters are taken now, with the round: a learner's next push of
+        # this fragment may be accepted while this merge is journaled, and its waiter must not
+        # take this merge's answer (that left the merged push unanswered for good).
+        waiters = self.waiters[p]
+        taken = {name: waiters.pop(name) for name in updates if name in waiters}
         if self.store and snapshot_due(sum(self.core.versions) - self.snapshot_merges,
                                        time.monotonic() - self.snapshot_s,
                                        self.spec.snapshot_every_merges,
@@ -223,19 +228,19 @@ class Syncer:
             self.store.save(self.core)
             self.snapshot_merges, self.snapshot_s = sum(self.core.versions), time.monotonic()
         if self.journal_writer is None:
-            self._answer(p, g, result, updates)
+            self._answer(g, result, updates, taken)
             return
         # Durable before any learner hears of it: the entry is written on the journal's thread
         # while the loop takes other pushes and merges; the merge is answered once it is.
         durable = asyncio.wrap_future(self.journal_writer.submit(self.core, p))
         self.journal_pending[p] = durable
-        asyncio.ensure_future(self._answer_when_durable(p, g, result, updates, durable))
+        asyncio.ensure_future(self._answer_when_durable(p, g, result, updates, taken, durable))
 
-    async def _answer_when_durable(self, p: int, g: int, result, updates: dict,
+    async def _answer_when_durable(self, p: int, g: int, result, updates: dict, taken: dict,
                                    durable: asyncio.Future) -> None:
         try:
             await durable
-            self._answer(p, g, result, updates)
+            self._answer(g, result, updates, taken)
         except Exception:  # not durable: not answered (a restart replays the previous entry)
             log.exception("fragment %d: the merge journal entry of version %d was not written; "
                           "the merge is not answered", g, result.version)
@@ -244,10 +249,10 @@ class Syncer:
             if self._wake:
                 self._wake.set()   # the fragment may merge again
 
-    def _answer(self, p: int, g: int, result, updates: dict) -> None:
-        waiters = self.waiters[p]
+    def _answer(self, g: int, result, updates: dict, taken: dict) -> None:
+        """Answers the merged pushes' waiters (``taken`` from ``waiters`` at the merge)."""
         for name, update in updates.items():
-            future = waiters.pop(name, None)
+            future = taken.get(name)
             if future is not None and not future.done():
                 self.wire_bytes_down[name] += downlink_lib.update_bytes(update)
                 future.set_result(Reply(ReplyStatus.MERGED, g, self.core.epoch, version=result.version,

@@ -96,3 +96,22 @@ def test_a_drift_dropped_by_a_drain_is_other_and_a_preemption_is_a_disruption():
     assert out["badput_s"]["disruption_wasted_progress"] == 4.0
     assert out["badput_s"]["other"] == pytest.approx(2.0 + 4.0)   # the drain and the idle 4 s
     assert out["goodput_s"] + sum(out["badput_s"].values()) + out["unsettled_s"] == 10.0
+
+
+def test_a_handover_awaiting_placement_is_its_own_badput_cause():
+    """A learner handed over off a draining node waits for Ray to place its new process: those
+    seconds are ``awaiting_placement``, not a recovery, a start-up or a hang."""
+    b = Books(num_fragments=1)
+    b.allocate("a:0", 0.0)
+    b.track({"a:0": "training"}, 0.0)
+    b.track({"a:0": "draining"}, 10.0)
+    b.track({"a:0": "restarting"}, 12.0)
+    b.track({"a:0": "awaiting_placement"}, 12.0)   # relaunched: no node may take it yet
+    b.track({"a:0": "starting"}, 42.0)             # placed: its restore from here
+    b.track({"a:0": "training"}, 45.0)
+    out = b.badput({}, 50.0)
+    assert "awaiting_placement" in BADPUT_CAUSES
+    assert out["badput_s"]["awaiting_placement"] == 30.0
+    assert out["badput_s"]["checkpoint_restore"] == 3.0
+    assert out["badput_s"]["infrastructure_recovery"] == 0.0
+    assert out["goodput_s"] + sum(out["badput_s"].values()) + out["unsettled_s"] == 50.0

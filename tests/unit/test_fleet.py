@@ -1318,7 +1318,8 @@ def test_a_draining_node_drains_its_learners_and_restarts_them_elsewhere_at_once
     assert forget == F.Forget("b:0", 0, "drained")
     assert (launch.learner, launch.incarnation, launch.spare) == ("b:0", 1, None)
     slot = out.fleet.slots["b:0"]
-    assert slot.state == SlotState.STARTING and slot.node_id is None   # not its old node's
+    # (a new process Ray has yet to place off the draining node)
+    assert slot.state == SlotState.AWAITING_PLACEMENT and slot.node_id is None   # not its old node's
     assert slot.restart_counts == {Cause.PREEMPTED_PLANNED: 1}
     assert dict(slot.recovery)["cause"] == "preempted_planned"
     # Its new incarnation beats from another node: the drain that goes on is not its business.
@@ -1397,3 +1398,118 @@ def test_a_spare_ready_while_a_learner_waits_for_its_repair_takes_its_place_at_o
     assert names(ready) == ["spare_ready", "spare_promoted", "learner_restarted"]
     (launch,) = ready.actions
     assert (launch.learner, launch.incarnation, launch.spare) == ("a:1", 1, "spare:a:0")
+
+
+# -- every drain ends ----------------------------------------------------------------------------
+def test_a_wedged_draining_learner_is_ended_at_its_deadline_and_its_work_dropped_as_such():
+    from islands.learners.fates import IncarnationFates
+    from islands.orchestrator.books import Books
+
+    fleet = training(settings(drain_timeout_s=20.0))
+    down = F.step(fleet, alive(fleet) + [F.Scale("a", 1)], 5.0)        # a:1 drains
+    assert down.fleet.slots["a:1"].draining_since_s == 5.0
+    # Draining sends no beats and the health check leaves it alone: it waits for its answers.
+    assert names(F.step(down.fleet, alive(down.fleet, "a:1"), 24.9)) == []
+    ended = F.step(down.fleet, alive(down.fleet, "a:1"), 25.0)
+    assert names(ended) == ["learner_drain_timeout", "learner_retired"]
+    assert ended.actions == (F.Kill("a:1", 0, "bury", "drain_timeout"),
+                             F.Forget("a:1", 0, "drain_timeout"))   # one Forget, its reason
+    assert ended.transitions[0].fields["draining_s"] == 20.0
+    assert not ended.transitions[0].fields["handover"]
+    slot = ended.fleet.slots["a:1"]
+    assert slot.state == SlotState.RETIRED and slot.restarts == ()   # no budget spent
+    assert ended.transitions[1].fields["reason"].startswith("drain_timeout")
+    # Its run ending later (the kill) changes nothing.
+    assert names(F.step(ended.fleet, [F.RunEnded("a:1", 0, "actor died")], 26.0)) == []
+    # The books: what it held (a push never answered, the steps since) is dropped for the
+    # Forget's reason, and they balance.
+    held = IncarnationFates(1)
+    held.step(64, 1.0)
+    held.pushed(0, step=1)
+    held.step(64, 1.0)
+    books = Books(num_fragments=1)
+    books.allocate("a:1", 0.0)
+    (forget,) = [a for a in ended.actions if isinstance(a, F.Forget)]
+    assert books.close_incarnation("a:1", held.to_json(), {}, forget.reason) == 128
+    tokens = books.tokens({})
+    assert tokens.dropped_by == {"drain_timeout": 128} and tokens.in_flight == 0
+    assert tokens.balanced()
+
+
+def test_a_wedged_handover_is_ended_at_its_deadline_and_still_restarts_elsewhere():
+    fleet = on_nodes(training(settings(drain_timeout_s=20.0)), 9.0, n2=["b:0"])
+    notice = F.step(fleet, alive(fleet) + [draining(10.0, deadline=60.0)], 10.0)
+    assert notice.fleet.slots["b:0"].draining_since_s == 10.0
+    ended = F.step(notice.fleet, alive(notice.fleet, "b:0"), 30.0)
+    assert names(ended) == ["learner_drain_timeout", "learner_restart_scheduled",
+                            "learner_restarted"]
+    assert ended.transitions[0].fields["handover"]
+    kill, forget, launch = ended.actions
+    assert (kill, forget) == (F.Kill("b:0", 0, "bury", "drain_timeout"),
+                              F.Forget("b:0", 0, "drain_timeout"))
+    assert (launch.learner, launch.incarnation) == ("b:0", 1)
+    slot = ended.fleet.slots["b:0"]
+    assert slot.restart_counts == {Cause.PREEMPTED_PLANNED: 1} and slot.draining_since_s is None
+
+
+def test_a_drain_that_ends_in_time_is_not_timed_out_and_its_successor_starts_afresh():
+    fleet = on_nodes(training(settings(drain_timeout_s=20.0)), 9.0, n2=["b:0"])
+    notice = F.step(fleet, alive(fleet) + [draining(10.0)], 10.0)
+    out = F.step(notice.fleet, alive(notice.fleet, "b:0") + [F.RunEnded("b:0", 0)], 29.0)
+    assert "learner_drain_timeout" not in names(out)
+    assert out.fleet.slots["b:0"].draining_since_s is None
+    later = F.step(out.fleet, [F.Beat("b:0", 1, True, node_id="n3")], 31.0)
+    assert "learner_drain_timeout" not in names(later)
+
+
+def test_a_handover_with_nowhere_to_run_awaits_placement_never_hung_and_spends_no_budget():
+    fleet = on_nodes(training(), 9.0, n2=["b:0"])
+    notice = F.step(fleet, alive(fleet) + [draining(10.0, deadline=30.0)], 10.0)
+    out = F.step(notice.fleet, alive(notice.fleet, "b:0") + [F.RunEnded("b:0", 0)], 11.0)
+    assert names(out) == ["learner_restart_scheduled", "learner_restarted"]
+    assert out.transitions[1].fields["to"] == "awaiting_placement"
+    slot = out.fleet.slots["b:0"]
+    assert slot.state == SlotState.AWAITING_PLACEMENT and slot in out.fleet.live()
+    # Far past the start-up timeout (60 s) and the heartbeat timeout: no verdict, no budget.
+    waited = F.step(out.fleet, alive(out.fleet, "b:0"), 11.0 + 600.0)
+    assert names(waited) == [] and waited.actions == ()
+    assert waited.fleet.slots["b:0"].restart_counts == {Cause.PREEMPTED_PLANNED: 1}
+    # Ray places it (a node of the region joined): it starts, timed from now, not its launch.
+    placed = F.step(waited.fleet, alive(waited.fleet, "b:0") + [F.Placed("b:0", 1, "n4")], 700.0)
+    assert names(placed) == ["learner_placed"]
+    assert placed.transitions[0].fields["waited_s"] == 689.0
+    slot = placed.fleet.slots["b:0"]
+    assert (slot.state, slot.launched_s, slot.node_id) == (SlotState.STARTING, 700.0, "n4")
+    assert names(F.step(placed.fleet, alive(placed.fleet, "b:0"), 759.0)) == []
+    hung = F.step(placed.fleet, alive(placed.fleet, "b:0"), 761.0)   # then it may hang
+    assert [t.learner for t in hung.transitions if t.name == "learner_unhealthy"] == ["b:0"]
+    ready = F.step(placed.fleet, [F.Beat("b:0", 1, True, node_id="n4")], 710.0)
+    assert names(ready) == ["learner_ready"]
+    # A placement of another incarnation, or of a learner not waiting, changes nothing.
+    other = F.step(waited.fleet, alive(waited.fleet, "b:0") + [F.Placed("b:0", 0),
+                                                               F.Placed("a:0", 0)], 701.0)
+    assert names(other) == [] and other.fleet.slots["b:0"].state == SlotState.AWAITING_PLACEMENT
+
+
+def test_a_first_training_beat_also_ends_the_wait_and_a_drain_or_stop_calls_it_off():
+    fleet = on_nodes(training(), 9.0, n2=["a:1"])
+    fleet = F.step(fleet, alive(fleet) + [draining(10.0)], 10.0).fleet
+    fleet = F.step(fleet, alive(fleet, "a:1") + [F.RunEnded("a:1", 0)], 11.0).fleet
+    assert fleet.slots["a:1"].state == SlotState.AWAITING_PLACEMENT
+    beat = F.step(fleet, [F.Beat("a:1", 1, True, node_id="n3")], 20.0)
+    assert names(beat) == ["learner_ready"]
+    down = F.step(fleet, alive(fleet, "a:1") + [F.Scale("a", 1)], 20.0)
+    assert F.Kill("a:1", 1) in down.actions
+    assert down.fleet.slots["a:1"].state == SlotState.RETIRED
+    stop = F.step(fleet, [F.Stop()], 20.0)
+    assert F.Kill("a:1", 1) in stop.actions
+    assert stop.fleet.slots["a:1"].state == SlotState.RETIRED
+
+
+def test_a_handover_to_a_ready_spare_does_not_await_placement():
+    s = settings(regions={"a": F.RegionPlan(3, 4, spares=1)})
+    fleet = on_nodes(training(s), 1.5, n2=["a:0"])
+    fleet = F.step(fleet, alive(fleet) + [F.SpareReady("spare:a:0", node_id="n3")], 3.0).fleet
+    fleet = F.step(fleet, alive(fleet) + [draining(4.0)], 4.0).fleet
+    out = F.step(fleet, alive(fleet, "a:0") + [F.RunEnded("a:0", 0)], 5.0)
+    assert out.fleet.slots["a:0"].state == SlotState.STARTING

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from islands.orchestrator import metrics
+from islands.orchestrator.books import BADPUT_CAUSES
 from islands.syncer.validate import REJECT_REASONS
 
 
@@ -145,7 +146,7 @@ def test_goodput_and_badput_seconds_and_the_step_histogram_per_region():
     families = scrape(snap)
     assert values(families["islands_goodput_seconds"]) == {(): 9.0}
     bad = values(families["islands_badput_seconds"])
-    assert len(bad) == 10
+    assert len(bad) == len(BADPUT_CAUSES) == 11
     assert bad[(("cause", "program_startup"),)] == 0.5 and bad[(("cause", "refused"),)] == 0.25
     assert bad[(("cause", "checkpoint_save"),)] == 0.0   # every cause from the start
     buckets = values(families["islands_step_seconds"], "islands_step_seconds_bucket")

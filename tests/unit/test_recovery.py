@@ -44,3 +44,57 @@ def test_crash_loop_records_and_node_marks_survive_a_controller_restart():
     assert saved_marks({"gpu": "device check failed: x"}) == {
         F.UNKNOWN_NODE: {"gpu": "device check failed: x"}}
     assert saved_marks(None) == {}
+
+
+def test_a_handover_survives_a_controller_restart():
+    """A learner draining off a node announced for preemption when the controller died: the
+    restarted controller's fleet (rebuilt from the saved rows) still hands it over once it is
+    out, instead of retiring it as a plain drain, and its drain's deadline goes on."""
+    import json
+
+    from islands.orchestrator.recovery import slot_row
+
+    settings = F.FleetSettings({"a": F.RegionPlan(2, 2)}, drain_timeout_s=60.0)
+    fleet = F.step(F.initial(settings), [], 0.0).fleet
+    fleet = F.step(fleet, [F.Beat(n, 0, True, 0.1, node_id="n2" if n == "a:1" else "n1")
+                           for n in fleet.slots], 1.0).fleet
+    fleet = F.step(fleet, [F.Cluster({"a": 2}, frozenset({"n1", "n2"}), {"n2": None})],
+                   2.0).fleet
+    assert fleet.slots["a:1"].state == F.SlotState.DRAINING
+    rows = json.loads(json.dumps([slot_row(x) for x in fleet.slots.values()]))  # the state file
+    slots = [saved_slot(row, remote=False) for row in rows]
+    restored = F.rebuilt(settings, slots, fleet.targets, fleet.next_index, fleet.next_shard)
+    slot = restored.slots["a:1"]
+    assert (slot.state, slot.preempted_s, slot.draining_since_s) == (F.SlotState.DRAINING, 2.0,
+                                                                     2.0)
+    out = F.step(restored, [F.Beat("a:0", 0, True, 0.1), F.RunEnded("a:1", 0)], 5.0)
+    assert [t.name for t in out.transitions] == ["learner_restart_scheduled",
+                                                 "learner_restarted"]
+    assert out.transitions[0].fields["cause"] == "preempted_planned"
+    assert out.fleet.slots["a:1"].incarnation == 1
+    # A plain drain saved the same way still retires.
+    plain = F.rebuilt(settings, [saved_slot({**rows[1], "preempted_s": None}, remote=False),
+                                 slots[0]], fleet.targets, fleet.next_index, fleet.next_shard)
+    gone = F.step(plain, [F.Beat("a:0", 0, True, 0.1), F.RunEnded("a:1", 0)], 5.0)
+    assert [t.name for t in gone.transitions] == ["learner_retired"]
+    # An older state file (no drain start saved) reads as no handover and no deadline.
+    old = saved_slot({k: v for k, v in rows[1].items()
+                      if k not in ("preempted_s", "draining_since_s")}, remote=False)
+    assert old.preempted_s is None and old.draining_since_s is None
+
+
+def test_a_handover_awaiting_placement_at_a_controller_restart_awaits_it_again():
+    """Its process was never placed (nothing to re-attach): the restarted controller relaunches
+    it as a handover, which waits for placement again instead of being timed as a start."""
+    from islands.orchestrator.recovery import relaunched
+
+    settings = F.FleetSettings({"far": F.RegionPlan(1, 1)}, startup_timeout_s=60.0)
+    slot = relaunched(saved_slot({**ROW, "state": "awaiting_placement", "actor": None},
+                                 remote=False), known=1, now=100.0)
+    fleet = F.rebuilt(settings, [slot], {"far": 1}, {"far": 1}, 1)
+    out = F.step(fleet, [], 100.0)
+    (launch,) = out.actions
+    assert (launch.learner, launch.incarnation, launch.start_step) == ("far:0", 3, 40)
+    assert out.fleet.slots["far:0"].state == F.SlotState.AWAITING_PLACEMENT
+    assert [t.name for t in F.step(out.fleet, [], 100.0 + 600.0).transitions] == []
+    assert out.fleet.slots["far:0"].restarts == ((Cause.HANG, 1),)   # nothing counted anew

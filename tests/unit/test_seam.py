@@ -280,3 +280,23 @@ def test_syncer_restart_drops_the_open_rounds_and_forgets_registrations():
     assert syncer.epoch == 3 and syncer.versions == versions and syncer.learners == {}
     assert all(not slot.round for slot in syncer.slots)
     assert syncer.restart(epoch=0) == [] and syncer.epoch == 4   # always a new epoch
+
+
+def test_a_drain_past_the_fleets_deadline_ends_in_process_too_with_its_own_reason():
+    """The in-process body has the fleet's drain bound: r:2, told to drain while the syncer is
+    down, waits on a push nobody answers; past ``drain_timeout_s`` the fleet ends it and what
+    it held is dropped as ``drain_timeout`` (its own reason, not "drained")."""
+    d = driver(faults=FaultPlan().kill_syncer(at_s=5.2), commands=[(5.5, F.Drain("r:2"))])
+    d.fleet_state = dataclasses.replace(d.fleet_state, settings=dataclasses.replace(
+        d.fleet_state.settings, drain_timeout_s=0.5))
+    record = d.run()
+    (ended_at, ended), = [(t, x) for t, x in record.transitions
+                          if x.name == "learner_drain_timeout"]
+    assert ended.learner == "r:2" and 5.5 + 0.5 <= ended_at < 5.2 + 1.0   # before the syncer
+    (retired,) = [x for _, x in record.transitions
+                  if x.name == "learner_retired" and x.learner == "r:2"]
+    assert retired.fields["reason"].startswith("drain_timeout")
+    assert_books_balance(record, d.syncer, left=("r:2",))
+    dropped = record.ledger["r:2"]["dropped_by"]
+    assert dropped.get("drain_timeout", 0) > 0 and "drained" not in dropped
+    assert record.steps[:2] == [16, 16] and record.steps[2] == 6

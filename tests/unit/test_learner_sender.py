@@ -1,0 +1,127 @@
+"""The learner's sender thread: a push it holds (its encode, the emulated WAN delay) is in flight,
+so a drain never ends with it unsent."""
+
+import threading
+import time
+
+import numpy as np
+
+from islands.learners.core import PushPlan
+from islands.learners.unit import LearnerUnit, _Sender
+from islands.syncer.validate import Push
+
+
+class _Shard:
+    """Where the sender hands pushes (the syncer handle's ``push.remote``): records them."""
+
+    def __init__(self):
+        self.sent = []
+        self.push = self
+
+    def remote(self, push):
+        self.sent.append(push)
+        return f"ref-{len(self.sent)}"
+
+
+def _unit(shard) -> LearnerUnit:
+    unit = object.__new__(LearnerUnit)
+    unit.lock, unit.stats = threading.Lock(), {}
+    unit.syncer_for = lambda p: shard
+    return unit
+
+
+def _plan(p=0):
+    push = Push("a:0", p, {"w": np.zeros(2, np.float32)}, 0, 0, 64, 1, step=1, tokens_done=64)
+    return PushPlan(push, 8, 0.0)
+
+
+def test_a_push_in_the_senders_hand_is_not_idle_until_sent():
+    shard = _Shard()
+    sender = _Sender(_unit(shard), None)
+    sender.start()
+    try:
+        assert sender.idle() and sender.unsent() == 0
+        sender.send(time.time() + 0.5, _plan())   # half a second of emulated WAN delay
+        deadline = time.time() + 5
+        while not sender.queue.empty():           # taken off the queue: now in the hand
+            assert time.time() < deadline
+            time.sleep(0.005)
+        assert not shard.sent
+        assert not sender.idle() and sender.unsent() == 1   # in flight, though the queue is empty
+        while not sender.idle():
+            assert time.time() < deadline
+            time.sleep(0.005)
+        # Idle only once it is sent and its future is kept: a drain then waits for its answer.
+        assert len(shard.sent) == 1 and [push for _, push in sender.pending] == shard.sent
+    finally:
+        sender.close()
+
+
+def test_a_push_that_could_not_be_sent_leaves_the_hand_as_failed():
+    unit = _unit(None)
+
+    def dead(p):
+        raise RuntimeError("the syncer handle is dead")
+
+    unit.syncer_for = dead
+    sender = _Sender(unit, None)
+    sender.start()
+    try:
+        sender.send(time.time(), _plan(1))
+        deadline = time.time() + 5
+        while not sender.idle():
+            assert time.time() < deadline
+            time.sleep(0.005)
+        assert [push.fragment for push in sender.take_failed()] == [1] and not sender.pending
+    finally:
+        sender.close()
+
+
+# -- answers to pushes a re-registration voided -----------------------------------------------------
+def _learner():
+    """The learner's reply handling over a real LearnerCore (two fragments, one syncer shard),
+    registered with the syncer's epoch 1 after a restart; ``reregistered`` records what a new
+    registration would be asked for."""
+    import jax.numpy as jnp
+
+    from islands.syncer import fragments
+    from islands.learners.core import LearnerCore
+    from islands.syncer import codec as codec_lib
+
+    params = {"a": jnp.zeros(3), "b": jnp.ones(2)}
+    codec = codec_lib.make_codec("none")
+    core = LearnerCore("r:0", params, None, fragments.partition(params, 2), [0, 0],
+                       codec_lib.error_feedback(codec), codec_lib.tree_wire_bytes,
+                       lambda c: codec_lib.decode_tree(codec, c), overlap_steps=1)
+    unit = object.__new__(LearnerUnit)
+    unit.core, unit.gang, unit.lock, unit.stats = core, None, threading.Lock(), {"refused": 0}
+    unit.epochs, unit.shard_of = [0], {0: 0, 1: 0}
+    unit.reregistered = []
+    unit._reregister = unit.reregistered.append
+    return unit, core
+
+
+def test_the_loss_of_a_push_a_reregistration_voided_leaves_the_newer_push_alone():
+    """After a syncer restart the learner re-registered (epoch 1) and pushed fragment 0 again;
+    its older push of fragment 0 (epoch 0) then fails to send. Acting on that failure reset the
+    fragment's track while the newer push was out, so it was pushed twice (its drift twice, and
+    at the syncer a second push of the fragment accepted while the first was being merged)."""
+    import numpy as np
+
+    unit, core = _learner()
+    core.record_step(8, 0.1)
+    old = core.make_push(0, epoch=0).push                 # to the syncer that died
+    core.reregistered([{k: np.asarray(v) for k, v in t.base.items()} for t in core.tracks],
+                      [0, 0], "s1")
+    unit.epochs = [1]
+    core.record_step(8, 0.1)
+    new = core.make_push(0, epoch=1).push                 # to the restarted one
+    sender = _Sender(unit, None)
+    sender.failed = [old]
+    unit._collect_replies(sender, [])
+    assert core.tracks[0].in_flight_since_step == new.step and unit.reregistered == []
+    assert 0 not in core.due(2, 1)                        # not pushed again while out
+    # The newer push's own loss is acted on: it goes again after a registration.
+    sender.failed = [new]
+    unit._collect_replies(sender, [])
+    assert core.tracks[0].in_flight_since_step is None and unit.reregistered == [0]

@@ -1,0 +1,63 @@
+"""Every push the syncer accepts is answered exactly once, by the merge that took it (the real
+Syncer actor class, driven directly on an asyncio loop)."""
+
+import asyncio
+import threading
+
+import numpy as np
+
+from islands.syncer import codec as codec_lib
+from islands.syncer.actor import Syncer, SyncerSpec
+from islands.syncer.core import SyncerSettings
+from islands.syncer.validate import Push
+
+CODEC = codec_lib.make_codec("none")
+
+
+def _spec(tmp_path):
+    settings = SyncerSettings(min_learners=1, outlier_norm_factor=None, grace_cap_s=0.0)
+    return SyncerSpec(fragments=[{"w": np.ones(4, np.float32)}], settings=settings,
+                      outer_kind="nesterov", outer_kwargs={}, codec_kind="none",
+                      codec_block_size=64, checkpoint_dir=str(tmp_path / "syncer"),
+                      journal=True)
+
+
+def _push(reg, version, step):
+    drift = {"w": np.full(4, -0.1, np.float32)}
+    return Push("a", 0, codec_lib.encode_tree(CODEC, drift), version, reg["epoch"], 64, 2,
+                step=step, tokens_done=64 * step, session=reg["session"])
+
+
+async def _until(predicate, timeout_s=10.0):
+    deadline = asyncio.get_event_loop().time() + timeout_s
+    while not predicate():
+        assert asyncio.get_event_loop().time() < deadline, "timed out"
+        await asyncio.sleep(0.005)
+
+
+def test_a_push_taken_while_the_previous_merge_is_journaled_leaves_no_push_unanswered(tmp_path):
+    """A learner's next push of a fragment can arrive while the merge of its previous one is
+    being journaled (a backlog sent at once after a syncer restart does): the merge answers the
+    push it merged, and the next push is answered by its own merge, not left waiting forever."""
+
+    async def scenario():
+        syncer = Syncer(_spec(tmp_path))
+        reg = await syncer.register("a", 0)
+        await asyncio.sleep(0.01)   # (the progress bound: a few steps need a few 10 µs)
+        gate = threading.Event()    # the journal's disk is slow: its thread is busy until set
+        syncer.journal_writer._thread.submit(gate.wait, 10)
+        first = asyncio.ensure_future(syncer.push(_push(reg, 0, 2)))
+        await _until(lambda: 0 in syncer.journal_pending)   # merged, being journaled
+        second = asyncio.ensure_future(syncer.push(_push(reg, 0, 4)))
+        await _until(lambda: syncer.core.slots[0].round)     # taken into the next round
+        gate.set()
+        done, _ = await asyncio.wait([first, second], timeout=10)
+        assert first in done, "the merged push was never answered"
+        assert second in done, "the next push was never answered"
+        assert (first.result().status, first.result().version) == ("merged", 1)
+        assert (second.result().status, second.result().version) == ("merged", 2)
+        syncer._loop_task.cancel()
+        syncer.journal_writer.close()
+        syncer.store.close()
+
+    asyncio.run(scenario())
