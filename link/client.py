@@ -336,6 +336,11 @@ class LinkClient:
     def ping(self) -> str:
         return "ok"
 
+    def identity(self) -> dict:
+        """A region's link, alive with its ``islands region join`` process (which owns it):
+        a region command seeing it ends nothing (orchestrator/safety.py)."""
+        return {"kind": "link", "region": self.settings.region, "home": self.settings.home}
+
     def wait_closed(self) -> None:
         self.closed.wait()
 

@@ -261,6 +261,10 @@ def main(argv=None) -> int:
     drain_node.add_argument("node_id", help="the Ray node id (hex), as `ray list nodes` shows it")
     drain_node.add_argument("--deadline-s", type=non_negative_seconds, default=None,
                             help="seconds until the node goes (default: none)")
+    drain_node.add_argument("--force", action="store_true",
+                            help="drain it even if it is the head node or the last node a "
+                                 "region's learners can run on (refused without: Ray cannot "
+                                 "undo a drain)")
     drain_node.add_argument("--address", default=None)
 
     clear = sub.add_parser(
@@ -342,12 +346,16 @@ def main(argv=None) -> int:
                       help="seconds (default: until Ctrl+C)")
     join.add_argument("--run-dir", default=None)
     join.add_argument("--address", default=None,
-                      help="the region's Ray cluster (default: start an embedded one)")
+                      help="the region's Ray cluster (default: start an embedded one); a "
+                           "cluster running a home job or a live join is refused, and a killed "
+                           "join's leftovers are ended once the home accepted the region")
 
-    leave = region_sub.add_parser("leave", help="end a region agent and its learners in the "
-                                                "region's Ray cluster (after its join was killed)")
+    leave = region_sub.add_parser(
+        "leave", help="end the learners and spares a killed `islands region join` left in the "
+                      "region's Ray cluster; refuses (exit 1, nothing ended) a cluster that runs "
+                      "a home job, a join still running, or actors no join is recorded for")
     leave.add_argument("--address", default=None,
-                       help="the region's Ray cluster (default: $RAY_ADDRESS)")
+                       help="the region's Ray cluster (required: --address or $RAY_ADDRESS)")
 
     report = sub.add_parser("report", help="plots and report.md from a run dir")
     report.add_argument("run_dir")
@@ -442,7 +450,8 @@ def main(argv=None) -> int:
         elif args.command == "drain":
             print(ray.get(controller.drain.remote(args.learner)))
         elif args.command == "drain-node":
-            print(ray.get(controller.drain_node.remote(args.node_id, args.deadline_s, "cli")))
+            print(ray.get(controller.drain_node.remote(args.node_id, args.deadline_s, "cli",
+                                                       args.force)))
         elif args.command == "clear-misconfigured":
             print(ray.get(controller.clear_misconfigured.remote(
                 None if args.all else args.node_id, "cli")))
@@ -480,21 +489,32 @@ def main(argv=None) -> int:
 
 
 def _region_leave(args) -> int:
+    """Ends what a join that is gone left in the region's cluster, and nothing else: a home
+    job's actors, a live join's, and actors no join is recorded for are refused (exit 1)."""
+    address = args.address or os.environ.get("RAY_ADDRESS")
+    if not address:   # never a guessed cluster: "auto" may be the home's
+        print("islands region leave: give the region's Ray cluster with --address HOST:PORT "
+              "(or $RAY_ADDRESS); it never guesses one", file=sys.stderr)
+        return 2
     import ray
 
-    from islands.orchestrator.region_agent import end_previous_agent
+    from .job import probe_address
+    from .region_agent import ClusterNotOurs, end_leftovers, ended_text
 
-    ray.init(address=args.address or os.environ.get("RAY_ADDRESS") or "auto",
-             namespace="islands", log_to_driver=False)
+    problem = probe_address(_resolve_auto() if address == "auto" else address, PROBE_TIMEOUT_S)
+    if problem:
+        print(f"islands region leave: {problem}", file=sys.stderr)
+        return 1
+    ray.init(address=address, namespace="islands", log_to_driver=False)
     try:
-        ended = end_previous_agent()
-    except RuntimeError as exc:
-        print(f"islands region: {exc}", file=sys.stderr)
+        plan, ended = end_leftovers()
+    except (ClusterNotOurs, RuntimeError) as exc:
+        print(f"islands region leave: refused: {exc}" if isinstance(exc, ClusterNotOurs)
+              else f"islands region leave: {exc}", file=sys.stderr)
         return 1
     finally:
         ray.shutdown()
-    print(f"islands region: ended {len(ended)} actors" + (f" ({', '.join(ended)})" if ended
-                                                          else ": none was running"))
+    print(f"islands region leave: {ended_text(plan, ended)}")
     return 0
 
 
@@ -502,7 +522,7 @@ def _region_join(args) -> int:
     # Before gRPC starts: its own handshake logs would bury the one line that names the cause.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     from islands.link.client import ClientSettings, LinkRefused
-    from islands.orchestrator.region_agent import AgentLost, join
+    from islands.orchestrator.region_agent import AgentLost, ClusterNotOurs, join
     from islands.link.security import read_token
 
     try:
@@ -536,6 +556,10 @@ def _region_join(args) -> int:
         return 2
     except AgentLost as exc:   # a failure for whatever restarts this command (a RayJob's retry)
         print(f"islands region: {exc}", file=sys.stderr)
+        return 1
+    except ClusterNotOurs as exc:   # nothing created, nothing ended
+        print(f"islands region: not joining into {args.address or '$RAY_ADDRESS'}: {exc}",
+              file=sys.stderr)
         return 1
     print(json.dumps({k: summary.get(k) for k in ("tokens_applied", "learner_restarts",
                                                    "link")}, default=str))

@@ -153,8 +153,12 @@ def plan_action(body: Any, allow_chaos: bool, origin: str) -> tuple[str, Callabl
             args["deadline_s"] = float(_number(body, "deadline_s"))
             if not args["deadline_s"] >= 0:
                 raise ActionError("'deadline_s' must be >= 0")
+        if body.get("force") is not None:   # the head node or a region's last one (--force)
+            if not isinstance(body["force"], bool):
+                raise ActionError(f"'force' must be true or false, got {body['force']!r}")
+            args["force"] = body["force"]
         return action, lambda c: c.drain_node(args["node_id"], args.get("deadline_s"),
-                                              origin), args
+                                              origin, args.get("force", False)), args
     if action in ("restart", "chaos_kill"):
         # A restart is a kill the fleet answers with a relaunch: the same path as
         # `islands chaos kill` (it counts as a crash restart and spends the crash budget).
@@ -330,7 +334,11 @@ class ConsoleServer:
             self.controller.emit("console_action", origin="console", client=client,
                                  action=name, **args, result="refused", status=409,
                                  reason=str(exc))
-            return _json({"ok": False, "error": str(exc)}, 409)
+            from .safety import DrainRefused
+
+            # A drain the guard refused may be forced (the page asks the operator first).
+            return _json({"ok": False, "error": str(exc),
+                          "forceable": isinstance(exc, DrainRefused)}, 409)
         self.controller.emit("console_action", origin="console", client=client, action=name,
                              **args, result="done", message=message)
         return _json({"ok": True, "message": message}, 200)

@@ -32,8 +32,9 @@ from .fleet import SlotState
 from . import groups_api, recovery
 from .owner_role import HOME, OwnerRole
 from .groups_api import Incarnation, SyncerStatus, combined
-from .groups import (LearnerGroups, SyncerShards, cluster_view, drain_node, draining_nodes,
-                     restarted_actor, share)
+from .groups import (DrainQuery, LearnerGroups, SyncerShards, cluster_view, drain_node, draining_nodes,
+                     node_views, restarted_actor, share)
+from .safety import DrainRefused, drain_refusal
 from . import remote_regions
 from .snapshot import console_view, goodput_view, learner_goodput, live_fates
 from .runtime import (CONTROLLER_NAME, NAMESPACE, SYNCER_NAME, controller_options,  # noqa: F401
@@ -81,6 +82,7 @@ class Controller:
         self.stop_event = threading.Event()
         self.threads: list[threading.Thread] = []
         self.syncer_status = SyncerStatus()  # every shard's status as one (syncer/shards.py)
+        self.drain_query = DrainQuery()      # the draining-node query's failures
         # Syncer shards (syncer.shards = S): their Ray side, and per shard its status.
         self.shards = SyncerShards(0)
         self.shard_status: list[Optional[SyncerStatus]] = []   # None: not answered yet
@@ -374,8 +376,8 @@ class Controller:
         # Whole units: a unit of H hosts takes H of its region's resource.
         return fleet_lib.Cluster({r: float(int(total.get(f"region:{r}", 0.0)
                                                / self.config.regions[r].devices().hosts + 1e-9))
-                                  for r in self.config.regions}, alive, draining_nodes(),
-                                 region_nodes=by_region)
+                                  for r in self.config.regions}, alive,
+                                 draining_nodes(self.drain_query), region_nodes=by_region)
 
     def _applied(self) -> fleet_lib.Applied:
         ledger = self.syncer_status.ledger
@@ -644,14 +646,27 @@ class Controller:
         return f"draining {learner}"
 
     def drain_node(self, node_id: str, deadline_s: Optional[float] = None,
-                   origin: str = "operator") -> str:
+                   origin: str = "operator", force: bool = False) -> str:
         """A planned preemption of a node, as a platform announces one: Ray drains it (nothing new
         is placed there) and the fleet hands its learners over to other nodes before
-        ``deadline_s`` (None: no deadline). Nothing kills the node: that is the platform's part."""
+        ``deadline_s`` (None: no deadline). Nothing kills the node: that is the platform's part.
+
+        Raises:
+          safety.DrainRefused: the head node, or the last node a region of the job can run its
+            learners on (``safety.drain_refusal``), without ``force``: Ray cannot undo a drain,
+            so nothing is asked of it.
+        """
         if deadline_s is not None and not deadline_s >= 0:
             raise ValueError(f"deadline_s must be >= 0, got {deadline_s}")
+        if not force:
+            refusal = drain_refusal(node_id, node_views(), self.config.regions,
+                                    draining_nodes(self.drain_query) or {})
+            if refusal:
+                raise DrainRefused(f"{refusal}: not drained (Ray cannot undo a drain); "
+                                   "force it with --force (the console: force)")
         drain_node(node_id, deadline_s, f"islands drain-node ({origin})")
-        self.emit("node_drain_requested", node=node_id, deadline_s=deadline_s, origin=origin)
+        self.emit("node_drain_requested", node=node_id, deadline_s=deadline_s, origin=origin,
+                  force=bool(force))
         self.inbox.put((self._cluster(), None))   # seen now, not at the next poll
         return f"draining node {node_id}" + ("" if deadline_s is None else
                                              f" (deadline in {deadline_s:g}s)")
@@ -744,6 +759,14 @@ class Controller:
 
     def ping(self) -> str:
         return "ok"
+
+    def identity(self) -> dict:
+        """Whose this controller is, for a region command that must end only a region join's
+        leftovers (orchestrator/safety.py): the home job's, or a region agent's."""
+        region = getattr(self.role, "region", None)
+        if region is None:
+            return {"kind": "home", "job": self.config.name}
+        return {"kind": "region", "job": self.config.name, "region": region}
 
     # -- metrics ----------------------------------------------------------------------------------
     def serve_metrics(self, port: int, host: str = "127.0.0.1") -> int:

@@ -423,16 +423,53 @@ def region_nodes(regions, nodes: list) -> dict:
                          if n.get("Resources", {}).get(f"region:{r}", 0.0) > 0) for r in regions}
 
 
-def draining_nodes() -> Optional[dict]:
+class DrainQuery:
+    """How the draining-node query fares: its failures, counted (exported as
+    ``islands_drain_query_failures_total``), and logged once per run of failures rather than
+    at every poll (once again after it answered in between). While it fails, planned
+    preemption is blind: a draining node looks like any other until it goes."""
+
+    def __init__(self):
+        self.failures = 0
+        self.failing = False
+
+    def failed(self, exc: BaseException) -> None:
+        self.failures += 1
+        if not self.failing:
+            self.failing = True
+            log.error("Ray's draining-node query failed (%s: %s): planned preemption is off "
+                      "until it answers again (islands_drain_query_failures_total counts the "
+                      "failed polls)", type(exc).__name__, exc)
+
+    def answered(self) -> None:
+        if self.failing:
+            self.failing = False
+            log.warning("Ray's draining-node query answers again after %d failed polls",
+                        self.failures)
+
+
+def draining_nodes(query: Optional[DrainQuery] = None) -> Optional[dict]:
     """The nodes Ray is draining (``ray drain-node``, an autoscaler, a platform's announced
     preemption): node id -> deadline in wall-clock seconds (None: no deadline); None when Ray
-    cannot say. The GCS's draining table, as Ray Train v2's preemption watcher polls it."""
+    cannot say (told to ``query``). The GCS's draining table, as Ray Train v2's preemption
+    watcher polls it: a private call of Ray's, so a failure is counted and logged, not hidden."""
 
     try:
         raw = ray._private.state.state.get_draining_nodes()
-    except Exception:
+    except Exception as exc:
+        (query or DrainQuery()).failed(exc)
         return None
+    if query is not None:
+        query.answered()
     return {node: (ms / 1000.0 if ms else None) for node, ms in (raw or {}).items()}
+
+
+def node_views() -> list:
+    """Every node Ray knows, as ``safety.NodeView`` (id, alive, resources)."""
+    from .safety import NodeView
+
+    return [NodeView(n["NodeID"], bool(n.get("Alive")), dict(n.get("Resources") or {}))
+            for n in ray.nodes()]
 
 
 def drain_node(node_id: str, deadline_s: Optional[float], message: str) -> None:

@@ -112,6 +112,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "Times a remote region's link connected again after losing its connection"),
     MetricSpec("islands_link_report_age_seconds", "gauge", ("region",),
                "Seconds since a remote region's agent last reported over the link"),
+    MetricSpec("islands_drain_query_failures", "counter", (),
+               "Failed polls of Ray's draining-node table: while they fail, planned preemption "
+               "is off (a draining node looks like any other until it goes)"),
 )
 
 METRIC_NAMES: frozenset[str] = frozenset(spec.name for spec in METRICS)
@@ -424,6 +427,10 @@ def families(snap: Mapping[str, Any]) -> list:
         learners.add_metric(["spare", region], float(sum(
             1 for x in (snap.get("spares") or {}).values() if x["region"] == region)))
     out.append(learners)
+
+    drain_failures = counter("islands_drain_query_failures")
+    drain_failures.add_metric([], float(snap.get("drain_query_failures") or 0))
+    out.append(drain_failures)
 
     for name, key in (("islands_train_loss", "train_loss"), ("islands_eval_loss", "eval_loss")):
         family = gauge(name)

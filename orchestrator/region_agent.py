@@ -16,6 +16,7 @@ import json
 import logging
 import os
 import signal
+import socket
 import threading
 import time
 from typing import Optional
@@ -24,11 +25,11 @@ import ray
 
 from islands.learners.messages import Heartbeat
 from islands.orchestrator import fleet as fleet_lib
-from islands.orchestrator import seam
+from islands.orchestrator import safety, seam
 from islands.orchestrator.controller import Controller
 from islands.orchestrator.owner_role import OwnerRole
-from islands.orchestrator.runtime import (NAMESPACE, ON_HEAD, SYNCER_NAME, Role,
-                                          controller_options, cpu_runtime_env)
+from islands.orchestrator.runtime import (CONTROLLER_NAME, NAMESPACE, ON_HEAD, SYNCER_NAME,
+                                          Role, controller_options, cpu_runtime_env)
 
 log = logging.getLogger("islands.link")
 
@@ -148,7 +149,7 @@ class RegionRole(OwnerRole):
 
 # The controller's actor methods the agent answers as the home's controller does: its learners'
 # heartbeats, ``join``'s start, events and shutdown, and an operator's reads and commands.
-FORWARDED = ("start", "heartbeat", "events_since", "shutdown", "ping", "emit", "snapshot",
+FORWARDED = ("identity", "start", "heartbeat", "events_since", "shutdown", "ping", "emit", "snapshot",
              "summary", "status_table", "tokens", "goodput", "learner_goodput", "evaluate_now",
              "scale", "drain", "drain_node", "pause", "chaos_kill", "chaos_slowdown",
              "chaos_hang", "chaos_region_loss", "chaos_network", "serve_metrics",
@@ -230,31 +231,117 @@ def _on_sigterm(signum, frame):
     raise _Terminated()
 
 
-def end_previous_agent(timeout_s: float = 30.0) -> list[str]:
-    """Ends every ``islands:*`` actor of the connected cluster (a previous join's agent, link,
-    learners and spares, left behind when its ``islands region join`` process was killed: they
-    are detached) and waits until their names are free; returns the names it ended.
+JOIN_KEY = b"islands:region-join"   # the join this cluster serves, in Ray's GCS key-value store
 
-    A join that found them would otherwise launch learners whose names the orphans hold (a
-    restart loop) while the orphans train on through its link."""
 
-    def ours() -> list[str]:
-        return sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                      if a.get("namespace") == NAMESPACE and a["name"].startswith("islands:"))
+class ClusterNotOurs(RuntimeError):
+    """A region command found actors it must not end (a home job's, a live join's, or actors no
+    join is recorded for): the message names them; nothing was ended."""
 
-    ended = ours()
-    for name in ended:
+
+def _identity(name: str) -> Optional[dict]:
+    """What the actor ``name`` says it is (``identity()``), None when no actor has that name,
+    ``{"kind": "unknown", "error": ...}`` when it does not say (an older build, a syncer, a
+    controller that does not answer within 10 s)."""
+    try:
+        handle = ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:
+        return None
+    try:
+        return dict(ray.get(handle.identity.remote(), timeout=10))
+    except Exception as exc:   # no such method, or no answer: it is not known to be a region's
+        return {"kind": "unknown", "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
+
+
+def read_join_record() -> Optional[dict]:
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    raw = _internal_kv_get(JOIN_KEY, namespace=NAMESPACE)
+    return json.loads(raw) if raw else None
+
+
+def write_join_record(record: dict) -> None:
+    from ray.experimental.internal_kv import _internal_kv_put
+
+    _internal_kv_put(JOIN_KEY, json.dumps(record).encode(), overwrite=True, namespace=NAMESPACE)
+
+
+def clear_join_record(ray_job_id: Optional[str] = None) -> None:
+    """Forgets the recorded join (only if it is ``ray_job_id``'s, when given)."""
+    from ray.experimental.internal_kv import _internal_kv_del
+
+    record = read_join_record()
+    if record is not None and (ray_job_id is None or record.get("ray_job_id") == ray_job_id):
+        _internal_kv_del(JOIN_KEY, namespace=NAMESPACE)
+
+
+def observe(mine: tuple = ()) -> safety.Seen:
+    """What the connected cluster holds (``safety.Seen``), leaving out the actors named in
+    ``mine`` (this join's own link)."""
+    names = tuple(sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                         if a.get("namespace") == NAMESPACE and a["name"].startswith("islands:")
+                         and a["name"] not in mine))
+    return safety.Seen(names=names,
+                       controller=_identity(CONTROLLER_NAME) if CONTROLLER_NAME in names else None,
+                       link=_identity(SYNCER_NAME) if SYNCER_NAME in names else None,
+                       join=read_join_record())
+
+
+def end_actors(names, timeout_s: float = 30.0) -> list[str]:
+    """Ends the named actors and waits until their names are free; returns those it ended.
+
+    Raises:
+      RuntimeError: a name still held after ``timeout_s``.
+    """
+    names = sorted(names)
+    for name in names:
         try:
             ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
         except ValueError:   # gone meanwhile
             pass
+
+    def held() -> list[str]:
+        listed = {a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+                  if a.get("namespace") == NAMESPACE}
+        return [n for n in names if n in listed]
+
     deadline = time.time() + timeout_s
-    while ours() and time.time() < deadline:
+    while held() and time.time() < deadline:
         time.sleep(0.2)
-    if ours():
+    if held():
         raise RuntimeError(f"actors of a previous join still hold their names after "
-                           f"{timeout_s:.0f}s: {', '.join(ours())}")
-    return ended
+                           f"{timeout_s:.0f}s: {', '.join(held())}")
+    return names
+
+
+def end_leftovers(mine: tuple = (), timeout_s: float = 30.0) -> tuple[safety.Plan, list[str]]:
+    """Ends what a join that is gone left in the connected cluster (its learners and spares,
+    detached, outlive its process), after ``safety.plan_leftovers`` said whose they are, and
+    forgets that join; returns the plan and the names it ended.
+
+    Raises:
+      ClusterNotOurs: the plan refused (a home job, a live join, actors no join is recorded
+        for): nothing was ended.
+    """
+    plan = safety.plan_leftovers(observe(mine))
+    if plan.refusal:
+        raise ClusterNotOurs(plan.refusal)
+    ended = end_actors(plan.end, timeout_s)
+    if plan.join is not None:
+        clear_join_record(plan.join.get("ray_job_id"))
+    return plan, ended
+
+
+def ended_text(plan: safety.Plan, ended: list) -> str:
+    """The line a region command prints for what it ended."""
+    if not ended:
+        return "nothing to end" + (f" ({safety.describe_join(plan.join)} left no actors)"
+                                   if plan.join else ": no islands actors in this cluster")
+    text = (f"ended {len(ended)} actors {safety.describe_join(plan.join)} left "
+            f"({', '.join(ended)})")
+    if plan.others:
+        text += f"; left as they are: {', '.join(plan.others)}"
+    return text
 
 
 def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = None,
@@ -266,6 +353,8 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
       LinkRefused: the home refused the region (a wrong token, not a remote region).
       ValueError: the job's config does not have this region as remote.
       AgentLost: the agent died and Ray no longer restarts it; its learners were ended.
+      ClusterNotOurs: ``address``'s cluster runs a home job or a live join, or holds actors no
+        join is recorded for (``safety.plan_leftovers``); nothing was created or ended.
     """
 
     from islands.link.client import LinkClient, LinkShard
@@ -277,7 +366,15 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
         else:
             started = True
+    if not started:
+        # Before anything of this join exists: a home job's cluster, or one whose join is alive,
+        # is refused here with nothing created and nothing ended.
+        plan = safety.plan_leftovers(observe())
+        if plan.refusal:
+            raise ClusterNotOurs(plan.refusal)
     link = controller = None
+    shard_links: list = []
+    recorded: Optional[str] = None   # this join's Ray job id, once recorded in the cluster
     summary: dict = {}
     left: Optional[str] = None
     lost: Optional[str] = None
@@ -286,11 +383,6 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
             ray.init(address="local", num_cpus=max(os.cpu_count() or 1, 2), namespace=NAMESPACE,
                      include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
                      resources={f"region:{settings.region}": 64})
-        else:  # a cluster of its own may hold the actors of a join that was killed
-            ended = end_previous_agent()
-            if ended and not quiet:
-                print(f"islands region: ended {len(ended)} actors a previous join left in this "
-                      f"cluster ({', '.join(ended)})", flush=True)
         # After ray.init, which installs its own SIGTERM handler (sys.exit(15), no cleanup).
         if threading.current_thread() is threading.main_thread():
             previous_term = signal.signal(signal.SIGTERM, _on_sigterm)
@@ -303,8 +395,19 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
         except ray.exceptions.RayTaskError as exc:
             raise (exc.cause if isinstance(getattr(exc, "cause", None), Exception) else exc)
         config = region_config(joined["config"], settings.region)
+        if not started:
+            # The home accepted the region: only now may a gone join's leftovers end (a join
+            # pointed at the wrong cluster or refused by the home ends nothing).
+            plan, ended = end_leftovers(mine=(SYNCER_NAME,))
+            if ended and not quiet:
+                print(f"islands region: {ended_text(plan, ended)}", flush=True)
+        # Recorded before the agent launches anything: whatever it leaves is known as this
+        # join's (its link and agent end with this process, as Ray ends a driver's actors).
+        recorded = ray.get_runtime_context().get_job_id()
+        write_join_record({"region": settings.region, "job": config.name,
+                           "home": settings.home, "pid": os.getpid(),
+                           "host": socket.gethostname(), "ray_job_id": recorded})
         # The home's other syncer shards, by name (held here: an actor lives while its handle).
-        shard_links = []
         for s in range(1, config.syncer.shards):
             shard_links.append(ray.remote(LinkShard).options(
                 name=f"{SYNCER_NAME}-{s}", namespace=NAMESPACE, num_cpus=0, max_concurrency=128,
@@ -367,7 +470,14 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
                     json.dump(summary, f, indent=2, default=str)
             except Exception as exc:
                 log.error("region agent shutdown failed: %s", exc)
-        _kill_region_actors()
+        # Only this join's own: its handles, and its agent's learners and spares once it had one.
+        _end_own_actors([h for h in (controller, link, *shard_links) if h is not None],
+                        settings.region if controller is not None else None)
+        if recorded is not None:
+            try:
+                clear_join_record(recorded)
+            except Exception as exc:
+                log.error("could not clear this join's record: %s", exc)
         if started:
             ray.shutdown()
         if previous_term is not None:
@@ -386,11 +496,19 @@ def _remove(path: str) -> None:
         pass
 
 
-def _kill_region_actors() -> None:
-
+def _end_own_actors(handles: list, region: Optional[str]) -> None:
+    """Ends this join's actors: the ones it holds handles to, and (``region`` given) its
+    agent's learners and spares still named in the cluster."""
+    for handle in handles:
+        try:
+            ray.kill(handle)
+        except Exception:
+            pass
+    if region is None:
+        return
     try:
         names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                 if a.get("namespace") == NAMESPACE and a["name"].startswith("islands:")]
+                 if a.get("namespace") == NAMESPACE and safety.region_actor(a["name"], region)]
     except Exception:
         names = []
     for name in names:

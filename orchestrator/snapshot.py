@@ -79,6 +79,7 @@ class JobSnapshot:
     step_seconds: dict = field(default_factory=dict)  # per region: a histogram of step times
     # Merges that replaced Θ by "participants/live" (syncer/core.py participation_key).
     participation_counts: dict = field(default_factory=dict)
+    drain_query_failures: int = 0   # failed polls of Ray's draining-node table
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -184,6 +185,7 @@ def job_snapshot(controller: Any) -> JobSnapshot:
         recoveries=recoveries, paused_reason=fleet.paused_reason, wire_bytes=wire,
         rejected_total=dict(rejected), staleness_counts=dict(staleness),
         link=_link_rows(controller, now), step_seconds=step_seconds,
+        drain_query_failures=getattr(getattr(controller, "drain_query", None), "failures", 0),
         participation_counts=dict(participation),
         spares={name: {"region": x.region, "state": x.state.value,
                        "age_s": now - x.launched_s, "for": x.for_learner}

@@ -34,11 +34,13 @@ async function act(body) {
     out.className = "result " + (reply.ok ? "ok" : "err");
     out.textContent = reply.ok ? `${body.action}: ${reply.message}` : `${body.action} refused (HTTP ${r.status}): ${reply.error}`;
     out.dataset.status = r.status;
+    return reply;
   } catch (e) {
     out.className = "result err";
     out.textContent = `${body.action} failed: ${e}`;
+  } finally {
+    poll();
   }
-  poll();
 }
 
 // Rows and region blocks are built once and updated in place, so a poll never replaces the
@@ -53,7 +55,14 @@ function learnerRow(name) {
   restart.onclick = () => act({action: "restart", learner: name});
   // A planned preemption of the node it runs on (islands drain-node): every learner there hands over.
   const node = el("button", {class: "act", "data-drain-node": name, title: "planned preemption of its node: Ray drains the node; its learners hand over to other nodes and leave"}, "Drain node");
-  node.onclick = () => { if (node.dataset.node) act({action: "drain_node", node_id: node.dataset.node}); };
+  // The head node, or the last node of a region, is refused (Ray cannot undo a drain); the
+  // operator may then force it, after a confirmation that names why it was refused.
+  node.onclick = async () => {
+    if (!node.dataset.node) return;
+    const body = {action: "drain_node", node_id: node.dataset.node};
+    const reply = await act(body);
+    if (reply && !reply.ok && reply.forceable && confirm(`${reply.error}\n\nDrain it anyway?`)) act({...body, force: true});
+  };
   const cells = HEADERS.slice(0, -1).map((h, i) => el("td", {class: i >= 2 && i <= 7 && i !== 5 ? "num" : ""}));
   cells[1].append(el("span", {class: "state"}));
   return el("tr", {"data-learner": name}, ...cells, el("td", {}, drain, " ", restart, " ", node));

@@ -458,6 +458,13 @@ def test_the_cli_operates_the_region_cluster_at_the_address_join_printed(two_clu
     wait_for(lambda: [e for e in _events(two_clusters["agent"])
                       if e["event"] == "chaos" and e.get("target") == "far:0"], 60,
              "the region agent's chaos event for far:0")
+    # `islands region leave` while the join runs: refused, naming it; nothing is ended.
+    done = subprocess.run(ISLANDS + ["region", "leave", "--address", address], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "refused: the join of region 'far' into job" in done.stderr, done.stderr[-2000:]
+    assert "is still running" in done.stderr and "ended" not in done.stdout, done.stderr
+    assert list(json.loads(islands("status", "--json"))["learners"]) == ["far:0"]
 
 
 def test_a_killed_agents_learner_is_failed_at_home_within_the_hang_timeout(two_clusters):

@@ -59,6 +59,13 @@ def test_a_drained_node_hands_its_learners_over_to_another_node(cluster, tmp_pat
                  describe=learners)
         wait_for(lambda: (snap()["syncer"]["merges"] or 0) >= 2, 60, "first merges")
         assert {learners()[n]["node"] for n in ("b:0", "b:1")} == {node_b.node_id}
+        # Ray cannot undo a drain: the head node, and region b's only node, are refused before
+        # Ray is asked (nothing drains).
+        for node, why in ((nodes.head_node.node_id, "is the head node"),
+                          (node_b.node_id, "is the last node where region 'b''s learners can run")):
+            with pytest.raises(ray.exceptions.RayTaskError, match=why):
+                ray.get(controller.drain_node.remote(node, 60.0))
+        assert not ray._private.state.state.get_draining_nodes()
         # Where region b can go on: a node that joins (max_learners keeps the fleet at 2 there).
         node_c = nodes.add_node(num_cpus=1, resources={"region:b": 2},
                                 node_ip_address="127.0.0.1")

@@ -111,25 +111,3 @@ def test_the_lone_learners_goodput_is_within_0_05_of_the_same_learner_with_a_pee
     # what the peer-less restart must not do is lose to refusals (it lost 0.3 before).
     assert alone["a0_goodput"] >= peer["a0_goodput"] - 0.05, (alone["a0_goodput"],
                                                               peer["a0_goodput"])
-
-
-def test_a_join_into_a_cluster_ends_what_a_killed_join_left_there(cluster):
-    """Issue 36: after `islands region join --address` was killed, its detached learner held
-    its name and trained on beside the next join's (a restart loop). The next join (and
-    `islands region leave`) ends every ``islands:*`` actor of the cluster first."""
-    from islands.orchestrator.region_agent import end_previous_agent
-
-    @ray.remote(num_cpus=0)
-    class Orphan:
-        def ping(self):
-            return "here"
-
-    names = ["islands:far:0", "islands:controller"]
-    orphans = [Orphan.options(name=n, namespace=NAMESPACE, lifetime="detached").remote()
-               for n in names]
-    assert ray.get([o.ping.remote() for o in orphans]) == ["here"] * 2
-    assert end_previous_agent(timeout_s=30) == sorted(names)
-    for name in names:
-        with pytest.raises(ValueError):
-            ray.get_actor(name, namespace=NAMESPACE)
-    assert end_previous_agent(timeout_s=5) == []

@@ -71,8 +71,8 @@ def test_actions_call_the_clis_controller_methods():
     calls[-2:] = []
     assert calls == [("scale", ("a", 2)), ("drain", ("a:1",)), ("chaos_kill", ("a:0", "ray_kill")),
                      ("pause", (True, "console 10.0.0.9")), ("pause", (False, "console 10.0.0.9")),
-                     ("drain_node", ("n2", 30.0, "console 10.0.0.9")),
-                     ("drain_node", ("n3", None, "console 10.0.0.9"))]
+                     ("drain_node", ("n2", 30.0, "console 10.0.0.9", False)),
+                     ("drain_node", ("n3", None, "console 10.0.0.9", False))]
 
 
 def test_the_goodput_series_spans_the_recent_past_with_its_window():

@@ -1,0 +1,145 @@
+"""What an operator command may end (orchestrator/safety.py), decided before it ends anything:
+a region command ends only a gone join's leftovers; drain-node refuses the head node and a
+region's last node without --force; a failing draining-node query is counted and logged once."""
+
+import doctest
+import logging
+
+import pytest
+
+from islands.orchestrator import cli, metrics, safety
+from islands.orchestrator.console import ActionError, plan_action
+from islands.orchestrator.groups import DrainQuery, draining_nodes
+from islands.orchestrator.safety import (HEAD_MARKER, NodeView, Plan, Seen, drain_refusal,
+                                         plan_leftovers)
+
+JOIN = {"region": "far", "job": "demo", "home": "h:7000", "pid": 4242, "host": "region-a",
+        "ray_job_id": "02000000"}
+
+
+def test_docstring_examples():
+    result = doctest.testmod(safety, optionflags=doctest.ELLIPSIS)
+    assert result.attempted > 0 and result.failed == 0
+
+
+# -- region leave / join --address ----------------------------------------------------------------
+def test_a_home_job_is_refused_by_name_whatever_else_is_there():
+    names = ("islands:controller", "islands:syncer", "islands:us-east:0", "islands:eu-west:1")
+    for join in (None, JOIN):   # even a stale record of a join does not make them a region's
+        plan = plan_leftovers(Seen(names, controller={"kind": "home", "job": "demo"},
+                                   link={"kind": "unknown", "error": "no identity"}, join=join))
+        assert plan.end == () and "the home job 'demo'" in plan.refusal
+
+
+def test_a_live_join_is_refused_naming_its_region_job_and_process():
+    names = ("islands:controller", "islands:syncer", "islands:far:0")
+    agent = {"kind": "region", "job": "demo", "region": "far"}
+    plan = plan_leftovers(Seen(names, controller=agent, link={"kind": "link", "region": "far"},
+                               join=JOIN))
+    assert plan.end == ()
+    assert plan.refusal.startswith("the join of region 'far' into job 'demo' (pid 4242 on "
+                                   "region-a) is still running"), plan.refusal
+    # Before its agent exists (the link only, during its hello): alive all the same.
+    plan = plan_leftovers(Seen(("islands:syncer",), link={"kind": "link", "region": "far"}))
+    assert plan.end == () and "the join of region 'far' is still running" in plan.refusal
+
+
+@pytest.mark.parametrize("seen, words", [
+    (Seen(("islands:controller",), controller={"kind": "unknown", "error": "GetTimeoutError"}),
+     "islands:controller is here but does not say whose it is (GetTimeoutError)"),
+    (Seen(("islands:syncer", "islands:a:0"), link={"kind": "unknown", "error": "no identity"},
+          join=JOIN), "islands:syncer is here and is not a region's link"),
+    (Seen(("islands:a:0", "islands:syncer-1")),
+     "no region join is recorded in this cluster, so its islands actors (islands:a:0, "
+     "islands:syncer-1) are not known"),
+])
+def test_what_does_not_say_whose_it_is_is_refused(seen, words):
+    plan = plan_leftovers(seen)
+    assert plan.end == () and words in plan.refusal, plan.refusal
+
+
+def test_a_gone_joins_learners_and_spares_end_and_nothing_else():
+    names = ("islands:far:0", "islands:far:12", "islands:spare:far:3", "islands:faraway:0",
+             "islands:spare:near:0", "islands:something")
+    plan = plan_leftovers(Seen(names, join=JOIN))
+    assert plan.refusal is None and plan.join == JOIN
+    assert plan.end == ("islands:far:0", "islands:far:12", "islands:spare:far:3")
+    assert plan.others == ("islands:faraway:0", "islands:something", "islands:spare:near:0")
+    assert plan_leftovers(Seen((), join=JOIN)) == Plan(join=JOIN)
+    assert plan_leftovers(Seen()) == Plan()
+
+
+def test_region_leave_needs_an_address_and_never_guesses_one(monkeypatch, capsys):
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert cli.main(["region", "leave"]) == 2
+    err = capsys.readouterr().err
+    assert "--address" in err and "never guesses" in err
+
+
+# -- drain-node -------------------------------------------------------------------------------------
+HEAD = NodeView("head", True, {HEAD_MARKER: 1.0, "CPU": 4, "region:a": 2})
+B1, B2 = NodeView("b1", True, {"region:b": 1}), NodeView("b2", True, {"region:b": 1})
+NODES = [HEAD, B1, B2]
+
+
+def test_the_head_node_is_refused():
+    assert "node head is the head node" in drain_refusal("head", NODES, ["a", "b"])
+
+
+def test_the_last_node_a_region_can_run_on_is_refused():
+    assert drain_refusal("b1", NODES, ["a", "b"]) is None   # b2 is left for region b
+    for gone in (["b2"], []):   # b2 draining, or dead
+        nodes = [HEAD, B1] + ([B2] if gone else [NodeView("b2", False, {"region:b": 1})])
+        refusal = drain_refusal("b1", nodes, ["a", "b"], draining=gone)
+        assert refusal == ("node b1 is the last node where region 'b''s learners can run "
+                           "(region:b; the others are draining or gone)")
+
+
+def test_a_node_of_no_region_of_the_job_or_unknown_is_not_refused():
+    other = NodeView("c", True, {"region:c": 1})
+    assert drain_refusal("c", NODES + [other], ["a", "b"]) is None   # c is no region of the job
+    assert drain_refusal("nope", NODES, ["a", "b"]) is None   # Ray refuses it (no live node)
+
+
+def test_drain_node_takes_force_from_the_cli_and_the_console():
+    calls = []
+
+    class Recorder:
+        def __getattr__(self, name):
+            return lambda *args: calls.append((name, args)) or "ok"
+
+    plan_action({"action": "drain_node", "node_id": "n", "force": True}, False, "c")[1](Recorder())
+    plan_action({"action": "drain_node", "node_id": "n"}, False, "c")[1](Recorder())
+    assert calls == [("drain_node", ("n", None, "c", True)), ("drain_node", ("n", None, "c", False))]
+    with pytest.raises(ActionError, match="'force' must be true or false, got 'yes'"):
+        plan_action({"action": "drain_node", "node_id": "n", "force": "yes"}, False, "c")
+    with pytest.raises(SystemExit):   # --force is a flag: it takes no value
+        cli.main(["drain-node", "abc", "--force=yes"])
+
+
+# -- the draining-node query ------------------------------------------------------------------------
+def test_a_failing_drain_query_is_counted_logged_once_and_exported(caplog):
+    query = DrainQuery()
+    with caplog.at_level(logging.WARNING, logger="islands.controller"):
+        # Ray is not started in this process: the private call fails, as a renamed one would.
+        assert [draining_nodes(query) for _ in range(3)] == [None, None, None]
+    assert query.failures == 3
+    logged = [r for r in caplog.records if "draining-node query failed" in r.getMessage()]
+    assert len(logged) == 1 and "RaySystemError" in logged[0].getMessage()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="islands.controller"):
+        query.answered()   # it answered in between: a new failure is logged again
+        assert draining_nodes(query) is None
+    assert [r.getMessage().split(" (")[0] for r in caplog.records] == [
+        "Ray's draining-node query answers again after 3 failed polls",
+        "Ray's draining-node query failed"]
+    assert query.failures == 4
+    families = {f.name: f for f in metrics.families(_snapshot(query.failures))}
+    (sample,) = families["islands_drain_query_failures"].samples
+    assert sample.name == "islands_drain_query_failures_total" and sample.value == 4.0
+
+
+def _snapshot(failures):
+    from test_metrics import snapshot
+
+    return snapshot(drain_query_failures=failures)
