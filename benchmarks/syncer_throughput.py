@@ -1,8 +1,8 @@
 """Syncer throughput: merges/s and bytes merged/s against a numpy copy of the same bytes, and the
 most learners one syncer sustains on this machine.
 
-The pure ``SyncerCore`` (no Ray) with the codec (int4 by default, as the learners send it): one
-round is M learners' ``accept_push`` (decode the int4 drift, validate, reconstruct
+The pure ``SyncerCore`` (no Ray) with the job's codec (nf2 by default) and the service's rules
+(``build.syncer_options`` of a default JobConfig, printed with the tables): one round is M learners' ``accept_push`` (decode the drift, validate, reconstruct
 ``θ_m = Θ(base) + δ``) and one ``merge`` (RDA per tensor + the outer Nesterov step). Fragments of
 1M, 10M and 100M float32 parameters (``--quick``: 1M, 10M, 30M), made of ≤ 4M-element tensors.
 The ceiling is ``np.copyto`` of the same M·4·n bytes (payload bytes; memory traffic is twice that).
@@ -135,13 +135,34 @@ class Bench:
     wire_bytes: int   # encoded bytes of one push
 
 
+def service_rules() -> tuple:
+    """(SyncerSettings, outer kind, outer kwargs) of a default JobConfig as the service builds
+    them (``build.syncer_options``), with history 2 and quorum 1."""
+    import dataclasses as dc
+
+    from islands.orchestrator import build
+    from islands.orchestrator.config import JobConfig
+
+    options = build.syncer_options(JobConfig(), "/nonexistent")
+    settings = dc.replace(options["settings"], min_learners=1, history_versions=2)
+    return settings, options["outer_kind"], options["outer_kwargs"]
+
+
+def rules_line() -> str:
+    """The rules a run used, in words (printed with its tables)."""
+    settings, kind, kwargs = service_rules()
+    return (f"rules (the service's defaults): outer_gradient {settings.outer_gradient.value}, "
+            f"round_step {settings.round_step.value}, merge_rule {settings.merge_rule.value}, "
+            f"outer {kind} {kwargs}, history 2")
+
+
 def build_bench(num_params: int, learners: int, codec_kind: str, seed: int = 0) -> Bench:
     import jax
     import numpy as np
 
     from islands.syncer import codec as codec_lib
     from islands.syncer import outer as outer_lib
-    from islands.syncer.core import SyncerCore, SyncerSettings
+    from islands.syncer.core import SyncerCore
     from islands.syncer.validate import Push
 
     rng = np.random.default_rng(seed)
@@ -149,9 +170,10 @@ def build_bench(num_params: int, learners: int, codec_kind: str, seed: int = 0) 
                 for i, shape in enumerate(tensor_shapes(num_params))}
     codec = codec_lib.make_codec(codec_kind)
     ef = codec_lib.error_feedback(codec)
-    # history 2: each version the syncer keeps is a full copy; 8 of 100M would be 3.2 GB.
-    settings = SyncerSettings(min_learners=1, history_versions=2)
-    core = SyncerCore([fragment], settings, outer_lib.build("nesterov"),
+    # The service's rules (build.syncer_settings of a default JobConfig, its outer optimizer by
+    # the rule for its H), but history 2: each version kept is a full copy (8 of 100M: 3.2 GB).
+    settings, outer_kind, outer_kwargs = service_rules()
+    core = SyncerCore([fragment], settings, outer_lib.build(outer_kind, **outer_kwargs),
                       lambda codes: codec_lib.decode_tree(codec, codes))
     pushes = []
     for m in range(learners):
@@ -456,7 +478,8 @@ def parse_args(argv=None):
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds per size")
     from islands.syncer.codec_kinds import KINDS   # JAX-free
 
-    parser.add_argument("--codec", default="int4", choices=list(KINDS))
+    parser.add_argument("--codec", default="nf2", choices=list(KINDS),
+                        help="the pushes' codec (default: the job's, nf2)")
     parser.add_argument("--step-time-s", type=float, default=None,
                         help="tiny scenario's step time (default: measured here)")
     parser.add_argument("--fragments", type=int, default=4, help="P = H of the tiny scenario")
@@ -524,6 +547,7 @@ def main(argv=None) -> dict:
     plot(rows, png)
     print(f"syncer throughput · codec {args.codec} · {args.learners} learners per round · "
           f"thread env {env}")
+    print(rules_line())
     print(format_table(rows, ["params", "fragment_mb", "push_ms", "merge_ms", "round_ms",
                               "merges_per_s", "merged_gb_per_s", "copy_gb_per_s", "ratio_to_copy",
                               "merge_ratio_to_copy",
@@ -554,6 +578,7 @@ def main(argv=None) -> dict:
           "merge per round of L; S shards on S free cores):")
     print(format_table(largest, ["shards", "learners", "n_max_worst", "n_max_best"]))
     result = {"benchmark": "syncer_throughput", "codec": args.codec, "learners": args.learners,
+              "rules": rules_line(),
               "sizes": rows, "sustained": scenarios, "shards": shard_rows,
               "shard_model": models, "largest_model": largest, "kappa_s_per_param": kappa,
               "thread_env": env, "png": png,

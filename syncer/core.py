@@ -78,7 +78,7 @@ class Contribution:
     only this fragment's merge, which closes the round, replaces it)."""
 
     push: Push
-    outer_grad: Fragment
+    outer_grad: Optional[Fragment]   # None: folded into the round's running sum at once
     staleness: int
     arrived_s: float
     base: Optional[Fragment] = None   # exactly what the learner held (the downlink diffs from it)
@@ -86,6 +86,10 @@ class Contribution:
     # A member of a region's pre-merged push: the push's name. Its members share one outer
     # gradient (the group's mean) and are merged, forgotten and answered together.
     group: Optional[str] = None
+    # What its outer gradient is decoded from again (a learner forgotten, a pull-rule join)
+    # and its merge weight: the round keeps running sums, not the gradients (fused.GradSum).
+    codes: Any = None
+    weight: float = 0.0
 
 
 @dataclass
@@ -101,10 +105,15 @@ class FragmentSlot:
     round_opened_at_s: Optional[float] = None
     recent_norms: collections.deque = field(default_factory=lambda: collections.deque(maxlen=32))
     outlier_learners: set = field(default_factory=set)   # refused as outliers since an accept
-    # round_step per_round: the contributions already stepped in the open round, and the Θ and
-    # outer state the round started from (its later pushes step again from there, with them).
+    # round_step per_round: the learners already stepped in the open round (name -> staleness)
+    # with the running sum of their pushes, and the Θ and outer state the round started from
+    # (its later pushes step again from there, with them).
     stepped: dict = field(default_factory=dict)
     round_start: Optional[tuple] = None
+    stepped_sum: Optional[fused.GradSum] = None
+    # The open round's pushes, folded as they are accepted (one or two fragment-sized arrays
+    # whatever the number of learners: docs/operations.md#syncer-memory).
+    open_sum: Optional[fused.GradSum] = None
 
 
 @dataclass
@@ -385,6 +394,9 @@ class SyncerCore:
                     for mate in [n for n, c in slot.round.items()
                                  if c.group == contribution.group]:
                         dropped.append(slot.round.pop(mate).push)
+                self._refold(slot)   # the sum without it (none left: no sum)
+                if not slot.round:
+                    self._release_open(slot)
                 self._recount_quorum(slot)
         self.learners.pop(learner, None)
         self.sessions.pop(learner, None)
@@ -405,6 +417,7 @@ class SyncerCore:
         for slot in self.slots:
             dropped.extend(c.push for c in slot.round.values())
             slot.round = {}
+            self._release_open(slot)
             self._release_round(slot)
             slot.quorum_reached_at_s = slot.round_opened_at_s = None
             slot.history = {slot.version: slot.params}
@@ -481,12 +494,12 @@ class SyncerCore:
         slot.recent_norms.append(norm)  # accepted: part of what "normal" is
         self.garbage_streak.pop(push.learner, None)
         base = self._base_of(push)
-        grads, norms = fused.outer_gradient(self._anchor(slot, push, base), base, drift,
-                                            self.pool)
+        weight = self._weight(push, verdict.staleness)
+        self._fold(slot, push, base, drift, weight, 1.0)
         if not slot.round:
             slot.round_opened_at_s = now_s
-        slot.round[push.learner] = Contribution(push, grads, verdict.staleness, now_s, base,
-                                                norms)
+        slot.round[push.learner] = Contribution(push, None, verdict.staleness, now_s, base,
+                                                codes=push.codes, weight=weight)
         self._note_push_time(push.learner, push.fragment, now_s)
         if slot.quorum_reached_at_s is None and len(slot.round) >= self.settings.min_learners:
             slot.quorum_reached_at_s = now_s
@@ -515,14 +528,17 @@ class SyncerCore:
         slot = self.slots[push.fragment]
         slot.recent_norms.append(judged.norm)
         base = self._base_of(push.members[0])
-        grads, norms = fused.outer_gradient(self._anchor(slot, push.members[0], base), base,
-                                            judged.drift, self.pool)
+        weights = [self._weight(m, judged.staleness) for m in push.members]
+        # One gradient for the group, with the sum of its members' weights: Σ w_i ḡ = (Σ w_i) ḡ.
+        self._fold(slot, push.members[0], base, judged.drift, sum(weights),
+                   float(len(push.members)))
         if not slot.round:
             slot.round_opened_at_s = now_s
-        for member in push.members:
+        for member, weight in zip(push.members, weights):
             self.garbage_streak.pop(member.learner, None)
-            slot.round[member.learner] = Contribution(member, grads, judged.staleness, now_s,
-                                                      base, norms, group=push.learner)
+            slot.round[member.learner] = Contribution(member, None, judged.staleness, now_s,
+                                                      base, group=push.learner,
+                                                      codes=push.codes, weight=weight)
             self._note_push_time(member.learner, push.fragment, now_s)
         if slot.quorum_reached_at_s is None and len(slot.round) >= self.settings.min_learners:
             slot.quorum_reached_at_s = now_s
@@ -652,6 +668,64 @@ class SyncerCore:
         if limit is not None and staleness > limit:
             return Rejected(RejectReason.TOO_STALE, f"staleness {staleness} > {limit}")
         return Accepted(staleness)
+
+    def _weight(self, push: Push, staleness: int) -> float:
+        """A push's merge weight: its token weight times its staleness factor."""
+        return (merge_lib.token_weight(push.c_tokens, push.c_steps)
+                * merge_lib.staleness_factor(staleness, self.settings.staleness_discount))
+
+    def _rda_paths(self, slot: FragmentSlot) -> frozenset:
+        return frozenset(path for path in slot.params
+                         if self.settings.merge_rule == merge_lib.MergeRule.RDA
+                         and not self.is_embedding(path))
+
+    def _fold(self, slot: FragmentSlot, push: Push, base: Fragment, drift: Mapping,
+              weight: float, unit_weight: float, shift: Optional[tuple] = None) -> None:
+        """Adds a push's outer gradient to the open round's running sum (its buffers go back
+        to the pool at once). ``shift``: (Θ_start, Θ): the gradient moves to the round's start,
+        ``g + (Θ_start − Θ)`` (a pull-rule join)."""
+        if slot.open_sum is None:
+            slot.open_sum = fused.GradSum(self._rda_paths(slot))
+        grads, norms = fused.outer_gradient(self._anchor(slot, push, base), base, drift,
+                                            self.pool)
+        if shift is not None:
+            for path, g in grads.items():
+                g += shift[0][path] - shift[1][path]
+                norms[path] = fused._norm(g)
+        slot.open_sum.fold(grads, norms, weight, unit_weight, self.pool)
+        for g in grads.values():
+            self.pool.give(g)
+
+    def _refold(self, slot: FragmentSlot, shift: Optional[tuple] = None) -> None:
+        """Rebuilds the open round's sum from its pushes' codes, in the order they came (the
+        same numbers as folding them as they came): after a push left the round, or moved to
+        its round's start (``shift``, see ``_fold``)."""
+        self._release_open(slot)
+        done = set()
+        for c in list(slot.round.values()):
+            key = c.group if c.group is not None else ("", c.push.learner)
+            if key in done:
+                continue
+            done.add(key)
+            mates = ([m for m in slot.round.values() if m.group == c.group]
+                     if c.group is not None else [c])
+            drift = {k: np.asarray(v) for k, v in self.decode(c.codes).items()}
+            self._fold(slot, c.push, c.base, drift, sum(m.weight for m in mates),
+                       float(len(mates)), shift)
+
+    def _release_open(self, slot: FragmentSlot) -> None:
+        if slot.open_sum is not None:
+            slot.open_sum.release(self.pool)
+            slot.open_sum = None
+
+    def outer_gradient_of(self, fragment: int, learner: str) -> tuple[dict, dict]:
+        """The outer gradient (and its norms) of a learner's open push of a fragment, decoded
+        again from its codes as the round folded it (for tests and tools; the round keeps only
+        its running sum)."""
+        slot = self.slots[fragment]
+        c = slot.round[learner]
+        drift = {k: np.asarray(v) for k, v in self.decode(c.codes).items()}
+        return fused.outer_gradient(self._anchor(slot, c.push, c.base), c.base, drift)
 
     def _anchor(self, slot: FragmentSlot, push: Push, base: Fragment) -> Fragment:
         """The Θ the push's outer gradient is taken from (``merge.gradient_anchor``)."""
@@ -783,15 +857,10 @@ class SyncerCore:
         # round_step per_round: the pushes of this merge join the open round's step when none of
         # their learners is in it yet and it does not hold every live learner already; the step
         # is then taken again from the round's start with every push of the round so far.
+        per_round = self.settings.round_step == merge_lib.RoundStep.PER_ROUND
         joined = self._join_round(slot, contributions, live_count)
         start_params, start_state = (slot.round_start if joined else
                                      (slot.params, slot.outer_state))
-        everyone = joined + contributions
-        weights = [merge_lib.token_weight(c.push.c_tokens, c.push.c_steps)
-                   * merge_lib.staleness_factor(c.staleness, self.settings.staleness_discount)
-                   for c in everyone]
-        if sum(weights) <= 0:  # every learner pushed with zero steps: nothing to learn from
-            weights = [1.0] * len(everyone)
         share = 1.0
         if self.settings.participation_scale and live_count:
             # With K < M a round of M learners arrives as several merges; each full outer step
@@ -799,21 +868,15 @@ class SyncerCore:
             # a mixed fleet (measured: eval loss 3.0 -> 1e5). Scaling by the share n/M keeps one
             # round's total step the size of a synchronous one; with K = M it is exactly 1.
             # With syncer.staleness_share d > 0 each push counts (1 + staleness)^-d of a learner.
-            share = merge_lib.participation_share([c.staleness for c in everyone], live_count,
-                                                  self.settings.staleness_share)
-        rda_paths = frozenset(
-            path for path in slot.params
-            if self.settings.merge_rule == merge_lib.MergeRule.RDA and not self.is_embedding(path))
-        # In place, one pass per learner and a few for the step (syncer/fused.py).
-        grads, norms, weights = shared_gradients(everyone, weights)
-        per_round = self.settings.round_step == merge_lib.RoundStep.PER_ROUND
-        new_params, new_outer, finite, grad_norm = fused.merge_and_step(
-            self.outer, rda_paths, grads, norms, weights, share, start_params,
-            start_state, None if per_round else self.pool)   # per_round keeps the start state
-        if not per_round or not finite:
-            for g_m in shared_gradients(contributions, [1.0] * len(contributions))[0]:
-                for g in g_m.values():   # closed: its buffers serve the next pushes
-                    self.pool.give(g)
+            share = merge_lib.participation_share(
+                [slot.stepped[name] for name in joined] + [c.staleness for c in contributions],
+                live_count, self.settings.staleness_share)
+        # The round's running sums (fused.GradSum): the merge reads each once, whatever the
+        # number of learners in it. per_round keeps its round's start state (not recycled).
+        sums = [slot.stepped_sum, slot.open_sum] if joined else [slot.open_sum]
+        new_params, new_outer, finite, grad_norm = fused.step_sums(
+            self.outer, sums, share, start_params, start_state, self.pool,
+            recycle_state=not per_round)
         if not finite:
             # Θ is never replaced by garbage: the round is refused whole and Θ stays as it was.
             return self._refuse_round(slot, fragment, contributions, live_count,
@@ -821,7 +884,14 @@ class SyncerCore:
                                       "the merged fragment was not finite")
         slot.params, slot.outer_state = new_params, new_outer
         if per_round:
-            slot.stepped.update({c.push.learner: c for c in contributions})
+            if joined:
+                slot.stepped_sum.absorb(slot.open_sum, self.pool)
+                slot.open_sum = None
+            else:
+                slot.stepped_sum, slot.open_sum = slot.open_sum, None
+            slot.stepped.update({c.push.learner: c.staleness for c in contributions})
+        else:
+            self._release_open(slot)
         slot.version += 1
         self.catching_up.discard(fragment)
         slot.history[slot.version] = slot.params
@@ -852,9 +922,6 @@ class SyncerCore:
         detail = (f"no contribution is based on the global fragment {fragment} its learner was "
                   f"handed at registration: Θ[{fragment}] (v{slot.version}) is kept and handed "
                   f"to each")
-        for g_m in shared_gradients(contributions, [1.0] * len(contributions))[0]:
-            for g in g_m.values():   # closed unmerged: its buffers serve the next pushes
-                self.pool.give(g)
         return self._refuse_round(slot, fragment, contributions, live_count,
                                   RejectReason.UNADOPTED, detail)
 
@@ -865,6 +932,7 @@ class SyncerCore:
         with ``reason`` and the round closes; the record hands every learner the current Θ[p]."""
         for c in contributions:
             self._refused(c.push, Rejected(reason, detail))
+        self._release_open(slot)   # closed unmerged: its buffers serve the next pushes
         slot.round = {}
         slot.quorum_reached_at_s = None
         slot.round_opened_at_s = None
@@ -888,60 +956,55 @@ class SyncerCore:
         return result
 
     def _join_round(self, slot: FragmentSlot, contributions: Sequence[Contribution],
-                    live_count: Optional[int]) -> list[Contribution]:
-        """round_step per_round: the contributions of the open round already stepped, when this
+                    live_count: Optional[int]) -> list[str]:
+        """round_step per_round: the learners of the open round already stepped, when this
         merge's join it (none of its learners is in the round, and the round does not hold
         every live learner yet); else [] and a new round starts at the current Θ and outer
         state. With the pull rule the joining gradients, taken against the current Θ, are moved
-        to the round's start: ``g + (Θ_start − Θ)``."""
+        to the round's start: ``g + (Θ_start − Θ)`` (the open sum is folded again from the
+        pushes' codes)."""
         if self.settings.round_step != merge_lib.RoundStep.PER_ROUND:
             return []
         names = {c.push.learner for c in contributions}
-        if (slot.stepped and slot.round_start is not None and not names & set(slot.stepped)
+        if (slot.stepped and slot.round_start is not None and slot.stepped_sum is not None
+                and not names & set(slot.stepped)
                 and (not live_count or len(slot.stepped) < live_count)):
-            start = slot.round_start[0]
             if self.settings.outer_gradient == merge_lib.OuterGradientRule.PULL:
-                seen = set()
-                for c in contributions:
-                    if id(c.outer_grad) in seen:
-                        continue
-                    seen.add(id(c.outer_grad))
-                    for path, g in c.outer_grad.items():
-                        g += start[path] - slot.params[path]
-                        c.grad_norms[path] = fused._norm(g)
-            return [slot.stepped[name] for name in sorted(slot.stepped)]
+                self._refold(slot, shift=(slot.round_start[0], slot.params))
+            return sorted(slot.stepped)
         self._release_round(slot)
         slot.round_start = (slot.params, slot.outer_state)
         return []
 
     def _release_round(self, slot: FragmentSlot) -> None:
-        """Closes the open round of a fragment: its gradient buffers go back to the pool."""
-        seen = set()
-        for c in slot.stepped.values():
-            if id(c.outer_grad) not in seen:
-                seen.add(id(c.outer_grad))
-                for g in c.outer_grad.values():
-                    self.pool.give(g)
-        slot.stepped = {}
+        """Closes the stepped round of a fragment: its sum's buffers go back to the pool."""
+        if slot.stepped_sum is not None:
+            slot.stepped_sum.release(self.pool)
+        slot.stepped, slot.stepped_sum = {}, None
         slot.round_start = None
 
     def updates(self, result: MergeResult) -> dict[str, Any]:
         """What each learner of a merge is sent back (``downlink.FullUpdate`` or ``DiffUpdate``);
         records the shadow each encoded update leaves. Call once per merge, right after it.
 
-        The members of one pre-merged push share their base, so they get the same update and the
-        same shadow (one id): the region fans one reply out, and their next pushes share a base
-        again and pre-merge again."""
+        Learners of the merge at one base (its id and version: the same content, bit for bit)
+        get the same update and share one shadow (one id): the update is a function of the base
+        and Θ[p] alone. The members of a pre-merged push always do, so the region fans one reply
+        out and their next pushes share a base and pre-merge again. At most
+        ``downlink.max_shadows`` shadows of a fragment are kept: the bases of the merge that
+        would make more (its least shared ones first) get the full fragment and hold the exact
+        Θ[p] (docs/operations.md#syncer-memory)."""
         out = {}
         history = self.slots[result.fragment].history
         groups = result.groups or (None,) * len(result.learners)
         rejoin = regions_to_rejoin(result.learners, result.bases, groups)
-        made: dict[tuple, tuple] = {}   # (group, base id, base version) -> (update, shadow)
-        for name, (base_id, base_version, base), group in zip(result.learners, result.bases,
-                                                              groups, strict=True):
+        full = self._bases_sent_full(result, rejoin)
+        made: dict[tuple, tuple] = {}   # (base id, base version) -> (update, shadow)
+        for name, (base_id, base_version, base) in zip(result.learners, result.bases,
+                                                      strict=True):
             key = (name, result.fragment)
-            shared = (group, base_id, base_version) if group is not None else None
-            if name.rsplit(":", 1)[0] in rejoin:
+            shared = (base_id, base_version)
+            if name.rsplit(":", 1)[0] in rejoin or shared in full:
                 update, shadow = downlink_lib.FullUpdate(result.params, result.version,
                                                          result.fleet_step), None
             elif shared in made:
@@ -952,14 +1015,31 @@ class SyncerCore:
                     next(self._shadow_ids), history.get(base_version))
                 if result.fleet_step is not None:
                     update = dataclasses.replace(update, fleet_step=result.fleet_step)
-                if shared is not None:
-                    made[shared] = (update, shadow)
+                made[shared] = (update, shadow)
             if shadow is None:
                 self.shadows.pop(key, None)
             else:
                 self.shadows[key] = shadow
             out[name] = update
         return out
+
+    def _bases_sent_full(self, result: MergeResult, rejoin: frozenset) -> set:
+        """The bases (id, version) of a merge whose learners get the full fragment so that the
+        fragment keeps at most ``downlink.max_shadows`` shadows: the shadows held by learners
+        outside the merge stay, and the merge's bases make one new shadow each, the most shared
+        first (ties: the lower id)."""
+        cap = self.downlink.max_shadows
+        if cap is None or self.downlink.codec is None:
+            return set()
+        inside = set(result.learners)
+        kept = {shadow.shadow_id for (name, p), shadow in self.shadows.items()
+                if p == result.fragment and name not in inside}
+        sharing = collections.Counter(
+            (base_id, version) for name, (base_id, version, _) in zip(result.learners,
+                                                                       result.bases)
+            if name.rsplit(":", 1)[0] not in rejoin)
+        ranked = sorted(sharing, key=lambda k: (-sharing[k], k))
+        return set(ranked[max(cap - len(kept), 0):])
 
     def _credit(self, push: Push) -> None:
         entry = self.ledger.setdefault(push.learner, LedgerEntry(incarnation=push.incarnation))

@@ -58,11 +58,15 @@ class DownlinkSettings:
         global fragment of its base version.
       full_after_versions: a learner whose base is more than this many versions behind the merge
         gets the full fragment; None: never for that reason.
+      max_shadows: the most shadows the syncer keeps per fragment (learners at one base share
+        one); a merge that would make more sends its least shared bases the full fragment.
+        None: no bound (one per learner at worst).
     """
 
     codec: Any = None   # a codec.Codec
     error_feedback: bool = True
     full_after_versions: Optional[int] = 8
+    max_shadows: Optional[int] = 4
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ scale applied once with the participation share), so results agree to float32 ro
 from __future__ import annotations
 
 import collections
+import itertools
 import math
 from typing import Any, Optional, Sequence
 
@@ -291,4 +292,199 @@ def _merge_and_step(optimizer, rda_paths, grads, norms, weights, share, params, 
             for v in (trace.values() if finite[0] else ()):   # the old momentum is no one's
                 if isinstance(v, np.ndarray) and v.flags.writeable:
                     give(v)
+    return new_params, new_state, finite[0], grad_norm
+
+
+
+# -- running sums: a round's pushes folded as they arrive ----------------------------------------
+class GradSum:
+    """The pushes of a round folded into running sums as they arrive, so a round holds one or two
+    fragment-sized arrays however many learners are in it (not one outer gradient each).
+
+    Per tensor: ``mean = Σ w g`` and, for RDA tensors, ``direction = Σ (w/‖g‖) g`` over the g ≠ 0
+    with ``length = Σ w‖g‖``; ``weight = Σ w``. A merge is then ``mean/Σw`` (the weighted mean)
+    or ``(length/Σw)·φ(direction)`` (RDA), falling back to the mean when the directions cancel:
+    ``merge.py``'s math with the normalisation by Σ w taken once at the end (float32 rounding
+    apart, the same numbers). While every weight folded is 0 (pushes of zero steps) the sums are
+    unweighted, as ``SyncerCore.merge`` takes all weights as 1 then; the first positive weight
+    starts them over with its push alone (a zero weight adds nothing after it).
+    """
+
+    def __init__(self, rda_paths: frozenset):
+        self.rda_paths = rda_paths
+        self.mean: dict = {}
+        self.direction: dict = {}
+        self.length: dict = {}
+        self.weight = 0.0
+        self.positive = False   # a positive weight is in (else the sums are of weight 1 each)
+        self.count = 0
+
+    def release(self, pool: Optional[BufferPool]) -> None:
+        """Hands the arrays to the pool; the sum is empty afterwards."""
+        if pool is not None:
+            for v in itertools.chain(self.mean.values(), self.direction.values()):
+                pool.give(v)
+        self.mean, self.direction, self.length = {}, {}, {}
+        self.weight, self.positive, self.count = 0.0, False, 0
+
+    def fold(self, grads: dict, norms: dict, weight: float, unit_weight: float = 1.0,
+             pool: Optional[BufferPool] = None) -> None:
+        """Adds one outer gradient ``{path: g}`` (norms ``{path: ‖g‖}``) with its merge weight;
+        ``unit_weight``: what it weighs when every weight of the round is 0 (a group: its
+        members)."""
+        count = self.count + 1
+        if weight > 0:
+            if not self.positive:
+                self.release(pool)   # the unweighted sums of zero weights are void now
+                self.positive = True
+        elif self.positive:
+            self.count = count
+            return                   # weighs nothing next to the positive weights in
+        else:
+            weight = unit_weight
+        self.count = count
+        w = float(weight)
+        take = pool.take if pool is not None else (lambda shape: np.empty(shape, np.float32))
+        for path, g in grads.items():
+            n = norms[path]
+            targets = [(self.mean, w)]
+            if path in self.rda_paths:
+                self.length[path] = self.length.get(path, 0.0) + w * n
+                if n > 0:
+                    targets.append((self.direction, w / n))
+            for target, c in targets:
+                if path not in target:
+                    target[path] = take(g.shape)
+                    np.multiply(g, np.float32(c), out=target[path])
+                else:
+                    _axpy(c, g, target[path])
+        self.weight += w
+
+    def absorb(self, other: "GradSum", pool: Optional[BufferPool] = None) -> None:
+        """``self += other`` (the pushes of a partial merge join their round's sum); ``other``
+        is emptied."""
+        if other.positive and not self.positive:
+            self.release(pool)
+            self.positive = True
+        if other.positive == self.positive:
+            for mine, theirs in ((self.mean, other.mean), (self.direction, other.direction)):
+                for path, v in theirs.items():
+                    if path in mine:
+                        _axpy(1.0, v, mine[path])
+                        if pool is not None:
+                            pool.give(v)
+                    else:
+                        mine[path] = v
+                theirs.clear()
+            for path, x in other.length.items():
+                self.length[path] = self.length.get(path, 0.0) + x
+            self.weight += other.weight
+        self.count += other.count
+        other.release(pool)
+
+
+def counted(sums: Sequence[GradSum]) -> list[GradSum]:
+    """The sums a merge takes: those holding positive weights, or all when none does."""
+    positive = [s for s in sums if s.positive and s.count]
+    return positive or [s for s in sums if s.count]
+
+
+def _sum_direction(sums, path, use_rda, out, step=None) -> tuple[float, float, bool]:
+    """As ``_merged_direction`` over running sums: writes Σ over the sums into ``out`` (or
+    hands each block to ``step``) and returns ``(scale, norm, rda)``, the merged outer gradient
+    being ``scale · out``."""
+    total = sum(s.weight for s in sums)
+    if use_rda:
+        parts = [s.direction[path] for s in sums if path in s.direction]
+        if parts:
+            mean_norm = sum(s.length.get(path, 0.0) for s in sums) / total
+            d_norm = math.sqrt(max(_direction(parts, [1.0 / total] * len(parts), out), 0.0))
+            if d_norm >= RDA_EPS:
+                if step is not None:
+                    flat = _flat(out)
+                    for lo, hi in _blocks(flat.size):
+                        step(lo, hi, flat[lo:hi], mean_norm / d_norm)
+                return mean_norm / d_norm, mean_norm, True
+    parts = [s.mean[path] for s in sums]
+    coefs = [1.0 / total] * len(parts)
+    if step is not None and not use_rda:   # one pass: each block stepped while in cache
+        block = _flat(out)[:min(BLOCK, out.size)]
+        return 1.0, math.sqrt(max(_direction(parts, coefs, block,
+                                             step=lambda lo, hi, d: step(lo, hi, d, 1.0)),
+                                  0.0)), False
+    norm = math.sqrt(max(_direction(parts, coefs, out), 0.0))
+    if step is not None:
+        flat = _flat(out)
+        for lo, hi in _blocks(flat.size):
+            step(lo, hi, flat[lo:hi], 1.0)
+    return 1.0, norm, False
+
+
+def step_sums(optimizer, sums: Sequence[GradSum], share: float, params: dict, state: Any,
+              pool: Optional[BufferPool] = None, recycle_state: bool = True):
+    """``merge_and_step`` over running sums (``GradSum``; several: a round's and a joining
+    merge's, taken together without changing either). Passes per tensor with SGD / Nesterov: the
+    weighted mean 1 + 4 (read the sum, Θ and m; write m' and Θ'), RDA 2 + 5 (the direction and
+    its norm, then the step), whatever the number of learners.
+
+    ``recycle_state``: the old momentum buffers may go back to the pool (False: the state is
+    kept, as ``round_step: per_round`` keeps its round's start).
+
+    Returns ``(new Θ, new state, every value finite, ‖merged outer gradient‖)``.
+    """
+    sums = counted(sums)
+    if not sums:
+        raise ValueError("no pushes to merge")
+    with np.errstate(over="ignore", invalid="ignore"):
+        return _step_sums(optimizer, sums, share, params, state, pool, recycle_state)
+
+
+def _step_sums(optimizer, sums, share, params, state, pool, recycle_state):
+    take = pool.take if pool is not None else (lambda shape: np.empty(shape, np.float32))
+    give = pool.give if pool is not None else (lambda array: None)
+    rda_paths = sums[0].rda_paths
+    sgd = _sgd_kind(optimizer)
+    trace = _trace(state) if sgd is not None else None
+    merged, new_params, norm_sq, finite = {}, {}, 0.0, [True]
+    new_trace = {} if trace is not None else None
+    for path, value in params.items():
+        use_rda = path in rda_paths
+        out = take(value.shape)
+        if sgd is None:
+            scale, norm, _ = _sum_direction(sums, path, use_rda, out)
+            if scale * share != 1.0:
+                out *= np.float32(scale * share)
+            norm_sq += (norm * share) ** 2
+            merged[path] = out
+            continue
+        lr, momentum, nesterov = sgd
+        new = np.empty(value.shape, np.float32)
+        m_new = take(value.shape) if trace is not None else None
+        stepper = _stepper(_flat(np.asarray(value, np.float32)), _flat(new),
+                           None if trace is None else _flat(np.asarray(trace[path], np.float32)),
+                           None if m_new is None else _flat(m_new), lr, momentum, nesterov,
+                           finite)
+        _, norm, _ = _sum_direction(sums, path, use_rda, out,
+                                    step=lambda lo, hi, d, s, st=stepper: st(lo, hi, d,
+                                                                             s * share))
+        norm_sq += (norm * share) ** 2
+        give(out)
+        new_params[path] = new
+        if new_trace is not None:
+            new_trace[path] = m_new
+    grad_norm = math.sqrt(norm_sq)
+    if sgd is None:
+        new_params, new_state = outer_lib.outer_step(optimizer, merged, state, params)
+        finite = [all(np.isfinite(_norm(v)) or bool(np.all(np.isfinite(v)))
+                      for v in new_params.values())]
+        for v in merged.values():
+            give(v)
+        return new_params, new_state, finite[0], grad_norm
+    new_state = state if trace is None else tuple(
+        part._replace(trace=new_trace) if getattr(part, "trace", None) is not None else part
+        for part in state)
+    if trace is not None and recycle_state and finite[0]:
+        for v in trace.values():   # the old momentum is no one's
+            if isinstance(v, np.ndarray) and v.flags.writeable:
+                give(v)
     return new_params, new_state, finite[0], grad_norm

@@ -54,7 +54,10 @@ def build(kind: str = "nesterov", lr: float = DEFAULT_OUTER_LR,
       ValueError: for an unknown kind.
     """
     if kind == "nesterov":
-        return _with_spec(optax.sgd(lr, momentum=momentum, nesterov=True), kind, lr, momentum)
+        # Momentum 0 (the rule's up to H = 128) keeps no trace: m' = g, and Θ − lr·(g + 0·m') is
+        # plain SGD, so a fragment-sized array of it would be stored and never read.
+        return _with_spec(optax.sgd(lr, momentum=momentum or None, nesterov=bool(momentum)),
+                          kind, lr, momentum)
     if kind == "sgd":
         return _with_spec(optax.sgd(lr, momentum=momentum or None), kind, lr, momentum)
     if kind == "adam":

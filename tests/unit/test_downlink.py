@@ -156,12 +156,12 @@ def test_learner_and_shadow_agree_bit_for_bit_over_many_rounds(down, up):
         train(core, rng)
         plan, verdict = push_and_merge(syncer, core, p, float(r))
         assert verdict.ok, verdict
-        contribution = syncer.slots[p].round[name]
+        outer_grad, _ = syncer.outer_gradient_of(p, name)   # as the round folded it
         base = host(core.tracks[p].base)
         decoded = {k: np.asarray(v) for k, v in codec_lib.decode_tree(None, plan.push.codes).items()}
         theta_now = syncer.slots[p].params
         for k in base:  # g = Θ − (S + δ) on the syncer is Θ − (the learner's base + δ), exactly
-            np.testing.assert_array_equal(contribution.outer_grad[k],
+            np.testing.assert_array_equal(outer_grad[k],
                                           (theta_now[k] - base[k]) - decoded[k])
         result = syncer.merge(p, "test", live_count=2)
         update = syncer.updates(result)[name]

@@ -126,3 +126,46 @@ def test_rda_merge_by_hand(block, monkeypatch):
                                                 params, optimizer.init(params))
     assert finite and norm == pytest.approx(1.75)
     np.testing.assert_allclose(new["w"], 1 - 1.75 * np.array([1.0, 3.0]) / np.sqrt(10), rtol=1e-6)
+
+
+@pytest.mark.parametrize("kind, kwargs", [("nesterov", {"lr": 1.0, "momentum": 0.0}),
+                                          ("sgd", {"lr": 0.5, "momentum": 0.8}),
+                                          ("adam", {"lr": 1e-2})])
+@pytest.mark.parametrize("rule", [merge.MergeRule.RDA, merge.MergeRule.MEAN])
+@pytest.mark.parametrize("block", [fused.BLOCK, 16])
+def test_running_sums_step_as_the_gradients_do(kind, kwargs, rule, block, monkeypatch):
+    """A round folded push by push into a GradSum (split in two sums, as a joining partial
+    merge) steps to what merge_and_step makes of the gradients themselves, to float32 rounding;
+    zero weights count as 1 each only when every weight is 0."""
+    monkeypatch.setattr(fused, "BLOCK", block)
+    rng = np.random.default_rng(3)
+    pool = fused.BufferPool()
+    params, gn = grads_and_norms(rng, 4, pool)
+    rda = frozenset({"w"} if rule == merge.MergeRule.RDA else ())
+    optimizer = outer.build(kind, **kwargs)
+    state = optimizer.init(params)
+    for weights in ([1e4, 0.0, 3e4, 2e4], [0.0, 0.0, 0.0, 0.0]):
+        first, second = fused.GradSum(rda), fused.GradSum(rda)
+        for i, ((g, n), w) in enumerate(zip(gn, weights)):
+            (first if i < 2 else second).fold(g, n, w, 1.0, pool)
+        effective = weights if sum(weights) > 0 else [1.0] * 4
+        want, _, _, want_norm = fused.merge_and_step(
+            optimizer, rda, [g for g, _ in gn], [n for _, n in gn], effective, 0.75, params,
+            state)
+        got, _, finite, norm = fused.step_sums(optimizer, [first, second], 0.75, params, state,
+                                               pool)
+        assert finite and norm == pytest.approx(want_norm, rel=1e-5)
+        for k in params:
+            np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6)
+        first.absorb(second, pool)
+        assert second.count == 0 and first.count == 4
+        again, _, _, _ = fused.step_sums(optimizer, [first], 0.75, params, state, pool)
+        for k in params:
+            np.testing.assert_allclose(again[k], want[k], rtol=1e-5, atol=1e-6)
+
+
+def test_zero_momentum_keeps_no_trace():
+    """Nesterov with momentum 0 (the rule's at H ≤ 128) stores no momentum array."""
+    params = {"w": np.ones(8, np.float32)}
+    assert fused._trace(outer.build("nesterov", lr=1.0, momentum=0.0).init(params)) is None
+    assert fused._trace(outer.build("nesterov", lr=0.7, momentum=0.9).init(params)) is not None
