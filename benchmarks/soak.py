@@ -218,7 +218,9 @@ def start_charges(events: list[dict]) -> list[dict]:
     process), ``prestarted`` (the process started for it when it failed, prepared while the
     restart waited, promoted when due) or ``spare`` (a warm spare of its region, ready
     before). An attempt killed before it was ready is no sample: the prediction kills those
-    attempts itself.
+    attempts itself. A restart still under way when the job stopped (``job_stopped``, else the
+    last event) is one, censored there (``how``: ``unfinished``, its seconds to the end): on
+    a machine too busy for any restart to finish, the model must not see none at all.
 
     >>> ev = [dict(t=0.0, event="learner_failed", learner="a:0"),
     ...       dict(t=0.0, event="spare_launched", learner="a:0", spare="s1"),
@@ -236,24 +238,43 @@ def start_charges(events: list[dict]) -> list[dict]:
     """
     prestarted: set = set()          # spares launched for one learner's restart
     last_failed, launched, out = {}, {}, []
+    pending: dict = {}               # learner -> (failed at, restarted at or None)
+    end_t = None
+
+    def charge(who, t, failed_t, restarted_t, how):
+        restarted_t = t if restarted_t is None else restarted_t
+        out.append({"learner": who, "t": t, "how": how, "seconds": round(t - failed_t, 3),
+                    "wait_s": round(restarted_t - failed_t, 3),
+                    "start_s": round(t - restarted_t, 3)})
+
     for e in events:
         who = e.get("learner")
+        end_t = e["t"]
+        if e["event"] == "job_stopped":
+            break
         if e["event"] == "spare_launched" and who is not None:
             prestarted.add(e["spare"])
         if who is None:
             continue
         if e["event"] == "learner_failed":
             last_failed[who] = e["t"]
+            pending[who] = (e["t"], None)
         elif e["event"] == "learner_restarted" and who in last_failed:
             spare = e.get("spare")
             how = "new" if not spare else "prestarted" if spare in prestarted else "spare"
             launched[(who, e.get("incarnation"))] = (last_failed[who], e["t"], how)
+            pending[who] = (last_failed[who], e["t"])
         elif e["event"] == "learner_ready" and (who, e.get("incarnation")) in launched:
             failed_t, restarted_t, how = launched.pop((who, e.get("incarnation")))
-            out.append({"learner": who, "t": e["t"], "how": how,
-                        "seconds": round(e["t"] - failed_t, 3),
-                        "wait_s": round(restarted_t - failed_t, 3),
-                        "start_s": round(e["t"] - restarted_t, 3)})
+            pending.pop(who, None)
+            charge(who, e["t"], failed_t, restarted_t, how)
+        elif e["event"] == "learner_retired" and who in pending:
+            failed_t, restarted_t = pending.pop(who)
+            if e.get("reason") == "stopped":   # the job's stop: censored there
+                charge(who, e["t"], failed_t, restarted_t, "unfinished")
+    for who, (failed_t, restarted_t) in sorted(pending.items()):
+        if end_t is not None and end_t > failed_t:
+            charge(who, end_t, failed_t, restarted_t, "unfinished")
     return out
 
 
@@ -342,7 +363,7 @@ def predictions(plan, hangs, horizon: float, seed: int, spares: int, events: lis
         k: (summarise(v) if isinstance(v, tuple) else v) for k, v in costs.items()}}
     out["start_charges_measured"] = {how: summarise([c["seconds"] for c in charges
                                                      if c["how"] == how])
-                                     for how in ("new", "prestarted", "spare")}
+                                     for how in ("new", "prestarted", "spare", "unfinished")}
     out["predicted_goodput_flat"] = predicted_goodput(plan, horizon, seed)
     # The model of record: each restart and promotion pays what this run's restarts of that
     # kind cost (their distributions), hangs are found after the timeout, starts slow the

@@ -60,3 +60,20 @@ def test_the_virtual_fleet_waits_its_restart_wait_before_each_start():
     assert policy.backoff_initial_s == policy.backoff_max_s == 4.2
     assert policy.backoff_multiplier == 1.0
     assert fleet_settings(["a:0"], ["a"], [1.0], 1).policy.backoff_max_s == 0.0
+
+
+def test_a_restart_still_under_way_at_the_end_is_censored_there():
+    # Too busy a machine: no restart finishes. The model must charge them to the end, not
+    # fall back to a flat guess.
+    events = [dict(t=0.0, event="learner_failed", learner="a:0"),
+              dict(t=0.0, event="spare_launched", learner="a:0", spare="s1"),
+              dict(t=5.0, event="learner_failed", learner="a:1"),
+              dict(t=5.0, event="spare_launched", learner="a:1", spare="s2"),
+              dict(t=50.0, event="learner_restarted", learner="a:1", incarnation=1, spare="s2"),
+              dict(t=100.0, event="learner_retired", learner="a:0", reason="stopped"),
+              dict(t=100.0, event="job_stopped")]
+    charges = soak.start_charges(events)
+    assert sorted((c["how"], c["seconds"], c["wait_s"]) for c in charges) == [
+        ("unfinished", 95.0, 45.0), ("unfinished", 100.0, 100.0)]
+    costs = soak.measured_costs(events)
+    assert sorted(costs["restart_samples_s"]) == [0.0, 50.0] and costs["restart_wait_s"] == 72.5
