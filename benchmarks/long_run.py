@@ -112,7 +112,21 @@ def since_restart(samples: list[tuple[int, int, int]], failures: int, window: in
     start = mine[0][0]
     shifted = [(n - start, r) for n, r in mine]
     return {**memory_windows(shifted, failures - start, window), "pid": pid,
-            "from_failure": start}
+            "from_failure": start, "mib_per_100_failures": slope(mine)}
+
+
+def slope(rows: list[tuple[int, int]]) -> Optional[float]:
+    """Least-squares growth of ``[(failures, bytes)]`` in MiB per 100 failures (None: fewer
+    than two distinct failure counts). A leak shows as a slope the run's length turns into
+    more than the 10 % bar.
+
+    >>> slope([(0, 0), (100, 2 ** 20), (200, 2 ** 21)])
+    1.0
+    """
+    if len({n for n, _ in rows}) < 2:
+        return None
+    n, r = np.array(rows, dtype=float).T
+    return round(float(np.polyfit(n, r, 1)[0]) * 100 / 2 ** 20, 4)
 
 
 def books_check(summary: dict) -> dict:
@@ -196,6 +210,9 @@ class Chaos:
         self.stop, self.done = threading.Event(), threading.Event()
         self.failures = 0
         self.samples: dict[str, list] = {"controller": [], "syncer": []}
+        # Open fds over the run (failures so far, fds): a leak grows with failures, a process
+        # of another kind (a promoted spare) is an offset.
+        self.fd_samples: dict[str, list] = {"driver": [], "controller": [], "syncer": []}
         self.log: list = []
         self.start_counts: dict = {}
         self.end_counts: dict = {}
@@ -300,10 +317,14 @@ class Chaos:
             if pid is None and role == "syncer":
                 handles.update(self.handles())
                 continue
-            rss = proc_figures(pid)[0]
+            rss, fds = proc_figures(pid)
             if rss is not None:
                 self.samples[role].append((self.failures, rss, pid))
+                self.fd_samples[role].append((self.failures, fds))
                 self.seen(pid)
+        import psutil
+
+        self.fd_samples["driver"].append((self.failures, psutil.Process().num_fds()))
 
     # -- the chaos thread ------------------------------------------------------------------------
     def run(self, controller) -> None:
@@ -499,6 +520,10 @@ def run_real(args) -> dict:
         "fds_start": start.get("fds"), "fds_end": end.get("fds"),
         "fds_total_start": start.get("fds_total"), "fds_total_end": end.get("fds_total"),
         "fds_back": fds_back,
+        # Median open fds over the first and the last W failures, per process role.
+        "fds_over_failures": {role: {k: v for k, v in memory_windows(rows, failures, window).items()
+                                     if k in ("first", "last")}
+                              for role, rows in chaos.fd_samples.items()},
         "live_actors_start": start.get("live_actors"), "live_actors_end": end.get("live_actors"),
         "actors_back": actors_back,
         "leaked_actors": len(alive), "leaked_processes": len(left), "leaked": alive + left,
@@ -506,6 +531,8 @@ def run_real(args) -> dict:
         "final_eval_loss": summary.get("final_eval_loss"),
         "merges": summary.get("merges"), "goodput": summary.get("goodput"),
         "chaos_error": chaos.error, "run_dir": run_dir,
+        # Every sample, for a second look: [failures so far, bytes or fds, pid].
+        "samples": {"rss": chaos.samples, "fds": chaos.fd_samples},
     }
     result["met"] = bool(failures >= args.failures and books["balanced"] and monotonic
                          and result["nothing_lost"] and result["memory_within_10pct"]
