@@ -14,17 +14,23 @@ the hangs, which the in-process driver does not model) runs through the in-proce
     python benchmarks/soak.py             # ≥ 1,000 learner failures, ≥ 10 syncer kills, ≥ 3
     python benchmarks/soak.py --quick --spares 2   # with warm spares (health.spares)
 
-The prediction models what the service pays (issue 21): the hangs (found after the health
-timeout), each restart's and each promotion's seconds drawn from what this run measured (failure
-→ the learner training again, from the events), and the CPU a starting process takes from the
-learners beside it on shared cores (``--survivor-slowdown``, measured by
-``benchmarks/recovery.py``).
+The prediction models what the service pays: the hangs (found after the health timeout), and
+each start as the service made it (``start_charges``, from the events). A restart that found a
+ready warm spare is a promotion and draws this run's promotions' failure → ready seconds. Every
+other restart (on the service a process prestarted for it, or a new one; the in-process fleet
+prestarts nothing) first waits, restarting, the mean wait those restarts had here (a kill then
+finds no running learner, as on the service), then draws their restarted → ready seconds. The
+CPU a starting process takes from the learners beside it is ``--survivor-slowdown`` (measured by
+``benchmarks/recovery.py``). The JSON reports what the service paid for each kind of start
+(``start_charges_measured``) and what the model charged for each start
+(``start_charges_predicted``). ``--replay RUN_DIR`` predicts again for a finished run.
 
 Prints a table, then one JSON object as the last line; writes soak.json (and soak.png).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tempfile
@@ -203,36 +209,118 @@ def plot(run_dir: str, events: list[dict], out_dir: str) -> None:
     C.save_figure(fig, out_dir, "soak.png")
 
 
-def measured_costs(events: list[dict]) -> dict:
-    """What each restart that got a learner training again cost in this run: from the failure
-    it answered (as detected) to that incarnation's ``learner_ready``, split by whether a spare
-    took over (its ``learner_restarted`` names it) or a new process did. An attempt killed before
-    it was ready is no sample: the prediction kills those attempts itself."""
-    fresh, promoted = [], []
-    last_failed, launched = {}, {}
+def start_charges(events: list[dict]) -> list[dict]:
+    """Each restart that got its learner training again, as the service paid for it:
+    ``seconds`` from the failure it answered (as detected) to that incarnation's
+    ``learner_ready``, in two parts: ``wait_s`` restarting (to ``learner_restarted``: the backoff,
+    and a prestarted process's preparation; the learner is not running, a kill finds nothing)
+    and ``start_s`` starting (to ``learner_ready``); and how it started: ``new`` (a new
+    process), ``prestarted`` (the process started for it when it failed, prepared while the
+    restart waited, promoted when due) or ``spare`` (a warm spare of its region, ready
+    before). An attempt killed before it was ready is no sample: the prediction kills those
+    attempts itself. A restart still under way when the job stopped (``job_stopped``, else the
+    last event) is one, censored there (``how``: ``unfinished``, its seconds to the end): on
+    a machine too busy for any restart to finish, the model must not see none at all.
+
+    >>> ev = [dict(t=0.0, event="learner_failed", learner="a:0"),
+    ...       dict(t=0.0, event="spare_launched", learner="a:0", spare="s1"),
+    ...       dict(t=3.0, event="learner_restarted", learner="a:0", incarnation=1, spare="s1"),
+    ...       dict(t=4.0, event="learner_ready", learner="a:0", incarnation=1),
+    ...       dict(t=5.0, event="spare_launched", spare="s2"),
+    ...       dict(t=9.0, event="learner_failed", learner="a:0"),
+    ...       dict(t=9.5, event="learner_restarted", learner="a:0", incarnation=2, spare="s2"),
+    ...       dict(t=10.0, event="learner_ready", learner="a:0", incarnation=2),
+    ...       dict(t=11.0, event="learner_failed", learner="a:0"),
+    ...       dict(t=11.1, event="learner_restarted", learner="a:0", incarnation=3),
+    ...       dict(t=14.1, event="learner_ready", learner="a:0", incarnation=3)]
+    >>> [(c["how"], c["seconds"], c["wait_s"]) for c in start_charges(ev)]
+    [('prestarted', 4.0, 3.0), ('spare', 1.0, 0.5), ('new', 3.1, 0.1)]
+    """
+    prestarted: set = set()          # spares launched for one learner's restart
+    last_failed, launched, out = {}, {}, []
+    pending: dict = {}               # learner -> (failed at, restarted at or None)
+    end_t = None
+
+    def charge(who, t, failed_t, restarted_t, how):
+        restarted_t = t if restarted_t is None else restarted_t
+        out.append({"learner": who, "t": t, "how": how, "seconds": round(t - failed_t, 3),
+                    "wait_s": round(restarted_t - failed_t, 3),
+                    "start_s": round(t - restarted_t, 3)})
+
     for e in events:
         who = e.get("learner")
+        end_t = e["t"]
+        if e["event"] == "job_stopped":
+            break
+        if e["event"] == "spare_launched" and who is not None:
+            prestarted.add(e["spare"])
         if who is None:
             continue
         if e["event"] == "learner_failed":
             last_failed[who] = e["t"]
+            pending[who] = (e["t"], None)
         elif e["event"] == "learner_restarted" and who in last_failed:
-            launched[(who, e.get("incarnation"))] = (last_failed[who], bool(e.get("spare")))
+            spare = e.get("spare")
+            how = "new" if not spare else "prestarted" if spare in prestarted else "spare"
+            launched[(who, e.get("incarnation"))] = (last_failed[who], e["t"], how)
+            pending[who] = (last_failed[who], e["t"])
         elif e["event"] == "learner_ready" and (who, e.get("incarnation")) in launched:
-            failed_t, spare = launched.pop((who, e.get("incarnation")))
-            (promoted if spare else fresh).append(e["t"] - failed_t)
+            failed_t, restarted_t, how = launched.pop((who, e.get("incarnation")))
+            pending.pop(who, None)
+            charge(who, e["t"], failed_t, restarted_t, how)
+        elif e["event"] == "learner_retired" and who in pending:
+            failed_t, restarted_t = pending.pop(who)
+            if e.get("reason") == "stopped":   # the job's stop: censored there
+                charge(who, e["t"], failed_t, restarted_t, "unfinished")
+    for who, (failed_t, restarted_t) in sorted(pending.items()):
+        if end_t is not None and end_t > failed_t:
+            charge(who, end_t, failed_t, restarted_t, "unfinished")
+    return out
+
+
+def measured_costs(events: list[dict]) -> dict:
+    """What the prediction charges each start, from what this run's starts cost
+    (``start_charges``), by what the in-process fleet can tell apart and in the states the
+    service spent it in:
+      - a restart that finds a ready warm spare of its region is a promotion: the whole
+        failure → ready (``promote_samples_s``);
+      - every other restart (a prestarted process or a new one: the in-process fleet
+        prestarts nothing) waits ``restart_wait_s``, the mean wait of those restarts here,
+        restarting (no learner to kill), then starts in ``restart_samples_s``, their
+        restarted → ready seconds.
+    Before, each restart drew the whole failure → ready of the service's *new* processes only
+    (``learner_restarted`` without a spare), all of it killable: with prestarted restarts on,
+    those are the few region-loss victims, slow and unlike the rest, or none at all, and then
+    every restart paid a flat 2.5 s. Kills that are moot on the service (the learner is
+    waiting for its prestarted process) restarted the model's learners again."""
+    charges = start_charges(events)
+    others = [c for c in charges if c["how"] != "spare"]
+    costs = {"restart_samples_s": tuple(c["start_s"] for c in others),
+             "promote_samples_s": tuple(c["seconds"] for c in charges if c["how"] == "spare"),
+             "restart_wait_s": float(np.mean([c["wait_s"] for c in others])) if others else 0.0}
     prepare = [e["prepare_s"] for e in events if e["event"] == "spare_ready"]
-    costs = {"restart_samples_s": tuple(fresh), "promote_samples_s": tuple(promoted)}
     if prepare:   # a spare's preparation, launch to ready
         costs["spare_ready_s"] = float(np.median(prepare))
     return costs
 
 
+def summarise(seconds) -> dict:
+    """n, median, p90 and mean of a list of seconds ({"n": 0} for none)."""
+    if not len(seconds):
+        return {"n": 0}
+    return {"n": len(seconds), "median": round(float(np.median(seconds)), 3),
+            "p90": round(float(np.percentile(seconds, 90)), 3),
+            "mean": round(float(np.mean(seconds)), 3)}
+
+
 def predicted_goodput(plan, horizon_s: float, seed: int, hangs=(), spares: int = 0,
                       costs: dict | None = None, survivor_slowdown: float = 0.0,
-                      start_cpu_s: float = 0.0, start_cores: float = 1.0) -> float:
+                      start_cpu_s: float = 0.0, start_cores: float = 1.0,
+                      charged: list | None = None) -> float:
     """The same plan, hangs included, through the in-process driver on the same model and
-    schedule, paying the restart and promotion seconds measured in the real run."""
+    schedule, paying the restart and promotion seconds measured in the real run. ``charged``,
+    if given, gets ``(kind, seconds)`` for every start the model paid for (``restart``: a new
+    process, ``promotion``: a warm spare), in the order it drew them."""
     from islands.orchestrator import inprocess
 
     ids = [f"{r}:{i}" for r, n in REGIONS.items() for i in range(n)]
@@ -243,13 +331,86 @@ def predicted_goodput(plan, horizon_s: float, seed: int, hangs=(), spares: int =
     plan = chaos.FaultPlan(list(plan) + [chaos.Fault(t, FaultKind.HANG, who, duration_s=HANG_S)
                                          for t, who in hangs]).sorted()
     costs = dict(costs or {})
+    fleet = dataclasses.replace(fleet, restart_wait_s=costs.pop("restart_wait_s", 0.0))
+    log = charged if charged is not None else []
+
+    class Charged(RestartCosts):
+        def sampler(self):
+            draw = super().sampler()
+
+            def logged(promotion: bool) -> float:
+                seconds = draw(promotion)
+                log.append(("promotion" if promotion else "restart", seconds))
+                return seconds
+            return logged
+
     record = C.run_ours(setup, learner_ids=ids, fleet=fleet, num_fragments=2,
                         sync_every_steps=4, overlap_steps=1, until_s=horizon_s,
-                        faults=plan, restart=RestartCosts(
+                        faults=plan, restart=Charged(
                             detect_lost_s=0.0, detect_hang_s=TIMEOUT_S, restart_s=2.5,
                             survivor_slowdown_per_start=survivor_slowdown, seed=seed,
                             start_cpu_s=start_cpu_s, start_cores=start_cores, **costs))
     return record.goodput
+
+
+def predictions(plan, hangs, horizon: float, seed: int, spares: int, events: list[dict],
+                args) -> dict:
+    """The three predictions of the same plan (flat, the model of record, CPU-shared), with
+    what the service paid for each start and what the model of record charged for each."""
+    charges = start_charges(events)
+    costs = measured_costs(events)
+    out: dict = {"measured_restart_s": {
+        k: (summarise(v) if isinstance(v, tuple) else v) for k, v in costs.items()}}
+    out["start_charges_measured"] = {how: summarise([c["seconds"] for c in charges
+                                                     if c["how"] == how])
+                                     for how in ("new", "prestarted", "spare", "unfinished")}
+    out["predicted_goodput_flat"] = predicted_goodput(plan, horizon, seed)
+    # The model of record: each restart and promotion pays what this run's restarts of that
+    # kind cost (their distributions), hangs are found after the timeout, starts slow the
+    # learners beside them.
+    charged: list = []
+    out["predicted_goodput"] = predicted_goodput(
+        plan, horizon, seed, hangs=hangs, spares=spares, costs=costs,
+        survivor_slowdown=args.survivor_slowdown, charged=charged)
+    out["start_charges_predicted"] = {
+        kind: {**summarise([x for k, x in charged if k == kind]),
+               "each_s": [round(x, 3) for k, x in charged if k == kind]}
+        for kind in ("restart", "promotion")}
+    # Each restart's start (above) comes after this wait, restarting.
+    out["start_charges_predicted"]["restart"]["wait_s"] = round(costs.get("restart_wait_s", 0), 3)
+    out["start_charges_measured"]["all"] = {
+        part: summarise([c[part] for c in charges]) for part in ("seconds", "wait_s", "start_s")}
+    # A model that needs no measurement of the run: starts share the cores (processor sharing)
+    # at --start-cpu-s each; only as good as those two figures.
+    cpu_costs = {k: v for k, v in costs.items() if k == "promote_samples_s"}
+    out["predicted_goodput_cpu_shared"] = predicted_goodput(
+        plan, horizon, seed, hangs=hangs, spares=spares, costs=cpu_costs,
+        survivor_slowdown=args.survivor_slowdown, start_cpu_s=args.start_cpu_s,
+        start_cores=args.start_cores)
+    return out
+
+
+def plan_of(args):
+    """(horizon, plan, hangs, controller kill times) of a soak's arguments."""
+    horizon = args.horizon or (160.0 if args.quick else 1100.0)
+    mtbf = args.mtbf or (6.0 if args.quick else 3.5)
+    syncer_kills, controller_kills = (2, 1) if args.quick else (10, 3)
+    plan, hangs = fault_plan(horizon, args.seed, mtbf, syncer_kills)
+    kill_times = [horizon * (k + 1) / (controller_kills + 1) + 1.3 for k in range(controller_kills)]
+    return horizon, plan, hangs, kill_times
+
+
+def replay(args) -> dict:
+    """The predictions of a finished run again, from its run dir, beside its real goodput."""
+    horizon, plan, hangs, _ = plan_of(args)
+    events = [json.loads(line) for line in open(os.path.join(args.replay, "events.jsonl"))]
+    with open(os.path.join(args.replay, "summary.json")) as f:
+        summary = json.load(f)
+    result = {"benchmark": "soak_replay", "run_dir": args.replay, "goodput": summary["goodput"],
+              **predictions(plan, hangs, horizon, args.seed, args.spares, events, args)}
+    result["goodput_gap"] = result["goodput"] - result["predicted_goodput"]
+    C.finish("soak_replay", result, args.out)
+    return result
 
 
 def main(argv=None) -> dict:
@@ -268,17 +429,19 @@ def main(argv=None) -> dict:
     p.add_argument("--survivor-slowdown", type=float, default=0.04,
                    help="step-time share a starting process takes from each running learner "
                         "(recovery.py: survivors' ratio 0.96 during one restart)")
+    p.add_argument("--replay", metavar="RUN_DIR", default=None,
+                   help="no new run: the predictions again for a finished soak's run dir (its "
+                        "events.jsonl and summary.json; the same --seed, --horizon, --mtbf, "
+                        "--quick and --spares as that run)")
     args = p.parse_args(argv)
+    if args.replay:
+        return replay(args)
     import ray
 
     from islands.orchestrator.config import parse
     from islands.orchestrator.job import run_job
 
-    horizon = args.horizon or (160.0 if args.quick else 1100.0)
-    mtbf = args.mtbf or (6.0 if args.quick else 3.5)
-    syncer_kills, controller_kills = (2, 1) if args.quick else (10, 3)
-    plan, hangs = fault_plan(horizon, args.seed, mtbf, syncer_kills)
-    kill_times = [horizon * (k + 1) / (controller_kills + 1) + 1.3 for k in range(controller_kills)]
+    horizon, plan, hangs, kill_times = plan_of(args)
     watch = C.Stopwatch()
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
@@ -331,26 +494,11 @@ def main(argv=None) -> dict:
         "final_eval_loss": summary.get("final_eval_loss"),
         "merges": summary.get("merges"), "goodput": summary.get("goodput"),
         "restart_to_ready": restart_to_ready(events),
+        "run_dir": run_dir,   # events.jsonl and metrics.jsonl stay: a model can be replayed on them
     }
-    costs = measured_costs(events)
     result["spares"] = args.spares
     result["promotions"] = sum(e["event"] == "spare_promoted" for e in events)
-    result["measured_restart_s"] = {
-        k: ({"n": len(v), "median": float(np.median(v)), "p90": float(np.percentile(v, 90))}
-            if v else {"n": 0}) if isinstance(v, tuple) else v for k, v in costs.items()}
-    result["predicted_goodput_flat"] = predicted_goodput(plan, horizon, args.seed)
-    # The model of record: each restart and promotion pays what this run measured (their
-    # distributions), hangs are found after the timeout, starts slow the learners beside them.
-    result["predicted_goodput"] = predicted_goodput(
-        plan, horizon, args.seed, hangs=hangs, spares=args.spares, costs=costs,
-        survivor_slowdown=args.survivor_slowdown)
-    # A model that needs no measurement of the run: starts share the cores (processor sharing)
-    # at --start-cpu-s each; only as good as those two figures.
-    cpu_costs = {k: v for k, v in costs.items() if k == "promote_samples_s"}
-    result["predicted_goodput_cpu_shared"] = predicted_goodput(
-        plan, horizon, args.seed, hangs=hangs, spares=args.spares, costs=cpu_costs,
-        survivor_slowdown=args.survivor_slowdown, start_cpu_s=args.start_cpu_s,
-        start_cores=args.start_cores)
+    result.update(predictions(plan, hangs, horizon, args.seed, args.spares, events, args))
     result["goodput_gap"] = (None if result["goodput"] is None
                              else result["goodput"] - result["predicted_goodput"])
     result["wall_s"] = watch()

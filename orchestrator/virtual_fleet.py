@@ -36,6 +36,10 @@ class Fleet:
       regions: the region of each learner (network faults and region losses act per region);
         None: the learner id up to its last ":" ("us-east:0" is in "us-east").
       spares: warm spares kept per region by the same fleet state machine as the service.
+      restart_wait_s: how long a failed learner waits, restarting, before its start begins
+        (the fleet's backoff; a kill meanwhile finds no running learner, as on the service,
+        whose restart waits there for the process prestarted for it). A ready warm spare
+        takes over at once, as on the service.
     """
 
     speed_factors: Sequence[float]
@@ -46,6 +50,7 @@ class Fleet:
     seed: int = 0
     regions: Optional[Sequence[str]] = None
     spares: int = 0              # warm spares per region (RestartCosts.promote_s to take over)
+    restart_wait_s: float = 0.0
 
     def transfer_s(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bandwidth_bytes_per_s
@@ -68,10 +73,12 @@ class Fleet:
 
 
 def fleet_settings(ids: Sequence[str], regions: Sequence[str], speed_factors: Sequence[float],
-                   min_learners: int, spares: int = 0) -> fleet_lib.FleetSettings:
+                   min_learners: int, spares: int = 0,
+                   restart_wait_s: float = 0.0) -> fleet_lib.FleetSettings:
     """The fleet brain's settings for a virtual fleet: learners that cannot hang or straggle,
-    restarts without a backoff of their own (``RestartCosts.restart_s`` holds it), no budget
-    and no crash-loop retirement (every failure here is an injected fault)."""
+    restarts after a constant backoff of ``restart_wait_s`` (0: none; ``RestartCosts.restart_s``
+    holds the start), no budget and no crash-loop retirement (every failure here is an
+    injected fault)."""
     by_region: dict[str, list[int]] = {}
     for i, region in enumerate(regions):
         by_region.setdefault(region, []).append(i)
@@ -81,7 +88,8 @@ def fleet_settings(ids: Sequence[str], regions: Sequence[str], speed_factors: Se
              for region, idx in by_region.items()}
     return fleet_lib.FleetSettings(
         regions=plans, min_learners=min_learners,
-        policy=RestartPolicy(backoff_initial_s=0.0, backoff_multiplier=1.0, backoff_max_s=0.0,
+        policy=RestartPolicy(backoff_initial_s=restart_wait_s, backoff_multiplier=1.0,
+                             backoff_max_s=restart_wait_s,
                              max_crash_restarts=None, max_preemption_restarts=None,
                              crash_loop_after=None),
         heartbeat_timeout_s=math.inf, startup_timeout_s=math.inf, straggler_factor=math.inf)

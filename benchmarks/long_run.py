@@ -1,0 +1,696 @@
+"""A long run: thousands of real learner process failures in one run of the real Ray service, with
+syncer, controller and link-server kills among them; then the books, the versions and leaks.
+
+The soak's job (``soak.py``: 2 regions × 2 learners of the tiny model, a 0.1 s restart backoff,
+an unlimited crash budget) with the link server on (``link.port: 0``, loopback). One driver
+thread kills learners through the controller's chaos commands (``chaos_kill``, ``ray_kill`` and
+hard ``exit`` in turn), always the learner that has trained longest at its incarnation, at most
+one every ``--gap-s`` (default: the failures spread over the time cap). At set failure counts
+it also kills the syncer (``ray.kill`` of its actor: the controller restarts it), the controller
+(``ray.kill`` with Ray's restart) and the link server (the same). It counts the learners'
+failures from the job's own events (``learner_failed``) until ``--failures`` or the time cap.
+
+Checked at the end:
+  - books balanced term by term: processed = applied + dropped + in flight in exact
+    fragment-tokens, each term ≥ 0, and the dropped reasons sum to the dropped total;
+  - versions monotonic: per fragment the merged version never goes below the highest seen
+    (outside the 3 s catch-up after a syncer restart), and none lost (``soak.versions_check``);
+  - nothing lost: nothing left in flight once the job ended;
+  - nothing leaks: the controller's and the syncer's resident memory (RSS of their actor
+    processes, sampled every second) over the last W learner failures within 10 % of that over
+    the first W (W = 100, or a quarter of the failures in a shorter run). The bar is read per
+    process: each actor's process at the end (the service kills fall in 30-60 % of the run, so
+    it lived through the last 40 %), its last W failures against its first W; the figures for
+    the role over the whole run (first process against last) are reported beside it. Open file
+    descriptors (the driver, the controller, the syncer, the link server, the learners) and
+    live Ray actors back to their counts at the start, both read once every learner trains and
+    no spare is starting; after the job no job actor and none of the processes it used alive.
+
+    python benchmarks/long_run.py                  # ≥ 2,000 failures within 60 minutes
+    python benchmarks/long_run.py --quick          # 60 failures: the same checks, minutes
+    python benchmarks/long_run.py --driver inprocess   # 10,000 failures, in-process driver
+
+``--driver inprocess``: the same cores (``LearnerCore``, ``SyncerCore``, the fleet state machine,
+the books) on the in-process driver's virtual clock, with a seeded plan of learner kills, hard
+exits, region losses and syncer kills long enough for ``--failures`` (default 10,000 there).
+
+Prints progress lines, then one JSON object as the last line; writes ``long_run[_quick|
+_inprocess].json`` and, for the real run, ``long_run[_quick].png`` (memory over failures).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from typing import Optional
+
+import _common as C
+import numpy as np
+import soak
+
+WINDOW = 100            # failures in the first and the last memory window
+TOLERANCE = 0.10        # the memory bar: last window within 10 % of the first
+SERVICE_SPAN = (0.3, 0.6)   # the service kills fall in this share of the failures
+
+
+# -- pure helpers (tests/unit/test_long_run.py) ---------------------------------------------------
+def service_kill_plan(failures: int, syncer: int, controller: int, link: int,
+                      span: tuple = SERVICE_SPAN) -> list[tuple[int, str]]:
+    """``[(at_failure, kind)]``: the service kills, interleaved and spread evenly over
+    ``span`` (shares of ``failures``), so that the first and last memory windows each see one
+    process of every actor.
+
+    >>> service_kill_plan(100, 2, 1, 1)
+    [(30, 'syncer'), (37, 'controller'), (45, 'link'), (52, 'syncer')]
+    """
+    kinds = []
+    pools = {"syncer": syncer, "controller": controller, "link": link}
+    while any(pools.values()):
+        for kind in ("syncer", "controller", "link"):
+            if pools[kind]:
+                kinds.append(kind)
+                pools[kind] -= 1
+    lo, hi = span[0] * failures, span[1] * failures
+    step = (hi - lo) / max(len(kinds), 1)
+    return [(int(lo + k * step), kind) for k, kind in enumerate(kinds)]
+
+
+def window_size(failures: int, window: int = WINDOW) -> int:
+    """W: ``window`` failures, or a quarter of a shorter run's (at least 1)."""
+    return max(1, min(window, failures // 4))
+
+
+def memory_windows(samples: list[tuple[int, int]], failures: int, window: int) -> dict:
+    """Median RSS (bytes) of ``samples`` ``[(failures_so_far, rss)]`` over the first ``window``
+    failures and over the last ``window``; ``ratio`` = last ÷ first, ``within`` = ratio within
+    ``TOLERANCE`` of 1 (None where a window has no sample).
+
+    >>> memory_windows([(0, 100), (5, 110), (95, 104), (100, 106)], 100, 10)
+    {'first': 105.0, 'last': 105.0, 'ratio': 1.0, 'within': True, 'n_first': 2, 'n_last': 2}
+    """
+    first = [r for n, r in samples if n < window]
+    last = [r for n, r in samples if n >= failures - window]
+    out = {"first": float(statistics.median(first)) if first else None,
+           "last": float(statistics.median(last)) if last else None}
+    ratio = out["last"] / out["first"] if first and last and out["first"] else None
+    out.update(ratio=ratio, within=None if ratio is None else abs(ratio - 1.0) <= TOLERANCE,
+               n_first=len(first), n_last=len(last))
+    return out
+
+
+def since_restart(samples: list[tuple[int, int, int]], failures: int, window: int) -> dict:
+    """``memory_windows`` on the samples ``[(failures_so_far, rss, pid)]`` of the last process
+    only (the actor's last incarnation), its first window taken from its own first failure."""
+    if not samples:
+        return {"first": None, "last": None, "ratio": None, "within": None}
+    pid = samples[-1][2]
+    mine = [(n, r) for n, r, p in samples if p == pid]
+    start = mine[0][0]
+    shifted = [(n - start, r) for n, r in mine]
+    return {**memory_windows(shifted, failures - start, window), "pid": pid,
+            "from_failure": start, "mib_per_100_failures": slope(mine)}
+
+
+def slope(rows: list[tuple[int, int]]) -> Optional[float]:
+    """Least-squares growth of ``[(failures, bytes)]`` in MiB per 100 failures (None: fewer
+    than two distinct failure counts). A leak shows as a slope the run's length turns into
+    more than the 10 % bar.
+
+    >>> slope([(0, 0), (100, 2 ** 20), (200, 2 ** 21)])
+    1.0
+    """
+    if len({n for n, _ in rows}) < 2:
+        return None
+    n, r = np.array(rows, dtype=float).T
+    return round(float(np.polyfit(n, r, 1)[0]) * 100 / 2 ** 20, 4)
+
+
+def books_check(summary: dict) -> dict:
+    """Term by term, in exact fragment-tokens: processed = applied + dropped + in flight, no
+    term negative, dropped = Σ its reasons; with the service's own verdict."""
+    ft = summary.get("fragment_tokens") or {}
+    by = summary.get("tokens_dropped_by") or {}
+    terms = ("processed", "applied", "dropped", "in_flight")
+    sums = bool(ft) and all(k in ft for k in terms) and (
+        ft["applied"] + ft["dropped"] + ft["in_flight"] == ft["processed"]) and min(
+        ft[k] for k in terms) >= 0
+    reasons = abs(sum(by.values()) - summary.get("tokens_dropped", 0.0)) < 1e-6 * max(
+        1.0, summary.get("tokens_dropped", 0.0))
+    return {"terms": sums, "dropped_reasons": reasons,
+            "service": bool(summary.get("books_balanced")),
+            "balanced": bool(sums and reasons and summary.get("books_balanced"))}
+
+
+def versions_monotonic(merges) -> tuple[bool, int]:
+    """(monotonic, lost) over ``[(fragment, version)]`` in merge order: a fragment's version
+    never goes below the highest it had; lost = the most it went below."""
+    highest: dict = {}
+    lost = 0
+    for fragment, version in merges:
+        if version < highest.get(fragment, version):
+            lost = max(lost, highest[fragment] - version)
+        highest[fragment] = max(highest.get(fragment, version), version)
+    return lost == 0, lost
+
+
+# -- the real run ---------------------------------------------------------------------------------
+def job_config(seed: int, token_file: str) -> dict:
+    config = soak.job_config(seed)
+    config["name"] = "long-run"
+    config["link"] = {"port": 0, "token_file": token_file}
+    config["metrics"]["snapshot_every_s"] = 2.0
+    config["console"] = {"enabled": False}
+    # Every failure here is a kill of ours: a learner starved of CPU beside the restarts is not
+    # to be declared hung (the soak's 3 s timeout tests that detection; this run does not).
+    config["health"]["timeout_s"] = 30.0
+    return config
+
+
+def actor_pid(handle, timeout_s: float = 10.0) -> Optional[int]:
+    """The pid of an actor's process (None while it is down or restarting)."""
+    import ray
+
+    try:
+        return ray.get(handle.__ray_call__.remote(lambda self: os.getpid()), timeout=timeout_s)
+    except Exception:
+        return None
+
+
+def proc_figures(pid: Optional[int]) -> tuple[Optional[int], Optional[int]]:
+    """(rss bytes, open fds) of a process; (None, None) once it is gone."""
+    import psutil   # installed with ray[default]
+
+    if pid is None:
+        return None, None
+    try:
+        p = psutil.Process(pid)
+        return p.memory_info().rss, p.num_fds()
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return None, None
+
+
+def live_actor_count() -> int:
+    """Actors Ray holds ALIVE in this cluster (its GCS table)."""
+    from ray._private import state
+
+    table = state.actors()
+    return sum(1 for a in table.values() if a.get("State") == "ALIVE")
+
+
+class Chaos:
+    """The driver's side of the run: kills, samples, and the counts at start and end."""
+
+    def __init__(self, args, run_dir: str):
+        self.args, self.run_dir = args, run_dir
+        self.events_path = os.path.join(run_dir, "events.jsonl")
+        self.stop, self.done = threading.Event(), threading.Event()
+        self.failures = 0
+        self.samples: dict[str, list] = {"controller": [], "syncer": []}
+        # Open fds over the run (failures so far, fds): a leak grows with failures, a process
+        # of another kind (a promoted spare) is an offset.
+        self.fd_samples: dict[str, list] = {"driver": [], "controller": [], "syncer": []}
+        self.log: list = []
+        self.start_counts: dict = {}
+        self.end_counts: dict = {}
+        self.pids_seen: set[tuple] = set()   # (pid, its start time): a pid may be reused
+        self.progress: list = []
+        self.error: Optional[str] = None
+        self._offset = 0
+        self.t0 = time.time()
+
+    # -- reading the job -------------------------------------------------------------------------
+    def count_failures(self) -> int:
+        with open(self.events_path) as f:
+            f.seek(self._offset)
+            for line in f:
+                if not line.endswith("\n"):
+                    break
+                self._offset += len(line.encode())
+                if '"learner_failed"' in line and json.loads(line)["event"] == "learner_failed":
+                    self.failures += 1
+        return self.failures
+
+    def snapshot(self, controller) -> Optional[dict]:
+        import ray
+
+        try:
+            return ray.get(controller.status_table.remote(), timeout=30)
+        except Exception:
+            return None
+
+    @staticmethod
+    def steady(status: Optional[dict]) -> bool:
+        """Every learner training, no spare starting (no process start under way)."""
+        return bool(status) and all(x["state"] == "training"
+                                    for x in status["learners"].values()) and not any(
+            s.get("state") == "starting" for s in (status.get("spares") or {}).values())
+
+    def handles(self):
+        import ray
+
+        out = {}
+        for role, name in (("syncer", "islands:syncer"), ("link", "islands:link")):
+            try:
+                out[role] = ray.get_actor(name, namespace="islands")
+            except Exception:
+                out[role] = None
+        return out
+
+    def counts(self, controller, status: dict) -> dict:
+        """Open fds per process role and live actors, read now."""
+        import psutil
+        import ray
+
+        handles = {"controller": controller, **self.handles()}
+        fds = {"driver": psutil.Process().num_fds()}
+        for role, handle in handles.items():
+            pid = actor_pid(handle) if handle is not None else None
+            fds[role] = proc_figures(pid)[1]
+            if pid:
+                self.seen(pid)
+        learner_fds = 0
+        for name, x in sorted(status["learners"].items()):
+            try:
+                pid = actor_pid(ray.get_actor(x["actor"], namespace="islands"))
+            except Exception:
+                pid = None
+            if pid:
+                self.seen(pid)
+            learner_fds += proc_figures(pid)[1] or 0
+        fds["learners"] = learner_fds
+        named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+        return {"fds": fds, "fds_total": sum(v or 0 for v in fds.values()),
+                "live_actors": live_actor_count(), "named_actors": len(named)}
+
+    def wait_steady(self, controller, timeout_s: float, hold_s: float = 5.0) -> Optional[dict]:
+        """The status once the job has been steady for ``hold_s`` (None at the timeout)."""
+        deadline, since = time.time() + timeout_s, None
+        while time.time() < deadline and not self.stop.is_set():
+            status = self.snapshot(controller)
+            if self.steady(status):
+                since = since or time.time()
+                if time.time() - since >= hold_s:
+                    return status
+            else:
+                since = None
+            time.sleep(0.5)
+        return None
+
+    def seen(self, pid: int) -> None:
+        import psutil
+
+        try:
+            self.pids_seen.add((pid, psutil.Process(pid).create_time()))
+        except psutil.NoSuchProcess:
+            pass
+
+    def sample(self, controller, handles: dict) -> None:
+        """RSS of the controller and the syncer now; a syncer handle that no longer answers
+        (killed, its successor not named yet) is looked up again."""
+        for role in ("controller", "syncer"):
+            handle = controller if role == "controller" else handles.get("syncer")
+            pid = actor_pid(handle, 5.0) if handle is not None else None
+            if pid is None and role == "syncer":
+                handles.update(self.handles())
+                continue
+            rss, fds = proc_figures(pid)
+            if rss is not None:
+                self.samples[role].append((self.failures, rss, pid))
+                self.fd_samples[role].append((self.failures, fds))
+                self.seen(pid)
+        import psutil
+
+        self.fd_samples["driver"].append((self.failures, psutil.Process().num_fds()))
+
+    # -- the chaos thread ------------------------------------------------------------------------
+    def run(self, controller) -> None:
+        try:
+            self._run(controller)
+        except Exception as exc:   # reported in the result, never a hang
+            self.error = repr(exc)[:500]
+        finally:
+            self.done.set()
+
+    def _run(self, controller) -> None:
+        import ray
+
+        args = self.args
+        status = self.wait_steady(controller, 600)
+        if status is None:
+            raise RuntimeError("the job never trained steadily before the first kill")
+        self.start_counts = self.counts(controller, status)
+        print(f"long_run: start {json.dumps(self.start_counts)}", flush=True)
+        deadline = self.t0 + args.max_minutes * 60 - args.reserve_s
+        gap = args.gap_s if args.gap_s is not None else max(
+            0.0, (deadline - time.time()) / args.failures)
+        plan = service_kill_plan(args.failures, *args.service_kills)
+        trained_since: dict = {}
+        handles = self.handles()
+        next_kill = next_sample = next_print = 0.0
+        mode = 0
+        while (self.count_failures() < args.failures and time.time() < deadline
+               and not self.stop.is_set()):
+            now = time.time()
+            if now >= next_sample:
+                self.sample(controller, handles)
+                next_sample = now + 1.0
+            while plan and self.failures >= plan[0][0]:
+                _, kind = plan.pop(0)
+                try:
+                    if kind == "controller":
+                        ray.kill(controller, no_restart=False)
+                    elif kind == "syncer":
+                        ray.kill(ray.get_actor("islands:syncer", namespace="islands"))
+                    else:
+                        ray.kill(ray.get_actor("islands:link", namespace="islands"),
+                                 no_restart=False)
+                    self.log.append((f"{kind}_kill", self.failures))
+                    print(f"long_run: {kind} killed at failure {self.failures}", flush=True)
+                except Exception as exc:
+                    self.log.append(("moot", f"{kind}: {str(exc)[:80]}"))
+                handles = self.handles()
+            status = self.snapshot(controller)
+            if status is None:
+                time.sleep(0.5)
+                continue
+            training = {}
+            for name, x in status["learners"].items():
+                if x["state"] == "training":
+                    key = (name, x["incarnation"])
+                    trained_since.setdefault(key, now)
+                    training[name] = now - trained_since[key]
+            if training and now >= next_kill:
+                victim = max(training, key=training.get)
+                how = ("ray_kill", "exit")[mode % 2]
+                try:
+                    ray.get(controller.chaos_kill.remote(victim, how), timeout=60)
+                    mode += 1
+                    self.log.append((how, victim))
+                except Exception as exc:
+                    self.log.append(("moot", f"{victim}: {str(exc)[:80]}"))
+                next_kill = time.time() + gap
+            if now >= next_print:
+                elapsed = now - self.t0
+                rss = {r: (s[-1][1] / 2 ** 20 if s else None) for r, s in self.samples.items()}
+                line = (f"long_run: {elapsed:7.0f}s  failures {self.failures}/{args.failures}  "
+                        f"training {len(training)}/{len(status['learners'])}  rss MiB "
+                        f"controller {rss['controller'] or 0:.0f} syncer {rss['syncer'] or 0:.0f}")
+                print(line, flush=True)
+                self.progress.append((elapsed, self.failures))
+                next_print = now + args.progress_s
+            time.sleep(0.2)
+        # The end: every learner back, nothing starting; then the same counts again.
+        self.sample(controller, handles)
+        status = self.wait_steady(controller, args.settle_s)
+        if status is None:
+            self.end_counts = {"error": f"not steady within {args.settle_s:.0f}s"}
+        else:
+            self.end_counts = self.counts(controller, status)
+            # A count above the start may be a process that is still closing: read again.
+            for _ in range(10):
+                if (self.end_counts["live_actors"] <= self.start_counts["live_actors"]
+                        and self.end_counts["fds_total"] <= self.start_counts["fds_total"]):
+                    break
+                time.sleep(2.0)
+                status = self.wait_steady(controller, args.settle_s, hold_s=1.0) or status
+                self.end_counts = self.counts(controller, status)
+        print(f"long_run: end {json.dumps(self.end_counts)}", flush=True)
+
+
+def plot(samples: dict, kills: list, out_dir: str, name: str, window: int, failures: int) -> str:
+    plt = C.pyplot()
+    fig, ax = plt.subplots(figsize=(9, 4))
+    for role, color in (("controller", "tab:blue"), ("syncer", "tab:orange")):
+        rows = samples[role]
+        ax.plot([n for n, _, _ in rows], [r / 2 ** 20 for _, r, _ in rows], ".", ms=2,
+                color=color, label=f"{role} RSS")
+    for kind, at in kills:
+        if isinstance(at, int):
+            ax.axvline(at, color={"syncer_kill": "k", "controller_kill": "tab:purple"}.get(
+                kind, "tab:green"), lw=0.8, ls="--")
+    ax.axvspan(0, window, color="0.9"), ax.axvspan(failures - window, failures, color="0.9")
+    ax.set_xlabel("learner failures so far"), ax.set_ylabel("resident memory (MiB)")
+    ax.set_title("long run: memory over failures (dashed: syncer black, controller purple, "
+                 "link green; grey: the windows compared)", fontsize=8)
+    ax.legend()
+    return C.save_figure(fig, out_dir, name)
+
+
+def run_real(args) -> dict:
+    import ray
+
+    from islands.orchestrator.config import parse
+    from islands.orchestrator.job import run_job
+
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    tmp = tempfile.mkdtemp(prefix="islands-long-run-")
+    token = os.path.join(tmp, "token")
+    with open(token, "w") as f:
+        f.write("long-run-token\n")
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
+             resources={f"region:{r}": n for r, n in soak.REGIONS.items()},
+             _node_ip_address="127.0.0.1", namespace="islands")
+    run_dir = os.path.join(tmp, "run")
+    os.makedirs(run_dir)
+    chaos = Chaos(args, run_dir)
+
+    def on_started(controller):
+        chaos.t0 = time.time()
+        threading.Thread(target=chaos.run, args=(controller,), daemon=True).start()
+
+    try:
+        summary = run_job(parse(job_config(args.seed, token)), duration_s=args.max_minutes * 60,
+                          run_dir=run_dir, quiet=True, on_started=on_started,
+                          until=lambda snap: chaos.done.is_set())
+    finally:
+        chaos.stop.set()
+    alive = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["name"].startswith("islands:")]
+    ray.shutdown()
+    left = leaked_pids(chaos.pids_seen)
+    events = [json.loads(line) for line in open(os.path.join(run_dir, "events.jsonl"))]
+    monotonic, lost = soak.versions_check(run_dir, events)
+    failures = sum(e["event"] == "learner_failed" for e in events)
+    window = window_size(failures)
+    memory = {role: memory_windows([(n, r) for n, r, _ in s], failures, window)
+              for role, s in chaos.samples.items()}
+    memory_since = {role: since_restart(s, failures, window)
+                    for role, s in chaos.samples.items()}
+    books = books_check(summary)
+    start, end = chaos.start_counts, chaos.end_counts
+    fds_back = bool(start and end.get("fds")) and end["fds_total"] <= start["fds_total"]
+    actors_back = bool(start and "live_actors" in end) and (
+        end["live_actors"] == start["live_actors"])
+    kinds = [k for k, _ in chaos.log]
+    result = {
+        "benchmark": "long_run", "driver": "ray", "quick": bool(args.quick), "seed": args.seed,
+        "target_failures": args.failures, "max_minutes": args.max_minutes,
+        "learner_failures": failures,
+        "failure_causes": {c: sum(e["event"] == "learner_failed" and e.get("cause") == c
+                                  for e in events) for c in ("crash", "hang", "preemption")},
+        "faults_fired": {k: kinds.count(k) for k in sorted(set(kinds))},
+        "syncer_kills": summary.get("syncer_restarts", 0),
+        "controller_kills": sum(e["event"] == "controller_restarted" for e in events),
+        "link_server_kills": sum(e["event"] == "link_server_restarted" for e in events),
+        "books_balanced": books["balanced"], "books": books,
+        "fragment_tokens": summary.get("fragment_tokens"),
+        "tokens_dropped_by": summary.get("tokens_dropped_by"),
+        "versions_monotonic": monotonic, "merged_versions_lost": lost,
+        "nothing_lost": bool(summary.get("tokens_in_flight") == 0 and lost == 0),
+        "memory_window_failures": window,
+        "controller_rss_mib_first": _mib(memory["controller"]["first"]),
+        "controller_rss_mib_last": _mib(memory["controller"]["last"]),
+        "controller_rss_ratio": memory["controller"]["ratio"],
+        "syncer_rss_mib_first": _mib(memory["syncer"]["first"]),
+        "syncer_rss_mib_last": _mib(memory["syncer"]["last"]),
+        "syncer_rss_ratio": memory["syncer"]["ratio"],
+        # The bar, per actor: its process of the run's end, over its last W failures against
+        # its first W (each service kill restarts one, and a new process starts smaller than
+        # the first controller, which built the model: across a restart the role's figures
+        # above compare two processes).
+        "memory_within_10pct": bool(memory_since["controller"]["within"]
+                                    and memory_since["syncer"]["within"]),
+        "controller_rss_ratio_since_restart": memory_since["controller"]["ratio"],
+        "syncer_rss_ratio_since_restart": memory_since["syncer"]["ratio"],
+        "memory": memory, "memory_since_last_restart": memory_since,
+        "fds_start": start.get("fds"), "fds_end": end.get("fds"),
+        "fds_total_start": start.get("fds_total"), "fds_total_end": end.get("fds_total"),
+        "fds_back": fds_back,
+        # Median open fds over the first and the last W failures, per process role.
+        "fds_over_failures": {role: {k: v for k, v in memory_windows(rows, failures, window).items()
+                                     if k in ("first", "last")}
+                              for role, rows in chaos.fd_samples.items()},
+        "live_actors_start": start.get("live_actors"), "live_actors_end": end.get("live_actors"),
+        "actors_back": actors_back,
+        "leaked_actors": len(alive), "leaked_processes": len(left), "leaked": alive + left,
+        "initial_eval_loss": summary.get("initial_eval_loss"),
+        "final_eval_loss": summary.get("final_eval_loss"),
+        "merges": summary.get("merges"), "goodput": summary.get("goodput"),
+        "chaos_error": chaos.error, "run_dir": run_dir,
+        # Every sample, for a second look: [failures so far, bytes or fds, pid].
+        "samples": {"rss": chaos.samples, "fds": chaos.fd_samples},
+    }
+    result["met"] = bool(failures >= args.failures and books["balanced"] and monotonic
+                         and result["nothing_lost"] and result["memory_within_10pct"]
+                         and fds_back and actors_back and not alive and not left)
+    stem = "long_run_quick" if args.quick else "long_run"
+    kills = [(k, at) for k, at in chaos.log if k.endswith("_kill")]
+    result["png"] = plot(chaos.samples, kills, args.out, stem + ".png", window, failures)
+    return result
+
+
+def _mib(x: Optional[float]) -> Optional[float]:
+    return None if x is None else round(x / 2 ** 20, 2)
+
+
+def leaked_pids(pids: set, timeout_s: float = 30.0) -> list[str]:
+    """The job's processes seen during the run (``(pid, start time)``) still alive after it
+    ended; a killed actor's process is given ``timeout_s`` to exit (there is no event to wait
+    on)."""
+    import psutil
+
+    def alive(pid: int, created: float) -> bool:
+        try:
+            p = psutil.Process(pid)
+            return p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    deadline = time.time() + timeout_s
+    while True:
+        left = sorted(pid for pid, created in pids if alive(pid, created))
+        if not left or time.time() > deadline:
+            return [f"pid {p}" for p in left]
+        time.sleep(0.5)
+
+
+# -- the in-process driver ------------------------------------------------------------------------
+def inprocess_plan(horizon_s: float, seed: int, mtbf_s: float, syncer_kills: int):
+    from islands.orchestrator import chaos
+
+    by_region = {r: [f"{r}:{i}" for i in range(n)] for r, n in soak.REGIONS.items()}
+    kills = chaos.poisson_plan(by_region, horizon_s, seed=seed, mtbf_s=mtbf_s, repair_s=0.0,
+                               region_mtbf_s=8 * mtbf_s)
+    exits = chaos.poisson_plan(by_region, horizon_s, seed=seed + 1, mtbf_s=2 * mtbf_s,
+                               repair_s=0.0, kill_mode="exit")
+    plan = chaos.FaultPlan(list(kills) + list(exits))
+    for k in range(syncer_kills):
+        plan.kill_syncer(horizon_s * (k + 0.5) / syncer_kills)
+    return plan.sorted()
+
+
+def planned_losses(plan) -> int:
+    """Learner losses a plan holds: one per kill or exit, a region's learners per region loss."""
+    per = {"kill": 1, "exit": 1, "region_loss": max(soak.REGIONS.values())}
+    return max(1, sum(per.get(f.kind.value, 0) for f in plan.faults))
+
+
+def run_inprocess(args) -> dict:
+    from islands.orchestrator import inprocess
+    from islands.orchestrator.chaos import RestartCosts
+
+    ids = [f"{r}:{i}" for r, n in soak.REGIONS.items() for i in range(n)]
+    step_s, restart_s, mtbf = 1.0, 2.0, args.mtbf or 12.0
+    # Kills at mtbf, exits at 2 × mtbf, region losses at 8 × mtbf, each learner down restart_s
+    # after each: the rate per learner is about 1 / (mtbf / 1.6 + restart_s).
+    rate = len(ids) / (mtbf / (1 + 0.5 + 0.125) + restart_s)
+    horizon = args.horizon or float(np.ceil(args.failures / rate))
+    plan = inprocess_plan(horizon, args.seed, mtbf, args.syncer_kills_inprocess)
+    if not args.horizon:   # scaled to the learner losses the plan holds, with 5 % to spare
+        horizon = float(np.ceil(horizon * 1.05 * args.failures / planned_losses(plan)))
+        plan = inprocess_plan(horizon, args.seed, mtbf, args.syncer_kills_inprocess)
+    print(f"long_run: in-process, {len(ids)} learners, {horizon:.0f} virtual s, "
+          f"{len(plan.faults)} faults planned", flush=True)
+    setup = C.make_setup(model_kwargs=soak.TINY, num_learners=len(ids), batch_size=4,
+                         total_steps=int(horizon / step_s), max_bytes=300_000, seed=args.seed)
+    fleet = inprocess.Fleet([1.0] * len(ids), step_time_s=step_s, latency_s=0.001,
+                            regions=[i.split(":")[0] for i in ids], seed=args.seed)
+    t = time.time()
+    cpu = time.process_time()
+    record = C.run_ours(setup, learner_ids=ids, fleet=fleet, num_fragments=2,
+                        sync_every_steps=4, overlap_steps=1, until_s=horizon, faults=plan,
+                        restart=RestartCosts(detect_lost_s=0.0, restart_s=restart_s,
+                                             syncer_restart_s=2.0, seed=args.seed))
+    wall, cpu = time.time() - t, time.process_time() - cpu
+    failed = [tr for _, tr in record.transitions if tr.name == "learner_failed"]
+    ledgers = list(record.ledger.values())
+    terms = {k: sum(x["fragment_tokens"][k] for x in ledgers)
+             for k in ("processed", "applied", "dropped", "in_flight")}
+    balanced = all(x["balanced"] for x in ledgers) and (
+        terms["applied"] + terms["dropped"] + terms["in_flight"] == terms["processed"]) and min(
+        terms.values()) >= 0
+    monotonic, lost = versions_monotonic((m.fragment, m.version) for m in record.merges
+                                         if not m.refused)
+    return {
+        "benchmark": "long_run", "driver": "inprocess", "seed": args.seed,
+        "target_failures": args.failures, "horizon_virtual_s": horizon,
+        "learner_failures": len(failed),
+        "faults_fired": len(record.faults_fired), "faults_skipped": len(record.faults_skipped),
+        "syncer_kills": sum(f.kind.value == "syncer_kill" for f in record.faults_fired),
+        "restarts": len(record.restarts),
+        "books_balanced": bool(balanced), "fragment_tokens": terms,
+        "versions_monotonic": monotonic, "merged_versions_lost": lost,
+        # In flight at the horizon: pushes that exist (the Ray service's stop settles them).
+        "nothing_lost": bool(balanced and lost == 0),
+        "merges": len(record.merges), "goodput": record.goodput,
+        "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
+        "failures_per_cpu_s": round(len(failed) / cpu, 2) if cpu > 0 else None,
+        "met": bool(len(failed) >= args.failures and balanced and monotonic),
+    }
+
+
+def main(argv=None) -> dict:
+    p = C.parser(__doc__)
+    p.add_argument("--driver", choices=("ray", "inprocess"), default="ray")
+    p.add_argument("--failures", type=int, default=None,
+                   help="learner failures to reach (default 2,000; 60 with --quick; 10,000 "
+                        "with --driver inprocess)")
+    p.add_argument("--max-minutes", type=float, default=None,
+                   help="the time cap of the real run (default 60; 15 with --quick)")
+    p.add_argument("--gap-s", type=float, default=None,
+                   help="least seconds between learner kills (default: the failures spread "
+                        "over the cap less --reserve-s; 1 with --quick)")
+    p.add_argument("--reserve-s", type=float, default=240.0,
+                   help="seconds of the cap kept for the start and the settled end")
+    p.add_argument("--settle-s", type=float, default=300.0,
+                   help="how long the end waits for every learner to train again")
+    p.add_argument("--progress-s", type=float, default=30.0, help="seconds between progress lines")
+    p.add_argument("--service-kills", type=int, nargs=3, default=None,
+                   metavar=("SYNCER", "CONTROLLER", "LINK"),
+                   help="kills of each (default 10 3 3; 2 1 1 with --quick)")
+    p.add_argument("--mtbf", type=float, default=None,
+                   help="in-process: per-learner MTBF of kills, virtual s (default 12)")
+    p.add_argument("--horizon", type=float, default=None,
+                   help="in-process: virtual seconds (default: enough for --failures)")
+    p.add_argument("--syncer-kills-inprocess", type=int, default=20)
+    args = p.parse_args(argv)
+    if args.driver == "inprocess":
+        args.failures = args.failures or (200 if args.quick else 10_000)
+        result = run_inprocess(args)
+        name = "long_run_inprocess" + ("_quick" if args.quick else "")
+    else:
+        args.failures = args.failures or (60 if args.quick else 2000)
+        args.max_minutes = args.max_minutes or (15.0 if args.quick else 60.0)
+        if args.gap_s is None and args.quick:
+            args.gap_s = 1.0
+        args.service_kills = args.service_kills or ([2, 1, 1] if args.quick else [10, 3, 3])
+        if args.failures < 1:
+            raise SystemExit(f"--failures must be >= 1, got {args.failures}")
+        watch = C.Stopwatch()
+        result = run_real(args)
+        result["wall_s"] = watch()
+        name = "long_run_quick" if args.quick else "long_run"
+    result["machine"] = C.machine()
+    flat = {k: v for k, v in result.items() if not isinstance(v, (dict, list))}
+    print(C.table([flat], list(flat)))
+    C.finish(name, result, args.out)
+    return result
+
+
+if __name__ == "__main__":
+    np.seterr(all="ignore")
+    main()

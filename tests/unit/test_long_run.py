@@ -1,0 +1,59 @@
+"""The pure pieces of ``benchmarks/long_run.py``: where the service kills fall, the memory windows
+compared, the books and versions checks. The run itself is a benchmark (BENCHMARKS.md)."""
+
+from __future__ import annotations
+
+import doctest
+import os
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "benchmarks"))
+
+import long_run  # noqa: E402
+
+
+def test_doctests():
+    assert doctest.testmod(long_run).failed == 0
+
+
+def test_service_kills_fall_between_the_memory_windows():
+    failures = 2000
+    plan = long_run.service_kill_plan(failures, 10, 3, 3)
+    window = long_run.window_size(failures)
+    assert [k for _, k in plan].count("syncer") == 10 and len(plan) == 16
+    assert all(window <= at < failures - window for at, _ in plan)
+    assert [at for at, _ in plan] == sorted(at for at, _ in plan)
+    assert long_run.window_size(60) == 15 and long_run.window_size(2000) == 100
+
+
+def test_memory_that_grows_with_failures_is_out_of_the_bar():
+    samples = [(n, 100_000_000 + 20_000 * n) for n in range(2000)]   # 20 kB per failure
+    m = long_run.memory_windows(samples, 2000, 100)
+    assert m["within"] is False and m["ratio"] > 1.3
+    flat = long_run.memory_windows([(n, 100_000_000 + (n % 7)) for n in range(2000)], 2000, 100)
+    assert flat["within"] is True
+
+
+def test_since_restart_reads_only_the_last_process():
+    # A restart at failure 1000 resets the memory: the growth after it is still seen.
+    samples = [(n, 200 if n < 1000 else 100 + (n - 1000), 1 if n < 1000 else 2)
+               for n in range(2000)]
+    m = long_run.since_restart(samples, 2000, 100)
+    assert m["pid"] == 2 and m["from_failure"] == 1000 and m["within"] is False
+
+
+def test_books_check_term_by_term():
+    good = {"fragment_tokens": {"processed": 10, "applied": 6, "dropped": 3, "in_flight": 1},
+            "tokens_dropped": 1.5, "tokens_dropped_by": {"crash": 1.0, "stopped": 0.5},
+            "books_balanced": True}
+    assert long_run.books_check(good)["balanced"]
+    off = {**good, "fragment_tokens": {**good["fragment_tokens"], "applied": 5}}
+    assert not long_run.books_check(off)["balanced"]
+    reasons = {**good, "tokens_dropped_by": {"crash": 1.0}}
+    assert not long_run.books_check(reasons)["balanced"]
+
+
+def test_versions_going_back_are_caught():
+    assert long_run.versions_monotonic([(0, 1), (1, 1), (0, 2), (0, 3)]) == (True, 0)
+    assert long_run.versions_monotonic([(0, 1), (0, 4), (0, 2)]) == (False, 2)
