@@ -129,8 +129,19 @@ def plugin_installed(accelerator: str) -> bool:
                                        for name in PLUGINS.get(accelerator, ()))
 
 
+# A node with an NVIDIA GPU and its driver loaded has these device files; without them no CUDA
+# backend can ever start there (a deterministic mismatch, not a passing fault).
+NVIDIA_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0")
+
+
+def device_files_present(accelerator: str) -> bool:
+    """Whether this node has the device files ``accelerator`` needs (checked for GPUs only: a
+    TPU VM's runtime decides that itself)."""
+    return accelerator != "gpu" or any(os.path.exists(p) for p in NVIDIA_DEVICE_FILES)
+
+
 def likely_cause(request: DeviceRequest, report: DeviceReport, env: Mapping[str, str],
-                 has_plugin: bool) -> str:
+                 has_plugin: bool, has_device: Optional[bool] = None) -> str:
     """The most likely reason JAX gave ``report`` instead of ``request``, in words.
 
     >>> likely_cause(DeviceRequest("g", "gpu"), DeviceReport("cpu", "cpu", "cpu", 1),
@@ -147,6 +158,10 @@ def likely_cause(request: DeviceRequest, report: DeviceReport, env: Mapping[str,
                 f"the learner runs ({INSTALL[request.accelerator]})")
     if request.accelerator == "gpu" and env.get("CUDA_VISIBLE_DEVICES", None) == "":
         return "CUDA_VISIBLE_DEVICES is empty in the learner (set on the node?)"
+    has_device = device_files_present(request.accelerator) if has_device is None else has_device
+    if report.error is not None and not has_device:
+        return ("no NVIDIA device on this node (no /dev/nvidiactl): its GPU resource is declared "
+                "but no GPU or driver is there")
     if report.error is not None or report.backend != request.backend:
         return ("the device is held by another process or its driver is not loaded "
                 "(nvidia-smi / the TPU runtime logs on that node)")
@@ -157,7 +172,8 @@ def likely_cause(request: DeviceRequest, report: DeviceReport, env: Mapping[str,
 
 def device_problem(request: DeviceRequest, report: DeviceReport,
                    env: Optional[Mapping[str, str]] = None,
-                   has_plugin: Optional[bool] = None) -> Optional[str]:
+                   has_plugin: Optional[bool] = None,
+                   has_device: Optional[bool] = None) -> Optional[str]:
     """One line saying why a learner must not train on ``report``, or None when it matches the
     request (backend and local device count; a CPU learner of N virtual devices sees N).
 
@@ -174,22 +190,25 @@ def device_problem(request: DeviceRequest, report: DeviceReport,
               + (f" (a {request.devices_per_host:g} share)" if request.devices_per_host < 1 else ""))
     return (f"{MISMATCH_MARK}: region {request.region} asked Ray for {request.ray_request} and "
             f"needs {wanted}; JAX gave it {report.describe()}; likely cause: "
-            f"{likely_cause(request, report, env, has_plugin)}")
+            f"{likely_cause(request, report, env, has_plugin, has_device)}")
 
 
 def device_fault(request: DeviceRequest, report: DeviceReport,
                  env: Optional[Mapping[str, str]] = None,
-                 has_plugin: Optional[bool] = None) -> Optional[str]:
+                 has_plugin: Optional[bool] = None,
+                 has_device: Optional[bool] = None) -> Optional[str]:
     """None when ``report`` matches ``request``; ``FAULT_CONFIG`` when the mismatch is deterministic
     (it would come back on every start on this node): a backend that came up wrong (another
     backend, another device count), ``JAX_PLATFORMS`` excluding the platform, no plugin, an
-    empty ``CUDA_VISIBLE_DEVICES``; when the backend asked for failed to start with
+    empty ``CUDA_VISIBLE_DEVICES``, a GPU node without NVIDIA device files; when the backend asked for failed to start with
     none of those to explain it (a device held for a moment, a driver hiccup): ``FAULT_BACKEND``.
 
     >>> gpu = DeviceRequest("g", "gpu", 1, "num_gpus=1")
     >>> down = DeviceReport(None, error="Unable to initialize backend 'cuda'")
-    >>> device_fault(gpu, down, {"JAX_PLATFORMS": "cuda"}, True)
+    >>> device_fault(gpu, down, {"JAX_PLATFORMS": "cuda"}, True, has_device=True)
     'backend'
+    >>> device_fault(gpu, down, {"JAX_PLATFORMS": "cuda"}, True, has_device=False)
+    'config'
     >>> device_fault(gpu, down, {"JAX_PLATFORMS": "cuda"}, False), device_fault(gpu, down, {"JAX_PLATFORMS": "cpu"}, True)
     ('config', 'config')
     >>> device_fault(gpu, DeviceReport("gpu", "gpu", "H100", 2), {}, True)
@@ -210,12 +229,15 @@ def device_fault(request: DeviceRequest, report: DeviceReport,
         return FAULT_CONFIG
     if request.accelerator == "gpu" and env.get("CUDA_VISIBLE_DEVICES", None) == "":
         return FAULT_CONFIG
+    if not (device_files_present(request.accelerator) if has_device is None else has_device):
+        return FAULT_CONFIG
     return FAULT_BACKEND
 
 
 def check_devices(request: Optional[DeviceRequest], node_id: Optional[str] = None,
                   env: Optional[Mapping[str, str]] = None,
-                  has_plugin: Optional[bool] = None) -> DeviceReport:
+                  has_plugin: Optional[bool] = None,
+                  has_device: Optional[bool] = None) -> DeviceReport:
     """What JAX gave this process; raises ``DeviceMismatch`` (one line) when it is not what
     ``request`` asks for, ``BackendUnavailable`` when its backend failed to start for a reason
     that may pass (``device_fault``). ``node_id`` (default: this process's Ray node, when Ray
@@ -224,10 +246,10 @@ def check_devices(request: Optional[DeviceRequest], node_id: Optional[str] = Non
     report = observe_devices()
     if request is None:
         return report
-    fault = device_fault(request, report, env, has_plugin)
+    fault = device_fault(request, report, env, has_plugin, has_device)
     if fault is None:
         return report
-    line = device_problem(request, report, env, has_plugin)
+    line = device_problem(request, report, env, has_plugin, has_device)
     node_id = node_id or _this_node()
     if node_id:
         line += f" (node {node_id})"

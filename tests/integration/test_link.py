@@ -467,22 +467,37 @@ def test_the_cli_operates_the_region_cluster_at_the_address_join_printed(two_clu
     assert list(json.loads(islands("status", "--json"))["learners"]) == ["far:0"]
 
 
-def test_a_killed_agents_learner_is_failed_at_home_within_the_hang_timeout(two_clusters):
-    """The agent's whole cluster dies at once (SIGKILL to its process group, as a lost machine):
-    its learner stops beating, and the home says so within the hang timeout (20 s here)."""
+def _kill_the_agents_cluster(ctx):
+    """The module's agent's whole cluster dies at once (SIGKILL to its process group, as a lost
+    machine). This process leaves that cluster first: the module fixture's connection to it
+    (``ctx["link"]``, ``ctx["agent"]``) must not outlive it, nor reach the next test, whose own
+    ``ray.init`` it would refuse. Returns the time of the kill, or None where the agent is gone
+    already (a test before this one killed it)."""
     import ray
 
-    from waiting import wait_for
-
-    home_dir, region = two_clusters["tmp"] / "home", two_clusters["region"]
-    # Training at home first (the books it must show).
-    wait_for(lambda: (_home_rows(home_dir) or [{}])[-1].get("learners", {}).get(
-        "far:0", {}).get("state") == "training", 120, "far:0 training at home")
-    ray.shutdown()  # this process leaves the region's cluster before it dies under it
-    seen = len(_home_events(home_dir))
+    if ray.is_initialized():
+        ray.shutdown()
+    region = ctx["region"]
+    if region.poll() is not None:
+        return None
     t_kill = time.time()
     os.killpg(region.pid, signal.SIGKILL)
     region.wait(timeout=30)
+    return t_kill
+
+
+def test_a_killed_agents_learner_is_failed_at_home_within_the_hang_timeout(two_clusters):
+    """The agent's whole cluster dies at once (SIGKILL to its process group, as a lost machine):
+    its learner stops beating, and the home says so within the hang timeout (20 s here)."""
+    from waiting import wait_for
+
+    home_dir = two_clusters["tmp"] / "home"
+    # Training at home first (the books it must show).
+    wait_for(lambda: (_home_rows(home_dir) or [{}])[-1].get("learners", {}).get(
+        "far:0", {}).get("state") == "training", 120, "far:0 training at home")
+    seen = len(_home_events(home_dir))
+    t_kill = _kill_the_agents_cluster(two_clusters)
+    assert t_kill is not None, "the module's agent was gone before this test"
 
     def unreachable():
         return next((e for e in _home_events(home_dir)[seen:]
@@ -540,6 +555,15 @@ def test_an_agent_leaves_cleanly_on_sigterm_and_with_its_home_job(two_clusters):
         "learners", {}).get("far:0", {}).get("state")
     agents = []
     try:
+        # 0. The module's agent is gone (the test above kills it; run alone, this one does, once
+        #    far:0 trains: a learner still starting is not found unreachable) and far:0 is
+        #    unreachable at home.
+        if ctx["region"].poll() is None:
+            wait_for(lambda: far_state() == "training", 180, "far:0 training at home",
+                     describe=far_state)
+        _kill_the_agents_cluster(ctx)
+        wait_for(lambda: far_state() == "unreachable", HANG_TIMEOUT_S + 60,
+                 "far:0 unreachable at home", describe=far_state)
         # 1. The agent comes back: the home takes far:0 back from unreachable.
         seen = len(_home_events(home_dir))
         agent, address = _start_region(ctx["join_args"], ctx["env"], ctx["tmp"])

@@ -21,7 +21,7 @@ from conftest import TINY_JOB
 from test_link import (ISLANDS, _events, _reader, _start_home, _stop,
                        _token_auth_in_this_process, _wait, _wait_line)
 
-DURATION_S = 120
+DURATION_S = 90
 
 
 def _kill_one_remote_learner(address: str) -> None:

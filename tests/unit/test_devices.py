@@ -46,7 +46,8 @@ def test_a_gpu_learner_on_the_cpu_is_refused_naming_the_inherited_platform():
 ])
 def test_the_likely_cause_of_a_gpu_backend_that_did_not_come_up(env, has_plugin, cause):
     report = DeviceReport(None, error="Unable to initialize backend 'cuda': no CUDA devices")
-    line = device_problem(DeviceRequest("g", "gpu", 1, "num_gpus=1"), report, env, has_plugin)
+    line = device_problem(DeviceRequest("g", "gpu", 1, "num_gpus=1"), report, env, has_plugin,
+                          has_device=True)
     assert line.startswith(MISMATCH_MARK) and cause in line
     assert "no backend (Unable to initialize backend 'cuda'" in line
 
@@ -103,7 +104,16 @@ GPU = DeviceRequest("g", "gpu", 1, "num_gpus=1")
 ])
 def test_a_deterministic_mismatch_is_config_and_a_backend_that_did_not_start_is_not(
         request_, report, env, has_plugin, fault):
-    assert device_fault(request_, report, env, has_plugin) == fault
+    # On a node with its GPU's device files (the backend's failure may pass) ...
+    assert device_fault(request_, report, env, has_plugin, has_device=True) == fault
+    # ... and on one without: no CUDA backend can ever start there.
+    assert device_fault(request_, report, env, has_plugin, has_device=False) == (
+        "config" if fault == "backend" else fault)
+
+
+def test_a_gpu_node_without_device_files_is_named_as_such():
+    line = device_problem(GPU, DOWN, {"JAX_PLATFORMS": "cuda"}, True, has_device=False)
+    assert "likely cause: no NVIDIA device on this node" in line
 
 
 def test_a_backend_that_did_not_start_raises_its_own_line_naming_the_node():
@@ -113,7 +123,7 @@ def test_a_backend_that_did_not_start_raises_its_own_line_naming_the_node():
     env = {**os.environ, **ray_env_vars(process_env(Role.LEARNER, acc.learner_devices("gpu", 1)))}
     code = ("from islands.learners.devices import *\n"
             "try:\n    check_devices(DeviceRequest('g', 'gpu', 1, 'num_gpus=1'), 'ab12',"
-            " has_plugin=True)\n"
+            " has_plugin=True, has_device=True)\n"
             "except BackendUnavailable as exc:\n    print(type(exc).__name__, exc)\n")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          timeout=120)

@@ -259,3 +259,38 @@ def test_config_commands_do_not_import_ray():
                           timeout=120, cwd=REPO)
     assert proc.returncode == 0, (f"exit {proc.returncode} (10: Ray was imported)\n"
                                   f"{proc.stderr[-2000:]}")
+
+
+# -- CI ------------------------------------------------------------------------------------------
+_FAKE_PYTHON = """#!/usr/bin/env bash
+# Stands in for python in .ci/run: records each command; pytest exits as the test says.
+echo "$*" >> "$CI_LOG"
+case "$*" in
+  *"pytest -q -m slow tests"*) exit "$SLOW_RC" ;;
+  *"pytest -q tests"*) exit "$FAST_RC" ;;
+esac
+exit 0
+"""
+
+
+@pytest.mark.parametrize("fast_rc,slow_rc,ci_rc", [(0, 0, 0), (0, 5, 0), (0, 1, 1), (1, 0, 1)])
+def test_ci_runs_the_readme_test_command_then_the_slow_tests(tmp_path, fast_rc, slow_rc, ci_rc):
+    """.ci/run, with python (and apt-get) stood in for: it lints, runs the README's test command,
+    then the slow tests; a failing slow test fails it, no slow test collected (exit 5) does not."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("python", _FAKE_PYTHON), ("apt-get", "#!/bin/sh\nexit 0\n")):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    log = tmp_path / "ci.log"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
+           "CI_LOG": str(log), "FAST_RC": str(fast_rc), "SLOW_RC": str(slow_rc)}
+    proc = subprocess.run(["bash", os.path.join(REPO, ".ci", "run")], capture_output=True,
+                          text=True, timeout=60, env=env)
+    assert proc.returncode == ci_rc, proc.stderr
+    readme = read(os.path.join(REPO, "README.md"))
+    assert "python -m pytest -q tests\n" in readme
+    assert "`python -m pytest -q -m slow tests`" in readme
+    ran = log.read_text().splitlines()
+    expected = ["-m ruff check .", "-m pytest -q tests", "-m pytest -q -m slow tests"]
+    assert [c for c in ran if "ruff" in c or "pytest" in c] == expected[:2 if fast_rc else 3]

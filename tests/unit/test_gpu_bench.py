@@ -1,9 +1,10 @@
 """``benchmarks/gpu.py`` and its offline bundle (``benchmarks/gpu_bundle.py``) without a GPU.
 
-The dry run (``python benchmarks/gpu.py --dry-run``) builds the bundle (downloads its wheels from
-PyPI once, then from the cache) and validates every job config the GPU run uses; the small pure
-pieces (the strip list, wheel tags, the nvidia-smi parser, the islands mapping for a machine
-without the package) are tested without network.
+The dry run (``python benchmarks/gpu.py --dry-run``) builds the bundle and validates every job
+config the GPU run uses; here it builds from the local wheel cache only, into a temporary folder
+(it skips, naming the wheels, where they are not cached). Nothing here reaches the network or
+writes into the checkout; the small pure pieces (the strip list, wheel tags, the nvidia-smi
+parser, the islands mapping for a machine without the package) need neither.
 """
 
 from __future__ import annotations
@@ -206,18 +207,49 @@ def test_without_a_gpu_it_says_so_and_exits_nonzero():
 
 
 # -- the dry run ----------------------------------------------------------------------------------
-def test_dry_run_builds_the_bundle_and_validates_the_configs():
-    """Downloads the wheels once (PyPI; cached), packs them (xz -2, ~30 s on 2 cores) unless the
-    bundle is up to date, and validates the job configs."""
+def test_dry_run_builds_the_bundle_and_validates_the_configs(tmp_path):
+    """From the local wheel cache only (``$ISLANDS_BUNDLE_CACHE`` or ~/.cache/islands/gpu-bundle,
+    filled once by ``python benchmarks/gpu_bundle.py``) into a temporary folder: no index is
+    reachable and nothing is written into the checkout. Packs the archive (xz -2, ~30 s on 2
+    cores) and validates the job configs. Without the wheels cached it skips, naming them."""
+    cache = gpu_bundle.default_cache_dir()
+    versions = gpu_bundle.pinned_versions()
+    missing = sorted(f"{n}=={v}" for n, v in versions.items()
+                     if gpu_bundle.cached_wheel(cache, n, v) is None)
+    if missing:
+        pytest.skip(f"the GPU bundle's wheels are not cached in {cache}: {' '.join(missing)} "
+                    "(`python benchmarks/gpu_bundle.py` caches them where an index is reachable)")
+    bundle_dir = tmp_path / "bundle"
+    # pip cannot reach an index: every wheel must come from the cache.
+    env = {**os.environ, "ISLANDS_BUNDLE_CACHE": cache, "PIP_NO_INDEX": "1",
+           "PIP_INDEX_URL": "http://127.0.0.1:9/simple", "PIP_RETRIES": "0"}
     t0 = time.time()
-    proc = subprocess.run([sys.executable, os.path.join(BENCH, "gpu.py"), "--dry-run"],
-                          capture_output=True, text=True, timeout=540, cwd=REPO)
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "gpu.py"), "--dry-run",
+                           "--bundle-dir", str(bundle_dir), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=540, cwd=str(tmp_path), env=env)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-2000:])
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["dry_run"] is True
     assert 0 < result["bundle_mib"] <= 64
+    assert result["bundle"] == str(bundle_dir / gpu_bundle.ARCHIVE_NAME)
     assert os.path.exists(result["bundle"])
-    assert os.path.exists(os.path.join(os.path.dirname(result["bundle"]), "install.sh"))
+    assert os.path.exists(bundle_dir / "install.sh")
     assert result["configs"] == ["bench-gpu-service", "bench-gpu-share4", "bench-gpu-spare"]
-    assert result["dists"]["ray"] == gpu_bundle.pinned_versions()["ray"]
+    assert result["dists"]["ray"] == versions["ray"]
     assert time.time() - t0 < 540
+
+
+def test_the_dry_run_without_the_wheels_cached_or_an_index_names_them(tmp_path):
+    """What a machine without the cache and without an index gets: one line naming the wheels,
+    exit 2, and no bundle."""
+    env = {**os.environ, "ISLANDS_BUNDLE_CACHE": str(tmp_path / "empty-cache"),
+           "PIP_NO_INDEX": "1", "PIP_INDEX_URL": "http://127.0.0.1:9/simple",
+           "PIP_RETRIES": "0", "PIP_TIMEOUT": "2"}
+    proc = subprocess.run([sys.executable, os.path.join(BENCH, "gpu.py"), "--dry-run",
+                           "--bundle-dir", str(tmp_path / "bundle"), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=300, cwd=str(tmp_path), env=env)
+    assert proc.returncode == 2, (proc.stdout[-2000:], proc.stderr[-2000:])
+    ray_pin = f"ray=={gpu_bundle.pinned_versions()['ray']}"
+    assert "gpu.py --dry-run: the wheels" in proc.stderr and ray_pin in proc.stderr, proc.stderr
+    assert "not cached in " + str(tmp_path / "empty-cache") in proc.stderr, proc.stderr
+    assert not (tmp_path / "bundle" / gpu_bundle.ARCHIVE_NAME).exists()
