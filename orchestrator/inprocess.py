@@ -83,7 +83,8 @@ class _Driver:
         self.fleet_state = fleet_lib.initial(fleet_settings(self.ids, self.regions,
                                                             fleet.speed_factors,
                                                             syncer.settings.min_learners,
-                                                            fleet.spares))
+                                                            fleet.spares,
+                                                            fleet.health_timeout_s))
         self.books = Books(self.num_fragments)
         self.loops = [self.loop_for(i, core) for i, core in enumerate(self.cores)]
         self.paused = [False] * n
