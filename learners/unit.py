@@ -380,7 +380,7 @@ class LearnerUnit:
         self.state = LearnerState.TRAINING
         last_beat = 0.0
         step_time_ema = None
-        arrived: list = []  # (usable_at, p, fragment, version)
+        arrived: list = []  # (usable_at, p, fragment, version, epoch of its push)
         drain_since: Optional[float] = None
         try:
             while not self.stop_event.is_set():
@@ -419,10 +419,7 @@ class LearnerUnit:
                 # not step time, which the straggler check reads.
                 self._collect_replies(sender, arrived)
                 t0 = time.time()
-                ready = [a for a in arrived if a[0] <= t0]
-                for item in ready:
-                    arrived.remove(item)
-                    self._core("offer_reply", item[1], item[2], item[3])
+                self._offer_arrived(arrived, t0)
                 if self.gang is not None:
                     self._gang_step()
                 with self.lock:
@@ -487,41 +484,59 @@ class LearnerUnit:
     def _collect_replies(self, sender, arrived) -> None:
         """Moves finished push futures into ``arrived`` (with the emulated downlink delay)."""
 
-        from islands.syncer.actor import ReplyStatus
-
         for push in sender.take_failed():
-            if self._superseded(push):
-                continue
-            self._core("push_refused", push.fragment)
-            self._reregister(self.shard_of[push.fragment])
+            self._lost(push)
         for ref, push in sender.finished():
             try:
                 reply = ray.get(ref)
             except ray.exceptions.RayActorError:
-                if self._superseded(push):
-                    continue
-                # The syncer (shard) died: this push is lost. Register with its successor (new
-                # epoch); the other shards' fragments go on as they were.
-                self._core("push_refused", push.fragment)
+                self._lost(push)
+                continue
+            self._answered(push, reply, arrived)
+
+    def _lost(self, push) -> None:
+        """The push could not be sent, or its syncer (shard) died: it is lost. Register with
+        the successor (new epoch); the other shards' fragments go on as they were."""
+        if self._superseded(push):
+            return
+        self._core("push_refused", push.fragment)
+        self._reregister(self.shard_of[push.fragment])
+
+    def _answered(self, push, reply, arrived) -> None:
+        """The syncer's answer to ``push``: a merge goes into ``arrived`` (with the emulated
+        downlink delay and its push's epoch), a refusal is acted on. An answer from an epoch
+        this learner has re-registered past is void, a merge too: its fragment's track was
+        reset, and adopting it would take an old merge for the newer push's."""
+        from islands.syncer.actor import ReplyStatus
+
+        if self._superseded(push):
+            return
+        if reply.status == ReplyStatus.MERGED:
+            update = reply.update if reply.update is not None else reply.params
+            nbytes = downlink_lib.update_bytes(update)
+            with self.lock:
+                self.stats["wire_bytes_down"] += nbytes
+            arrived.append((self.arrival_s(time.time(), nbytes), reply.fragment,
+                            update, reply.version, push.epoch))
+        else:
+            reason = (reply.reason if reply.status == ReplyStatus.REJECTED
+                      else reply.status.value)
+            with self.lock:
+                self.stats["refused"] += reply.status == ReplyStatus.REJECTED
+                self._core("refused", push.fragment, reason, reply.params, reply.version)
+            if reason in ("stale_epoch", "unknown_learner", "bad_session"):
                 self._reregister(self.shard_of[push.fragment])
+
+    def _offer_arrived(self, arrived: list, now: float) -> None:
+        """Offers the merges in ``arrived`` whose emulated downlink delay is over; one whose push
+        went to an epoch this learner has re-registered past since it arrived is dropped (the
+        re-registration returned its tokens to the drift and reset the track)."""
+        for item in [a for a in arrived if a[0] <= now]:
+            arrived.remove(item)
+            _, p, update, version, epoch = item
+            if superseded(epoch, self.epochs[self.shard_of[p]]):
                 continue
-            if reply.status == ReplyStatus.MERGED:
-                update = reply.update if reply.update is not None else reply.params
-                nbytes = downlink_lib.update_bytes(update)
-                with self.lock:
-                    self.stats["wire_bytes_down"] += nbytes
-                arrived.append((self.arrival_s(time.time(), nbytes), reply.fragment,
-                                update, reply.version))
-            elif self._superseded(push):
-                continue
-            else:
-                reason = (reply.reason if reply.status == ReplyStatus.REJECTED
-                          else reply.status.value)
-                with self.lock:
-                    self.stats["refused"] += reply.status == ReplyStatus.REJECTED
-                    self._core("refused", push.fragment, reason, reply.params, reply.version)
-                if reason in ("stale_epoch", "unknown_learner", "bad_session"):
-                    self._reregister(self.shard_of[push.fragment])
+            self._core("offer_reply", p, update, version)
 
     def _superseded(self, push) -> bool:
         """A push to an earlier epoch of its syncer shard than the one this learner has since

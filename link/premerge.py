@@ -294,4 +294,4 @@ def _not_sent(push, exc):
 
 # Refusals of a pre-merged push that are every member's: it entered the round and its merge was
 # refused (Θ kept), or it never reached home (the link was down: each member keeps its drift).
-FAN_OUT_REFUSALS = frozenset({"bad_merge", "unadopted", SYNCER_DOWN})
+FAN_OUT_REFUSALS = frozenset({"bad_merge", "unadopted", "not_durable", SYNCER_DOWN})

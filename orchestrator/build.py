@@ -21,7 +21,7 @@ from islands.syncer.merge import MergeRule, OuterGradientRule, RoundStep, Schedu
 from islands.syncer.outer import rule as outer_rule
 
 from .fleet import FleetSettings, RegionPlan
-from .health import RestartPolicy
+from .health import RestartPolicy, drain_timeout_s
 
 # Settings read by the job runner and the CLI rather than by a core object.
 CLI_ONLY = ("name", "run.duration_s", "run.run_dir", "run.progress_every_s", "run.dashboard",
@@ -119,9 +119,7 @@ def fleet_settings(config) -> FleetSettings:
                          straggler_min_excess_s=config.health.straggler_min_excess_s,
                          spare_wait_s=config.health.spare_wait_s,
                          syncer_shards=config.syncer.shards,
-                         # The learner gives up on its unanswered pushes after timeout_s; one
-                         # still draining a timeout later cannot leave by itself.
-                         drain_timeout_s=2 * config.health.timeout_s)
+                         drain_timeout_s=drain_timeout_s(config.health.timeout_s))
 
 
 @dataclass(frozen=True)

@@ -1553,7 +1553,8 @@ class _Machine:
             if slot.preempted_s is not None and not self.fleet.stopping:
                 self.hand_over(slot, forgotten=True)
             else:
-                self.retire(slot, f"{DRAIN_TIMEOUT}: still draining after {limit:g}s",
+                # (the cause is the reason's first word: the region agent and the books read it)
+                self.retire(slot, f"{DRAIN_TIMEOUT} (still draining after {limit:g}s)",
                             forgotten=True)
 
     def launch_pending(self) -> None:

@@ -114,14 +114,22 @@ class LearnerGroups:
             out.append((waiting[ref], unit.incarnation, node))
         return out
 
-    def reattach(self, learner: str, actor: str, hosts: int = 1) -> Optional[dict]:
+    def reattach(self, learner: str, actor: str, hosts: int = 1,
+                 timeout_s: float = 10) -> Optional[dict]:
         """A restarted controller takes over a unit still running under ``actor``'s name: its
-        ``ping`` (incarnation, state, start step), or None when it is gone."""
+        ``ping`` (incarnation, state, start step), or None when it is gone. An actor under that
+        name that does not answer (one Ray has not placed: a handover or a start launched after
+        the last save) is ended: it holds the name the relaunch needs, and would train as an
+        orphan once placed."""
 
         try:
             handle = ray.get_actor(learner_actor_name(actor), namespace=NAMESPACE)
-            info = ray.get(handle.ping.remote(), timeout=10)
         except Exception:
+            return None
+        try:
+            info = ray.get(handle.ping.remote(), timeout=timeout_s)
+        except Exception:
+            self.end_unplaced(actor)
             return None
         if info["state"] in ("training", "paused", "draining", "starting"):
             self.units[learner] = _Unit(info["incarnation"], handle, handle.wait_done.remote(),
@@ -129,9 +137,8 @@ class LearnerGroups:
         return info
 
     def end_unplaced(self, actor: str) -> None:
-        """Ends the learner actor named ``actor`` that Ray has not placed (a restarted
-        controller's handover awaiting placement): it holds the learner's name, so its
-        relaunch could never take it, and it would train as an orphan once placed."""
+        """Ends the learner actor named ``actor`` that does not answer (Ray has not placed it):
+        it holds the learner's name, so its relaunch could never take it."""
 
         try:
             ray.kill(ray.get_actor(learner_actor_name(actor), namespace=NAMESPACE),

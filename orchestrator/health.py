@@ -225,3 +225,14 @@ def grown_target(capacity: float, previous_capacity: Optional[float], current_ta
         return None
     target = min(int(capacity), max_learners)
     return target if target > current_target else None
+
+
+def drain_timeout_s(health_timeout_s: float) -> float:
+    """The fleet's bound on a drain, the Ray body's and the in-process driver's alike: the
+    learner gives up on its unanswered pushes after ``health.timeout_s``; one still draining a
+    timeout later cannot leave by itself.
+
+    >>> drain_timeout_s(10.0)
+    20.0
+    """
+    return 2 * health_timeout_s

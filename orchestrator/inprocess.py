@@ -84,7 +84,8 @@ class _Driver:
                                                             fleet.speed_factors,
                                                             syncer.settings.min_learners,
                                                             fleet.spares,
-                                                            fleet.restart_wait_s))
+                                                            fleet.restart_wait_s,
+                                                            fleet.health_timeout_s))
         self.books = Books(self.num_fragments)
         self.loops = [self.loop_for(i, core) for i, core in enumerate(self.cores)]
         self.paused = [False] * n

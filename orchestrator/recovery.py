@@ -73,14 +73,21 @@ def slot_row(x: "fleet_lib.Slot") -> dict:
 
 def relaunched(slot: "fleet_lib.Slot", known: int, now: float) -> "fleet_lib.Slot":
     """A saved slot whose learner a restarted controller did not find running: restarted now,
-    after the newest incarnation the syncer's ledger knows (``known``). One that was awaiting
-    placement (a handover) stays a handover: its relaunch waits for placement again.
+    after the newest incarnation the syncer's ledger knows (``known``). A handover stays one
+    (its relaunch waits for placement, not timed as a start, spending no crash budget): one that
+    was awaiting placement, and one saved draining off a preempted node (``preempted_s``): the
+    fleet launches the handover in the step its drain ends, and the state file may be a second
+    older than that launch.
 
     >>> row = {"learner": "a:0", "region": "a", "index": 0, "shard": 0, "speed_factor": 1.0,
     ...        "state": "awaiting_placement", "incarnation": 2, "start_step": 9, "restarts": {}}
     >>> slot = relaunched(saved_slot(row, remote=False), known=1, now=5.0)
     >>> slot.state.value, slot.incarnation, slot.restart_at_s, dict(slot.recovery)["cause"]
     ('restarting', 2, 5.0, 'preempted_planned')
+    >>> row.update(state="draining", preempted_s=3.0, draining_since_s=3.0)
+    >>> slot = relaunched(saved_slot(row, remote=False), known=2, now=5.0)
+    >>> dict(slot.recovery)["cause"], slot.preempted_s, slot.restart_counts
+    ('preempted_planned', None, {<Cause.PREEMPTED_PLANNED: 'preempted_planned'>: 1})
     """
     from .health import Cause
 
@@ -88,9 +95,16 @@ def relaunched(slot: "fleet_lib.Slot", known: int, now: float) -> "fleet_lib.Slo
     if slot.state == fleet_lib.SlotState.AWAITING_PLACEMENT:
         recovery = (("failed_s", now), ("detected_s", now),
                     ("cause", Cause.PREEMPTED_PLANNED.value))
+    elif slot.state == fleet_lib.SlotState.DRAINING and slot.preempted_s is not None:
+        # As ``hand_over`` does (its step was not saved): one planned restart, timed from the
+        # preemption's notice, which no failure budget counts.
+        since = slot.preempted_s
+        slot = slot.with_restart(Cause.PREEMPTED_PLANNED)
+        recovery = (("failed_s", since), ("detected_s", since),
+                    ("cause", Cause.PREEMPTED_PLANNED.value))
     return dataclasses.replace(slot, state=fleet_lib.SlotState.RESTARTING,
                                incarnation=max(slot.incarnation, known), restart_at_s=now,
-                               recovery=recovery)
+                               recovery=recovery, preempted_s=None, draining_since_s=None)
 
 
 def saved_marks(saved) -> dict:
@@ -198,7 +212,9 @@ def recover(owner: Any) -> None:
             slots.append(dataclasses.replace(slot, last_beat_s=now))
             owner.running[slot.learner] = Incarnation(slot.incarnation, remote=True)
             continue
-        # Still running? then it keeps training under the new controller.
+        # Still running? then it keeps training under the new controller. An actor under its
+        # name that does not answer (one Ray has not placed: a handover or a start launched
+        # since the last save) is ended there: it holds the name its relaunch needs.
         info = owner.groups.reattach(slot.learner, slot.actor or slot.learner,
                                     owner.config.regions[slot.region].devices().hosts)
         if info is not None and info["state"] in ("training", "paused", "draining",
@@ -225,8 +241,6 @@ def recover(owner: Any) -> None:
         # Gone while the controller was away: relaunched, as a newer incarnation.
         known = int(ledger.get(slot.learner, {}).get("incarnation", slot.incarnation))
         slots.append(relaunched(slot, known, now))
-        if slot.state == fleet_lib.SlotState.AWAITING_PLACEMENT:
-            owner.groups.end_unplaced(slot.actor or slot.learner)
     owner.fleet = fleet_lib.rebuilt(owner.fleet.settings, slots, saved["targets"],
                                    saved["next_index"], saved["next_shard"],
                                    saved.get("next_spare", 0),

@@ -15,7 +15,8 @@ from islands import CARRY_OVERLAP
 from islands.faults import Link
 from islands.learners.core import LearnerCore
 from islands.orchestrator import fleet as fleet_lib
-from islands.orchestrator.health import RestartPolicy
+from islands.orchestrator.config import HealthSection
+from islands.orchestrator.health import RestartPolicy, drain_timeout_s
 from islands.syncer import downlink as downlink_lib
 from islands.syncer import fragments as fragments_lib
 from islands.syncer.core import SyncerCore
@@ -40,6 +41,8 @@ class Fleet:
         (the fleet's backoff; a kill meanwhile finds no running learner, as on the service,
         whose restart waits there for the process prestarted for it). A ready warm spare
         takes over at once, as on the service.
+      health_timeout_s: the job's ``health.timeout_s``: the fleet's bound on a drain follows
+        from it by the service's own rule (``health.drain_timeout_s``).
     """
 
     speed_factors: Sequence[float]
@@ -51,6 +54,7 @@ class Fleet:
     regions: Optional[Sequence[str]] = None
     spares: int = 0              # warm spares per region (RestartCosts.promote_s to take over)
     restart_wait_s: float = 0.0
+    health_timeout_s: float = HealthSection.model_fields["timeout_s"].default
 
     def transfer_s(self, nbytes: int) -> float:
         return self.latency_s + nbytes / self.bandwidth_bytes_per_s
@@ -74,11 +78,14 @@ class Fleet:
 
 def fleet_settings(ids: Sequence[str], regions: Sequence[str], speed_factors: Sequence[float],
                    min_learners: int, spares: int = 0,
-                   restart_wait_s: float = 0.0) -> fleet_lib.FleetSettings:
+                   restart_wait_s: float = 0.0,
+                   health_timeout_s: float = HealthSection.model_fields["timeout_s"].default
+                   ) -> fleet_lib.FleetSettings:
     """The fleet brain's settings for a virtual fleet: learners that cannot hang or straggle,
     restarts after a constant backoff of ``restart_wait_s`` (0: none; ``RestartCosts.restart_s``
     holds the start), no budget and no crash-loop retirement (every failure here is an
-    injected fault)."""
+    injected fault). A drain is bounded as the service bounds it (``health.drain_timeout_s``
+    of ``health_timeout_s``)."""
     by_region: dict[str, list[int]] = {}
     for i, region in enumerate(regions):
         by_region.setdefault(region, []).append(i)
@@ -92,7 +99,8 @@ def fleet_settings(ids: Sequence[str], regions: Sequence[str], speed_factors: Se
                              backoff_max_s=restart_wait_s,
                              max_crash_restarts=None, max_preemption_restarts=None,
                              crash_loop_after=None),
-        heartbeat_timeout_s=math.inf, startup_timeout_s=math.inf, straggler_factor=math.inf)
+        heartbeat_timeout_s=math.inf, startup_timeout_s=math.inf, straggler_factor=math.inf,
+        drain_timeout_s=drain_timeout_s(health_timeout_s))
 
 
 def assemble_like(template: Any) -> Callable[[dict], Any]:

@@ -23,7 +23,7 @@ from .core import SyncerCore, SyncerSettings
 from .state import snapshot_due
 from .status import SyncerStatus
 from .shards import SYNCER_NAME  # noqa: F401  (shard 0's name; shards.syncer_shard_name)
-from .validate import Push
+from .validate import Push, RejectReason
 
 log = logging.getLogger("islands.syncer")
 
@@ -241,13 +241,29 @@ class Syncer:
         try:
             await durable
             self._answer(g, result, updates, taken)
-        except Exception:  # not durable: not answered (a restart replays the previous entry)
+        except Exception as exc:
+            # Not durable (a restart replays the previous entry), yet merged here: a push
+            # answered "dropped" would be pushed again and its drift merged twice. Refused
+            # instead, with the current fragment (this merge in it) to start over from: its
+            # tokens are dropped with the reason, and nobody waits on an answer for ever.
             log.exception("fragment %d: the merge journal entry of version %d was not written; "
-                          "the merge is not answered", g, result.version)
+                          "its pushes are refused as not durable", g, result.version)
+            self._refuse_taken(p, g, taken, f"the merge journal entry of version "
+                               f"{result.version} was not written: {exc!r}"[:300])
         finally:
             self.journal_pending.pop(p, None)
             if self._wake:
                 self._wake.set()   # the fragment may merge again
+
+    def _refuse_taken(self, p: int, g: int, taken: dict, detail: str) -> None:
+        """Answers the merged pushes' waiters ``taken`` whose merge could not be made durable:
+        refused ``not_durable`` with the current fragment."""
+        params, version = self.core.fragment(p)
+        for future in taken.values():
+            if not future.done():
+                future.set_result(Reply(ReplyStatus.REJECTED, g, self.core.epoch, params=params,
+                                        version=version, reason=RejectReason.NOT_DURABLE.value,
+                                        detail=detail))
 
     def _answer(self, g: int, result, updates: dict, taken: dict) -> None:
         """Answers the merged pushes' waiters (``taken`` from ``waiters`` at the merge)."""

@@ -31,6 +31,7 @@ class RejectReason(str, enum.Enum):
     BAD_SESSION = "bad_session"            # the incarnation's session token does not match
     BAD_MERGE = "bad_merge"                # the round's merged fragment was not finite
     UNADOPTED = "unadopted"                # (a whole merge) no contributor had adopted Θ[p] yet
+    NOT_DURABLE = "not_durable"            # (a whole merge) its journal entry was not written
 
 
 # Refusals that say the drift itself is garbage: counted towards quarantine.

@@ -5,6 +5,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 
 from islands.learners.core import PushPlan
 from islands.learners.unit import LearnerUnit, _Sender
@@ -94,7 +95,8 @@ def _learner():
                        codec_lib.error_feedback(codec), codec_lib.tree_wire_bytes,
                        lambda c: codec_lib.decode_tree(codec, c), overlap_steps=1)
     unit = object.__new__(LearnerUnit)
-    unit.core, unit.gang, unit.lock, unit.stats = core, None, threading.Lock(), {"refused": 0}
+    unit.core, unit.gang, unit.lock = core, None, threading.Lock()
+    unit.stats = {"refused": 0, "wire_bytes_down": 0}
     unit.epochs, unit.shard_of = [0], {0: 0, 1: 0}
     unit.reregistered = []
     unit._reregister = unit.reregistered.append
@@ -125,3 +127,54 @@ def test_the_loss_of_a_push_a_reregistration_voided_leaves_the_newer_push_alone(
     sender.failed = [new]
     unit._collect_replies(sender, [])
     assert core.tracks[0].in_flight_since_step is None and unit.reregistered == [0]
+
+
+def _restarted_syncer(unit, core):
+    """What ``_reregister`` does once the restarted syncer answered: its epoch, new bases."""
+    import numpy as np
+
+    def reregister(shard):
+        unit.reregistered.append(shard)
+        unit.epochs[shard] = 1
+        core.reregistered([{k: np.asarray(v) for k, v in t.base.items()} for t in core.tracks],
+                          [0, 0], "s1")
+    return reregister
+
+
+@pytest.mark.parametrize("merge_first", [False, True])
+def test_a_merge_answered_by_a_syncer_that_then_died_is_not_adopted_after_reregistering(
+        merge_first):
+    """The syncer answers fragment 0's merge and dies; fragment 1's push fails with it, and the
+    learner re-registers (epoch 1), which returns fragment 0's push to its drift. The old merge
+    (answered in the same collection, or arrived earlier and waiting out its downlink delay) is
+    void: adopted later, it would be taken for the answer to fragment 0's next push."""
+    import numpy as np
+
+    from islands.syncer.actor import Reply, ReplyStatus
+
+    unit, core = _learner()
+    unit.arrival_s = lambda sent_s, nbytes: sent_s + (1.0 if merge_first else 0.0)
+    unit._reregister = _restarted_syncer(unit, core)
+    core.record_step(8, 0.1)
+    a = core.make_push(0, epoch=0).push
+    b = core.make_push(1, epoch=0).push
+    merged = Reply(ReplyStatus.MERGED, 0, 0, params={"a": np.full(3, 5.0, np.float32)},
+                   version=1)
+    sender = _Sender(unit, None)
+    arrived = []
+    if merge_first:                       # arrived in an earlier collection, not yet usable
+        unit._answered(a, merged, arrived)
+        assert len(arrived) == 1
+    sender.failed = [b]                   # this collection: b's loss, then a's merge
+    unit._collect_replies(sender, arrived)
+    if not merge_first:
+        unit._answered(a, merged, arrived)
+    assert unit.reregistered == [0] and unit.epochs == [1]
+    unit._offer_arrived(arrived, time.time() + 10.0)
+    assert arrived == [] and core.tracks[0].reply is None
+    # Fragment 0's next push (epoch 1) is out; nothing adopts the old merge for it.
+    core.record_step(8, 0.1)
+    core.make_push(0, epoch=1)
+    core.record_step(8, 0.1)
+    assert core.adopt_ready() == [] and core.tracks[0].base_version == 0
+    assert core.tracks[0].in_flight_since_step is not None and core.fates.balanced()

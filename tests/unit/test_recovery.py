@@ -98,3 +98,41 @@ def test_a_handover_awaiting_placement_at_a_controller_restart_awaits_it_again()
     assert out.fleet.slots["far:0"].state == F.SlotState.AWAITING_PLACEMENT
     assert [t.name for t in F.step(out.fleet, [], 100.0 + 600.0).transitions] == []
     assert out.fleet.slots["far:0"].restarts == ((Cause.HANG, 1),)   # nothing counted anew
+
+
+def test_a_handover_caught_in_the_state_saves_gap_is_relaunched_as_a_handover():
+    """The fleet launches a handover in the step its drain ends; the state file can be a second
+    older, so a controller dying in that gap saved the slot draining with its preemption. Its
+    learner is not found (the new process was never placed, and is ended): the relaunch is a
+    handover again, waiting for placement, not a start timed by the start-up limit that spends
+    the crash budget."""
+    from islands.orchestrator.recovery import relaunched
+
+    settings = F.FleetSettings({"far": F.RegionPlan(1, 1)}, startup_timeout_s=60.0)
+    row = {**ROW, "state": "draining", "actor": None, "preempted_s": 90.0,
+           "draining_since_s": 90.0}
+    slot = relaunched(saved_slot(row, remote=False), known=2, now=100.0)
+    fleet = F.rebuilt(settings, [slot], {"far": 1}, {"far": 1}, 1)
+    out = F.step(fleet, [], 100.0)
+    (launch,) = out.actions
+    assert (launch.learner, launch.incarnation) == ("far:0", 3)
+    assert out.fleet.slots["far:0"].state == F.SlotState.AWAITING_PLACEMENT
+    assert [t.name for t in F.step(out.fleet, [], 100.0 + 600.0).transitions] == []
+    assert out.fleet.slots["far:0"].restarts == ((Cause.HANG, 1), (Cause.PREEMPTED_PLANNED, 1))
+    assert out.fleet.slots["far:0"].counted == ((Cause.HANG, 1), (Cause.PREEMPTED_PLANNED, 1))
+    # A plain drain saved the same way (no preemption) is relaunched as before.
+    plain = relaunched(saved_slot({**row, "preempted_s": None}, remote=False), known=2,
+                       now=100.0)
+    assert plain.recovery is None
+
+
+def test_a_restarted_controller_ends_a_learner_actor_that_does_not_answer():
+    """``reattach`` ends an actor under the learner's name that does not answer its ping (one
+    Ray has not placed), rather than leaving it to hold the name the relaunch needs."""
+    import inspect
+
+    from islands.orchestrator.groups import LearnerGroups
+
+    source = inspect.getsource(LearnerGroups.reattach)
+    unanswered = source[source.index("handle.ping.remote()"):]
+    assert "self.end_unplaced(actor)" in unanswered.split("return None")[0]

@@ -34,7 +34,7 @@ def report(role, fleet, beat=True):
 
 def test_the_agent_reads_its_own_clusters_drains():
     # The same owner loop: the draining table of the cluster it is connected to (its own).
-    assert "draining_nodes()" in inspect.getsource(Controller._cluster)
+    assert "draining_nodes(" in inspect.getsource(Controller._cluster)
 
 
 def test_a_remote_regions_handover_is_drained_by_its_agent_and_mirrored_home_as_one():
@@ -84,3 +84,28 @@ def test_a_remote_handover_ended_at_its_drain_deadline_is_settled_home_as_such()
     assert [t.name for t in ended.transitions][:2] == ["learner_drain_timeout",
                                                        "learner_restart_scheduled"]
     assert role.last_cause["far:1"] == F.DRAIN_TIMEOUT
+
+
+def test_a_remote_drain_ended_at_its_deadline_is_booked_home_under_its_own_cause():
+    """A plain drain (a scale-down) past its deadline in the region retires its learner; the
+    agent reports the retirement's cause as the word ``drain_timeout`` (once it read
+    "drain_timeout:" off the reason's text, a cause nobody knows), and the home settles it so:
+    its Forget's reason, and no learner failure."""
+    role = RegionRole("far", 1, 3)
+    settings = role.fleet_settings(build.fleet_settings(region_config(JOB, "far")))
+    fleet = F.step(F.initial(settings), [], 0.0).fleet
+    fleet = F.step(fleet, [F.Beat("far:0", 0, True, 0.1), F.Beat("far:1", 0, True, 0.1)],
+                   1.0).fleet
+    home = F.initial(build.fleet_settings(JobConfig.model_validate(JOB)))
+    home = F.step(home, [F.Beat("home:0", 0, True, 0.1)] + report(role, fleet), 1.0).fleet
+    fleet = agent_step(role, fleet, [F.Scale("far", 1)], 2.0).fleet
+    assert fleet.slots["far:1"].state == F.SlotState.DRAINING
+    ended = agent_step(role, fleet, [F.Beat("far:0", 0, True, 0.1)],
+                       2.0 + settings.drain_timeout_s)
+    assert [t.name for t in ended.transitions][:2] == ["learner_drain_timeout",
+                                                       "learner_retired"]
+    assert role.last_cause["far:1"] == F.DRAIN_TIMEOUT
+    mirrored = F.step(home, [F.Beat("home:0", 0, True, 0.1)] + report(role, ended.fleet),
+                      2.0 + settings.drain_timeout_s)
+    assert F.Forget("far:1", 0, F.DRAIN_TIMEOUT) in mirrored.actions
+    assert "learner_failed" not in [t.name for t in mirrored.transitions]

@@ -144,7 +144,8 @@ def batch_for(learner, index):
     return x, y
 
 
-def driver(*, faults=None, commands=(), M=3, P=2, H=2, tau=1, steps=16, latency_s=0.3):
+def driver(*, faults=None, commands=(), M=3, P=2, H=2, tau=1, steps=16, latency_s=0.3,
+           **fleet):
     """A virtual fleet of M learners on a tiny model (1 s steps), not yet run."""
     params = init_params()
     codec = codec_lib.make_codec("none")
@@ -158,7 +159,7 @@ def driver(*, faults=None, commands=(), M=3, P=2, H=2, tau=1, steps=16, latency_
         learner_ids=[f"r:{i}" for i in range(M)], merge_alpha=0.0)
     return inprocess._Driver(
         learners=learners, syncer=syncer, train_step=train_step, batch_for=batch_for,
-        tokens_per_batch=TOKENS, fleet=inprocess.Fleet([1.0] * M, latency_s=latency_s),
+        tokens_per_batch=TOKENS, fleet=inprocess.Fleet([1.0] * M, latency_s=latency_s, **fleet),
         num_fragments=P, sync_every_steps=H, steps=steps, evaluate=None, eval_every_steps=0,
         assemble=inprocess.assemble_like(params), faults=faults,
         restart=RestartCosts(syncer_restart_s=1.0), opt_init=INNER.init, until_s=None,
@@ -280,6 +281,21 @@ def test_syncer_restart_drops_the_open_rounds_and_forgets_registrations():
     assert syncer.epoch == 3 and syncer.versions == versions and syncer.learners == {}
     assert all(not slot.round for slot in syncer.slots)
     assert syncer.restart(epoch=0) == [] and syncer.epoch == 4   # always a new epoch
+
+
+@pytest.mark.parametrize("health", [{}, {"health": {"timeout_s": 7.0}}])
+def test_the_in_process_body_bounds_a_drain_as_the_ray_body_does(health):
+    """One job's drain bound is the same in both bodies: the Ray controller's fleet
+    (``build.fleet_settings``) and the in-process driver's (``virtual_fleet.fleet_settings``),
+    given the job's ``health.timeout_s`` or left at its default."""
+    from islands.orchestrator import build
+    from islands.orchestrator.config import JobConfig
+
+    config = JobConfig.model_validate({"name": "j", "regions": {"r": {"learners": 3}}, **health})
+    ray_body = build.fleet_settings(config).drain_timeout_s
+    in_process = driver(**({"health_timeout_s": config.health.timeout_s} if health else {}))
+    assert in_process.fleet_state.settings.drain_timeout_s == ray_body
+    assert ray_body == 2 * config.health.timeout_s
 
 
 def test_a_drain_past_the_fleets_deadline_ends_in_process_too_with_its_own_reason():

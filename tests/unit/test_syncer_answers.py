@@ -61,3 +61,52 @@ def test_a_push_taken_while_the_previous_merge_is_journaled_leaves_no_push_unans
         syncer.store.close()
 
     asyncio.run(scenario())
+
+
+def test_a_merge_whose_journal_entry_is_not_written_refuses_its_pushes_with_the_fragment(tmp_path):
+    """The journal's write fails (its file's place is taken by a folder): the merged push is
+    not left waiting for good; it is refused ``not_durable`` with the current fragment, the
+    merge in it, so its learner starts over from that (its tokens dropped with the reason)
+    rather than pushing the same drift again (merged twice). The fragment merges again after."""
+    import os
+
+    async def scenario():
+        syncer = Syncer(_spec(tmp_path))
+        reg = await syncer.register("a", 0)
+        await asyncio.sleep(0.01)
+        os.makedirs(syncer.journal._path(0) + ".tmp")   # the write cannot put its file there
+        reply = await asyncio.wait_for(syncer.push(_push(reg, 0, 2)), timeout=10)
+        assert (reply.status, reply.reason) == ("rejected", "not_durable")
+        assert reply.version == 1 and reply.params is not None   # the fragment, merged
+        np.testing.assert_allclose(reply.params["w"], syncer.core.fragment(0)[0]["w"])
+        assert "was not written" in reply.detail
+        await _until(lambda: 0 not in syncer.journal_pending)
+        os.rmdir(syncer.journal._path(0) + ".tmp")
+        again = await asyncio.wait_for(syncer.push(_push(reg, 1, 4)), timeout=10)
+        assert (again.status, again.version) == ("merged", 2)
+        syncer._loop_task.cancel()
+        syncer.journal_writer.close()
+        syncer.store.close()
+
+    asyncio.run(scenario())
+
+
+def test_a_refusal_as_not_durable_drops_the_pushs_tokens_with_a_reason():
+    """The learner's side of it: the refused push's tokens and the drift since are dropped as
+    ``refused`` (not returned to the drift to be pushed again); the books balance."""
+    import jax.numpy as jnp
+
+    from islands.learners.core import LearnerCore
+    from islands.syncer import fragments
+
+    params = {"w": jnp.ones(4)}
+    core = LearnerCore("a", params, None, fragments.partition(params, 1), [0],
+                       codec_lib.error_feedback(CODEC), codec_lib.tree_wire_bytes,
+                       lambda c: codec_lib.decode_tree(CODEC, c), overlap_steps=1)
+    core.record_step(64, 0.1)
+    core.make_push(0, epoch=0)
+    core.record_step(64, 0.1)
+    core.refused(0, "not_durable", {"w": np.full(4, 0.5, np.float32)}, 1)
+    totals = core.fates.totals()
+    assert totals["dropped_by"] == {"refused": 128} and totals["in_flight"] == 0
+    assert core.fates.balanced() and core.tracks[0].base_version == 1
