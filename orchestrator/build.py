@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from islands import defaults
 from islands.learners.devices import DeviceRequest
 from islands.learners.spec import LearnerSpec, TrainingSpec
 from islands.syncer import fragments as fragments_lib
@@ -121,7 +122,7 @@ def fleet_settings(config) -> FleetSettings:
                          syncer_shards=config.syncer.shards,
                          # The learner gives up on its unanswered pushes after timeout_s; one
                          # still draining a timeout later cannot leave by itself.
-                         drain_timeout_s=2 * config.health.timeout_s)
+                         drain_timeout_s=defaults.DRAIN_TIMEOUT_FACTOR * config.health.timeout_s)
 
 
 @dataclass(frozen=True)

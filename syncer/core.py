@@ -17,6 +17,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import numpy as np
 import optax
 
+from islands import defaults
+
 from . import downlink as downlink_lib
 from . import fused
 from . import merge as merge_lib
@@ -38,18 +40,18 @@ IDENTITY_REASONS = frozenset({RejectReason.STALE_EPOCH, RejectReason.UNKNOWN_LEA
 class SyncerSettings:
     """Everything the core needs to decide; built from JobConfig's ``syncer`` and ``quorum``."""
 
-    min_learners: int = 1
-    grace_gamma: float = 0.5
-    grace_cap_s: float = 5.0
-    overlap_steps: int = 2
-    history_versions: int = 8
-    max_staleness: Optional[int] = None
-    outlier_norm_factor: Optional[float] = 10.0
-    staleness_discount: float = 0.0
-    merge_rule: merge_lib.MergeRule = merge_lib.MergeRule.RDA
+    min_learners: int = defaults.MIN_LEARNERS
+    grace_gamma: float = defaults.GRACE_GAMMA
+    grace_cap_s: float = defaults.GRACE_CAP_S
+    overlap_steps: int = defaults.OVERLAP_STEPS
+    history_versions: int = defaults.HISTORY_VERSIONS
+    max_staleness: Optional[int] = defaults.MAX_STALENESS
+    outlier_norm_factor: Optional[float] = defaults.OUTLIER_NORM_FACTOR
+    staleness_discount: float = defaults.STALENESS_DISCOUNT
+    merge_rule: merge_lib.MergeRule = merge_lib.MergeRule(defaults.MERGE_RULE)
     norm_window: int = 32
     # A merge of n of the M live learners applies n/M of the outer step (see merge()).
-    participation_scale: bool = True
+    participation_scale: bool = defaults.PARTICIPATION_SCALE
     # What the syncer can check a push against: the learners' inner learning-rate schedule (drift
     # norms are compared in units of what it can move) and the tokens one inner step processes.
     inner_schedule: Optional[tuple] = None   # (peak lr, warmup, total steps, end fraction)
@@ -59,16 +61,18 @@ class SyncerSettings:
     # Asynchrony (docs/architecture.md#asynchrony-stale-and-partial-merges): where a push's
     # outer gradient is taken from, how many outer steps a round split into partial merges
     # takes, the staleness exponent of a merge's share of a step, and what the learners' inner
-    # schedule runs on.
-    outer_gradient: merge_lib.OuterGradientRule = merge_lib.OuterGradientRule.PULL
-    round_step: merge_lib.RoundStep = merge_lib.RoundStep.PER_MERGE
-    staleness_share: float = 0.0
-    schedule_clock: merge_lib.ScheduleClock = merge_lib.ScheduleClock.LEARNER
+    # schedule runs on. The defaults are the job config's (islands.defaults): a core built by
+    # hand runs the service's rules.
+    outer_gradient: merge_lib.OuterGradientRule = merge_lib.OuterGradientRule(
+        defaults.OUTER_GRADIENT)
+    round_step: merge_lib.RoundStep = merge_lib.RoundStep(defaults.ROUND_STEP)
+    staleness_share: float = defaults.STALENESS_SHARE
+    schedule_clock: merge_lib.ScheduleClock = merge_lib.ScheduleClock(defaults.SCHEDULE_CLOCK)
     # The round-completion wait: hold a partial merge past the grace window for the round's
     # missing live learners predicted to push within this share of the waiting pushers' sync
     # period (``quorum.round_hold``: each one's last push of the fragment plus whole periods of
     # its own); 0: the grace window only.
-    round_wait: float = 0.0
+    round_wait: float = defaults.ROUND_WAIT
 
 
 @dataclass

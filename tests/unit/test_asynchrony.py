@@ -83,7 +83,9 @@ def test_fleet_step_and_schedule_position():
 @pytest.mark.parametrize("rule, expected", [("pull", 1.25), ("rebased", 1.5)])
 def test_a_stale_push(rule, expected):
     # M = 2, Θ0 = 0. a pushes δ = 1 from v0, merged alone: g = 0 − 1 = −1, share ½: Θ1 = 0.5.
-    core = syncer(outer_gradient=merge.OuterGradientRule(rule))
+    # Each partial merge its own step (per_merge; per_round's join is tested below).
+    core = syncer(outer_gradient=merge.OuterGradientRule(rule),
+                  round_step=merge.RoundStep.PER_MERGE)
     push(core, "a", 1.0, 0)
     assert core.merge(0, live_count=2).version == 1 and theta(core) == 0.5
     # b pushes δ = 2 from v0 (staleness 1). pull: g = Θ1 − (0 + 2) = −1.5, Θ2 = 0.5 + 0.75;
@@ -156,7 +158,9 @@ def test_per_round_token_weights_and_books_unchanged():
 
 
 def test_per_merge_is_todays_rule():
-    core = syncer()                                    # the defaults before issue 34
+    # pull and per_merge, named (the core's defaults before they became the service's)
+    core = syncer(outer_gradient=merge.OuterGradientRule.PULL,
+                  round_step=merge.RoundStep.PER_MERGE)
     push(core, "a", 4.0, 0)
     core.merge(0, live_count=2)                        # Θ1 = 2
     push(core, "b", 8.0, 0)                            # pull, stale: g = 2 − 8 = −6, share ½
@@ -210,7 +214,7 @@ def test_merges_carry_the_fleet_step_to_the_learners():
     assert {u.fleet_step for u in updates.values()} == {20.0}
     assert isinstance(updates["a"], downlink.FullUpdate)
     # without the fleet clock, nothing rides along
-    plain = syncer()
+    plain = syncer(schedule_clock=merge.ScheduleClock.LEARNER)
     plain.registered_at["a"] = (0, time.monotonic() - 60.0)
     push(plain, "a", 1.0, 0, step=30)
     assert plain.updates(plain.merge(0, live_count=2))["a"].fleet_step is None

@@ -342,7 +342,9 @@ def test_a_kill_drops_unmerged_work_the_victim_resumes_and_the_others_never_wait
     fates = record.ledger["r:1"]
     assert fates["dropped"] > 0 and fates["restarts"] == 1
     (restart,) = record.restarts
-    assert restart["back_s"] == pytest.approx(17.5 + 3.0 + 1.5)
+    # the service's rule: its next process is prestarted at the kill and ready after
+    # spare_ready_s (3.0), when the repair (3.0) is over too; its promotion takes 0.3 s
+    assert restart["back_s"] == pytest.approx(17.5 + 3.0 + 0.3)
     # the victim's first batch after the restart is its applied step at the time it died
     assert restart["resume_step"] == record.watermarks[(1, 0)] < 17
     started_before = sum(s.learner == 1 and s.incarnation == 0 for s in record.step_log)
@@ -369,16 +371,19 @@ def test_region_loss_slowdown_and_horizon():
     plan = (FaultPlan().lose_region("a", at_s=3.5, repair_s=1.0)
             .slow("b:0", at_s=2.0, duration_s=1.0, factor=3.0))
     record, syncer, _ = run(plan, ids=ids, steps=100, until_s=20.0)
-    # detect (lost node: 10 s) + repair 1 s + restart 1.5 s = 12.5 s down, back at 16 s
-    assert [(r["learner"], r["back_s"]) for r in record.restarts] == [("a:0", 16.0),
-                                                                     ("a:1", 16.0)]
+    # detect (lost node: 10 s, at 13.5): each one's next process is prestarted then (the
+    # service's rule) and ready 3 s later; due after the 1 s repair (14.5), each restart waits
+    # for it (spare_wait_s) and is promoted in 0.3 s: back at 13.5 + 3 + 0.3 = 16.8
+    assert [(r["learner"], r["back_s"]) for r in record.restarts] == [("a:0", 16.8),
+                                                                     ("a:1", 16.8)]
     # Both are relaunched at once, when no learner of region a trains: the fleet's one peer
     # policy (same region first, else any training learner) gives each of them b:0.
     assert [r["peer"] for r in record.restarts] == ["b:0", "b:0"]
     # b:0's step starting at 2 s takes 3 s: steps end at 1, 2, 5, 6, …, 20 → 2 + 1 + 15 steps
     b_steps = [s for s in record.step_log if s.learner == 2]
     assert [s.step_s for s in b_steps[:4]] == [1.0, 1.0, 3.0, 1.0]
-    assert record.steps[2] == 18 and record.allocated_s == [20.0, 20.0, 20.0]
+    # a:0 and a:1's last step starts at 16.8 + 3 = 19.8 (before the horizon) and ends at 20.8
+    assert record.steps[2] == 18 and record.allocated_s == [20.8, 20.8, 20.0]
     assert_ledger_balances(record, syncer)
 
 
