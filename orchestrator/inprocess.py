@@ -567,8 +567,11 @@ class _Driver:
             peer = None  # the peer died meanwhile: a fresh inner state
         opt_state = self.cores[peer].opt_state if peer is not None else self.opt_init(params)
         start_step = launch.start_step
-        # Its schedule resumes where its data does (a peer's count is the peer's own step).
-        opt_state = at_schedule_step(opt_state, start_step)
+        # Its schedule resumes where the syncer says under the fleet clock (the fleet's count,
+        # for a fresh state and a peer's alike), else where its data does.
+        schedule = self.syncer.schedule_start()
+        schedule = start_step if schedule is None else schedule
+        opt_state = at_schedule_step(opt_state, schedule)
         core = LearnerCore(name, params, opt_state, old.plan, [v for _, v in frags],
                            old.error_feedback, old.wire_bytes, old.decode,
                            overlap_steps=old.overlap_steps, merge_alpha=old.merge_alpha,
@@ -586,7 +589,8 @@ class _Driver:
         self.record.restarts.append({
             "learner": name, "incarnation": incarnation, "cause": self.groups.cause_of[i],
             "failed_s": failed_s, "back_s": now, "down_s": now - failed_s,
-            "resume_step": start_step, "peer": self.ids[peer] if peer is not None else None})
+            "resume_step": start_step, "schedule_step": schedule,
+            "peer": self.ids[peer] if peer is not None else None})
         self.fleet_step(now, [fleet_lib.Beat(name, incarnation, True, ready_at_s=now)])
         self.schedule(now, STEP_START, "start", (i, incarnation))
 

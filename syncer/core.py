@@ -577,9 +577,7 @@ class SyncerCore:
         if problem is not None:
             return problem
         size = sum(int(np.size(v)) for v in slot.params.values())
-        at = push.step   # where the learner's schedule stands: its own step, or the fleet's
-        if self.settings.schedule_clock == merge_lib.ScheduleClock.FLEET:
-            at = max(int(round(self.fleet_step())), push.c_steps)
+        at = self.schedule_read_at(push)
         norm = scaled_norm(drift_norm(drift), self.settings.inner_schedule, at, push.c_steps,
                            size)
         factor = self.settings.outlier_norm_factor
@@ -661,6 +659,23 @@ class SyncerCore:
         """The Θ the push's outer gradient is taken from (``merge.gradient_anchor``)."""
         return merge_lib.gradient_anchor(self.settings.outer_gradient, slot.params,
                                          slot.history.get(push.base_version), base)
+
+    def schedule_read_at(self, push: Push) -> int:
+        """Where the syncer takes the pusher's inner schedule to stand when the push left (its
+        drift is read at the rates of the ``c_steps`` counts before it): its own step, or under
+        the fleet clock the fleet's."""
+        if self.settings.schedule_clock == merge_lib.ScheduleClock.FLEET:
+            return max(int(round(self.fleet_step())), push.c_steps)
+        return push.step
+
+    def schedule_start(self) -> Optional[int]:
+        """Under the fleet clock, the schedule count a learner (re)starting now takes: the
+        fleet's position, as a merge it adopts would set it (``merge.schedule_position`` with no
+        open push), whatever its own resume step or a peer's copied count; None under the
+        learner clock (its schedule runs on its own steps)."""
+        if self.settings.schedule_clock == merge_lib.ScheduleClock.FLEET:
+            return merge_lib.schedule_position(self.fleet_step(), None, 0)
+        return None
 
     def fleet_step(self) -> float:
         """The fleet's progress in inner steps (``merge.fleet_step``): the mean, over the

@@ -246,6 +246,53 @@ def test_a_learner_adopts_the_fleets_schedule_position():
     assert schedule_count(core.opt_state) == 103
 
 
+def test_a_restart_of_a_mixed_speed_fleet_runs_its_first_push_at_the_rates_the_syncer_reads():
+    """Fleet clock, warm-up over 100 counts (rate = count/100 there). The fast learner f merged
+    its push at step 100, the slow s at step 20: the fleet stands at 60. s restarts at its own
+    step 20; the syncer tells it 60 at registration, for a fresh inner state and for f's copied
+    one (count 110) alike. s takes 4 steps (counts 60..63) while f merges a push at step 108:
+    the fleet is at (108 + 20)/2 = 64 when s's push is read, over counts 60..63, exactly the
+    rates s ran. (At its own step, s would have run 20..23: 0.86 against the 2.46 read.)"""
+    from islands.learners.factories import place_learner_state
+    from islands.syncer.validate import lr_sum, warmup_cosine
+
+    schedule = (1.0, 100, 1000, 0.1)
+    core = syncer(("f", "s"), schedule_clock=merge.ScheduleClock.FLEET, inner_schedule=schedule,
+                  round_step=merge.RoundStep.PER_MERGE)
+    for name in ("f", "s"):
+        core.registered_at[name] = (0, time.monotonic() - 60.0)
+    push(core, "f", 1.0, 0, step=100)
+    push(core, "s", 1.0, 0, step=20)
+    core.merge(0, live_count=2)
+    core.forget("s")
+    core.register("s", 1)                               # the restart, resuming at step 20
+    core.registered_at["s"] = (20, time.monotonic() - 60.0)
+    assert core.ledger["s"].applied_step == 20 and core.schedule_start() == 60
+    params = {"w": np.zeros((2, 2), np.float32)}
+    opt = inner.inner_optimizer(lr=1.0, warmup_steps=100, total_steps=1000)
+    donor = inner.at_schedule_step(opt.init(params), 110)    # f's own count
+    for peer_state in (None, donor):
+        _, state = place_learner_state(None, opt, params, peer_state, core.schedule_start())
+        counts = []
+        for _ in range(4):                                   # its first push's inner steps
+            counts.append(schedule_count(state))
+            _, state = opt.update({"w": np.ones((2, 2), np.float32)}, state, params)
+        assert counts == [60, 61, 62, 63]
+    push(core, "f", 1.0, 1, tokens=200, step=108)
+    core.merge(0, live_count=2)                              # the fleet moves on meanwhile
+    first = Push("s", 0, {"w": np.array([1.0], np.float32)}, 2, core.epoch, 400, 4, step=24,
+                 tokens_done=400, incarnation=1)
+    at = core.schedule_read_at(first)
+    assert at == 64
+    ran = float(np.sum(warmup_cosine(np.array(counts, np.float64), *schedule)))
+    assert lr_sum(schedule, at, 4) == pytest.approx(ran) == pytest.approx(2.46)
+    assert core.accept_push(first, 0.0).ok
+    # a fleet with nothing merged yet starts at 0; the learner clock tells nothing (the
+    # restart's schedule runs on its own steps)
+    assert syncer(("a",)).schedule_start() == 0
+    assert syncer(("a",), schedule_clock=merge.ScheduleClock.LEARNER).schedule_start() is None
+
+
 class _NoEF:
     def init(self, tree):
         return None

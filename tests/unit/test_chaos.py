@@ -190,10 +190,12 @@ def batch_for(learner, index):
 
 
 def run(plan, *, M=2, P=1, H=1, tau=0, steps=6, latency_s=0.0, restart_s=1.5, K=1,
-        until_s=None, ids=None, spares=0, promote_s=0.3, spare_ready_s=3.0, **costs):
+        until_s=None, ids=None, spares=0, promote_s=0.3, spare_ready_s=3.0, speeds=None,
+        schedule_clock="fleet", **costs):
     params = init_params()
     settings = SyncerSettings(min_learners=K, grace_cap_s=0.0, overlap_steps=tau,
-                              merge_rule=merge.MergeRule.MEAN, outlier_norm_factor=None)
+                              merge_rule=merge.MergeRule.MEAN, outlier_norm_factor=None,
+                              schedule_clock=merge.ScheduleClock(schedule_clock))
     codec = codec_lib.make_codec("none")
     syncer, learners = inprocess.build_syncer_and_learners(
         params=params, opt_init=INNER.init, plan=fragments.partition(params, P),
@@ -210,8 +212,8 @@ def run(plan, *, M=2, P=1, H=1, tau=0, steps=6, latency_s=0.0, restart_s=1.5, K=
 
     record = inprocess.run_inprocess(
         learners=learners, syncer=syncer, train_step=train_step, batch_for=spy,
-        tokens_per_batch=TOKENS, fleet=inprocess.Fleet([1.0] * len(learners), latency_s=latency_s,
-                                                       spares=spares),
+        tokens_per_batch=TOKENS, fleet=inprocess.Fleet(speeds or [1.0] * len(learners),
+                                                       latency_s=latency_s, spares=spares),
         num_fragments=P, sync_every_steps=H, steps=steps, faults=plan,
         restart=RestartCosts(restart_s=restart_s, promote_s=promote_s,
                              spare_ready_s=spare_ready_s, **costs),
@@ -364,6 +366,25 @@ def test_a_kill_drops_unmerged_work_the_victim_resumes_and_the_others_never_wait
     # the honest useful time is below what a watermark (every step before a merged push) credits
     watermark_s = sum(s.step_s for s in record.step_log if record.applied(s))
     assert sum(record.useful_s) < watermark_s
+
+
+def test_a_restart_in_a_mixed_speed_fleet_takes_the_fleets_schedule_count():
+    """The fleet clock (the default): r:1 runs at a quarter of r:0's speed and is killed; its
+    restart resumes its data at its own step but its inner schedule at the fleet's count, the
+    one the syncer reads its pushes at (r:0's copied inner state takes it too)."""
+    record, syncer, _ = run(FaultPlan().crash("r:1", at_s=12.2, repair_s=0.0), M=2, P=1, H=2,
+                            steps=40, speeds=[1.0, 0.25])
+    (restart,) = record.restarts
+    # back at 12.2 + 1.5: r:0 (1 s steps) has pushed and merged every second step up to 12;
+    # r:1 (4 s steps) merged its push at step 2 (t = 8) and died in its fourth step. It resumes
+    # its data at 2, its schedule at the fleet's (12 + 2) / 2 = 7 (a peer's copied state too)
+    assert (restart["back_s"], restart["peer"]) == (pytest.approx(13.7), "r:0")
+    assert (restart["resume_step"], restart["schedule_step"]) == (2, 7)
+    # the learner clock: its own step, for the peer's copied state too
+    record, _, _ = run(FaultPlan().crash("r:1", at_s=12.2, repair_s=0.0), M=2, P=1, H=2,
+                       steps=40, speeds=[1.0, 0.25], schedule_clock="learner")
+    assert (record.restarts[0]["resume_step"], record.restarts[0]["schedule_step"]) == (2, 2)
+    assert_ledger_balances(record, syncer)
 
 
 def test_region_loss_slowdown_and_horizon():
