@@ -361,6 +361,8 @@ class _Driver:
 
         def adopt(state: fleet_lib.FleetState) -> None:
             self.fleet_state = state
+            # round_wait's periods leave the pause out (the Ray syncer hears it in set_fleet)
+            self.syncer.pause_periods(timing.merges_held(state.paused_reason))
             if held and not timing.merges_held(state.paused_reason):
                 self.recheck_open_rounds(now)   # resumed: the rounds the pause held are decided
 

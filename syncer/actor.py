@@ -333,6 +333,7 @@ class Syncer:
         (``timing.merges_held``): while paused no round merges."""
         self.slowest_step_s = max(timing.MIN_STEP_S, float(slowest_step_s))
         self.paused = paused
+        self.core.pause_periods(paused)   # round_wait's periods leave the pause out
         if self._wake:
             self._wake.set()
 

@@ -334,6 +334,9 @@ class SyncerCore:
         # them afresh.
         self.push_times: dict[tuple[str, int], float] = {}
         self.push_periods: dict[str, float] = {}
+        # The fleet is paused (the pause rule): a gap that holds a pause is no period; the
+        # measure starts over on resume (``pause_periods``).
+        self.periods_paused = False
 
     # -- membership -----------------------------------------------------------------------------
     def register(self, learner: str, incarnation: int, session: Optional[str] = None
@@ -432,11 +435,21 @@ class SyncerCore:
             del self.push_times[key]
         self.push_periods.pop(learner, None)
 
+    def pause_periods(self, paused: bool) -> None:
+        """The fleet paused (True) or resumed (False; ``timing.merges_held``). A pause is no
+        part of a sync period: while it lasts no period is sampled (a push still arriving then
+        only notes its time), and on resume every learner's period and last push times are
+        forgotten, so ``round_wait`` waits on nobody until each one is measured again (two
+        pushes of a fragment after the resume)."""
+        if self.periods_paused and not paused:
+            self.push_times, self.push_periods = {}, {}
+        self.periods_paused = paused
+
     def _note_push_time(self, learner: str, fragment: int, now_s: float) -> None:
         """An accepted push of ``fragment`` arrived at ``now_s``: the time since its last push of
-        the fragment is a sample of the learner's period (EMA weight ½)."""
+        the fragment is a sample of the learner's period (EMA weight ½); none while paused."""
         last = self.push_times.get((learner, fragment))
-        if last is not None and now_s > last:
+        if last is not None and now_s > last and not self.periods_paused:
             self.push_periods[learner] = timing_ema(self.push_periods.get(learner),
                                                     now_s - last, 0.5)
         self.push_times[(learner, fragment)] = now_s

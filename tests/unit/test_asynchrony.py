@@ -426,6 +426,36 @@ def test_round_wait_forgets_its_timings_across_a_restart_and_a_new_incarnation()
     assert core.push_times == {} and core.push_periods == {}
 
 
+def test_round_wait_leaves_a_pause_out_of_the_periods_and_starts_over_on_resume():
+    core = two_rounds(0.5)                        # periods 24, 24; a last at 24, b at 25
+    core.pause_periods(True)                      # the fleet pauses at 30 ...
+    push_at(core, "a", 1.0, 2, 35.0)              # ... pushes sent before arrive at 35, 40:
+    push_at(core, "b", 1.0, 2, 40.0)
+    assert core.push_periods == {"a": 24.0, "b": 24.0}   # no sample (15 would make b's 19.5)
+    core.pause_periods(True)                      # (told again each tick: nothing changes)
+    assert core.push_times[("b", 0)] == 40.0
+    core.pause_periods(False)                     # resumed at 600: everything measured afresh
+    assert core.push_times == {} and core.push_periods == {}
+    core.merge(0, live_count=2)                   # the round the pause held, whole
+    # a's first push after the resume: nobody's period is known, the grace window alone
+    # decides (601 + 1). With the pause in it, a's period would be ½·24 + ½·566 = 295 and b
+    # (last at 40, period 24) due at 40 + 24·24 = 616 ≤ 601 + ½·295: held until 617.
+    push_at(core, "a", 2.0, 3, 601.0)
+    assert core.decide(0, 601.0, frozenset("ab"), 1.0).wait_until_s == 602.0
+    core.merge(0, live_count=2)                   # a alone
+    push_at(core, "b", 2.0, 3, 605.0)             # joins a's round
+    core.merge(0, live_count=2)
+    # The periods start over: one gap each after the resume, 24 s, taken as they are
+    for a_s, b_s in ((625.0, 629.0),):
+        push_at(core, "a", 1.0, core.slots[0].version, a_s)
+        push_at(core, "b", 1.0, core.slots[0].version, b_s)
+        core.merge(0, live_count=2)
+    assert core.push_periods == {"a": 24.0, "b": 24.0}
+    # and predict again: a at 649, b due at 629 + 24 = 653 ≤ 649 + 12: held until 654
+    push_at(core, "a", 1.0, core.slots[0].version, 649.0)
+    assert core.decide(0, 649.0, frozenset("ab"), 1.0).wait_until_s == 654.0
+
+
 def test_round_wait_reads_a_learners_period_off_any_fragment():
     # Two fragments: a learner's period, measured on fragment 1, predicts its second push of
     # fragment 0 (the round a fragment's own two pushes could not predict yet)
