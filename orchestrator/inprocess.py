@@ -713,7 +713,9 @@ def run_task(task, *, steps: int, optimizer, num_learners: int = 2, fragments: i
              outer_optimizer=None) -> RunRecord:
     """Trains a :class:`~islands.learners.task.Task` with ``num_learners`` learners on the virtual
     clock: init from ``PRNGKey(seed)``, shard i of ``num_learners`` through a ``TaskStream``
-    (a restarted learner reopens it at its applied step), the task's own eval batches.
+    (a restarted learner reopens it at its applied step), the task's own eval batches. The
+    syncer merges under the service's rules (``islands.defaults``, as a job's default config:
+    re-based outer gradients, one step per round, the fleet's schedule clock, round_wait 0.5).
 
     Args:
       task: what to train.

@@ -74,6 +74,17 @@ class SyncerSettings:
     # its own); 0: the grace window only.
     round_wait: float = defaults.ROUND_WAIT
 
+    def rules(self) -> dict:
+        """The merge rules by their config names, for a benchmark's or a study's output.
+
+        >>> SyncerSettings().rules()["round_step"]
+        'per_round'
+        """
+        return {"merge_rule": self.merge_rule.value, "outer_gradient": self.outer_gradient.value,
+                "round_step": self.round_step.value, "staleness_share": self.staleness_share,
+                "schedule_clock": self.schedule_clock.value, "round_wait": self.round_wait,
+                "history_versions": self.history_versions}
+
 
 @dataclass
 class Contribution:
