@@ -249,9 +249,10 @@ def test_goodput_of_one_scripted_kill_by_hand():
     record, syncer, calls = run(plan)
     assert record.goodput == pytest.approx(12 / 14)
     assert record.allocated_s == [6.0, 8.0] and record.useful_s == [6.0, 6.0]
+    # its schedule at the fleet's (the fleet clock): r:0 merged step 4 at 4.0 s, r:1 step 2
     assert record.restarts == [{"learner": "r:1", "incarnation": 1, "cause": "kill",
                                 "failed_s": 2.5, "back_s": 4.0, "down_s": 1.5,
-                                "resume_step": 2, "peer": "r:0"}]
+                                "resume_step": 2, "schedule_step": (4 + 2) // 2, "peer": "r:0"}]
     assert [k for i, k in calls if i == 1] == [0, 1, 2, 2, 3, 4, 5]  # batch 2 is trained again
     fates = record.ledger["r:1"]
     assert {k: fates[k] for k in ("processed", "applied", "dropped", "in_flight", "dropped_by",
@@ -276,9 +277,10 @@ def test_a_warm_spare_takes_over_through_the_same_fleet_state_machine_by_hand():
     reported apart, not as a learner's): goodput 12/12.75 = 0.941."""
     plan = FaultPlan().crash("r:1", at_s=2.5)
     record, syncer, calls = run(plan, spares=1, promote_s=0.25, spare_ready_s=1.0)
+    # its schedule at the fleet's: at 2.75 s r:0 and r:1 both merged step 2
     assert record.restarts == [{"learner": "r:1", "incarnation": 1, "cause": "kill",
                                 "failed_s": 2.5, "back_s": 2.75, "down_s": 0.25,
-                                "resume_step": 2, "peer": "r:0"}]
+                                "resume_step": 2, "schedule_step": 2, "peer": "r:0"}]
     assert record.goodput == pytest.approx(12 / 12.75)
     assert record.allocated_s == [6.0, 6.75] and record.end_time_s == 6.75
     names = [(t, x.name) for t, x in record.transitions if x.name.startswith("spare_")]
