@@ -20,7 +20,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from islands import CARRY_OVERLAP  # noqa: E402
+from islands import CARRY_OVERLAP, defaults  # noqa: E402
 from islands.learners import data, inner, model  # noqa: E402
 from islands.orchestrator import inprocess  # noqa: E402
 from islands.studies import baseline  # noqa: E402
@@ -78,8 +78,22 @@ def _clean(obj: Any) -> Any:
     return obj
 
 
+# The syncer rules this process's runs merged under (``note_rules``), named in ``finish``'s output.
+RULES_RUN: list = []
+
+
+def note_rules(settings) -> None:
+    """Notes a run's ``SyncerSettings`` rules for ``finish`` to name."""
+    rules = settings.rules()
+    if rules not in RULES_RUN:
+        RULES_RUN.append(rules)
+
+
 def finish(name: str, result: dict, out_dir: str) -> None:
-    """Writes ``<out>/<name>.json`` and prints the JSON object as the last line of stdout."""
+    """Writes ``<out>/<name>.json`` and prints the JSON object as the last line of stdout; with
+    ``syncer_rules``: the merge rules its runs used (the service's unless a run said otherwise)."""
+    if RULES_RUN and "syncer_rules" not in result:
+        result = {**result, "syncer_rules": RULES_RUN[0] if len(RULES_RUN) == 1 else RULES_RUN}
     os.makedirs(out_dir, exist_ok=True)
     line = json.dumps(_clean(result), sort_keys=False)
     with open(os.path.join(out_dir, f"{name}.json"), "w") as f:
@@ -193,13 +207,15 @@ def run_ours(setup: Setup, *, learner_ids: Sequence[str], fleet: inprocess.Fleet
              downlink: str = "none",
              downlink_block_size: int = codec_lib.DEFAULT_BLOCK_SIZE,
              merge_alpha: float = 0.0, carry_overlap: bool = CARRY_OVERLAP,
-             staleness_discount: float = 0.0, outer_gradient: str = "pull",
-             round_step: str = "per_merge", staleness_share: float = 0.0,
-             schedule_clock: str = "learner", round_wait: float = 0.0) -> inprocess.RunRecord:
+             staleness_discount: float = 0.0, outer_gradient: str = defaults.OUTER_GRADIENT,
+             round_step: str = defaults.ROUND_STEP, staleness_share: float = defaults.STALENESS_SHARE,
+             schedule_clock: str = defaults.SCHEDULE_CLOCK,
+             round_wait: float = defaults.ROUND_WAIT) -> inprocess.RunRecord:
     """Decoupled DiLoCo in the in-process driver (docs/architecture.md#the-algorithm defaults: RDA merge, outer Nesterov
     0.7/0.9, α = 0, error feedback; ``outer_kind="sgd"`` is sgd(1.0), plain averaging;
     ``outer_kwargs`` sets the outer optimizer's lr and momentum). ``codec`` encodes the pushes,
-    ``downlink`` the syncer's answers ("none": the merged fragment in fp32)."""
+    ``downlink`` the syncer's answers ("none": the merged fragment in fp32). The asynchrony
+    rules are the service's unless given (``finish`` names those that ran)."""
     c = codec_lib.make_codec(codec, block_size=codec_block_size)
     down = downlink_lib.DownlinkSettings(
         None if downlink == "none" else codec_lib.make_codec(downlink,
@@ -215,6 +231,7 @@ def run_ours(setup: Setup, *, learner_ids: Sequence[str], fleet: inprocess.Fleet
                               round_wait=round_wait,
                               inner_schedule=setup.schedule or None,
                               tokens_per_step=setup.tokens_per_batch)
+    note_rules(settings)
     syncer, learners = inprocess.build_syncer_and_learners(
         params=setup.params, opt_init=setup.optimizer.init,
         plan=fragments.partition(setup.params, num_fragments), settings=settings,

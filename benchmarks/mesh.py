@@ -69,8 +69,9 @@ class Unit:
         decode = lambda codes: codec_lib.decode_tree(codec, codes)  # noqa: E731
         frags = [{k: np.asarray(v) for k, v in fragments_lib.extract(init, plan, p).items()}
                  for p in range(plan.num_fragments)]
-        self.syncer = SyncerCore(frags, SyncerSettings(overlap_steps=spec.overlap_steps),
-                                 outer_lib.build("nesterov"), decode,
+        settings = SyncerSettings(overlap_steps=spec.overlap_steps)   # the service's rules
+        C.note_rules(settings)
+        self.syncer = SyncerCore(frags, settings, outer_lib.build("nesterov"), decode,
                                  is_embedding=task.is_embedding)
         self.epoch, registered = self.syncer.register("bench:0", 0)
         self.core = _learner_core(spec, "bench:0", params, opt_state,

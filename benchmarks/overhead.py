@@ -325,6 +325,7 @@ def run_inprocess(preset_name: str, steps: int, chunk: int, corpus: str) -> dict
     has run ``steps``: load changes on a shared machine then hit both loops alike."""
     import jax
 
+    from islands.syncer.core import SyncerSettings
 
     preset = PRESETS[preset_name]
     spec = training_spec(preset)
@@ -373,6 +374,8 @@ def run_inprocess(preset_name: str, steps: int, chunk: int, corpus: str) -> dict
             "batch_size": preset.batch_size, "num_params": num_params,
             "fragments": spec.fragments, "sync_every_steps": spec.sync_every_steps,
             "overlap_steps": spec.overlap_steps, "codec": spec.codec_kind, "corpus": corpus,
+            # the service's merge rules (one learner: every round whole)
+            "syncer_rules": SyncerSettings(overlap_steps=spec.overlap_steps).rules(),
             "steps_per_loop": len(chunks) * chunk, "chunk_steps": chunk, "warmup_s": warmup_s,
             "runs": runs, "chunks": chunks, "median_chunk_ratio": statistics.median(chunk_ratios),
             "bare_steps_per_s": bare_rate, "service_steps_per_s": service_rate,

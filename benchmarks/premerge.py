@@ -37,7 +37,7 @@ import threading
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import finish, machine, parser, pyplot, save_figure, table  # noqa: E402
+from _common import finish, machine, note_rules, parser, pyplot, save_figure, table  # noqa: E402
 
 from islands.studies.lockstep import CoreHome  # noqa: E402
 
@@ -141,6 +141,7 @@ def _run(learners: int, premerge: bool, steps: int, seed: int, codecs: str = "nf
                                      tokens_per_step=batch * cfg.seq_len), outer.build(),
                       lambda c: C.decode_tree(codec, c), is_embedding=model.is_embedding_path,
                       downlink=down)
+    note_rules(core.settings)   # the service's asynchrony rules (K = M: every round whole)
     home = CoreHome(core, LOCKSTEP_TIMEOUT_S if lockstep else ROUND_TIMEOUT_S)
     config = JobConfig.model_validate({
         "regions": {"far": {"learners": learners, "remote": True}},

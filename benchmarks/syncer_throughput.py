@@ -582,7 +582,9 @@ def main(argv=None) -> dict:
               "sizes": rows, "sustained": scenarios, "shards": shard_rows,
               "shard_model": models, "largest_model": largest, "kappa_s_per_param": kappa,
               "thread_env": env, "png": png,
-              "ray_confirmation": "not run (pure core only)", "command": command_line(),
+              "ray_confirmation": "not run (pure core only)",
+              # the service's merge rules (islands.defaults), but 2 versions of history
+              "syncer_rules": "the service's defaults, history_versions 2", "command": command_line(),
               "machine": machine_info(), "elapsed_s": round(time.time() - t_start, 1)}
     with open(os.path.join(args.out, "syncer_throughput.json"), "w") as f:
         json.dump(result, f, indent=1, default=str)

@@ -39,7 +39,7 @@ import time
 from functools import lru_cache
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _common import finish, machine, parser, pyplot, save_figure, table  # noqa: E402
+from _common import finish, machine, note_rules, parser, pyplot, save_figure, table  # noqa: E402
 from premerge import ROUND_TIMEOUT_S, register_cores, take_replies  # noqa: E402
 
 from islands.studies.lockstep import CoreHome  # noqa: E402
@@ -103,6 +103,7 @@ def run(premerge: bool, steps: int, seed: int, bandwidth_mbps=None, latency_ms: 
                                      merge_rule=MergeRule.MEAN), outer.build(),
                       lambda c: C.decode_tree(codec, c), is_embedding=model.is_embedding_path,
                       downlink=downlink)
+    note_rules(core.settings)   # the service's asynchrony rules (K = M: every round whole)
     server, port = serve(CoreHome(core, ROUND_TIMEOUT_S), config.model_dump_json(),
                          ServerSettings(port=0, token="bench"))
     client = LinkClient(ClientSettings(

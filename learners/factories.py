@@ -109,9 +109,10 @@ def place_learner_state(layout, optimizer, params, opt_state=None,
                         start_step: Optional[int] = None):
     """(params, inner state) where the learner keeps them: on its mesh when it has a layout
     (a peer's numpy state is laid out like its own; without one a fresh state is made there).
-    ``start_step``: the schedule's count is set to it, where the learner resumes (a restart with
-    no live peer starts a fresh state; docs/architecture.md#failures-and-reintegration); None:
-    the state's own counts are kept."""
+    ``start_step``: the schedule's count is set to it: the fleet's count the syncer gave at
+    registration under ``schedule_clock: fleet``, else where the learner resumes (a fresh state
+    or a peer's alike; docs/architecture.md#failures-and-reintegration); None: the state's own
+    counts are kept."""
     from .inner import at_schedule_step
 
     if layout is None:

@@ -30,7 +30,7 @@ import logging
 import queue
 import socket
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import ray
 
@@ -68,6 +68,7 @@ class StartState:
     versions: tuple
     session: str
     opt_state: Any = None      # a peer's inner state (numpy), or None for a fresh one
+    schedule_step: Optional[int] = None   # the inner schedule's count (None: start_step)
 
 
 @dataclass
@@ -237,8 +238,9 @@ class GangMember:
         layout = learner_layout(tspec, task, template, optimizer, first_batch, jax.devices())
         train_step, batch_at = meshed_steps(layout, train_step, stream.batch_at)
         params = assembler(template)(state.flat)
-        params, opt_state = place_learner_state(layout, optimizer, params, state.opt_state,
-                                                state.start_step)
+        params, opt_state = place_learner_state(
+            layout, optimizer, params, state.opt_state,
+            state.start_step if state.schedule_step is None else state.schedule_step)
         core = _learner_core(tspec, state.learner, params, opt_state, list(state.versions),
                              state.incarnation, state.start_step, state.session, layout)
         loop = LearnerLoop(core, train_step, batch_at, int(task.tokens(first_batch)),

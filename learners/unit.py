@@ -348,14 +348,17 @@ class LearnerUnit:
             except Exception as exc:  # a peer that died meanwhile: start a fresh inner state
                 log.warning("%s: no inner state from %s (%s)", spec.learner, spec.peer, exc)
         phase("peer_state_s")
+        # Its schedule resumes where the syncer says under the fleet clock (the fleet's count,
+        # for a fresh state and a peer's alike), else where its data does.
+        schedule = reg["schedule_step"] if reg["schedule_step"] is not None else spec.start_step
         if self.gang is not None:
             from .gang import StartState
 
             self.gang.start(StartState(spec.learner, spec.incarnation, spec.shard_index,
                                        spec.num_shards, spec.start_step, flat,
-                                       tuple(reg["versions"]), reg["session"], opt_state))
-        params, opt_state = place_learner_state(layout, optimizer, params, opt_state,
-                                                spec.start_step)
+                                       tuple(reg["versions"]), reg["session"], opt_state,
+                                       schedule))
+        params, opt_state = place_learner_state(layout, optimizer, params, opt_state, schedule)
         with self.lock:
             self.core = _learner_core(tspec, spec.learner, params, opt_state, reg["versions"],
                                       spec.incarnation, spec.start_step, reg["session"], layout)
@@ -558,13 +561,15 @@ class LearnerUnit:
 
         spec = self.spec
         self.syncers, self.epochs, self.shard_of = [], [], {}
-        fragments, versions, session = {}, {}, None
+        fragments, versions, session, schedule_step = {}, {}, None, None
         for s in range(spec.syncer_shards):
             handle = ray.get_actor(self._shard_name(s), namespace=spec.namespace)
             # (a single syncer, or a region's link standing in for it, takes no session)
             args = (spec.learner, spec.incarnation) + ((None, session) if session else ())
             reg = ray.get(handle.register.remote(*args))
             session = session or reg["session"]
+            if s == 0:   # the fleet clock's count (an older syncer or link says none)
+                schedule_step = reg.get("schedule_step")
             self.syncers.append(handle)
             self.epochs.append(reg["epoch"])
             ids = reg.get("fragment_ids") or range(len(reg["fragments"]))
@@ -574,7 +579,8 @@ class LearnerUnit:
         self.epoch = self.epochs[0]
         order = sorted(fragments)
         return {"fragments": [fragments[p] for p in order],
-                "versions": [versions[p] for p in order], "session": session}
+                "versions": [versions[p] for p in order], "session": session,
+                "schedule_step": schedule_step}
 
     def _core(self, method: str, *args) -> None:
         """A call that changes the core outside the step itself. In a multi-host unit it waits

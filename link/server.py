@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import threading
 import time
 from concurrent import futures
@@ -213,6 +214,25 @@ def _decode_reply(data: bytes):
     return wire.reply_from_pb(pb.PushReply.FromString(data))
 
 
+# The reply journal's size bound (``ReplyJournal.max_bytes``; docs/operations.md): once the file
+# holds twice this, it is compacted to the newest pushes' last lines within it.
+JOURNAL_MAX_BYTES = 1 << 30
+# A journal line starts with its push id (``_append`` writes it first): read without parsing a
+# line that may hold a whole fp32 fragment.
+_ID_PREFIX = re.compile(rb'^\{"id":("(?:[^"\\]|\\.)*")')
+
+
+def _line_id(line: bytes) -> Optional[str]:
+    """The push id of a journal line; None for a line that does not parse."""
+    match = _ID_PREFIX.match(line)
+    try:
+        if match is not None:
+            return json.loads(match.group(1))
+        return json.loads(line)["id"]
+    except (ValueError, KeyError, TypeError):
+        return None
+
+
 class ReplyJournal:
     """The link server's exactly-once replies, on disk: ``RUN_DIR/link/replies.jsonl``, one JSON
     object a line, appended (and flushed) as it happens, so they outlive the server's process:
@@ -224,31 +244,39 @@ class ReplyJournal:
     - ``{"id": …, "t": …, "kind": "failed"}``: the syncer call raised (a retry may take it again).
 
     A push's last line says where it stands. A torn last line (the process died mid-write) is cut
-    off when the journal is opened, and any line that does not parse is skipped. Once the file
-    holds ``2 × keep`` lines it is rewritten (``os.replace``) with the newest ``keep`` pushes'
-    last lines. Flushed, not fsynced: it outlives the process, not the machine (whose loss takes
-    the home's syncer with it).
+    off when the journal is opened, and any line that does not parse is skipped.
+
+    Bounded by bytes (a reply can carry a whole fp32 fragment): once the file holds
+    ``2 × max_bytes`` it is compacted to the newest pushes' last lines that fit in ``max_bytes``
+    (the newest one always, however large). The compaction runs in a background thread off the
+    lock the pushes journal under: it reads and rewrites the file up to where it stood, and only
+    the swap (the lines appended meanwhile copied after the kept ones, then ``os.replace``) holds
+    the lock. So the file stays under about ``2 × max_bytes`` plus what is journaled while one
+    compaction runs. Flushed, not fsynced: it outlives the process, not the machine (whose loss
+    takes the home's syncer with it).
     """
 
     FILE = "replies.jsonl"
 
-    def __init__(self, directory: str, keep: int = 4096,
+    def __init__(self, directory: str, max_bytes: int = JOURNAL_MAX_BYTES,
                  encode: Callable[[Any], bytes] = _encode_reply,
                  decode: Callable[[bytes], Any] = _decode_reply):
+        if int(max_bytes) <= 0:
+            raise ValueError(f"max_bytes: the reply journal's bound must be > 0, got {max_bytes}")
         os.makedirs(directory, exist_ok=True)
         self.path = os.path.join(directory, self.FILE)
-        self.keep = max(1, int(keep))
+        self.max_bytes = int(max_bytes)
         self.encode, self.decode = encode, decode
         self.lock = threading.Lock()
         self.counts = collections.Counter()   # written, write_errors, torn, unreadable, compacted
         self._last = self._read()   # what the file held when opened: id -> last record
-        self.lines = self._lines_read
-        self._file = open(self.path, "a", encoding="utf-8")
+        self._file = open(self.path, "ab")
+        self.size = self._file.tell()   # bytes in the file
+        self._compaction: Optional[threading.Thread] = None
 
     def _read(self) -> "collections.OrderedDict[str, dict]":
         """Every push's last record; cuts a torn last line off the file first."""
         last: collections.OrderedDict = collections.OrderedDict()
-        self._lines_read = 0
         if not os.path.exists(self.path):
             return last
         with open(self.path, "rb+") as f:
@@ -262,7 +290,6 @@ class ReplyJournal:
         for line in data[:end].splitlines():
             if not line.strip():
                 continue
-            self._lines_read += 1
             try:
                 record = json.loads(line)
                 push_id = record["id"]
@@ -306,8 +333,8 @@ class ReplyJournal:
         self._append({"id": push_id, "kind": "failed"})
 
     def _append(self, record: dict) -> None:
-        record["t"] = round(time.time(), 3)
-        line = json.dumps(record, separators=(",", ":")) + "\n"
+        record = {"id": record.pop("id"), **record, "t": round(time.time(), 3)}   # id first
+        line = (json.dumps(record, separators=(",", ":")) + "\n").encode("utf-8")
         with self.lock:
             try:
                 self._file.write(line)
@@ -317,37 +344,77 @@ class ReplyJournal:
                 log.error("link: reply journal %s: %r", self.path, exc)
                 return
             self.counts["written"] += 1
-            self.lines += 1
-            if self.lines >= 2 * self.keep:
-                self._compact()
+            self.size += len(line)
+            if self.size < 2 * self.max_bytes or self._compaction is not None:
+                return
+            self._compaction = threading.Thread(target=self._compact, args=(self.size,),
+                                                name="reply-journal-compaction", daemon=True)
+            self._compaction.start()
 
-    def _compact(self) -> None:
-        """Rewrites the file with the newest ``keep`` pushes' last lines (under the lock)."""
-        self._file.close()
-        try:
-            with open(self.path, "rb") as f:
-                last: collections.OrderedDict = collections.OrderedDict()
-                for line in f.read().splitlines():
-                    try:
-                        push_id = json.loads(line)["id"]
-                    except (ValueError, KeyError, TypeError):
-                        continue
+    def _kept(self, cut: int) -> tuple[list[tuple[int, int]], int]:
+        """The (offset, length) of each push's last line in the file's first ``cut`` bytes,
+        newest last, as many of the newest as fit in ``max_bytes`` (at least one); their
+        total length. Reads line by line: a line may be a whole fragment."""
+        last: collections.OrderedDict = collections.OrderedDict()
+        with open(self.path, "rb") as f:
+            offset = 0
+            while offset < cut:
+                line = f.readline()
+                if not line:
+                    break
+                push_id = _line_id(line.rstrip(b"\n"))
+                if push_id is not None and line.endswith(b"\n"):
                     last.pop(push_id, None)
-                    last[push_id] = line
-            kept = list(last.items())[-self.keep:]
-            tmp = self.path + ".tmp"
-            with open(tmp, "wb") as f:
-                f.write(b"".join(line + b"\n" for _, line in kept))
-            os.replace(tmp, self.path)
-            self.lines = len(kept)
-            self.counts["compacted"] += 1
-        except OSError as exc:
-            self.counts["write_errors"] += 1
+                    last[push_id] = (offset, len(line))
+                offset += len(line)
+        kept, total = [], 0
+        for offset, length in reversed(list(last.values())):
+            if kept and total + length > self.max_bytes:
+                break
+            kept.append((offset, length))
+            total += length
+        return kept[::-1], total
+
+    def _compact(self, cut: int) -> None:
+        """Rewrites the file's first ``cut`` bytes as the newest pushes' last lines (``_kept``),
+        off the lock; then, under it, appends what was journaled since ``cut`` and swaps the
+        file in."""
+        tmp = self.path + ".tmp"
+        try:
+            kept, total = self._kept(cut)
+            with open(self.path, "rb") as src, open(tmp, "wb") as dst:
+                for offset, length in kept:
+                    src.seek(offset)
+                    dst.write(src.read(length))
+            with self.lock:
+                with open(self.path, "rb") as src, open(tmp, "ab") as dst:
+                    src.seek(cut)
+                    tail = src.read()
+                    dst.write(tail)
+                os.replace(tmp, self.path)
+                self._file.close()
+                self._file = open(self.path, "ab")
+                self.size = total + len(tail)
+                self.counts["compacted"] += 1
+        except (OSError, ValueError) as exc:
+            with self.lock:
+                self.counts["write_errors"] += 1
             log.error("link: reply journal %s could not be compacted: %r", self.path, exc)
         finally:
-            self._file = open(self.path, "a", encoding="utf-8")
+            with self.lock:
+                self._compaction = None
+
+    def wait_compacted(self, timeout_s: Optional[float] = None) -> bool:
+        """Waits for a compaction under way to end; whether none runs now."""
+        with self.lock:
+            running = self._compaction
+        if running is not None:
+            running.join(timeout_s)
+        with self.lock:
+            return self._compaction is None
 
     def close(self) -> None:
+        self.wait_compacted()
         with self.lock:
             self._file.close()
 

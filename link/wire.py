@@ -196,7 +196,9 @@ def registration_to_pb(reg: Mapping) -> pb.RegisterReply:
                             fragments=[fragment_to_pb(f) for f in reg["fragments"]],
                             fragment_ids=[int(p) for p in (ids if ids is not None
                                                            else range(len(reg["fragments"])))],
-                            syncer_shard=int(reg.get("syncer_shard") or 0))
+                            syncer_shard=int(reg.get("syncer_shard") or 0),
+                            schedule_step=int(reg.get("schedule_step") or 0),
+                            has_schedule_step=reg.get("schedule_step") is not None)
 
 
 def registration_from_pb(msg: pb.RegisterReply) -> dict:
@@ -206,7 +208,8 @@ def registration_from_pb(msg: pb.RegisterReply) -> dict:
     return {"epoch": int(msg.epoch), "fragments": [fragment_from_pb(f) for f in msg.fragments],
             "versions": [int(v) for v in msg.versions], "session": msg.session,
             "fragment_ids": [int(p) for p in msg.fragment_ids],
-            "syncer_shard": int(msg.syncer_shard)}
+            "syncer_shard": int(msg.syncer_shard),
+            "schedule_step": int(msg.schedule_step) if msg.has_schedule_step else None}
 
 
 def _json(text: str, field: str) -> Any:

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from islands import DEFAULT_OVERLAP
+from islands import DEFAULT_OVERLAP, defaults
 from islands.faults import HOME_TARGET
 from islands.syncer import codec_kinds
 
@@ -144,22 +144,24 @@ OuterOptimizer = Annotated[Union[NesterovOuter, SgdOuter, AdamOuter], Field(disc
 class SyncerSection(_Section):
     fragments: int = Field(4, ge=1, description="P")
     sync_every_steps: int = Field(8, ge=1, description="H")
-    overlap_steps: int = Field(2, ge=0, description="τ: a reply is adopted τ steps after its push")
+    overlap_steps: int = Field(defaults.OVERLAP_STEPS, ge=0,
+                               description="τ: a reply is adopted τ steps after its push")
     outer_optimizer: OuterOptimizer = NesterovOuter()
-    history_versions: int = Field(8, ge=1)
-    max_staleness: Optional[int] = Field(None, ge=0)
-    outlier_norm_factor: Optional[float] = Field(10.0, gt=1)
-    staleness_discount: float = Field(0.0, ge=0)
-    merge_rule: Literal["rda", "mean"] = "rda"
-    participation_scale: bool = True
+    history_versions: int = Field(defaults.HISTORY_VERSIONS, ge=1)
+    max_staleness: Optional[int] = Field(defaults.MAX_STALENESS, ge=0)
+    outlier_norm_factor: Optional[float] = Field(defaults.OUTLIER_NORM_FACTOR, gt=1)
+    staleness_discount: float = Field(defaults.STALENESS_DISCOUNT, ge=0)
+    merge_rule: Literal["rda", "mean"] = defaults.MERGE_RULE
+    participation_scale: bool = defaults.PARTICIPATION_SCALE
     # Issue 34 (BENCHMARKS.md, "Quality under asynchrony"): the four win on a fleet out of
     # phase and are the same numbers as pull / per_merge / learner / 0 when every round merges
     # whole (round_wait: the round-completion wait, 3 seeds, noisy and mixed fleets at K = 1).
-    outer_gradient: Literal["pull", "rebased"] = "rebased"
-    round_step: Literal["per_merge", "per_round"] = "per_round"
-    staleness_share: float = Field(0.0, ge=0)
-    schedule_clock: Literal["learner", "fleet"] = "fleet"
-    round_wait: float = Field(0.5, ge=0, le=1)
+    # (islands.defaults: the one definition the pure cores share)
+    outer_gradient: Literal["pull", "rebased"] = defaults.OUTER_GRADIENT
+    round_step: Literal["per_merge", "per_round"] = defaults.ROUND_STEP
+    staleness_share: float = Field(defaults.STALENESS_SHARE, ge=0)
+    schedule_clock: Literal["learner", "fleet"] = defaults.SCHEDULE_CLOCK
+    round_wait: float = Field(defaults.ROUND_WAIT, ge=0, le=1)
     snapshot_every_merges: int = Field(10, ge=1)
     snapshot_min_interval_s: Optional[float] = Field(None, ge=0)
     journal: bool = True
@@ -180,9 +182,9 @@ class SyncerSection(_Section):
 
 
 class QuorumSection(_Section):
-    min_learners: int = Field(1, ge=1, description="K")
-    grace_gamma: float = Field(0.5, ge=0, lt=1)
-    grace_cap_s: float = Field(5.0, ge=0)
+    min_learners: int = Field(defaults.MIN_LEARNERS, ge=1, description="K")
+    grace_gamma: float = Field(defaults.GRACE_GAMMA, ge=0, lt=1)
+    grace_cap_s: float = Field(defaults.GRACE_CAP_S, ge=0)
 
 
 class _Codec(_Section):
@@ -266,30 +268,30 @@ class RegionSection(_Section):
 
 
 class RestartSection(_Section):
-    backoff_initial_s: float = Field(0.5, ge=0)
-    backoff_multiplier: float = Field(2.0, ge=1)
-    backoff_max_s: float = Field(30.0, ge=0)
-    max_crash_restarts: Optional[int] = Field(5, ge=0)
-    max_preemption_restarts: Optional[int] = Field(None, ge=0)
+    backoff_initial_s: float = Field(defaults.BACKOFF_INITIAL_S, ge=0)
+    backoff_multiplier: float = Field(defaults.BACKOFF_MULTIPLIER, ge=1)
+    backoff_max_s: float = Field(defaults.BACKOFF_MAX_S, ge=0)
+    max_crash_restarts: Optional[int] = Field(defaults.MAX_CRASH_RESTARTS, ge=0)
+    max_preemption_restarts: Optional[int] = Field(defaults.MAX_PREEMPTION_RESTARTS, ge=0)
     # > 0: a reset after 0 s would forgive every crash at once (a deterministic failure then
     # restarts forever at the first backoff). The default is Kubernetes' 10 minutes.
-    reset_after_s: Optional[float] = Field(600.0, gt=0)
-    crash_loop_after: Optional[int] = Field(3, ge=2)
-    crash_loop_window_steps: int = Field(16, ge=0)
+    reset_after_s: Optional[float] = Field(defaults.RESET_AFTER_S, gt=0)
+    crash_loop_after: Optional[int] = Field(defaults.CRASH_LOOP_AFTER, ge=2)
+    crash_loop_window_steps: int = Field(defaults.CRASH_LOOP_WINDOW_STEPS, ge=0)
 
 
 class HealthSection(_Section):
     heartbeat_s: float = Field(1.0, gt=0)
-    timeout_s: float = Field(10.0, gt=0)
-    straggler_factor: float = Field(4.0, gt=1)
-    straggler_window_s: float = Field(30.0, ge=0)
-    straggler_min_excess_s: float = Field(0.05, ge=0)
+    timeout_s: float = Field(defaults.HEARTBEAT_TIMEOUT_S, gt=0)
+    straggler_factor: float = Field(defaults.STRAGGLER_FACTOR, gt=1)
+    straggler_window_s: float = Field(defaults.STRAGGLER_WINDOW_S, ge=0)
+    straggler_min_excess_s: float = Field(defaults.STRAGGLER_MIN_EXCESS_S, ge=0)
     # Warm spare learner processes per region: an int for every local region, or {region: n}.
-    spares: Union[int, dict[str, int]] = Field(0)
+    spares: Union[int, dict[str, int]] = Field(defaults.SPARES)
     # A restart due while its region's spare prepares waits this long for it (0: never).
-    spare_wait_s: float = Field(10.0, ge=0)
+    spare_wait_s: float = Field(defaults.SPARE_WAIT_S, ge=0)
     # A failed learner's next process starts at once, prepared while its restart waits.
-    prestart_restarts: bool = True
+    prestart_restarts: bool = defaults.PRESTART_RESTARTS
     restart: RestartSection = RestartSection()
     placement_timeout_s: float = Field(60.0, gt=0)
 

@@ -60,6 +60,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence, Union
 
+from islands import defaults
 from islands.learners.devices import MISMATCH_MARK as DEVICE_MISMATCH_MARK
 from islands.learners.devices import is_device_mismatch, mismatch_node
 
@@ -137,10 +138,10 @@ class RegionPlan:
     # In its own Ray cluster, joined over the link: its agent launches, checks and restarts its
     # learners; this fleet mirrors their states from the agent's reports (``RemoteReport``).
     remote: bool = False
-    spares: int = 0                       # warm spare learner processes kept ready
+    spares: int = defaults.SPARES         # warm spare learner processes kept ready
     # A failed learner's next process is started at once and prepared as a spare reserved for
     # it while its restart waits (backoff, repair), then promoted when the restart is due.
-    prestart: bool = False
+    prestart: bool = defaults.PRESTART_RESTARTS
 
 
 @dataclass(frozen=True)
@@ -148,24 +149,26 @@ class FleetSettings:
     """What the fleet decides with; built from JobConfig by ``build.fleet_settings``."""
 
     regions: Mapping[str, RegionPlan]
-    min_learners: int = 1
+    min_learners: int = defaults.MIN_LEARNERS
     policy: RestartPolicy = RestartPolicy()
-    heartbeat_timeout_s: float = 10.0
+    heartbeat_timeout_s: float = defaults.HEARTBEAT_TIMEOUT_S
     startup_timeout_s: float = 120.0
-    straggler_factor: float = 4.0
-    straggler_window_s: float = 30.0     # slow for this long (one incarnation) before a verdict
-    straggler_min_excess_s: float = 0.05  # and at least this much above its peers' median step
+    straggler_factor: float = defaults.STRAGGLER_FACTOR
+    # slow for this long (one incarnation) before a verdict
+    straggler_window_s: float = defaults.STRAGGLER_WINDOW_S
+    # and at least this much above its peers' median step
+    straggler_min_excess_s: float = defaults.STRAGGLER_MIN_EXCESS_S
     restart_retry_s: float = 0.2        # a launch that failed (name not released yet) retries
     # A restart due while its region's spare is still preparing waits this long for it rather
     # than start a new process beside it (``start_due_restarts``); 0: never waits.
-    spare_wait_s: float = 0.0
+    spare_wait_s: float = defaults.SPARE_WAIT_S
     first_shard: int = 0                # a region agent's fleet: its region's first data shard
     num_shards: Optional[int] = None    # ... and the job's shard count (None: count the slots)
     syncer_shards: int = 1              # syncer shards (members the fleet can kill and restart)
     # A draining learner whose run has not returned this long after its drain began is ended
     # and its unsent work dropped as ``drain_timeout`` (``check_drains``). The learner gives up
     # on unanswered pushes by itself after ``health.timeout_s``; this bounds one that cannot.
-    drain_timeout_s: float = 60.0
+    drain_timeout_s: float = defaults.DRAIN_TIMEOUT_FACTOR * defaults.HEARTBEAT_TIMEOUT_S
 
 
 @dataclass(frozen=True)

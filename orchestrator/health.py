@@ -7,6 +7,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Mapping, Optional
 
+from islands import defaults
+
 
 class Cause(str, enum.Enum):
     """Why a learner stopped training; the ``reason`` label of islands_learner_restarts_total."""
@@ -60,14 +62,14 @@ class RestartPolicy:
     ``crash_loop`` whatever its budget (``crash_loop``); None: never.
     """
 
-    backoff_initial_s: float = 0.5
-    backoff_multiplier: float = 2.0
-    backoff_max_s: float = 30.0
-    max_crash_restarts: Optional[int] = 5
-    max_preemption_restarts: Optional[int] = None
-    reset_after_s: Optional[float] = 600.0
-    crash_loop_after: Optional[int] = 3
-    crash_loop_window_steps: int = 16
+    backoff_initial_s: float = defaults.BACKOFF_INITIAL_S
+    backoff_multiplier: float = defaults.BACKOFF_MULTIPLIER
+    backoff_max_s: float = defaults.BACKOFF_MAX_S
+    max_crash_restarts: Optional[int] = defaults.MAX_CRASH_RESTARTS
+    max_preemption_restarts: Optional[int] = defaults.MAX_PREEMPTION_RESTARTS
+    reset_after_s: Optional[float] = defaults.RESET_AFTER_S
+    crash_loop_after: Optional[int] = defaults.CRASH_LOOP_AFTER
+    crash_loop_window_steps: int = defaults.CRASH_LOOP_WINDOW_STEPS
 
     def budget_kind(self, cause: Cause) -> str:
         """The budget a restart for ``cause`` is counted in (crash, preemption, straggler,
@@ -235,4 +237,4 @@ def drain_timeout_s(health_timeout_s: float) -> float:
     >>> drain_timeout_s(10.0)
     20.0
     """
-    return 2 * health_timeout_s
+    return defaults.DRAIN_TIMEOUT_FACTOR * health_timeout_s

@@ -363,6 +363,8 @@ class _Driver:
 
         def adopt(state: fleet_lib.FleetState) -> None:
             self.fleet_state = state
+            # round_wait's periods leave the pause out (the Ray syncer hears it in set_fleet)
+            self.syncer.pause_periods(timing.merges_held(state.paused_reason))
             if held and not timing.merges_held(state.paused_reason):
                 self.recheck_open_rounds(now)   # resumed: the rounds the pause held are decided
 
@@ -569,8 +571,11 @@ class _Driver:
             peer = None  # the peer died meanwhile: a fresh inner state
         opt_state = self.cores[peer].opt_state if peer is not None else self.opt_init(params)
         start_step = launch.start_step
-        # Its schedule resumes where its data does (a peer's count is the peer's own step).
-        opt_state = at_schedule_step(opt_state, start_step)
+        # Its schedule resumes where the syncer says under the fleet clock (the fleet's count,
+        # for a fresh state and a peer's alike), else where its data does.
+        schedule = self.syncer.schedule_start()
+        schedule = start_step if schedule is None else schedule
+        opt_state = at_schedule_step(opt_state, schedule)
         core = LearnerCore(name, params, opt_state, old.plan, [v for _, v in frags],
                            old.error_feedback, old.wire_bytes, old.decode,
                            overlap_steps=old.overlap_steps, merge_alpha=old.merge_alpha,
@@ -588,7 +593,8 @@ class _Driver:
         self.record.restarts.append({
             "learner": name, "incarnation": incarnation, "cause": self.groups.cause_of[i],
             "failed_s": failed_s, "back_s": now, "down_s": now - failed_s,
-            "resume_step": start_step, "peer": self.ids[peer] if peer is not None else None})
+            "resume_step": start_step, "schedule_step": schedule,
+            "peer": self.ids[peer] if peer is not None else None})
         self.fleet_step(now, [fleet_lib.Beat(name, incarnation, True, ready_at_s=now)])
         self.schedule(now, STEP_START, "start", (i, incarnation))
 
@@ -709,7 +715,9 @@ def run_task(task, *, steps: int, optimizer, num_learners: int = 2, fragments: i
              outer_optimizer=None) -> RunRecord:
     """Trains a :class:`~islands.learners.task.Task` with ``num_learners`` learners on the virtual
     clock: init from ``PRNGKey(seed)``, shard i of ``num_learners`` through a ``TaskStream``
-    (a restarted learner reopens it at its applied step), the task's own eval batches.
+    (a restarted learner reopens it at its applied step), the task's own eval batches. The
+    syncer merges under the service's rules (``islands.defaults``, as a job's default config:
+    re-based outer gradients, one step per round, the fleet's schedule clock, round_wait 0.5).
 
     Args:
       task: what to train.

@@ -281,7 +281,9 @@ class Syncer:
         indexed by global fragment id, offered after a syncer restart so that merges newer than
         the snapshot are not lost. ``session``: the token the learner already carries to the
         other syncer shards (None: a fresh one). Returns this shard's fragments (global ids in
-        ``fragment_ids``), their versions, the epoch and the session."""
+        ``fragment_ids``), their versions, the epoch, the session and ``schedule_step``: under
+        the fleet clock the schedule count the learner starts at (``SyncerCore.schedule_start``;
+        None: its own resume step)."""
         self._ensure_loop()
         adopted = shards_lib.localize_adopted(self.spec.fragment_ids, adopted)
         if adopted:
@@ -292,7 +294,8 @@ class Syncer:
         self._wake.set()  # the live set changed
         return {"epoch": epoch, "fragments": [f for f, _ in frags],
                 "versions": [v for _, v in frags], "session": session,
-                "fragment_ids": self._ids(), "syncer_shard": self.spec.syncer_shard}
+                "fragment_ids": self._ids(), "syncer_shard": self.spec.syncer_shard,
+                "schedule_step": self.core.schedule_start()}
 
     async def push(self, push: Push) -> Reply:
         self._ensure_loop()
@@ -346,6 +349,7 @@ class Syncer:
         (``timing.merges_held``): while paused no round merges."""
         self.slowest_step_s = max(timing.MIN_STEP_S, float(slowest_step_s))
         self.paused = paused
+        self.core.pause_periods(paused)   # round_wait's periods leave the pause out
         if self._wake:
             self._wake.set()
 

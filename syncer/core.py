@@ -17,6 +17,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 import numpy as np
 import optax
 
+from islands import defaults
+
 from . import downlink as downlink_lib
 from . import fused
 from . import merge as merge_lib
@@ -38,18 +40,18 @@ IDENTITY_REASONS = frozenset({RejectReason.STALE_EPOCH, RejectReason.UNKNOWN_LEA
 class SyncerSettings:
     """Everything the core needs to decide; built from JobConfig's ``syncer`` and ``quorum``."""
 
-    min_learners: int = 1
-    grace_gamma: float = 0.5
-    grace_cap_s: float = 5.0
-    overlap_steps: int = 2
-    history_versions: int = 8
-    max_staleness: Optional[int] = None
-    outlier_norm_factor: Optional[float] = 10.0
-    staleness_discount: float = 0.0
-    merge_rule: merge_lib.MergeRule = merge_lib.MergeRule.RDA
+    min_learners: int = defaults.MIN_LEARNERS
+    grace_gamma: float = defaults.GRACE_GAMMA
+    grace_cap_s: float = defaults.GRACE_CAP_S
+    overlap_steps: int = defaults.OVERLAP_STEPS
+    history_versions: int = defaults.HISTORY_VERSIONS
+    max_staleness: Optional[int] = defaults.MAX_STALENESS
+    outlier_norm_factor: Optional[float] = defaults.OUTLIER_NORM_FACTOR
+    staleness_discount: float = defaults.STALENESS_DISCOUNT
+    merge_rule: merge_lib.MergeRule = merge_lib.MergeRule(defaults.MERGE_RULE)
     norm_window: int = 32
     # A merge of n of the M live learners applies n/M of the outer step (see merge()).
-    participation_scale: bool = True
+    participation_scale: bool = defaults.PARTICIPATION_SCALE
     # What the syncer can check a push against: the learners' inner learning-rate schedule (drift
     # norms are compared in units of what it can move) and the tokens one inner step processes.
     inner_schedule: Optional[tuple] = None   # (peak lr, warmup, total steps, end fraction)
@@ -59,16 +61,29 @@ class SyncerSettings:
     # Asynchrony (docs/architecture.md#asynchrony-stale-and-partial-merges): where a push's
     # outer gradient is taken from, how many outer steps a round split into partial merges
     # takes, the staleness exponent of a merge's share of a step, and what the learners' inner
-    # schedule runs on.
-    outer_gradient: merge_lib.OuterGradientRule = merge_lib.OuterGradientRule.PULL
-    round_step: merge_lib.RoundStep = merge_lib.RoundStep.PER_MERGE
-    staleness_share: float = 0.0
-    schedule_clock: merge_lib.ScheduleClock = merge_lib.ScheduleClock.LEARNER
+    # schedule runs on. The defaults are the job config's (islands.defaults): a core built by
+    # hand runs the service's rules.
+    outer_gradient: merge_lib.OuterGradientRule = merge_lib.OuterGradientRule(
+        defaults.OUTER_GRADIENT)
+    round_step: merge_lib.RoundStep = merge_lib.RoundStep(defaults.ROUND_STEP)
+    staleness_share: float = defaults.STALENESS_SHARE
+    schedule_clock: merge_lib.ScheduleClock = merge_lib.ScheduleClock(defaults.SCHEDULE_CLOCK)
     # The round-completion wait: hold a partial merge past the grace window for the round's
     # missing live learners predicted to push within this share of the waiting pushers' sync
     # period (``quorum.round_hold``: each one's last push of the fragment plus whole periods of
     # its own); 0: the grace window only.
-    round_wait: float = 0.0
+    round_wait: float = defaults.ROUND_WAIT
+
+    def rules(self) -> dict:
+        """The merge rules by their config names, for a benchmark's or a study's output.
+
+        >>> SyncerSettings().rules()["round_step"]
+        'per_round'
+        """
+        return {"merge_rule": self.merge_rule.value, "outer_gradient": self.outer_gradient.value,
+                "round_step": self.round_step.value, "staleness_share": self.staleness_share,
+                "schedule_clock": self.schedule_clock.value, "round_wait": self.round_wait,
+                "history_versions": self.history_versions}
 
 
 @dataclass
@@ -339,6 +354,9 @@ class SyncerCore:
         # them afresh.
         self.push_times: dict[tuple[str, int], float] = {}
         self.push_periods: dict[str, float] = {}
+        # The fleet is paused (the pause rule): a gap that holds a pause is no period; the
+        # measure starts over on resume (``pause_periods``).
+        self.periods_paused = False
 
     # -- membership -----------------------------------------------------------------------------
     def register(self, learner: str, incarnation: int, session: Optional[str] = None
@@ -441,11 +459,21 @@ class SyncerCore:
             del self.push_times[key]
         self.push_periods.pop(learner, None)
 
+    def pause_periods(self, paused: bool) -> None:
+        """The fleet paused (True) or resumed (False; ``timing.merges_held``). A pause is no
+        part of a sync period: while it lasts no period is sampled (a push still arriving then
+        only notes its time), and on resume every learner's period and last push times are
+        forgotten, so ``round_wait`` waits on nobody until each one is measured again (two
+        pushes of a fragment after the resume)."""
+        if self.periods_paused and not paused:
+            self.push_times, self.push_periods = {}, {}
+        self.periods_paused = paused
+
     def _note_push_time(self, learner: str, fragment: int, now_s: float) -> None:
         """An accepted push of ``fragment`` arrived at ``now_s``: the time since its last push of
-        the fragment is a sample of the learner's period (EMA weight ½)."""
+        the fragment is a sample of the learner's period (EMA weight ½); none while paused."""
         last = self.push_times.get((learner, fragment))
-        if last is not None and now_s > last:
+        if last is not None and now_s > last and not self.periods_paused:
             self.push_periods[learner] = timing_ema(self.push_periods.get(learner),
                                                     now_s - last, 0.5)
         self.push_times[(learner, fragment)] = now_s
@@ -589,9 +617,7 @@ class SyncerCore:
         if problem is not None:
             return problem
         size = sum(int(np.size(v)) for v in slot.params.values())
-        at = push.step   # where the learner's schedule stands: its own step, or the fleet's
-        if self.settings.schedule_clock == merge_lib.ScheduleClock.FLEET:
-            at = max(int(round(self.fleet_step())), push.c_steps)
+        at = self.schedule_read_at(push)
         norm = scaled_norm(drift_norm(drift), self.settings.inner_schedule, at, push.c_steps,
                            size)
         factor = self.settings.outlier_norm_factor
@@ -731,6 +757,23 @@ class SyncerCore:
         """The Θ the push's outer gradient is taken from (``merge.gradient_anchor``)."""
         return merge_lib.gradient_anchor(self.settings.outer_gradient, slot.params,
                                          slot.history.get(push.base_version), base)
+
+    def schedule_read_at(self, push: Push) -> int:
+        """Where the syncer takes the pusher's inner schedule to stand when the push left (its
+        drift is read at the rates of the ``c_steps`` counts before it): its own step, or under
+        the fleet clock the fleet's."""
+        if self.settings.schedule_clock == merge_lib.ScheduleClock.FLEET:
+            return max(int(round(self.fleet_step())), push.c_steps)
+        return push.step
+
+    def schedule_start(self) -> Optional[int]:
+        """Under the fleet clock, the schedule count a learner (re)starting now takes: the
+        fleet's position, as a merge it adopts would set it (``merge.schedule_position`` with no
+        open push), whatever its own resume step or a peer's copied count; None under the
+        learner clock (its schedule runs on its own steps)."""
+        if self.settings.schedule_clock == merge_lib.ScheduleClock.FLEET:
+            return merge_lib.schedule_position(self.fleet_step(), None, 0)
+        return None
 
     def fleet_step(self) -> float:
         """The fleet's progress in inner steps (``merge.fleet_step``): the mean, over the

@@ -83,7 +83,9 @@ def test_fleet_step_and_schedule_position():
 @pytest.mark.parametrize("rule, expected", [("pull", 1.25), ("rebased", 1.5)])
 def test_a_stale_push(rule, expected):
     # M = 2, Θ0 = 0. a pushes δ = 1 from v0, merged alone: g = 0 − 1 = −1, share ½: Θ1 = 0.5.
-    core = syncer(outer_gradient=merge.OuterGradientRule(rule))
+    # Each partial merge its own step (per_merge; per_round's join is tested below).
+    core = syncer(outer_gradient=merge.OuterGradientRule(rule),
+                  round_step=merge.RoundStep.PER_MERGE)
     push(core, "a", 1.0, 0)
     assert core.merge(0, live_count=2).version == 1 and theta(core) == 0.5
     # b pushes δ = 2 from v0 (staleness 1). pull: g = Θ1 − (0 + 2) = −1.5, Θ2 = 0.5 + 0.75;
@@ -156,7 +158,9 @@ def test_per_round_token_weights_and_books_unchanged():
 
 
 def test_per_merge_is_todays_rule():
-    core = syncer()                                    # the defaults before issue 34
+    # pull and per_merge, named (the core's defaults before they became the service's)
+    core = syncer(outer_gradient=merge.OuterGradientRule.PULL,
+                  round_step=merge.RoundStep.PER_MERGE)
     push(core, "a", 4.0, 0)
     core.merge(0, live_count=2)                        # Θ1 = 2
     push(core, "b", 8.0, 0)                            # pull, stale: g = 2 − 8 = −6, share ½
@@ -210,7 +214,7 @@ def test_merges_carry_the_fleet_step_to_the_learners():
     assert {u.fleet_step for u in updates.values()} == {20.0}
     assert isinstance(updates["a"], downlink.FullUpdate)
     # without the fleet clock, nothing rides along
-    plain = syncer()
+    plain = syncer(schedule_clock=merge.ScheduleClock.LEARNER)
     plain.registered_at["a"] = (0, time.monotonic() - 60.0)
     push(plain, "a", 1.0, 0, step=30)
     assert plain.updates(plain.merge(0, live_count=2))["a"].fleet_step is None
@@ -240,6 +244,53 @@ def test_a_learner_adopts_the_fleets_schedule_position():
     core.offer_reply(0, downlink.FullUpdate(params, 2), 2)
     core.adopt_ready()
     assert schedule_count(core.opt_state) == 103
+
+
+def test_a_restart_of_a_mixed_speed_fleet_runs_its_first_push_at_the_rates_the_syncer_reads():
+    """Fleet clock, warm-up over 100 counts (rate = count/100 there). The fast learner f merged
+    its push at step 100, the slow s at step 20: the fleet stands at 60. s restarts at its own
+    step 20; the syncer tells it 60 at registration, for a fresh inner state and for f's copied
+    one (count 110) alike. s takes 4 steps (counts 60..63) while f merges a push at step 108:
+    the fleet is at (108 + 20)/2 = 64 when s's push is read, over counts 60..63, exactly the
+    rates s ran. (At its own step, s would have run 20..23: 0.86 against the 2.46 read.)"""
+    from islands.learners.factories import place_learner_state
+    from islands.syncer.validate import lr_sum, warmup_cosine
+
+    schedule = (1.0, 100, 1000, 0.1)
+    core = syncer(("f", "s"), schedule_clock=merge.ScheduleClock.FLEET, inner_schedule=schedule,
+                  round_step=merge.RoundStep.PER_MERGE)
+    for name in ("f", "s"):
+        core.registered_at[name] = (0, time.monotonic() - 60.0)
+    push(core, "f", 1.0, 0, step=100)
+    push(core, "s", 1.0, 0, step=20)
+    core.merge(0, live_count=2)
+    core.forget("s")
+    core.register("s", 1)                               # the restart, resuming at step 20
+    core.registered_at["s"] = (20, time.monotonic() - 60.0)
+    assert core.ledger["s"].applied_step == 20 and core.schedule_start() == 60
+    params = {"w": np.zeros((2, 2), np.float32)}
+    opt = inner.inner_optimizer(lr=1.0, warmup_steps=100, total_steps=1000)
+    donor = inner.at_schedule_step(opt.init(params), 110)    # f's own count
+    for peer_state in (None, donor):
+        _, state = place_learner_state(None, opt, params, peer_state, core.schedule_start())
+        counts = []
+        for _ in range(4):                                   # its first push's inner steps
+            counts.append(schedule_count(state))
+            _, state = opt.update({"w": np.ones((2, 2), np.float32)}, state, params)
+        assert counts == [60, 61, 62, 63]
+    push(core, "f", 1.0, 1, tokens=200, step=108)
+    core.merge(0, live_count=2)                              # the fleet moves on meanwhile
+    first = Push("s", 0, {"w": np.array([1.0], np.float32)}, 2, core.epoch, 400, 4, step=24,
+                 tokens_done=400, incarnation=1)
+    at = core.schedule_read_at(first)
+    assert at == 64
+    ran = float(np.sum(warmup_cosine(np.array(counts, np.float64), *schedule)))
+    assert lr_sum(schedule, at, 4) == pytest.approx(ran) == pytest.approx(2.46)
+    assert core.accept_push(first, 0.0).ok
+    # a fleet with nothing merged yet starts at 0; the learner clock tells nothing (the
+    # restart's schedule runs on its own steps)
+    assert syncer(("a",)).schedule_start() == 0
+    assert syncer(("a",), schedule_clock=merge.ScheduleClock.LEARNER).schedule_start() is None
 
 
 class _NoEF:
@@ -373,6 +424,36 @@ def test_round_wait_forgets_its_timings_across_a_restart_and_a_new_incarnation()
     assert restarted.decide(0, 48.0, frozenset("ab"), 1.0).wait_until_s == 49.0
     core.restart(core.epoch + 1)
     assert core.push_times == {} and core.push_periods == {}
+
+
+def test_round_wait_leaves_a_pause_out_of_the_periods_and_starts_over_on_resume():
+    core = two_rounds(0.5)                        # periods 24, 24; a last at 24, b at 25
+    core.pause_periods(True)                      # the fleet pauses at 30 ...
+    push_at(core, "a", 1.0, 2, 35.0)              # ... pushes sent before arrive at 35, 40:
+    push_at(core, "b", 1.0, 2, 40.0)
+    assert core.push_periods == {"a": 24.0, "b": 24.0}   # no sample (15 would make b's 19.5)
+    core.pause_periods(True)                      # (told again each tick: nothing changes)
+    assert core.push_times[("b", 0)] == 40.0
+    core.pause_periods(False)                     # resumed at 600: everything measured afresh
+    assert core.push_times == {} and core.push_periods == {}
+    core.merge(0, live_count=2)                   # the round the pause held, whole
+    # a's first push after the resume: nobody's period is known, the grace window alone
+    # decides (601 + 1). With the pause in it, a's period would be ½·24 + ½·566 = 295 and b
+    # (last at 40, period 24) due at 40 + 24·24 = 616 ≤ 601 + ½·295: held until 617.
+    push_at(core, "a", 2.0, 3, 601.0)
+    assert core.decide(0, 601.0, frozenset("ab"), 1.0).wait_until_s == 602.0
+    core.merge(0, live_count=2)                   # a alone
+    push_at(core, "b", 2.0, 3, 605.0)             # joins a's round
+    core.merge(0, live_count=2)
+    # The periods start over: one gap each after the resume, 24 s, taken as they are
+    for a_s, b_s in ((625.0, 629.0),):
+        push_at(core, "a", 1.0, core.slots[0].version, a_s)
+        push_at(core, "b", 1.0, core.slots[0].version, b_s)
+        core.merge(0, live_count=2)
+    assert core.push_periods == {"a": 24.0, "b": 24.0}
+    # and predict again: a at 649, b due at 629 + 24 = 653 ≤ 649 + 12: held until 654
+    push_at(core, "a", 1.0, core.slots[0].version, 649.0)
+    assert core.decide(0, 649.0, frozenset("ab"), 1.0).wait_until_s == 654.0
 
 
 def test_round_wait_reads_a_learners_period_off_any_fragment():

@@ -190,10 +190,12 @@ def batch_for(learner, index):
 
 
 def run(plan, *, M=2, P=1, H=1, tau=0, steps=6, latency_s=0.0, restart_s=1.5, K=1,
-        until_s=None, ids=None, spares=0, promote_s=0.3, spare_ready_s=3.0, **costs):
+        until_s=None, ids=None, spares=0, promote_s=0.3, spare_ready_s=3.0, speeds=None,
+        schedule_clock="fleet", **costs):
     params = init_params()
     settings = SyncerSettings(min_learners=K, grace_cap_s=0.0, overlap_steps=tau,
-                              merge_rule=merge.MergeRule.MEAN, outlier_norm_factor=None)
+                              merge_rule=merge.MergeRule.MEAN, outlier_norm_factor=None,
+                              schedule_clock=merge.ScheduleClock(schedule_clock))
     codec = codec_lib.make_codec("none")
     syncer, learners = inprocess.build_syncer_and_learners(
         params=params, opt_init=INNER.init, plan=fragments.partition(params, P),
@@ -210,8 +212,8 @@ def run(plan, *, M=2, P=1, H=1, tau=0, steps=6, latency_s=0.0, restart_s=1.5, K=
 
     record = inprocess.run_inprocess(
         learners=learners, syncer=syncer, train_step=train_step, batch_for=spy,
-        tokens_per_batch=TOKENS, fleet=inprocess.Fleet([1.0] * len(learners), latency_s=latency_s,
-                                                       spares=spares),
+        tokens_per_batch=TOKENS, fleet=inprocess.Fleet(speeds or [1.0] * len(learners),
+                                                       latency_s=latency_s, spares=spares),
         num_fragments=P, sync_every_steps=H, steps=steps, faults=plan,
         restart=RestartCosts(restart_s=restart_s, promote_s=promote_s,
                              spare_ready_s=spare_ready_s, **costs),
@@ -247,9 +249,10 @@ def test_goodput_of_one_scripted_kill_by_hand():
     record, syncer, calls = run(plan)
     assert record.goodput == pytest.approx(12 / 14)
     assert record.allocated_s == [6.0, 8.0] and record.useful_s == [6.0, 6.0]
+    # its schedule at the fleet's (the fleet clock): r:0 merged step 4 at 4.0 s, r:1 step 2
     assert record.restarts == [{"learner": "r:1", "incarnation": 1, "cause": "kill",
                                 "failed_s": 2.5, "back_s": 4.0, "down_s": 1.5,
-                                "resume_step": 2, "peer": "r:0"}]
+                                "resume_step": 2, "schedule_step": (4 + 2) // 2, "peer": "r:0"}]
     assert [k for i, k in calls if i == 1] == [0, 1, 2, 2, 3, 4, 5]  # batch 2 is trained again
     fates = record.ledger["r:1"]
     assert {k: fates[k] for k in ("processed", "applied", "dropped", "in_flight", "dropped_by",
@@ -274,9 +277,10 @@ def test_a_warm_spare_takes_over_through_the_same_fleet_state_machine_by_hand():
     reported apart, not as a learner's): goodput 12/12.75 = 0.941."""
     plan = FaultPlan().crash("r:1", at_s=2.5)
     record, syncer, calls = run(plan, spares=1, promote_s=0.25, spare_ready_s=1.0)
+    # its schedule at the fleet's: at 2.75 s r:0 and r:1 both merged step 2
     assert record.restarts == [{"learner": "r:1", "incarnation": 1, "cause": "kill",
                                 "failed_s": 2.5, "back_s": 2.75, "down_s": 0.25,
-                                "resume_step": 2, "peer": "r:0"}]
+                                "resume_step": 2, "schedule_step": 2, "peer": "r:0"}]
     assert record.goodput == pytest.approx(12 / 12.75)
     assert record.allocated_s == [6.0, 6.75] and record.end_time_s == 6.75
     names = [(t, x.name) for t, x in record.transitions if x.name.startswith("spare_")]
@@ -342,7 +346,9 @@ def test_a_kill_drops_unmerged_work_the_victim_resumes_and_the_others_never_wait
     fates = record.ledger["r:1"]
     assert fates["dropped"] > 0 and fates["restarts"] == 1
     (restart,) = record.restarts
-    assert restart["back_s"] == pytest.approx(17.5 + 3.0 + 1.5)
+    # the service's rule: its next process is prestarted at the kill and ready after
+    # spare_ready_s (3.0), when the repair (3.0) is over too; its promotion takes 0.3 s
+    assert restart["back_s"] == pytest.approx(17.5 + 3.0 + 0.3)
     # the victim's first batch after the restart is its applied step at the time it died
     assert restart["resume_step"] == record.watermarks[(1, 0)] < 17
     started_before = sum(s.learner == 1 and s.incarnation == 0 for s in record.step_log)
@@ -364,21 +370,43 @@ def test_a_kill_drops_unmerged_work_the_victim_resumes_and_the_others_never_wait
     assert sum(record.useful_s) < watermark_s
 
 
+def test_a_restart_in_a_mixed_speed_fleet_takes_the_fleets_schedule_count():
+    """The fleet clock (the default): r:1 runs at a quarter of r:0's speed and is killed; its
+    restart resumes its data at its own step but its inner schedule at the fleet's count, the
+    one the syncer reads its pushes at (r:0's copied inner state takes it too)."""
+    record, syncer, _ = run(FaultPlan().crash("r:1", at_s=12.2, repair_s=0.0), M=2, P=1, H=2,
+                            steps=40, speeds=[1.0, 0.25])
+    (restart,) = record.restarts
+    # back at 12.2 + 1.5: r:0 (1 s steps) has pushed and merged every second step up to 12;
+    # r:1 (4 s steps) merged its push at step 2 (t = 8) and died in its fourth step. It resumes
+    # its data at 2, its schedule at the fleet's (12 + 2) / 2 = 7 (a peer's copied state too)
+    assert (restart["back_s"], restart["peer"]) == (pytest.approx(13.7), "r:0")
+    assert (restart["resume_step"], restart["schedule_step"]) == (2, 7)
+    # the learner clock: its own step, for the peer's copied state too
+    record, _, _ = run(FaultPlan().crash("r:1", at_s=12.2, repair_s=0.0), M=2, P=1, H=2,
+                       steps=40, speeds=[1.0, 0.25], schedule_clock="learner")
+    assert (record.restarts[0]["resume_step"], record.restarts[0]["schedule_step"]) == (2, 2)
+    assert_ledger_balances(record, syncer)
+
+
 def test_region_loss_slowdown_and_horizon():
     ids = ["a:0", "a:1", "b:0"]
     plan = (FaultPlan().lose_region("a", at_s=3.5, repair_s=1.0)
             .slow("b:0", at_s=2.0, duration_s=1.0, factor=3.0))
     record, syncer, _ = run(plan, ids=ids, steps=100, until_s=20.0)
-    # detect (lost node: 10 s) + repair 1 s + restart 1.5 s = 12.5 s down, back at 16 s
-    assert [(r["learner"], r["back_s"]) for r in record.restarts] == [("a:0", 16.0),
-                                                                     ("a:1", 16.0)]
+    # detect (lost node: 10 s, at 13.5): each one's next process is prestarted then (the
+    # service's rule) and ready 3 s later; due after the 1 s repair (14.5), each restart waits
+    # for it (spare_wait_s) and is promoted in 0.3 s: back at 13.5 + 3 + 0.3 = 16.8
+    assert [(r["learner"], r["back_s"]) for r in record.restarts] == [("a:0", 16.8),
+                                                                     ("a:1", 16.8)]
     # Both are relaunched at once, when no learner of region a trains: the fleet's one peer
     # policy (same region first, else any training learner) gives each of them b:0.
     assert [r["peer"] for r in record.restarts] == ["b:0", "b:0"]
     # b:0's step starting at 2 s takes 3 s: steps end at 1, 2, 5, 6, …, 20 → 2 + 1 + 15 steps
     b_steps = [s for s in record.step_log if s.learner == 2]
     assert [s.step_s for s in b_steps[:4]] == [1.0, 1.0, 3.0, 1.0]
-    assert record.steps[2] == 18 and record.allocated_s == [20.0, 20.0, 20.0]
+    # a:0 and a:1's last step starts at 16.8 + 3 = 19.8 (before the horizon) and ends at 20.8
+    assert record.steps[2] == 18 and record.allocated_s == [20.8, 20.8, 20.0]
     assert_ledger_balances(record, syncer)
 
 

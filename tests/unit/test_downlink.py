@@ -12,7 +12,7 @@ import pytest
 
 from islands.learners.core import LearnerCore
 from islands.syncer import codec as codec_lib
-from islands.syncer import downlink, fragments, outer
+from islands.syncer import downlink, fragments, merge, outer
 from islands.syncer.core import SyncerCore, SyncerSettings
 from islands.syncer.validate import RejectReason
 
@@ -108,7 +108,10 @@ def make_system(*, up="int2", down="int2", learners=("x:0", "x:1"), full_after=8
         None if down == "none" else codec_lib.make_codec(down, block_size=block),
         error_feedback, full_after)
     syncer = SyncerCore([fragments.extract(params, plan, p) for p in range(2)],
-                        SyncerSettings(min_learners=1, overlap_steps=0, outlier_norm_factor=None),
+                        # pull, per merge: g = Θ − (S + δ), the formula the tests check
+                        SyncerSettings(min_learners=1, overlap_steps=0, outlier_norm_factor=None,
+                                       outer_gradient=merge.OuterGradientRule.PULL,
+                                       round_step=merge.RoundStep.PER_MERGE),
                         outer.build("sgd", lr=1.0, momentum=0.0),
                         lambda codes: codec_lib.decode_tree(up_codec, codes), downlink=settings)
     cores = {}

@@ -20,10 +20,17 @@ POLICY = RestartPolicy(backoff_initial_s=0.5, backoff_multiplier=2.0, backoff_ma
                        crash_loop_after=None)   # budgets here; crash loops have their own tests
 
 
+def region_plan(*args, prestart=False, **kwargs) -> F.RegionPlan:
+    """A region's plan as these hand-worked transitions have it: a failed learner's process
+    is prestarted only where a test asks (the service's default prestarts every one)."""
+    return F.RegionPlan(*args, prestart=prestart, **kwargs)
+
+
 def settings(**overrides) -> F.FleetSettings:
-    base = dict(regions={"a": F.RegionPlan(2, 3), "b": F.RegionPlan(1, 2, (0.5,))},
+    # spare_wait_s 0 unless a test asks (the service's default waits 10 s for a preparing spare)
+    base = dict(regions={"a": region_plan(2, 3), "b": region_plan(1, 2, (0.5,))},
                 min_learners=1, policy=POLICY, heartbeat_timeout_s=10.0, startup_timeout_s=60.0,
-                straggler_factor=4.0)
+                straggler_factor=4.0, spare_wait_s=0.0)
     base.update(overrides)
     return F.FleetSettings(**base)
 
@@ -180,7 +187,7 @@ def unhealthy(result):
 
 
 def test_straggler_against_its_peers_for_a_window_but_not_a_slow_by_design_learner():
-    s = settings(regions={"a": F.RegionPlan(3, 3), "b": F.RegionPlan(1, 1, (0.5,))},
+    s = settings(regions={"a": region_plan(3, 3), "b": region_plan(1, 1, (0.5,))},
                  straggler_window_s=30.0)
     fleet = F.step(F.initial(s), [], 0.0).fleet
     beats = [F.Beat("a:0", 0, True, 0.1), F.Beat("a:1", 0, True, 0.1),
@@ -198,7 +205,7 @@ def test_straggler_against_its_peers_for_a_window_but_not_a_slow_by_design_learn
 
 
 def test_a_learner_fast_again_within_the_window_starts_the_window_over():
-    s = settings(regions={"a": F.RegionPlan(3, 3)}, straggler_window_s=10.0)
+    s = settings(regions={"a": region_plan(3, 3)}, straggler_window_s=10.0)
     fleet = F.step(F.initial(s), [], 0.0).fleet
     pace = lambda t2: [F.Beat("a:0", 0, True, 0.1), F.Beat("a:1", 0, True, 0.1),  # noqa: E731
                        F.Beat("a:2", 0, True, t2)]
@@ -215,7 +222,7 @@ def test_a_straggler_restarted_once_and_slow_again_trains_on_and_is_never_retire
     step time at the moment it became ready, until the crash budget retired the learner."""
     policy = RestartPolicy(backoff_initial_s=0.5, backoff_multiplier=2.0, backoff_max_s=30.0,
                            max_crash_restarts=1)
-    s = settings(regions={"a": F.RegionPlan(3, 3)}, policy=policy, straggler_window_s=5.0)
+    s = settings(regions={"a": region_plan(3, 3)}, policy=policy, straggler_window_s=5.0)
     fleet = F.step(F.initial(s), [], 0.0).fleet
     fast = [F.Beat("a:0", 0, True, 0.1), F.Beat("a:1", 0, True, 0.1)]
     fleet = F.step(fleet, fast + [F.Beat("a:2", 0, True, 0.5)], 1.0).fleet
@@ -243,7 +250,7 @@ def test_a_straggler_restarted_once_and_slow_again_trains_on_and_is_never_retire
 
 
 def test_millisecond_steps_and_a_region_of_two_are_not_stragglers():
-    s = settings(regions={"a": F.RegionPlan(3, 3), "b": F.RegionPlan(2, 2)},
+    s = settings(regions={"a": region_plan(3, 3), "b": region_plan(2, 2)},
                  straggler_window_s=0.0, straggler_min_excess_s=0.05)
     fleet = F.step(F.initial(s), [], 0.0).fleet
     # a:2 at 5× its peers' 2 ms: 8 ms above them is timing noise, not a slow machine. b's pair
@@ -398,7 +405,7 @@ def test_quorum_floor_pauses_below_k_and_resumes_when_learners_return():
 
 
 def test_a_learner_that_becomes_ready_during_a_pause_joins_it():
-    s = settings(min_learners=3, regions={"a": F.RegionPlan(3, 3), "b": F.RegionPlan(1, 1)})
+    s = settings(min_learners=3, regions={"a": region_plan(3, 3), "b": region_plan(1, 1)})
     fleet = F.step(F.initial(s), [], 0.0).fleet
     fleet = F.step(fleet, [F.Beat(n, 0, True, 0.1) for n in ("a:0", "a:1", "a:2")], 1.0).fleet
     fleet = F.step(fleet, [F.RunEnded("a:0", 0, "x"), F.RunEnded("a:1", 0, "x")], 2.0).fleet
@@ -448,7 +455,7 @@ def test_a_resumed_job_launches_its_learners_at_their_applied_steps():
 
 # -- remote regions (a region in its own Ray cluster, mirrored from its agent's reports) ----------
 def remote_settings(**overrides):
-    return settings(regions={"a": F.RegionPlan(2, 3), "r": F.RegionPlan(2, 2, remote=True)},
+    return settings(regions={"a": region_plan(2, 3), "r": region_plan(2, 2, remote=True)},
                     **overrides)
 
 
@@ -543,7 +550,7 @@ def test_remote_regions_refuse_home_scale_and_kill_commands():
 
 
 def test_an_agents_fleet_numbers_shards_from_its_regions_first_shard():
-    s = settings(regions={"r": F.RegionPlan(2, 2)}, first_shard=3, num_shards=5)
+    s = settings(regions={"r": region_plan(2, 2)}, first_shard=3, num_shards=5)
     assert [(a.shard, a.num_shards) for a in F.step(F.initial(s), [], 0.0).actions] == [
         (3, 5), (4, 5)]
 
@@ -558,7 +565,7 @@ def alive(fleet, *skip):
 def spare_fleet(spares=1):
     """Region a: 3 learners training since t=1 (the step that saw them ready launched the first
     spare) and ``spares`` READY spares."""
-    s = settings(regions={"a": F.RegionPlan(3, 4, spares=spares)})
+    s = settings(regions={"a": region_plan(3, 4, spares=spares)})
     fleet = training(s)
     t = 2.0
     while len(fleet.spares) < spares:
@@ -568,7 +575,7 @@ def spare_fleet(spares=1):
 
 
 def test_spares_start_only_once_no_learner_is_starting_one_at_a_time():
-    s = settings(regions={"a": F.RegionPlan(2, 3, spares=2)})
+    s = settings(regions={"a": region_plan(2, 3, spares=2)})
     launched = F.step(F.initial(s), [], 0.0)
     assert kinds(launched) == ["Launch", "Launch"]               # learners first, no spare
     one = F.step(launched.fleet, [F.Beat("a:0", 0, True)], 1.0)
@@ -613,7 +620,7 @@ def test_a_crash_promotes_a_ready_spare_at_once_and_a_new_spare_follows_once_it_
 
 
 def test_a_spare_that_dies_or_never_gets_ready_is_replaced_and_stop_ends_the_spares():
-    s = settings(regions={"a": F.RegionPlan(3, 4, spares=1)}, startup_timeout_s=60.0)
+    s = settings(regions={"a": region_plan(3, 4, spares=1)}, startup_timeout_s=60.0)
     fleet = training(s)                       # its learners' ready step launched the spare
     assert list(fleet.spares) == ["spare:a:0"]
     slow = F.step(fleet, alive(fleet), 61.5)                      # 60.5 s and not ready
@@ -737,7 +744,7 @@ def test_a_restart_due_while_its_regions_spare_prepares_waits_for_it_not_a_new_p
     gave_up = F.step(late.fleet, alive(late.fleet), 97.5)
     (launch,) = [a for a in gave_up.actions if isinstance(a, F.Launch)]
     assert (launch.learner, launch.spare) == ("a:0", None)
-    # spare_wait_s 0 (the fleet's default): a new process at the due time, as before.
+    # spare_wait_s 0: a new process at the due time, as before.
     eager = preparing_spare_fleet(wait_s=0.0)
     crashed = F.step(eager, alive(eager, "a:0") + [F.RunEnded("a:0", 0, "boom", crashed=True)],
                      92.0)
@@ -765,9 +772,9 @@ def test_one_preparing_spare_holds_back_only_the_earliest_due_restart():
 def prestart_fleet(spares=0):
     """Region a: 3 learners training since t=1, restarts prestarted, ``spares`` spares (none
     launched yet: the region's plan gets them after ``training``)."""
-    s = settings(regions={"a": F.RegionPlan(3, 4, spares=0, prestart=True)})
+    s = settings(regions={"a": region_plan(3, 4, spares=0, prestart=True)})
     fleet = training(s)
-    plan = F.RegionPlan(3, 4, spares=spares, prestart=True)
+    plan = region_plan(3, 4, spares=spares, prestart=True)
     return dataclasses.replace(fleet, settings=dataclasses.replace(s, regions={"a": plan}))
 
 
@@ -855,8 +862,8 @@ def test_a_scale_up_takes_a_ready_spare():
 def test_a_restart_in_a_new_process_does_not_hold_back_a_spare():
     """Under a burst of failures spares pay: only a promotion (or a new learner's start) under
     way holds a new spare back, not a restart in a fresh process."""
-    s = settings(regions={"a": F.RegionPlan(3, 4, spares=2)})
-    fleet = training(settings(regions={"a": F.RegionPlan(3, 4)}))   # no spare yet
+    s = settings(regions={"a": region_plan(3, 4, spares=2)})
+    fleet = training(settings(regions={"a": region_plan(3, 4)}))   # no spare yet
     fleet = dataclasses.replace(fleet, settings=s)
     crashed = F.step(fleet, alive(fleet, "a:0") + [F.RunEnded("a:0", 0, "boom", crashed=True)],
                      2.0)
@@ -1128,7 +1135,7 @@ def test_a_backend_that_did_not_start_is_a_crash_with_budget_and_backoff():
 
 
 def test_a_spare_that_fails_its_device_check_is_not_replaced():
-    s = settings(regions={"a": F.RegionPlan(1, 2, spares=1)})
+    s = settings(regions={"a": region_plan(1, 2, spares=1)})
     fleet = F.step(F.initial(s), [], 0.0).fleet
     launched = F.step(fleet, [F.Beat("a:0", 0, True, 0.1)], 1.0)
     assert F.LaunchSpare("spare:a:0", "a") in launched.actions
@@ -1350,7 +1357,7 @@ def test_planned_preemptions_spend_no_budget_and_one_still_on_the_node_at_the_en
 
 
 def test_a_draining_node_hands_over_to_a_ready_spare_elsewhere_and_ends_its_own_spares():
-    s = settings(regions={"a": F.RegionPlan(3, 4, spares=2)})
+    s = settings(regions={"a": region_plan(3, 4, spares=2)})
     fleet = on_nodes(training(s), 1.5, n2=["a:0", "a:1"])      # a:2 on n1 (the quorum holds)
     fleet = F.step(fleet, alive(fleet), 2.0).fleet             # the second spare starts
     assert sorted(fleet.spares) == ["spare:a:0", "spare:a:1"]
@@ -1388,7 +1395,7 @@ def test_a_learner_draining_off_a_preempted_node_counts_for_scaling():
 
 
 def test_a_spare_ready_while_a_learner_waits_for_its_repair_takes_its_place_at_once():
-    s = settings(regions={"a": F.RegionPlan(3, 4, spares=1)}, heartbeat_timeout_s=1e9)
+    s = settings(regions={"a": region_plan(3, 4, spares=1)}, heartbeat_timeout_s=1e9)
     fleet = training(s)                                   # spare:a:0 launched, not ready yet
     killed = F.step(fleet, [F.Chaos(Fault(4.0, FaultKind.KILL, "a:1", duration_s=5.0))], 4.0)
     failed = F.step(killed.fleet, [F.RunEnded("a:1", 0, "actor died")], 4.0)
@@ -1507,7 +1514,7 @@ def test_a_first_training_beat_also_ends_the_wait_and_a_drain_or_stop_calls_it_o
 
 
 def test_a_handover_to_a_ready_spare_does_not_await_placement():
-    s = settings(regions={"a": F.RegionPlan(3, 4, spares=1)})
+    s = settings(regions={"a": region_plan(3, 4, spares=1)})
     fleet = on_nodes(training(s), 1.5, n2=["a:0"])
     fleet = F.step(fleet, alive(fleet) + [F.SpareReady("spare:a:0", node_id="n3")], 3.0).fleet
     fleet = F.step(fleet, alive(fleet) + [draining(4.0)], 4.0).fleet

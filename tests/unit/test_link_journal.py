@@ -103,15 +103,65 @@ def test_an_unreadable_line_is_skipped(tmp_path):
     assert journal.recovered() == {} and journal.counts["unreadable"] == 2
 
 
-def test_the_journal_keeps_the_newest_pushes_only(tmp_path):
-    once = PushOnce(journal=ReplyJournal(str(tmp_path), keep=3))
+def test_the_journal_compacts_by_bytes_to_the_newest_pushes(tmp_path):
+    # Each push journals a "taken" line and a "reply" line of about the same size; a bound of 3
+    # reply lines' bytes compacts the file once it holds 6, to the newest pushes' last lines
+    # within 3 (2 or 3 of them, as the lines' lengths fall), off the lock.
+    probe = ReplyJournal(str(tmp_path / "probe"))
+    probe.answered("p0", _reply(0))
+    reply_line = (tmp_path / "probe" / ReplyJournal.FILE).stat().st_size
+    bound = 3 * reply_line
+    journal = ReplyJournal(str(tmp_path), max_bytes=bound)
+    once = PushOnce(journal=journal)
+    path = tmp_path / ReplyJournal.FILE
     for i in range(10):
         once.run(f"p{i}", lambda i=i: _reply(i))
-    path = tmp_path / ReplyJournal.FILE
+        assert journal.wait_compacted(10.0)
+        assert path.stat().st_size == journal.size < 2 * bound   # never left at the trigger
+    assert journal.counts["compacted"] >= 2 and journal.counts["write_errors"] == 0
     ids = [r["id"] for r in _lines(path)]
-    assert len(ids) < 2 * 3 and ids[-1] == "p9" and "p0" not in ids
-    again = PushOnce(journal=ReplyJournal(str(tmp_path), keep=3))
+    assert ids[-1] == "p9" and "p0" not in ids and len(set(ids)) >= 2
+    again = PushOnce(journal=ReplyJournal(str(tmp_path), max_bytes=bound))
     assert again.run("p9", lambda: pytest.fail("merged twice")).version == 9
+    with pytest.raises(ValueError, match="max_bytes"):
+        ReplyJournal(str(tmp_path), max_bytes=0)
+
+
+def test_a_reply_larger_than_the_bound_is_kept_alone(tmp_path):
+    journal = ReplyJournal(str(tmp_path), max_bytes=10)   # smaller than any line
+    once = PushOnce(journal=journal)
+    for i in range(4):
+        once.run(f"p{i}", lambda i=i: _reply(i))
+        journal.wait_compacted(10.0)
+    # the newest push's lines only (its reply after its "taken" when that was journaled while
+    # the last compaction ran): its reply still answers a retry
+    records = _lines(tmp_path / ReplyJournal.FILE)
+    assert {r["id"] for r in records} == {"p3"} and records[-1]["kind"] == "reply"
+    again = PushOnce(journal=ReplyJournal(str(tmp_path), max_bytes=10))
+    assert again.run("p3", lambda: pytest.fail("merged twice")).version == 3
+
+
+def test_lines_journaled_while_a_compaction_runs_are_kept_and_not_held_up(tmp_path):
+    """The compaction reads and rewrites off the lock: pushes journal meanwhile (the lock is
+    free while ``_kept`` reads), and their lines follow the kept ones after the swap."""
+    journal = ReplyJournal(str(tmp_path), max_bytes=1)
+    for i in range(3):
+        journal.answered(f"old{i}", _reply(i))
+    journal.wait_compacted(10.0)          # (each append past the bound starts one)
+    cut = journal.size
+    kept, total = journal._kept(cut)      # the compaction's read, as its thread runs it
+    assert len(kept) == 1 and journal.lock.acquire(blocking=False)   # nobody holds the lock
+    journal.lock.release()
+    journal._compaction = "running"       # (the thread's mark: no second one starts)
+    journal.taken("new", {"learner": "far:0"})   # journaled mid-compaction
+    journal.answered("new", _reply(7))
+    journal._compact(cut)
+    ids = [r["id"] for r in _lines(tmp_path / ReplyJournal.FILE)]
+    assert ids == ["old2", "new", "new"] and journal._compaction is None
+    assert journal.size == (tmp_path / ReplyJournal.FILE).stat().st_size
+    again = PushOnce(journal=ReplyJournal(str(tmp_path)))
+    assert again.run("new", lambda: pytest.fail("merged twice")).version == 7
+    assert again.run("old2", lambda: pytest.fail("merged twice")).version == 2
 
 
 def test_a_restarted_link_server_binds_its_port_again_and_counts_its_incarnation(tmp_path):

@@ -164,6 +164,11 @@ def test_a_registration_names_its_syncer_shard_and_session_and_the_reply_its_fra
     single = wire.registration_from_pb(wire.registration_to_pb(
         {"epoch": 0, "fragments": reg["fragments"], "versions": [1, 2], "session": "s"}))
     assert single["fragment_ids"] == [0, 1] and single["syncer_shard"] == 0
+    # The fleet clock's schedule count crosses the link, 0 included; none stays None.
+    assert single["schedule_step"] is None
+    for count in (0, 4744):
+        told = wire.registration_from_pb(wire.registration_to_pb({**reg, "schedule_step": count}))
+        assert told["schedule_step"] == count
     broken = wire.registration_to_pb(reg)
     del broken.fragment_ids[:]
     with pytest.raises(wire.WireError, match="names 0 ids"):

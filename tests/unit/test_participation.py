@@ -132,8 +132,9 @@ def test_the_fleet_start_and_shadow_bases_are_adopted():
 
 # -- the peer donor ------------------------------------------------------------------------------
 def fleet_settings():
-    return F.FleetSettings(regions={"a": F.RegionPlan(3, 3), "b": F.RegionPlan(1, 1)},
-                           min_learners=1)
+    # No prestarted process (the service's default): the restart is one Launch naming its peer.
+    return F.FleetSettings(regions={"a": F.RegionPlan(3, 3, prestart=False),
+                                    "b": F.RegionPlan(1, 1, prestart=False)}, min_learners=1)
 
 
 def test_peer_for_never_picks_a_learner_that_has_not_adopted():

@@ -193,8 +193,10 @@ def test_alpha_blend():
 
 def test_merge_against_current_not_base():
     # Learner b pushed against version 0 after a merged to version 1; its outer gradient is taken
-    # against the *current* Θ (the paper's anchor): θ_b = Θ(0) + δ, g_b = Θ(1) − θ_b.
-    core = one_fragment_syncer([0.0], optax.sgd(1.0))
+    # against the *current* Θ (the paper's anchor): θ_b = Θ(0) + δ, g_b = Θ(1) − θ_b. The
+    # paper's rules, named (the service's defaults re-base the push and join a's round).
+    core = one_fragment_syncer([0.0], optax.sgd(1.0), outer_gradient=merge.OuterGradientRule.PULL,
+                               round_step=merge.RoundStep.PER_MERGE)
     push_theta(core, "a", [2.0])
     core.merge(0)                                   # Θ(1) = 2
     drift = {"w": np.array([5.0], np.float32)}      # b trained from Θ(0) = 0 to 5
