@@ -78,6 +78,32 @@ def test_region_leave_needs_an_address_and_never_guesses_one(monkeypatch, capsys
     assert "--address" in err and "never guesses" in err
 
 
+@pytest.mark.parametrize("broken", ["raises", "renamed"])
+def test_a_failing_join_record_call_is_one_line_naming_it(monkeypatch, broken):
+    """region leave/join reach the join record through Ray's private key-value calls; if a Ray
+    upgrade changes them, the command must say so in one line, not die with a traceback."""
+    from ray.experimental import internal_kv
+
+    from islands.orchestrator import region_agent
+
+    if broken == "raises":
+        def boom(*args, **kwargs):
+            raise TypeError("_internal_kv_get() got an unexpected keyword argument\n'namespace'")
+
+        monkeypatch.setattr(internal_kv, "_internal_kv_get", boom)
+        why = ("TypeError: _internal_kv_get() got an unexpected keyword argument 'namespace'")
+    else:
+        monkeypatch.delattr(internal_kv, "_internal_kv_get")
+        why = "AttributeError: "
+    with pytest.raises(region_agent.JoinRecordError) as caught:
+        region_agent.read_join_record()
+    message = str(caught.value)
+    assert message.startswith("cannot reach the region join record in Ray's key-value store "
+                              f"(ray.experimental.internal_kv._internal_kv_get: {why}"), message
+    assert "\n" not in message
+    assert isinstance(caught.value, RuntimeError)   # region leave's one-line refusal (exit 1)
+
+
 # -- drain-node -------------------------------------------------------------------------------------
 HEAD = NodeView("head", True, {HEAD_MARKER: 1.0, "CPU": 4, "region:a": 2})
 B1, B2 = NodeView("b1", True, {"region:b": 1}), NodeView("b2", True, {"region:b": 1})
