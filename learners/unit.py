@@ -399,11 +399,10 @@ class LearnerUnit:
                         # A push never answered (seen once, across a syncer restart) must not
                         # hold the drain forever: it is given up, as a dead learner's would be.
                         log.warning("%s drained with %d push(es) unanswered after %.0fs",
-                                    spec.learner, len(sender.pending) + sender.unsent(),
+                                    spec.learner, sender.in_flight(),
                                     spec.drain_timeout_s)
                         with self.lock:
-                            self.stats["drain_unanswered"] = (len(sender.pending)
-                                                              + sender.unsent())
+                            self.stats["drain_unanswered"] = sender.in_flight()
                         break
                     self.state = LearnerState.DRAINING
                     self._collect_replies(sender, arrived)
@@ -469,7 +468,7 @@ class LearnerUnit:
                     step_time_ema = loop.step_time_s
                     self.stats.update(step=core.step, tokens_done=core.tokens_done,
                                       compute_s=core.compute_s, loss=loss,
-                                      step_time_s=step_time_ema, in_flight=len(sender.pending) + sender.unsent(),
+                                      step_time_s=step_time_ema, in_flight=sender.in_flight(),
                                       epoch=self.epoch)
                 if time.time() - last_beat >= spec.heartbeat_s:
                     self._beat(core, step_time_ema)
@@ -696,6 +695,12 @@ class _Sender:
         with self.queue.mutex:
             return self.queue.unfinished_tasks
 
+    def in_flight(self) -> int:
+        """Pushes sent and unanswered, queued, or in hand, each counted once (``_loop`` moves a
+        sent push into ``pending`` and marks its task done under the same lock)."""
+        with self.lock:
+            return len(self.pending) + self.unsent()
+
     def take_failed(self) -> list:
         with self.lock:
             failed, self.failed = self.failed, []
@@ -719,12 +724,16 @@ class _Sender:
                 at_s, _, plan = self.queue.get(timeout=0.1)
             except queue.Empty:
                 continue
+            sent = None
             try:
-                self._send(at_s, plan)
+                sent = self._send(at_s, plan)
             finally:
-                self.queue.task_done()   # sent or failed: no longer in hand
+                with self.lock:   # sent or failed: no longer in hand, and counted once
+                    if sent is not None:
+                        self.pending.append(sent)
+                    self.queue.task_done()
 
-    def _send(self, at_s: float, plan) -> None:
+    def _send(self, at_s: float, plan) -> Optional[tuple]:
         plan = plan.on_host()   # waits for the encode, off the training thread
         push = plan.push
         with self.unit.lock:
@@ -738,8 +747,7 @@ class _Sender:
             with self.lock:
                 self.failed.append(push)
             return
-        with self.lock:
-            self.pending.append((ref, push))
+        return ref, push   # into ``pending`` by ``_loop``
 
     def close(self) -> None:
         self.closed.set()

@@ -522,7 +522,7 @@ def _region_join(args) -> int:
     # Before gRPC starts: its own handshake logs would bury the one line that names the cause.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
     from islands.link.client import ClientSettings, LinkRefused
-    from islands.orchestrator.region_agent import AgentLost, ClusterNotOurs, join
+    from islands.orchestrator.region_agent import AgentLost, ClusterNotOurs, JoinRecordError, join
     from islands.link.security import read_token
 
     try:
@@ -558,6 +558,10 @@ def _region_join(args) -> int:
         print(f"islands region: {exc}", file=sys.stderr)
         return 1
     except ClusterNotOurs as exc:   # nothing created, nothing ended
+        print(f"islands region: not joining into {args.address or '$RAY_ADDRESS'}: {exc}",
+              file=sys.stderr)
+        return 1
+    except JoinRecordError as exc:   # Ray's private key-value calls failed: one line
         print(f"islands region: not joining into {args.address or '$RAY_ADDRESS'}: {exc}",
               file=sys.stderr)
         return 1

@@ -34,7 +34,7 @@ from .owner_role import HOME, OwnerRole
 from .groups_api import Incarnation, SyncerStatus, combined
 from .groups import (DrainQuery, LearnerGroups, SyncerShards, cluster_view, drain_node, draining_nodes,
                      node_views, restarted_actor, share)
-from .safety import DrainRefused, drain_refusal
+from .safety import DrainGuard
 from . import remote_regions
 from .snapshot import console_view, goodput_view, learner_goodput, live_fates
 from .runtime import (CONTROLLER_NAME, NAMESPACE, SYNCER_NAME, controller_options,  # noqa: F401
@@ -83,6 +83,7 @@ class Controller:
         self.threads: list[threading.Thread] = []
         self.syncer_status = SyncerStatus()  # every shard's status as one (syncer/shards.py)
         self.drain_query = DrainQuery()      # the draining-node query's failures
+        self.drain_guard = DrainGuard()      # drain-node's check and drain, as one step
         # Syncer shards (syncer.shards = S): their Ray side, and per shard its status.
         self.shards = SyncerShards(0)
         self.shard_status: list[Optional[SyncerStatus]] = []   # None: not answered yet
@@ -652,19 +653,25 @@ class Controller:
         ``deadline_s`` (None: no deadline). Nothing kills the node: that is the platform's part.
 
         Raises:
-          safety.DrainRefused: the head node, or the last node a region of the job can run its
-            learners on (``safety.drain_refusal``), without ``force``: Ray cannot undo a drain,
-            so nothing is asked of it.
+          safety.DrainRefused: the head node, or the last nodes a region of the job can run a
+            whole learner on, or any node of a region while Ray cannot say which nodes are
+            draining (``safety.drain_refusal``), without ``force``: Ray cannot undo a drain, so
+            nothing is asked of it.
         """
         if deadline_s is not None and not deadline_s >= 0:
             raise ValueError(f"deadline_s must be >= 0, got {deadline_s}")
-        if not force:
-            refusal = drain_refusal(node_id, node_views(), self.config.regions,
-                                    draining_nodes(self.drain_query) or {})
-            if refusal:
-                raise DrainRefused(f"{refusal}: not drained (Ray cannot undo a drain); "
-                                   "force it with --force (the console: force)")
-        drain_node(node_id, deadline_s, f"islands drain-node ({origin})")
+
+        def look() -> tuple:
+            draining = draining_nodes(self.drain_query)
+            return node_views(), draining, self.drain_query.last_error
+
+        # One step under the guard's lock: the controller serves 16 calls at once (the console
+        # and the CLI), and Ray's draining table lags the drains this controller asked for.
+        self.drain_guard.drain(node_id, look, self.config.regions,
+                               lambda: drain_node(node_id, deadline_s,
+                                                  f"islands drain-node ({origin})"),
+                               force=force, units={r: c.devices()
+                                                   for r, c in self.config.regions.items()})
         self.emit("node_drain_requested", node=node_id, deadline_s=deadline_s, origin=origin,
                   force=bool(force))
         self.inbox.put((self._cluster(), None))   # seen now, not at the next poll

@@ -439,9 +439,11 @@ class DrainQuery:
     def __init__(self):
         self.failures = 0
         self.failing = False
+        self.last_error: Optional[str] = None   # the latest failure, for a refusal to name
 
     def failed(self, exc: BaseException) -> None:
         self.failures += 1
+        self.last_error = f"{type(exc).__name__}: {str(exc)[:200]}"
         if not self.failing:
             self.failing = True
             log.error("Ray's draining-node query failed (%s: %s): planned preemption is off "

@@ -253,26 +253,41 @@ def _identity(name: str) -> Optional[dict]:
         return {"kind": "unknown", "error": f"{type(exc).__name__}: {str(exc)[:200]}"}
 
 
-def read_join_record() -> Optional[dict]:
-    from ray.experimental.internal_kv import _internal_kv_get
+class JoinRecordError(RuntimeError):
+    """The join record could not be read or written: Ray's key-value store is reached through
+    private calls of Ray's (``ray.experimental.internal_kv``), which a Ray upgrade may rename.
+    The message is one line naming the call and its error, and what was ended (nothing, unless
+    the record could not be cleared after a gone join's leftovers ended)."""
 
-    raw = _internal_kv_get(JOIN_KEY, namespace=NAMESPACE)
+
+def _join_kv(call: str, *args, **kwargs):
+    """``ray.experimental.internal_kv.<call>(*args, **kwargs)`` on the join record's key; any
+    failure (the module or the call gone, a changed signature, no answer) is a JoinRecordError."""
+    try:
+        from ray.experimental import internal_kv
+
+        return getattr(internal_kv, call)(JOIN_KEY, *args, namespace=NAMESPACE, **kwargs)
+    except Exception as exc:
+        raise JoinRecordError(
+            f"cannot reach the region join record in Ray's key-value store "
+            f"(ray.experimental.internal_kv.{call}: {type(exc).__name__}: "
+            f"{' '.join(str(exc).split())[:200]})") from exc
+
+
+def read_join_record() -> Optional[dict]:
+    raw = _join_kv("_internal_kv_get")
     return json.loads(raw) if raw else None
 
 
 def write_join_record(record: dict) -> None:
-    from ray.experimental.internal_kv import _internal_kv_put
-
-    _internal_kv_put(JOIN_KEY, json.dumps(record).encode(), overwrite=True, namespace=NAMESPACE)
+    _join_kv("_internal_kv_put", json.dumps(record).encode(), overwrite=True)
 
 
 def clear_join_record(ray_job_id: Optional[str] = None) -> None:
     """Forgets the recorded join (only if it is ``ray_job_id``'s, when given)."""
-    from ray.experimental.internal_kv import _internal_kv_del
-
     record = read_join_record()
     if record is not None and (ray_job_id is None or record.get("ray_job_id") == ray_job_id):
-        _internal_kv_del(JOIN_KEY, namespace=NAMESPACE)
+        _join_kv("_internal_kv_del")
 
 
 def observe(mine: tuple = ()) -> safety.Seen:
@@ -281,10 +296,14 @@ def observe(mine: tuple = ()) -> safety.Seen:
     names = tuple(sorted(a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
                          if a.get("namespace") == NAMESPACE and a["name"].startswith("islands:")
                          and a["name"] not in mine))
+    try:
+        join = read_join_record()
+    except JoinRecordError as exc:   # whose the actors are is unknown: nothing may end
+        raise JoinRecordError(f"{exc}: nothing ended") from exc
     return safety.Seen(names=names,
                        controller=_identity(CONTROLLER_NAME) if CONTROLLER_NAME in names else None,
                        link=_identity(SYNCER_NAME) if SYNCER_NAME in names else None,
-                       join=read_join_record())
+                       join=join)
 
 
 def end_actors(names, timeout_s: float = 30.0) -> list[str]:
@@ -322,13 +341,18 @@ def end_leftovers(mine: tuple = (), timeout_s: float = 30.0) -> tuple[safety.Pla
     Raises:
       ClusterNotOurs: the plan refused (a home job, a live join, actors no join is recorded
         for): nothing was ended.
+      JoinRecordError: Ray's key-value store did not answer (its message says what ended).
     """
     plan = safety.plan_leftovers(observe(mine))
     if plan.refusal:
         raise ClusterNotOurs(plan.refusal)
     ended = end_actors(plan.end, timeout_s)
     if plan.join is not None:
-        clear_join_record(plan.join.get("ray_job_id"))
+        try:
+            clear_join_record(plan.join.get("ray_job_id"))
+        except JoinRecordError as exc:
+            raise JoinRecordError(f"{ended_text(plan, ended)}, but the join stays recorded: "
+                                  f"{exc}") from exc
     return plan, ended
 
 
@@ -355,6 +379,8 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
       AgentLost: the agent died and Ray no longer restarts it; its learners were ended.
       ClusterNotOurs: ``address``'s cluster runs a home job or a live join, or holds actors no
         join is recorded for (``safety.plan_leftovers``); nothing was created or ended.
+      JoinRecordError: the join record could not be read or written (a Ray upgrade renamed
+        ``ray.experimental.internal_kv``): nothing of another join was ended.
     """
 
     from islands.link.client import LinkClient, LinkShard

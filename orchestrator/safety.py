@@ -4,14 +4,18 @@
   leftovers only: ``plan_leftovers`` reads what the cluster holds (``Seen``, gathered by
   ``region_agent.observe``) and returns the actors to end, or why nothing may be ended.
 - ``islands drain-node`` (and the console's action) must not drain the head node or the last
-  node a region's learners can run on, which Ray cannot undo: ``drain_refusal``.
+  nodes a region's learners can run on, which Ray cannot undo: ``drain_refusal``, checked and
+  acted on as one step by ``DrainGuard``.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Optional
+from typing import Callable, Iterable, Mapping, Optional
+
+from .accelerators import LearnerDevices, gang_strategy
 
 HEAD_MARKER = "node:__internal_head__"   # the resource Ray gives the head node only
 
@@ -134,7 +138,8 @@ def _live_join(join: dict, how: str) -> str:
 
 # -- drain-node ---------------------------------------------------------------------------------
 class DrainRefused(ValueError):
-    """A drain of a node the job cannot lose (the head, a region's last node); ``force`` drains
+    """A drain of a node the job cannot lose (the head, a region's last node, a node whose
+    loss cannot be judged because Ray cannot say which nodes are draining); ``force`` drains
     it anyway."""
 
 
@@ -152,11 +157,20 @@ class NodeView:
 
 
 def drain_refusal(node_id: str, nodes: Iterable[NodeView], regions: Iterable[str],
-                  draining: Iterable[str] = ()) -> Optional[str]:
+                  draining: Optional[Iterable[str]] = (),
+                  units: Optional[Mapping[str, LearnerDevices]] = None,
+                  unknown: Optional[str] = None) -> Optional[str]:
     """Why draining ``node_id`` would leave the job stranded (None: it may be drained): it is
-    the head node (the controller, the syncer and the link run there), or the last alive,
-    not-draining node carrying ``region:<R>`` for a region R of ``regions`` (its learners could
-    run nowhere). A node that is not alive is Ray's to refuse.
+    the head node (the controller, the syncer and the link run there), or, for a region R of
+    ``regions`` whose ``region:<R>`` it carries, the alive nodes left carrying it that are not
+    draining cannot host one whole learner unit of R (``units``: R's ``LearnerDevices``, one
+    host when not given): none is left, or a unit of H hosts, placed on H distinct nodes as
+    ``accelerators.gang_strategy`` does once the region has H nodes, finds fewer than H (packed
+    onto fewer nodes, they have fewer than H units of the region between them).
+
+    ``draining`` None: Ray could not say which nodes are draining (``unknown``: why), so a node
+    carrying a region of the job is refused (the others may all be draining). A node that is not
+    alive is Ray's to refuse.
 
     >>> head = NodeView("h", True, {HEAD_MARKER: 1.0, "region:a": 2})
     >>> w1, w2 = NodeView("w1", True, {"region:b": 1}), NodeView("w2", True, {"region:b": 1})
@@ -166,6 +180,8 @@ def drain_refusal(node_id: str, nodes: Iterable[NodeView], regions: Iterable[str
     True
     >>> drain_refusal("w1", [head, w1, w2], ["a", "b"], draining=["w2"])
     "node w1 is the last node where region 'b''s learners can run (region:b; the others are draining or gone)"
+    >>> drain_refusal("w1", [head, w1, w2], ["a", "b"], draining=None, unknown="no such call")
+    "Ray cannot say which nodes are draining (no such call), so whether region 'b''s learners could run elsewhere after node w1 is unknown"
     """
     nodes = list(nodes)
     target = next((n for n in nodes if n.node_id == node_id), None)
@@ -173,14 +189,64 @@ def drain_refusal(node_id: str, nodes: Iterable[NodeView], regions: Iterable[str
         return None
     if target.head:
         return f"node {node_id} is the head node (the controller, the syncer and the link run there)"
-    draining = set(draining)
+    units = units or {}
     for region in sorted(set(regions)):
         marker = f"region:{region}"
         if target.resources.get(marker, 0.0) <= 0:
             continue
-        others = [n for n in nodes if n.node_id != node_id and n.alive
-                  and n.node_id not in draining and n.resources.get(marker, 0.0) > 0]
-        if not others:
+        if draining is None:
+            return (f"Ray cannot say which nodes are draining ({unknown or 'no answer'}), so "
+                    f"whether region {region!r}'s learners could run elsewhere after node "
+                    f"{node_id} is unknown")
+        gone = set(draining) | {node_id}
+        carrying = [n for n in nodes if n.alive and n.resources.get(marker, 0.0) > 0]
+        left = [n.resources[marker] for n in carrying if n.node_id not in gone]
+        if not left:
             return (f"node {node_id} is the last node where region {region!r}'s learners can run "
                     f"({marker}; the others are draining or gone)")
+        devices = units.get(region) or LearnerDevices()
+        # Ray counts every alive node carrying the marker (this one, draining, included) when
+        # it picks how a unit's hosts are placed (runtime.reserve_unit).
+        if gang_strategy(devices, len(carrying)) == "STRICT_SPREAD":
+            fits, room = len(left) >= devices.hosts, f"{len(left)} node(s)"
+        else:
+            units_left = int(sum(left) + 1e-9)
+            fits, room = units_left >= devices.hosts, f"{units_left} unit(s) of {marker}"
+        if not fits:
+            return (f"node {node_id} is one of the last nodes where a whole learner of region "
+                    f"{region!r} can run: a learner spans {devices.hosts} hosts "
+                    f"(hosts_per_learner), and only {room} not draining would be left")
     return None
+
+
+class DrainGuard:
+    """Check-and-drain as one step, for a controller that serves commands concurrently (the
+    console's action and the CLI at once): a lock holds the check and the drain together, and
+    the nodes this guard asked Ray to drain count as draining from then on, before Ray's
+    draining table says so (Ray cannot undo a drain, so they never stop counting)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.requested: set[str] = set()
+
+    def drain(self, node_id: str, look: Callable[[], tuple], regions: Iterable[str],
+              drain: Callable[[], None], force: bool = False,
+              units: Optional[Mapping[str, LearnerDevices]] = None) -> None:
+        """Drains ``node_id`` (``drain()``) unless ``drain_refusal`` refuses it and not
+        ``force``. ``look()`` -> (the nodes as ``NodeView``, the ids Ray says are draining or
+        None when it cannot say, why it cannot).
+
+        Raises:
+          DrainRefused: refused; nothing was asked of Ray.
+        """
+        with self.lock:
+            if not force:
+                nodes, draining, unknown = look()
+                if draining is not None:
+                    draining = set(draining) | self.requested
+                refusal = drain_refusal(node_id, nodes, regions, draining, units, unknown)
+                if refusal:
+                    raise DrainRefused(f"{refusal}: not drained (Ray cannot undo a drain); "
+                                       "force it with --force (the console: force)")
+            drain()
+            self.requested.add(node_id)

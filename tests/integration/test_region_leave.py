@@ -143,3 +143,61 @@ def test_a_gone_joins_leftovers_end_once_its_link_is_gone_and_nothing_else_does(
         deadline = time.time() + 30
         while _names() & set(mine + [other, SYNCER_NAME]) and time.time() < deadline:
             time.sleep(0.2)
+
+
+def test_region_leave_and_join_with_ray_private_kv_calls_changed_end_nothing_in_one_line(
+        monkeypatch):
+    """If a Ray upgrade changes ``ray.experimental.internal_kv``, `islands region leave` and
+    `islands region join --address` refuse in one line naming the call (exit 1), ending nothing."""
+    from islands.link.client import ClientSettings
+
+    @ray.remote(num_cpus=0)
+    class Orphan:
+        def ping(self):
+            return "here"
+
+    orphan = Orphan.options(name="islands:far:0", namespace=NAMESPACE,
+                            lifetime="detached").remote()
+    assert ray.get(orphan.ping.remote()) == "here"
+    try:
+        region_agent.write_join_record({"region": "far", "job": "demo", "ray_job_id": "gone"})
+        address = ray.get_runtime_context().gcs_address
+        # The CLI in its own process, with the private call changed there as an upgrade would
+        # (for the join record: Ray's own start-up reads its key-value store too).
+        script = ("import sys\n"
+                  "from ray.experimental import internal_kv\n"
+                  "real = internal_kv._internal_kv_get\n"
+                  "def changed(key, *args, **kwargs):\n"
+                  "    if key == b'islands:region-join':\n"
+                  "        raise AttributeError('no _internal_kv_get in this Ray')\n"
+                  "    return real(key, *args, **kwargs)\n"
+                  "internal_kv._internal_kv_get = changed\n"
+                  "from islands.orchestrator.cli import main\n"
+                  f"sys.exit(main(['region', 'leave', '--address', {address!r}]))\n")
+        leave = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                               timeout=120, env=dict(os.environ))
+        assert leave.returncode == 1, leave.stdout + leave.stderr
+        assert "Traceback" not in leave.stderr, leave.stderr
+        assert leave.stderr.strip().splitlines()[-1].startswith(
+            "islands region leave: cannot reach the region join record in Ray's key-value store "
+            "(ray.experimental.internal_kv._internal_kv_get: AttributeError: no _internal_kv_get "
+            "in this Ray): nothing ended"), leave.stderr
+        assert "islands:far:0" in _names()   # a gone join's leftover, yet not ended
+
+        from ray.experimental import internal_kv
+
+        def changed(*args, **kwargs):
+            raise TypeError("_internal_kv_get() got an unexpected keyword argument 'namespace'")
+
+        monkeypatch.setattr(internal_kv, "_internal_kv_get", changed)
+        before = _names()
+        with pytest.raises(region_agent.JoinRecordError, match=r"_internal_kv_get: TypeError: "
+                           r".*: nothing ended$"):
+            region_agent.join(ClientSettings(home="127.0.0.1:1", region="far", token="t",
+                                             tls=False), quiet=True)
+        assert _names() == before   # nothing created, nothing ended
+        monkeypatch.undo()
+    finally:
+        region_agent.clear_join_record()
+        ray.kill(orphan)
+        wait_for(lambda: "islands:far:0" not in _names(), 30, "the orphan's name to be free")

@@ -78,6 +78,38 @@ def test_a_push_that_could_not_be_sent_leaves_the_hand_as_failed():
         sender.close()
 
 
+def test_a_sent_push_counts_once_in_flight_while_it_leaves_the_hand():
+    """Between the push's future joining ``pending`` and its task being marked done, the old
+    count (``len(pending) + unsent()``) said 2 for one push."""
+    import queue as queue_lib
+
+    reached, gate = threading.Event(), threading.Event()
+
+    class Gated(queue_lib.PriorityQueue):   # holds the sender right before its task_done
+        def task_done(self):
+            reached.set()
+            assert gate.wait(10)
+            super().task_done()
+
+    shard = _Shard()
+    sender = _Sender(_unit(shard), None)
+    sender.queue = Gated()
+    sender.start()
+    try:
+        sender.send(time.time(), _plan())
+        assert reached.wait(10) and len(shard.sent) == 1   # sent; its task not yet done
+        seen = []
+        reader = threading.Thread(target=lambda: seen.append(sender.in_flight()))
+        reader.start()
+        gate.set()
+        reader.join(10)
+        assert seen == [1], seen
+        assert sender.in_flight() == 1 and sender.idle() and len(sender.pending) == 1
+    finally:
+        gate.set()
+        sender.close()
+
+
 # -- answers to pushes a re-registration voided -----------------------------------------------------
 def _learner():
     """The learner's reply handling over a real LearnerCore (two fragments, one syncer shard),
