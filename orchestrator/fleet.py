@@ -47,8 +47,8 @@ A device check that fails deterministically (learners/devices.py) marks its node
 learner's region (``FleetState.misconfigured``); the region is blocked (no spare, no prestart,
 no scale-up; its next such failure retires as ``config``) only while every alive node of it is
 marked (``FleetState.blocked``). A good start there or an operator (``ClearMisconfigured``)
-clears a mark. A learner whose crashes keep coming at one resume step is retired as
-``crash_loop`` (``health.crash_loop``), whatever budget it has left.
+clears a mark. A learner whose crashes keep coming with one error at one resume step is retired
+as ``crash_loop`` (``health.crash_loop``), whatever budget it has left.
 """
 
 from __future__ import annotations
@@ -207,8 +207,9 @@ class Slot:
     # it is in (None: not paused): paused time is not training time (``trained_seconds``).
     paused_s: float = 0.0
     paused_since_s: Optional[float] = None
-    # Its recent crash-budget failures that were not chaos kills: (resume step of the failed
-    # incarnation, error signature), the newest last (``health.crash_loop``).
+    # Its recent crashes with an error of their own (not chaos kills, hangs, start-up
+    # timeouts, device mismatches): (resume step of the failed incarnation, error signature),
+    # the newest last (``health.crash_loop``).
     failures: tuple[tuple[int, str], ...] = ()
     # Retired as a crash loop: at which resume step, with which error (the console shows it).
     crash_loop: Optional[str] = None
@@ -856,9 +857,10 @@ class _Machine:
             if self.fleet.blocked(slot.region) is None:
                 # Another alive node of its region is unmarked: it may pass there. A crash
                 # (budget, backoff): Ray may place it on the marked node again.
+                # No crash loop's: the node id in its line is hex (alike in every signature), and
+                # a mismatch is the node's, not the learner's at its resume step.
                 self.fail(slot, Cause.CRASH, detail=("another node of its region is not marked: "
-                                                     f"restarted as a crash; {obs.error}")[:300],
-                          error=obs.error)
+                                                     f"restarted as a crash; {obs.error}")[:300])
                 return
             cause = Cause.CONFIG
         elif obs.error is None or obs.crashed:
@@ -1361,7 +1363,9 @@ class _Machine:
     def fail(self, slot: Slot, cause: Cause, detail: str = "",
              error: Optional[str] = None) -> None:
         """Buries the incarnation, then restarts (after the policy's backoff) or gives up.
-        ``error``: what the incarnation died of, for crash-loop detection (``detail`` if None)."""
+        ``error``: what a crashed incarnation died of, its own error, for crash-loop detection;
+        None (a hang, a start-up timeout, a device mismatch, a quarantine) never counts there:
+        their texts are the fleet's, alike whatever happened."""
         died_s = _first(slot.killed_at_s, slot.last_beat_s, slot.launched_s, self.now)
         self.actions += [Kill(slot.learner, slot.incarnation),
                          Forget(slot.learner, slot.incarnation, cause.value)]
@@ -1375,11 +1379,9 @@ class _Machine:
         slot = dataclasses.replace(slot, killed_at_s=None, training_since_s=None, paused_s=0.0,
                                    paused_since_s=None, injected=False)
         free = reintegration_failed(cause, slot.recovery)
-        if (not free and not chaos and cause != Cause.CONFIG
-                and policy.budget_kind(cause) == "crash"):
+        if not free and not chaos and cause == Cause.CRASH and error is not None:
             # A chaos kill is the job's own doing, not the learner's: never a crash loop.
-            failure = (slot.start_step, error_signature(error if error is not None
-                                                        else detail or cause.value))
+            failure = (slot.start_step, error_signature(error))
             slot = self.put(dataclasses.replace(slot, failures=(slot.failures + (failure,))[-8:]))
             loop = crash_loop(slot.failures, policy.crash_loop_after,
                               policy.crash_loop_window_steps)

@@ -1230,6 +1230,70 @@ def test_the_same_error_within_the_window_of_steps_is_a_crash_loop_and_progress_
     assert result.transitions[-1].fields["step"] == 512
 
 
+def test_start_up_timeouts_and_hangs_at_one_resume_step_spend_the_budget_not_a_crash_loop():
+    """A busy machine: a:0 crashes once, then its next processes never beat (start-up timeouts,
+    each "hang detected" at the same resume step 0). Those are the fleet's verdicts, not the
+    learner's error: they spend its budget of 5 and retire it as such, never as a crash loop
+    (before, a crash and two timeouts at step 0 made one)."""
+    policy = dataclasses.replace(POLICY, max_crash_restarts=5, crash_loop_after=3)
+    fleet = training(settings(heartbeat_timeout_s=1e9, startup_timeout_s=120.0, policy=policy))
+    result = F.step(fleet, [F.RunEnded("a:0", 0, "RuntimeError('died')", crashed=True)], 10.0)
+    now, outcomes = 10.0, []
+    for incarnation in range(1, 6):
+        fleet = F.step(result.fleet, [], now + 60.0).fleet   # relaunched, past any backoff
+        assert fleet.slots["a:0"].state == SlotState.STARTING
+        assert fleet.slots["a:0"].incarnation == incarnation
+        now += 60.0 + 121.0                                 # no beat: the start-up timeout
+        result = F.step(fleet, [], now)
+        assert names(result)[:2] == ["learner_unhealthy", "learner_failed"]
+        assert result.transitions[1].fields["resume_step"] == 0
+        outcomes.append(names(result)[-1])
+    assert outcomes == ["learner_restart_scheduled"] * 4 + ["learner_retired"]
+    retired = result.transitions[-1].fields
+    assert "cause" not in retired and "crash budget of 5 spent (hang)" in retired["reason"]
+    slot = result.fleet.slots["a:0"]
+    assert slot.crash_loop is None and slot.failures == ((0, "RuntimeError('died')"),)
+
+
+def test_the_same_step_with_different_errors_is_no_crash_loop():
+    policy = dataclasses.replace(POLICY, max_crash_restarts=None, crash_loop_after=3)
+    fleet = training(settings(heartbeat_timeout_s=1e9, policy=policy))
+    now = 10.0
+    errors = ("OSError('disk')", "MemoryError()", "KeyError('x')", "ValueError('y')")
+    for incarnation, error in enumerate(errors):   # the first at step 0, then three at 48
+        result, fleet = fail_at(fleet, "a:0", incarnation, now, error, resume_step=48)
+        assert names(result)[-1] == "learner_restart_scheduled"
+        now += 100.0
+    assert [step for step, _ in fleet.slots["a:0"].failures] == [0, 48, 48, 48]
+    # The third of one error at 48 is one.
+    for incarnation in (4, 5):
+        result, fleet = fail_at(fleet, "a:0", incarnation, now, "MemoryError()", resume_step=48)
+        now += 100.0
+    assert result.transitions[-1].fields["cause"] == "crash_loop"
+
+
+def test_device_mismatches_on_a_marked_node_are_never_a_crash_loop():
+    """n2 of region a is unmarked, so a:1's mismatch on n1 restarts it as a crash; Ray puts it
+    back on n1 each time. Its line names the node (hex, alike in every signature) and it is the
+    node's fault, not the learner's at its resume step: no crash loop after three; its budget
+    ends it, and the node stays marked."""
+    policy = dataclasses.replace(POLICY, max_crash_restarts=4, crash_loop_after=3)
+    fleet = with_nodes(training(settings(heartbeat_timeout_s=1e9, policy=policy)), 2.0,
+                       a={"n1", "n2"}, b={"n1"})
+    node = "4f2a9c0d1e7b3a5f6c8d9e0f1a2b3c4d5e6f7a8b9c0d1e2f3a4b5c6d"
+    now, outcomes = 5.0, []
+    for incarnation in range(5):
+        result, fleet = fail_at(fleet, "a:1", incarnation, now, on(node))
+        assert all(t.fields.get("cause") != "crash_loop" for t in result.transitions)
+        outcomes.append(names(result)[-1])
+        now += 100.0
+    assert outcomes == ["learner_restart_scheduled"] * 4 + ["learner_retired"]
+    assert "crash budget of 4 spent" in result.transitions[-1].fields["reason"]
+    slot = fleet.slots["a:1"]
+    assert slot.crash_loop is None and slot.failures == ()
+    assert set(fleet.misconfigured) == {node} and fleet.blocked("a") is None
+
+
 def test_a_learner_failing_a_fixed_time_after_each_start_is_retired_once_its_budget_is_spent():
     """It dies 40 s after each start, somewhere else each time (no crash loop by step): with
     the default policy (reset after 600 s of training) its crashes keep counting, and the sixth
