@@ -60,8 +60,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence, Union
 
+from islands.learners.devices import BACKEND_MARK as DEVICE_BACKEND_MARK
 from islands.learners.devices import MISMATCH_MARK as DEVICE_MISMATCH_MARK
-from islands.learners.devices import is_device_mismatch, mismatch_node
+from islands.learners.devices import is_backend_unavailable, is_device_mismatch, mismatch_node
 
 from .chaos import HOME_TARGET, Fault, FaultKind
 from .health import (Cause, RestartDecision, RestartPolicy, crash_loop, death_cause, detect,
@@ -257,6 +258,20 @@ class Spare:
     hurried: bool = False        # a due restart waits for it: it prepares at normal priority
 
 
+@dataclass(frozen=True)
+class SpareBackoff:
+    """A region's spares that failed to start, in a row (a spare has no budget: without this a
+    deterministic failure would start a process after another for the rest of the job). The
+    region's next spare starts no earlier than ``not_before_s`` (the restart policy's backoff
+    over ``failed``). ``node``: the node the newest failures named as a backend that did not
+    start there, ``on_node`` of them in a row; past the crash budget the node is marked."""
+
+    failed: int = 0
+    not_before_s: float = 0.0
+    node: Optional[str] = None
+    on_node: int = 0
+
+
 class ShardState(str, enum.Enum):
     UP = "up"                    # started (or re-attached) and answering
     RESTARTING = "restarting"    # its actor ended: a new epoch starts from its snapshot
@@ -306,6 +321,8 @@ class FleetState:
     draining_nodes: Mapping[str, Optional[float]] = field(default_factory=dict)
     # Regions lost (a region loss) -> the end of their repair: no spare starts there before it.
     lost_regions: Mapping[str, float] = field(default_factory=dict)
+    # Region -> its spares' failed starts in a row (``SpareBackoff``); a spare ready clears it.
+    spare_backoff: Mapping[str, SpareBackoff] = field(default_factory=dict)
 
     def live(self) -> list[Slot]:
         return [s for s in self.slots.values() if s.state in LIVE]
@@ -979,6 +996,8 @@ class _Machine:
         self.put_spare(spare)
         self.note("spare_ready", None, spare=spare.name, region=spare.region,
                   prepare_s=self.now - spare.launched_s)
+        self.set(spare_backoff={r: b for r, b in self.fleet.spare_backoff.items()
+                                if r != spare.region})
         self.clear_mark(spare.node_id, spare.region, f"{spare.name} passed its check there")
         if spare.node_id is not None and spare.node_id in self.fleet.draining_nodes:
             self.drop_spare(spare, "its node is draining")
@@ -990,7 +1009,8 @@ class _Machine:
         if is_device_mismatch(obs.error):   # a new spare there would fail the same way
             self.set_misconfigured(mismatch_node(obs.error) or spare.node_id, spare.region,
                                    obs.error)
-        self.drop_spare(spare, obs.error or "ended")
+        retry_s = self.spare_failed(spare, obs.error)
+        self.drop_spare(spare, obs.error or "ended", next_spare_in_s=retry_s)
 
     def on_scale(self, obs: Scale) -> None:
         plan = self.settings.regions.get(obs.region)
@@ -1238,6 +1258,27 @@ class _Machine:
     def put_spare(self, spare: Spare) -> None:
         self.set(spares={**self.fleet.spares, spare.name: spare})
 
+    def spare_failed(self, spare: Spare, error: str) -> float:
+        """A spare of its region ended before it was promoted (it died, raised, or never got
+        ready): the region's next spare waits the restart policy's backoff over its failures
+        in a row. A backend that did not start on one node more times in a row than a
+        learner's crash budget allows marks the node (a learner would have been retired by
+        then; a spare has no budget). Returns the wait in seconds."""
+        policy = self.settings.policy
+        before = self.fleet.spare_backoff.get(spare.region, SpareBackoff())
+        failed = before.failed + 1
+        delay = min(policy.backoff_initial_s * policy.backoff_multiplier ** (failed - 1),
+                    policy.backoff_max_s)
+        node = mismatch_node(error) if is_backend_unavailable(error) else None
+        on_node = (before.on_node + 1 if node is not None and node == before.node
+                   else int(node is not None))
+        self.set(spare_backoff={**self.fleet.spare_backoff, spare.region: SpareBackoff(
+            failed, self.now + delay, node, on_node)})
+        budget = policy.max_crash_restarts
+        if node is not None and budget is not None and on_node > budget:
+            self.set_misconfigured(node, spare.region, error)
+        return round(delay, 3)
+
     def set_misconfigured(self, node: Optional[str], region: str, error: str) -> None:
         """A learner of ``region`` failed its device check on ``node``: the node is marked for
         the region (once; a node may carry several regions, each with its own devices)."""
@@ -1245,7 +1286,9 @@ class _Machine:
         marks = dict(self.fleet.misconfigured.get(node, {}))
         if region in marks:
             return
-        marks[region] = error[max(0, error.find(DEVICE_MISMATCH_MARK)):][:500]
+        start = error.find(DEVICE_MISMATCH_MARK)
+        marks[region] = error[max(0, start if start >= 0
+                                  else error.find(DEVICE_BACKEND_MARK)):][:500]
         self.set(misconfigured={**self.fleet.misconfigured, node: marks})
         self.note("node_misconfigured", None, node=node, region=region, message=marks[region],
                   region_blocked=self.fleet.blocked(region) is not None)
@@ -1261,11 +1304,16 @@ class _Machine:
         self.set(misconfigured={**rest, **({node: marks} if marks else {})})
         self.note("node_misconfigured_cleared", None, node=node, region=region, reason=reason,
                   origin=origin)
+        backoff = self.fleet.spare_backoff.get(region)
+        if backoff is not None and backoff.node == node:   # its spares may start there again
+            self.set(spare_backoff={r: b for r, b in self.fleet.spare_backoff.items()
+                                    if r != region})
 
-    def drop_spare(self, spare: Spare, reason: str) -> None:
+    def drop_spare(self, spare: Spare, reason: str, **fields) -> None:
         self.set(spares={k: v for k, v in self.fleet.spares.items() if k != spare.name})
         self.actions.append(KillSpare(spare.name))
-        self.note("spare_ended", None, spare=spare.name, region=spare.region, reason=reason[:300])
+        self.note("spare_ended", None, spare=spare.name, region=spare.region, reason=reason[:300],
+                  **fields)
 
     def region_lost(self, region: str) -> bool:
         """``region`` was lost (a region loss) and its repair is not over: nothing of it runs."""
@@ -1328,7 +1376,9 @@ class _Machine:
         for spare in list(self.fleet.spares.values()):
             if (spare.state == SpareState.STARTING
                     and self.now - spare.launched_s > s.startup_timeout_s):
-                self.drop_spare(spare, f"not ready after {s.startup_timeout_s:g}s")
+                retry_s = self.spare_failed(spare, "")
+                self.drop_spare(spare, f"not ready after {s.startup_timeout_s:g}s",
+                                next_spare_in_s=retry_s)
         # Low priority: never while a promotion is under way (a promoted learner not training
         # yet), nor while new learners start (the job's start-up, a scale-up). A restart in a
         # new process does not wait for it: under a burst of failures that is when spares pay.
@@ -1339,9 +1389,11 @@ class _Machine:
         for region, plan in self.settings.regions.items():
             # Not while any node of it is marked: a spare has no budget, and one placed on
             # the marked node again and again would start processes forever.
+            backoff = self.fleet.spare_backoff.get(region)
             if (plan.remote or plan.spares <= 0
                     or any(region in m for m in self.fleet.misconfigured.values())
-                    or self.region_lost(region)):
+                    or self.region_lost(region)
+                    or (backoff is not None and self.now < backoff.not_before_s)):
                 continue
             have = sum(1 for x in self.fleet.spares.values()
                        if x.region == region and x.for_learner is None)

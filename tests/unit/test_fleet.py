@@ -618,10 +618,15 @@ def test_a_spare_that_dies_or_never_gets_ready_is_replaced_and_stop_ends_the_spa
     assert list(fleet.spares) == ["spare:a:0"]
     slow = F.step(fleet, alive(fleet), 61.5)                      # 60.5 s and not ready
     assert F.KillSpare("spare:a:0") in slow.actions and names(slow)[0] == "spare_ended"
+    assert slow.transitions[0].fields["next_spare_in_s"] == 0.5   # the first backoff
+    assert "LaunchSpare" not in kinds(slow)
+    slow = F.step(slow.fleet, alive(slow.fleet), 62.0)
     assert F.LaunchSpare("spare:a:1", "a") in slow.actions        # its replacement
     died = F.step(slow.fleet, alive(slow.fleet) + [F.SpareEnded("spare:a:1", "actor died")],
                   63.0)
-    assert F.KillSpare("spare:a:1") in died.actions
+    assert F.KillSpare("spare:a:1") in died.actions and "LaunchSpare" not in kinds(died)
+    assert died.transitions[0].fields["next_spare_in_s"] == 1.0   # two in a row: doubled
+    died = F.step(died.fleet, alive(died.fleet), 64.0)
     assert F.LaunchSpare("spare:a:2", "a") in died.actions
     stopped = F.step(died.fleet, [F.Stop()], 64.0)
     assert F.KillSpare("spare:a:2") in stopped.actions and stopped.fleet.spares == {}
@@ -1144,6 +1149,58 @@ def test_a_spare_that_fails_its_device_check_is_not_replaced():
     other = with_nodes(ended.fleet, 102.0, a={"n1", "n2"})
     assert other.blocked("a") is None
     assert not [a for a in F.step(other, [], 103.0).actions if isinstance(a, F.LaunchSpare)]
+
+
+def test_spares_whose_backend_does_not_start_back_off_and_mark_the_node_past_the_budget():
+    """A driver too old on n1: every spare of region a fails its check there with a backend
+    that did not start. A spare has no budget, so before this each failure started the next
+    process at once, for the rest of the job. Now the region's next spare waits the restart
+    policy's backoff (0.5, 1, 2 s ...); a spare that gets ready starts it over; past the crash
+    budget (2) of such failures in a row on n1 the node is marked and no spare starts until
+    it is cleared."""
+    s = settings(regions={"a": F.RegionPlan(1, 2, spares=1)}, heartbeat_timeout_s=1e9)
+    fleet = F.step(F.step(F.initial(s), [], 0.0).fleet, [F.Beat("a:0", 0, True, 0.1)], 1.0)
+    assert F.LaunchSpare("spare:a:0", "a") in fleet.actions
+    fleet, now = fleet.fleet, 2.0
+
+    def fail_spare(fleet, now, error=BACKEND_DOWN):
+        """The newest spare fails at ``now``: (result, its wait for the next)."""
+        (name,) = fleet.spares
+        result = F.step(fleet, [F.SpareEnded(name, error)], now)
+        assert "LaunchSpare" not in kinds(result)   # not at once
+        return result, result.transitions[-1].fields["next_spare_in_s"]
+
+    def next_spare(fleet, now, wait):
+        assert "LaunchSpare" not in kinds(F.step(fleet, [], now + wait - 0.01))
+        started = F.step(fleet, [], now + wait)
+        assert "LaunchSpare" in kinds(started)
+        return started.fleet, now + wait + 1.0
+
+    waits = []
+    for _ in range(2):
+        result, wait = fail_spare(fleet, now)
+        waits.append(wait)
+        fleet, now = next_spare(result.fleet, now, wait)
+    assert waits == [0.5, 1.0]
+    # A spare that gets ready (elsewhere, or the driver came back) starts the backoff over.
+    (name,) = fleet.spares
+    fleet = F.step(fleet, [F.SpareReady(name, node_id="n2"), F.SpareEnded(name, "actor died")],
+                   now).fleet
+    assert fleet.spare_backoff["a"].failed == 1
+    fleet, now = next_spare(fleet, now, 0.5)
+    # Three backend failures on n1 in a row (the budget is 2): n1 is marked, spares stop.
+    for expected in (1.0, 2.0):
+        result, wait = fail_spare(fleet, now)
+        assert wait == expected and "node_misconfigured" not in names(result)
+        fleet, now = next_spare(result.fleet, now, wait)
+    result, wait = fail_spare(fleet, now)
+    assert names(result) == ["node_misconfigured", "spare_ended"]
+    assert result.transitions[0].fields["node"] == "n1"
+    assert result.fleet.misconfigured["n1"]["a"].startswith("device backend did not start")
+    assert "LaunchSpare" not in kinds(F.step(result.fleet, [], now + 1000.0))
+    # Cleared (an operator, or a learner of the region starting well there): spares start at once.
+    cleared = F.step(result.fleet, [F.ClearMisconfigured("n1")], now + 1000.0)
+    assert "LaunchSpare" in kinds(cleared) and cleared.fleet.spare_backoff == {}
 
 
 # -- crash loops and the crash backoff ------------------------------------------------------------
