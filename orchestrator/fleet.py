@@ -46,9 +46,11 @@ dies as any other.
 A device check that fails deterministically (learners/devices.py) marks its node for the
 learner's region (``FleetState.misconfigured``); the region is blocked (no spare, no prestart,
 no scale-up; its next such failure retires as ``config``) only while every alive node of it is
-marked (``FleetState.blocked``). A good start there or an operator (``ClearMisconfigured``)
-clears a mark. A learner whose crashes keep coming with one error at one resume step is retired
-as ``crash_loop`` (``health.crash_loop``), whatever budget it has left.
+marked (``FleetState.blocked``); a region's spares wait while an alive node of it is marked. A
+good start there (anywhere in the region for a mark of ``UNKNOWN_NODE``) or an operator
+(``ClearMisconfigured``) clears a mark. A region's spares that fail to start back off
+(``SpareBackoff``). A learner whose crashes keep coming with one error at one resume step is
+retired as ``crash_loop`` (``health.crash_loop``), whatever budget it has left.
 """
 
 from __future__ import annotations
@@ -846,6 +848,9 @@ class _Machine:
             self.move(slot, SlotState.PAUSED if paused else SlotState.TRAINING, "learner_ready",
                       incarnation=slot.incarnation)
             self.clear_mark(slot.node_id, slot.region, f"{slot.learner} started there")
+            # A mark of no known node (an in-process learner, an older state file) is the
+            # region's: a good start anywhere in it is the proof it is fixed.
+            self.clear_mark(UNKNOWN_NODE, slot.region, f"{slot.learner} started in its region")
             if paused:  # a learner that came back joins the pause
                 self.actions.append(PauseLearner(slot.learner, True))
 
@@ -999,6 +1004,7 @@ class _Machine:
         self.set(spare_backoff={r: b for r, b in self.fleet.spare_backoff.items()
                                 if r != spare.region})
         self.clear_mark(spare.node_id, spare.region, f"{spare.name} passed its check there")
+        self.clear_mark(UNKNOWN_NODE, spare.region, f"{spare.name} passed its check in its region")
         if spare.node_id is not None and spare.node_id in self.fleet.draining_nodes:
             self.drop_spare(spare, "its node is draining")
 
@@ -1293,6 +1299,14 @@ class _Machine:
         self.note("node_misconfigured", None, node=node, region=region, message=marks[region],
                   region_blocked=self.fleet.blocked(region) is not None)
 
+    def alive_mark(self, region: str) -> bool:
+        """Whether a node that may still run ``region``'s processes is marked for it: an alive
+        one (a node gone, e.g. replaced by an autoscaler, holds none), an unknown one, or any
+        while the alive nodes are not known."""
+        alive = self.fleet.alive_nodes
+        return any(region in regions and (alive is None or node == UNKNOWN_NODE or node in alive)
+                   for node, regions in self.fleet.misconfigured.items())
+
     def clear_mark(self, node: Optional[str], region: str, reason: str,
                    origin: str = "fleet") -> None:
         """``node`` is no longer marked for ``region`` (a good start there, or an operator)."""
@@ -1387,11 +1401,10 @@ class _Machine:
                for x in self.fleet.slots.values()):
             return
         for region, plan in self.settings.regions.items():
-            # Not while any node of it is marked: a spare has no budget, and one placed on
+            # Not while an alive node of it is marked: a spare has no budget, and one placed on
             # the marked node again and again would start processes forever.
             backoff = self.fleet.spare_backoff.get(region)
-            if (plan.remote or plan.spares <= 0
-                    or any(region in m for m in self.fleet.misconfigured.values())
+            if (plan.remote or plan.spares <= 0 or self.alive_mark(region)
                     or self.region_lost(region)
                     or (backoff is not None and self.now < backoff.not_before_s)):
                 continue

@@ -1203,6 +1203,44 @@ def test_spares_whose_backend_does_not_start_back_off_and_mark_the_node_past_the
     assert "LaunchSpare" in kinds(cleared) and cleared.fleet.spare_backoff == {}
 
 
+def test_a_mark_on_a_node_gone_does_not_hold_back_spares():
+    """An autoscaler replaced the bad node n1: its mark stays (shown, clearable) but no longer
+    keeps the region from its spares."""
+    s = settings(regions={"a": F.RegionPlan(1, 2, spares=1)}, heartbeat_timeout_s=1e9)
+    fleet = F.step(F.step(F.initial(s), [], 0.0).fleet, [F.Beat("a:0", 0, True, 0.1)], 1.0).fleet
+    fleet = with_nodes(fleet, 1.5, a={"n1", "n2"})
+    ended = F.step(fleet, [F.SpareEnded("spare:a:0", on("n1"))], 2.0).fleet
+    assert set(ended.misconfigured) == {"n1"}
+    assert "LaunchSpare" not in kinds(F.step(ended, [], 100.0))   # n1 is alive and marked
+    replaced = with_nodes(ended, 101.0, a={"n2", "n3"})   # that report's step starts one
+    assert set(replaced.misconfigured) == {"n1"} and list(replaced.spares) == ["spare:a:1"]
+
+
+def test_a_good_start_anywhere_in_its_region_clears_its_unknown_node_mark():
+    """A mark that names no node (an in-process learner, or a state file from before marks
+    were a node's) is the region's: it blocked the region and its spares until an operator
+    cleared it. A learner of the region that starts well clears it, and spares start again;
+    another region's start does not."""
+    s = settings(regions={"a": F.RegionPlan(2, 3, spares=1), "b": F.RegionPlan(1, 2)},
+                 heartbeat_timeout_s=1e9)
+    fleet = F.step(F.initial(s), [], 0.0).fleet
+    fleet = F.step(fleet, [F.Beat(n, 0, True, 0.1) for n in fleet.slots], 1.0).fleet
+    (spare,) = fleet.spares
+    fleet = F.step(fleet, [F.SpareEnded(spare, "actor died")], 1.5).fleet   # no spare now
+    marked = F.step(fleet, [F.RunEnded("a:1", 0, MISMATCH, crashed=True)], 2.0).fleet
+    assert set(marked.misconfigured) == {F.UNKNOWN_NODE} and marked.blocked("a") is not None
+    assert "LaunchSpare" not in kinds(F.step(marked, [], 50.0))
+    back = F.step(F.step(marked, [F.RunEnded("b:0", 0, "died")], 3.0).fleet, [], 10.0).fleet
+    b_ready = F.step(back, [F.Beat("b:0", 1, True, 0.1)], 11.0)
+    assert "node_misconfigured_cleared" not in names(b_ready)
+    back = F.step(F.step(b_ready.fleet, [F.RunEnded("a:0", 0, "died")], 12.0).fleet, [], 20.0)
+    ready = F.step(back.fleet, [F.Beat("a:0", 1, True, 0.1)], 21.0)
+    assert names(ready)[:2] == ["learner_ready", "node_misconfigured_cleared"]
+    assert ready.transitions[1].fields["reason"] == "a:0 started in its region"
+    assert ready.fleet.misconfigured == {} and ready.fleet.blocked("a") is None
+    assert "LaunchSpare" in kinds(ready)
+
+
 # -- crash loops and the crash backoff ------------------------------------------------------------
 def fail_at(fleet, learner, incarnation, now, error, resume_step=None):
     """``learner``'s incarnation dies with ``error`` at ``now``; relaunched (past any backoff)
