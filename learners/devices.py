@@ -278,6 +278,17 @@ def mismatch_node(error: Optional[str]) -> Optional[str]:
     return found[-1] if found else None
 
 
+def is_backend_unavailable(error: Optional[str]) -> bool:
+    """Whether an error text is a backend that did not start at the device check (a crash:
+    ``BackendUnavailable``). A spare has no budget: the fleet backs its region's spares off on
+    such failures and marks a node that keeps failing them (docs/accelerators.md).
+
+    >>> is_backend_unavailable("RayTaskError: device backend did not start: region g ... (node 4f)")
+    True
+    """
+    return bool(error) and BACKEND_MARK in error
+
+
 def is_device_mismatch(error: Optional[str]) -> bool:
     """Whether a learner's error text is a failed device check (a configuration failure)."""
     return bool(error) and MISMATCH_MARK in error

@@ -329,11 +329,13 @@ FIELD_NOTES: dict[str, str] = {
                                     "longer than the time a deterministic failure takes to "
                                     "come back, or such a learner restarts forever "
                                     "(Kubernetes resets a crash backoff after 10 minutes).",
-    "health.restart.crash_loop_after": "A learner whose crashes (chaos kills aside) came this "
-                                       "many times at one resume step, or with the same error "
-                                       "within `crash_loop_window_steps` steps, is retired as "
+    "health.restart.crash_loop_after": "A learner whose crashes came this many times with the "
+                                       "same error at one resume step, or within "
+                                       "`crash_loop_window_steps` steps of it, is retired as "
                                        "`crash_loop` (the event names the step and the error), "
-                                       "whatever budget it has left; null: never.",
+                                       "whatever budget it has left; chaos kills, hangs, "
+                                       "start-up timeouts and device mismatches never count; "
+                                       "null: never.",
     "health.restart.crash_loop_window_steps": "How close (in steps) resume steps of the same "
                                               "error count as one place for "
                                               "`crash_loop_after`; 0: only the same step.",

@@ -46,9 +46,11 @@ dies as any other.
 A device check that fails deterministically (learners/devices.py) marks its node for the
 learner's region (``FleetState.misconfigured``); the region is blocked (no spare, no prestart,
 no scale-up; its next such failure retires as ``config``) only while every alive node of it is
-marked (``FleetState.blocked``). A good start there or an operator (``ClearMisconfigured``)
-clears a mark. A learner whose crashes keep coming at one resume step is retired as
-``crash_loop`` (``health.crash_loop``), whatever budget it has left.
+marked (``FleetState.blocked``); a region's spares wait while an alive node of it is marked. A
+good start there (anywhere in the region for a mark of ``UNKNOWN_NODE``) or an operator
+(``ClearMisconfigured``) clears a mark. A region's spares that fail to start back off
+(``SpareBackoff``). A learner whose crashes keep coming with one error at one resume step is
+retired as ``crash_loop`` (``health.crash_loop``), whatever budget it has left.
 """
 
 from __future__ import annotations
@@ -61,8 +63,9 @@ from dataclasses import dataclass, field
 from typing import Mapping, Optional, Sequence, Union
 
 from islands import defaults
+from islands.learners.devices import BACKEND_MARK as DEVICE_BACKEND_MARK
 from islands.learners.devices import MISMATCH_MARK as DEVICE_MISMATCH_MARK
-from islands.learners.devices import is_device_mismatch, mismatch_node
+from islands.learners.devices import is_backend_unavailable, is_device_mismatch, mismatch_node
 
 from .chaos import HOME_TARGET, Fault, FaultKind
 from .health import (Cause, RestartDecision, RestartPolicy, crash_loop, death_cause, detect,
@@ -210,8 +213,9 @@ class Slot:
     # it is in (None: not paused): paused time is not training time (``trained_seconds``).
     paused_s: float = 0.0
     paused_since_s: Optional[float] = None
-    # Its recent crash-budget failures that were not chaos kills: (resume step of the failed
-    # incarnation, error signature), the newest last (``health.crash_loop``).
+    # Its recent crashes with an error of their own (not chaos kills, hangs, start-up
+    # timeouts, device mismatches): (resume step of the failed incarnation, error signature),
+    # the newest last (``health.crash_loop``).
     failures: tuple[tuple[int, str], ...] = ()
     # Retired as a crash loop: at which resume step, with which error (the console shows it).
     crash_loop: Optional[str] = None
@@ -257,6 +261,20 @@ class Spare:
     # and not before its restart is due. None: one of the region's ``spares``.
     for_learner: Optional[str] = None
     hurried: bool = False        # a due restart waits for it: it prepares at normal priority
+
+
+@dataclass(frozen=True)
+class SpareBackoff:
+    """A region's spares that failed to start, in a row (a spare has no budget: without this a
+    deterministic failure would start a process after another for the rest of the job). The
+    region's next spare starts no earlier than ``not_before_s`` (the restart policy's backoff
+    over ``failed``). ``node``: the node the newest failures named as a backend that did not
+    start there, ``on_node`` of them in a row; past the crash budget the node is marked."""
+
+    failed: int = 0
+    not_before_s: float = 0.0
+    node: Optional[str] = None
+    on_node: int = 0
 
 
 class ShardState(str, enum.Enum):
@@ -308,6 +326,8 @@ class FleetState:
     draining_nodes: Mapping[str, Optional[float]] = field(default_factory=dict)
     # Regions lost (a region loss) -> the end of their repair: no spare starts there before it.
     lost_regions: Mapping[str, float] = field(default_factory=dict)
+    # Region -> its spares' failed starts in a row (``SpareBackoff``); a spare ready clears it.
+    spare_backoff: Mapping[str, SpareBackoff] = field(default_factory=dict)
 
     def live(self) -> list[Slot]:
         return [s for s in self.slots.values() if s.state in LIVE]
@@ -831,6 +851,9 @@ class _Machine:
             self.move(slot, SlotState.PAUSED if paused else SlotState.TRAINING, "learner_ready",
                       incarnation=slot.incarnation)
             self.clear_mark(slot.node_id, slot.region, f"{slot.learner} started there")
+            # A mark of no known node (an in-process learner, an older state file) is the
+            # region's: a good start anywhere in it is the proof it is fixed.
+            self.clear_mark(UNKNOWN_NODE, slot.region, f"{slot.learner} started in its region")
             if paused:  # a learner that came back joins the pause
                 self.actions.append(PauseLearner(slot.learner, True))
 
@@ -859,9 +882,10 @@ class _Machine:
             if self.fleet.blocked(slot.region) is None:
                 # Another alive node of its region is unmarked: it may pass there. A crash
                 # (budget, backoff): Ray may place it on the marked node again.
+                # No crash loop's: the node id in its line is hex (alike in every signature), and
+                # a mismatch is the node's, not the learner's at its resume step.
                 self.fail(slot, Cause.CRASH, detail=("another node of its region is not marked: "
-                                                     f"restarted as a crash; {obs.error}")[:300],
-                          error=obs.error)
+                                                     f"restarted as a crash; {obs.error}")[:300])
                 return
             cause = Cause.CONFIG
         elif obs.error is None or obs.crashed:
@@ -980,7 +1004,10 @@ class _Machine:
         self.put_spare(spare)
         self.note("spare_ready", None, spare=spare.name, region=spare.region,
                   prepare_s=self.now - spare.launched_s)
+        self.set(spare_backoff={r: b for r, b in self.fleet.spare_backoff.items()
+                                if r != spare.region})
         self.clear_mark(spare.node_id, spare.region, f"{spare.name} passed its check there")
+        self.clear_mark(UNKNOWN_NODE, spare.region, f"{spare.name} passed its check in its region")
         if spare.node_id is not None and spare.node_id in self.fleet.draining_nodes:
             self.drop_spare(spare, "its node is draining")
 
@@ -991,7 +1018,8 @@ class _Machine:
         if is_device_mismatch(obs.error):   # a new spare there would fail the same way
             self.set_misconfigured(mismatch_node(obs.error) or spare.node_id, spare.region,
                                    obs.error)
-        self.drop_spare(spare, obs.error or "ended")
+        retry_s = self.spare_failed(spare, obs.error)
+        self.drop_spare(spare, obs.error or "ended", next_spare_in_s=retry_s)
 
     def on_scale(self, obs: Scale) -> None:
         plan = self.settings.regions.get(obs.region)
@@ -1239,6 +1267,27 @@ class _Machine:
     def put_spare(self, spare: Spare) -> None:
         self.set(spares={**self.fleet.spares, spare.name: spare})
 
+    def spare_failed(self, spare: Spare, error: str) -> float:
+        """A spare of its region ended before it was promoted (it died, raised, or never got
+        ready): the region's next spare waits the restart policy's backoff over its failures
+        in a row. A backend that did not start on one node more times in a row than a
+        learner's crash budget allows marks the node (a learner would have been retired by
+        then; a spare has no budget). Returns the wait in seconds."""
+        policy = self.settings.policy
+        before = self.fleet.spare_backoff.get(spare.region, SpareBackoff())
+        failed = before.failed + 1
+        delay = min(policy.backoff_initial_s * policy.backoff_multiplier ** (failed - 1),
+                    policy.backoff_max_s)
+        node = mismatch_node(error) if is_backend_unavailable(error) else None
+        on_node = (before.on_node + 1 if node is not None and node == before.node
+                   else int(node is not None))
+        self.set(spare_backoff={**self.fleet.spare_backoff, spare.region: SpareBackoff(
+            failed, self.now + delay, node, on_node)})
+        budget = policy.max_crash_restarts
+        if node is not None and budget is not None and on_node > budget:
+            self.set_misconfigured(node, spare.region, error)
+        return round(delay, 3)
+
     def set_misconfigured(self, node: Optional[str], region: str, error: str) -> None:
         """A learner of ``region`` failed its device check on ``node``: the node is marked for
         the region (once; a node may carry several regions, each with its own devices)."""
@@ -1246,10 +1295,20 @@ class _Machine:
         marks = dict(self.fleet.misconfigured.get(node, {}))
         if region in marks:
             return
-        marks[region] = error[max(0, error.find(DEVICE_MISMATCH_MARK)):][:500]
+        start = error.find(DEVICE_MISMATCH_MARK)
+        marks[region] = error[max(0, start if start >= 0
+                                  else error.find(DEVICE_BACKEND_MARK)):][:500]
         self.set(misconfigured={**self.fleet.misconfigured, node: marks})
         self.note("node_misconfigured", None, node=node, region=region, message=marks[region],
                   region_blocked=self.fleet.blocked(region) is not None)
+
+    def alive_mark(self, region: str) -> bool:
+        """Whether a node that may still run ``region``'s processes is marked for it: an alive
+        one (a node gone, e.g. replaced by an autoscaler, holds none), an unknown one, or any
+        while the alive nodes are not known."""
+        alive = self.fleet.alive_nodes
+        return any(region in regions and (alive is None or node == UNKNOWN_NODE or node in alive)
+                   for node, regions in self.fleet.misconfigured.items())
 
     def clear_mark(self, node: Optional[str], region: str, reason: str,
                    origin: str = "fleet") -> None:
@@ -1262,11 +1321,16 @@ class _Machine:
         self.set(misconfigured={**rest, **({node: marks} if marks else {})})
         self.note("node_misconfigured_cleared", None, node=node, region=region, reason=reason,
                   origin=origin)
+        backoff = self.fleet.spare_backoff.get(region)
+        if backoff is not None and backoff.node == node:   # its spares may start there again
+            self.set(spare_backoff={r: b for r, b in self.fleet.spare_backoff.items()
+                                    if r != region})
 
-    def drop_spare(self, spare: Spare, reason: str) -> None:
+    def drop_spare(self, spare: Spare, reason: str, **fields) -> None:
         self.set(spares={k: v for k, v in self.fleet.spares.items() if k != spare.name})
         self.actions.append(KillSpare(spare.name))
-        self.note("spare_ended", None, spare=spare.name, region=spare.region, reason=reason[:300])
+        self.note("spare_ended", None, spare=spare.name, region=spare.region, reason=reason[:300],
+                  **fields)
 
     def region_lost(self, region: str) -> bool:
         """``region`` was lost (a region loss) and its repair is not over: nothing of it runs."""
@@ -1329,7 +1393,9 @@ class _Machine:
         for spare in list(self.fleet.spares.values()):
             if (spare.state == SpareState.STARTING
                     and self.now - spare.launched_s > s.startup_timeout_s):
-                self.drop_spare(spare, f"not ready after {s.startup_timeout_s:g}s")
+                retry_s = self.spare_failed(spare, "")
+                self.drop_spare(spare, f"not ready after {s.startup_timeout_s:g}s",
+                                next_spare_in_s=retry_s)
         # Low priority: never while a promotion is under way (a promoted learner not training
         # yet), nor while new learners start (the job's start-up, a scale-up). A restart in a
         # new process does not wait for it: under a burst of failures that is when spares pay.
@@ -1338,11 +1404,12 @@ class _Machine:
                for x in self.fleet.slots.values()):
             return
         for region, plan in self.settings.regions.items():
-            # Not while any node of it is marked: a spare has no budget, and one placed on
+            # Not while an alive node of it is marked: a spare has no budget, and one placed on
             # the marked node again and again would start processes forever.
-            if (plan.remote or plan.spares <= 0
-                    or any(region in m for m in self.fleet.misconfigured.values())
-                    or self.region_lost(region)):
+            backoff = self.fleet.spare_backoff.get(region)
+            if (plan.remote or plan.spares <= 0 or self.alive_mark(region)
+                    or self.region_lost(region)
+                    or (backoff is not None and self.now < backoff.not_before_s)):
                 continue
             have = sum(1 for x in self.fleet.spares.values()
                        if x.region == region and x.for_learner is None)
@@ -1364,7 +1431,9 @@ class _Machine:
     def fail(self, slot: Slot, cause: Cause, detail: str = "",
              error: Optional[str] = None) -> None:
         """Buries the incarnation, then restarts (after the policy's backoff) or gives up.
-        ``error``: what the incarnation died of, for crash-loop detection (``detail`` if None)."""
+        ``error``: what a crashed incarnation died of, its own error, for crash-loop detection;
+        None (a hang, a start-up timeout, a device mismatch, a quarantine) never counts there:
+        their texts are the fleet's, alike whatever happened."""
         died_s = _first(slot.killed_at_s, slot.last_beat_s, slot.launched_s, self.now)
         self.actions += [Kill(slot.learner, slot.incarnation),
                          Forget(slot.learner, slot.incarnation, cause.value)]
@@ -1378,11 +1447,9 @@ class _Machine:
         slot = dataclasses.replace(slot, killed_at_s=None, training_since_s=None, paused_s=0.0,
                                    paused_since_s=None, injected=False)
         free = reintegration_failed(cause, slot.recovery)
-        if (not free and not chaos and cause != Cause.CONFIG
-                and policy.budget_kind(cause) == "crash"):
+        if not free and not chaos and cause == Cause.CRASH and error is not None:
             # A chaos kill is the job's own doing, not the learner's: never a crash loop.
-            failure = (slot.start_step, error_signature(error if error is not None
-                                                        else detail or cause.value))
+            failure = (slot.start_step, error_signature(error))
             slot = self.put(dataclasses.replace(slot, failures=(slot.failures + (failure,))[-8:]))
             loop = crash_loop(slot.failures, policy.crash_loop_after,
                               policy.crash_loop_window_steps)

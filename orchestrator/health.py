@@ -22,8 +22,8 @@ class Cause(str, enum.Enum):
     # Its node was announced for preemption (a Ray node drain with a deadline): it finished its
     # in-flight pushes and left; its place was taken elsewhere. No budget is spent.
     PREEMPTED_PLANNED = "preempted_planned"
-    # Only a retirement's cause, never a restart's: it failed again and again at the same
-    # resume step (or with the same error within a few steps) — restarting cannot help.
+    # Only a retirement's cause, never a restart's: it crashed again and again with the same
+    # error at the same resume step (or within a few steps of it): restarting cannot help.
     CRASH_LOOP = "crash_loop"
 
 
@@ -57,8 +57,9 @@ class RestartPolicy:
     that fails deterministically that long after each start restarts forever. ``None``: counts
     are for the learner's lifetime.
 
-    ``crash_loop_after``: a learner whose crashes (not chaos kills) came this many times at one
-    resume step, or with one error within ``crash_loop_window_steps`` steps, is retired as a
+    ``crash_loop_after``: a learner whose crashes with an error of its own (not chaos kills,
+    hangs, start-up timeouts or device mismatches) came this many times with one error at one
+    resume step, or within ``crash_loop_window_steps`` steps of it, is retired as a
     ``crash_loop`` whatever its budget (``crash_loop``); None: never.
     """
 
@@ -144,12 +145,15 @@ def error_signature(text: str) -> str:
 def crash_loop(failures: "tuple[tuple[int, str], ...]", after: Optional[int],
                window_steps: int) -> "Optional[tuple[int, str]]":
     """(resume step, error) when the newest of ``failures`` ((resume step, error signature),
-    oldest first) makes ``after`` failures at its resume step, or ``after`` with its error
-    within ``window_steps`` steps of it; None otherwise (or ``after`` None).
+    oldest first) makes ``after`` failures with its error at its resume step or within
+    ``window_steps`` steps of it; None otherwise (or ``after`` None). Other errors at the same
+    step are no loop: a learner that fails in several ways where it resumes is not shown to
+    fail there deterministically (the budget ends it if it keeps failing).
 
     >>> crash_loop(((40, "a"), (48, "b"), (48, "c")), 3, 0), crash_loop(((40, "a"), (48, "b")), 3, 16)
     (None, None)
     >>> crash_loop(((0, "x"), (48, "b"), (48, "c"), (48, "d")), 3, 0)
+    >>> crash_loop(((0, "x"), (48, "d"), (48, "c"), (48, "d"), (48, "d")), 3, 0)
     (48, 'd')
     >>> crash_loop(((40, "x"), (48, "x"), (50, "x")), 3, 16), crash_loop(((10, "x"), (48, "x"), (50, "x")), 3, 16)
     ((50, 'x'), None)
@@ -157,8 +161,7 @@ def crash_loop(failures: "tuple[tuple[int, str], ...]", after: Optional[int],
     if not after or not failures:
         return None
     step, signature = failures[-1]
-    same = sum(1 for s, e in failures
-               if s == step or (e == signature and abs(s - step) <= window_steps))
+    same = sum(1 for s, e in failures if e == signature and abs(s - step) <= max(window_steps, 0))
     return (step, signature) if same >= after else None
 
 

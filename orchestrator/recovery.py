@@ -51,6 +51,10 @@ def saved_slot(row: dict, remote: bool) -> "fleet_lib.Slot":
         counted=tuple(sorted((Cause(c), n) for c, n in row.get("counted",
                                                                  row["restarts"]).items())),
         training_since_s=row.get("training_since_s"),
+        # Its paused time so far, an open pause folded in at the save (a state file from before
+        # it was saved: none). The restarted fleet pauses it again from its first step if a
+        # reason still holds.
+        paused_s=float(row.get("paused_s") or 0.0),
         failures=tuple((int(step), str(error)) for step, error in row.get("failures", [])),
         crash_loop=row.get("crash_loop"),
         # A handover in progress (its node is draining): it restarts elsewhere once out, not
@@ -58,14 +62,24 @@ def saved_slot(row: dict, remote: bool) -> "fleet_lib.Slot":
         preempted_s=row.get("preempted_s"), draining_since_s=row.get("draining_since_s"))
 
 
-def slot_row(x: "fleet_lib.Slot") -> dict:
-    """A slot as ``save_state`` writes it (``saved_slot`` reads it back)."""
+def slot_row(x: "fleet_lib.Slot", now_s: Optional[float] = None) -> dict:
+    """A slot as ``save_state`` writes it at ``now_s`` (the fleet's clock; ``saved_slot`` reads
+    it back). Paused time is saved with the pause it is in counted up to ``now_s``: paused time
+    is not training time (``Slot.trained_seconds``), across a controller restart too.
+
+    >>> slot = fleet_lib.Slot("a:0", "a", 0, 0, training_since_s=100.0, paused_s=20.0,
+    ...                       paused_since_s=150.0)
+    >>> slot_row(slot, 200.0)["paused_s"], slot_row(slot)["paused_s"]
+    (70.0, 20.0)
+    """
+    paused_s = x.paused_s + (now_s - x.paused_since_s
+                             if now_s is not None and x.paused_since_s is not None else 0.0)
     return {"learner": x.learner, "region": x.region, "index": x.index,
             "shard": x.shard, "speed_factor": x.speed_factor, "state": x.state.value,
             "incarnation": x.incarnation, "start_step": x.start_step,
             "restarts": {c.value: n for c, n in x.restarts},
             "counted": {c.value: n for c, n in x.counted},
-            "training_since_s": x.training_since_s, "actor": x.actor,
+            "training_since_s": x.training_since_s, "paused_s": paused_s, "actor": x.actor,
             "slow_tolerated": x.slow_tolerated, "preempted_s": x.preempted_s,
             "draining_since_s": x.draining_since_s,
             "failures": [list(f) for f in x.failures], "crash_loop": x.crash_loop}
@@ -130,7 +144,7 @@ def save_state(owner: Any) -> None:
     fleet = owner.fleet
     state = {
         "books": owner.books.to_json(), "closed": owner.closed,
-        "slots": [slot_row(x) for x in fleet.slots.values()],
+        "slots": [slot_row(x, time.time()) for x in fleet.slots.values()],
         "targets": dict(fleet.targets), "next_index": dict(fleet.next_index),
         "next_shard": fleet.next_shard, "next_spare": fleet.next_spare,
         "lost_regions": dict(fleet.lost_regions),

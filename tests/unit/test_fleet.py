@@ -625,10 +625,15 @@ def test_a_spare_that_dies_or_never_gets_ready_is_replaced_and_stop_ends_the_spa
     assert list(fleet.spares) == ["spare:a:0"]
     slow = F.step(fleet, alive(fleet), 61.5)                      # 60.5 s and not ready
     assert F.KillSpare("spare:a:0") in slow.actions and names(slow)[0] == "spare_ended"
+    assert slow.transitions[0].fields["next_spare_in_s"] == 0.5   # the first backoff
+    assert "LaunchSpare" not in kinds(slow)
+    slow = F.step(slow.fleet, alive(slow.fleet), 62.0)
     assert F.LaunchSpare("spare:a:1", "a") in slow.actions        # its replacement
     died = F.step(slow.fleet, alive(slow.fleet) + [F.SpareEnded("spare:a:1", "actor died")],
                   63.0)
-    assert F.KillSpare("spare:a:1") in died.actions
+    assert F.KillSpare("spare:a:1") in died.actions and "LaunchSpare" not in kinds(died)
+    assert died.transitions[0].fields["next_spare_in_s"] == 1.0   # two in a row: doubled
+    died = F.step(died.fleet, alive(died.fleet), 64.0)
     assert F.LaunchSpare("spare:a:2", "a") in died.actions
     stopped = F.step(died.fleet, [F.Stop()], 64.0)
     assert F.KillSpare("spare:a:2") in stopped.actions and stopped.fleet.spares == {}
@@ -1153,6 +1158,96 @@ def test_a_spare_that_fails_its_device_check_is_not_replaced():
     assert not [a for a in F.step(other, [], 103.0).actions if isinstance(a, F.LaunchSpare)]
 
 
+def test_spares_whose_backend_does_not_start_back_off_and_mark_the_node_past_the_budget():
+    """A driver too old on n1: every spare of region a fails its check there with a backend
+    that did not start. A spare has no budget, so before this each failure started the next
+    process at once, for the rest of the job. Now the region's next spare waits the restart
+    policy's backoff (0.5, 1, 2 s ...); a spare that gets ready starts it over; past the crash
+    budget (2) of such failures in a row on n1 the node is marked and no spare starts until
+    it is cleared."""
+    s = settings(regions={"a": F.RegionPlan(1, 2, spares=1)}, heartbeat_timeout_s=1e9)
+    fleet = F.step(F.step(F.initial(s), [], 0.0).fleet, [F.Beat("a:0", 0, True, 0.1)], 1.0)
+    assert F.LaunchSpare("spare:a:0", "a") in fleet.actions
+    fleet, now = fleet.fleet, 2.0
+
+    def fail_spare(fleet, now, error=BACKEND_DOWN):
+        """The newest spare fails at ``now``: (result, its wait for the next)."""
+        (name,) = fleet.spares
+        result = F.step(fleet, [F.SpareEnded(name, error)], now)
+        assert "LaunchSpare" not in kinds(result)   # not at once
+        return result, result.transitions[-1].fields["next_spare_in_s"]
+
+    def next_spare(fleet, now, wait):
+        assert "LaunchSpare" not in kinds(F.step(fleet, [], now + wait - 0.01))
+        started = F.step(fleet, [], now + wait)
+        assert "LaunchSpare" in kinds(started)
+        return started.fleet, now + wait + 1.0
+
+    waits = []
+    for _ in range(2):
+        result, wait = fail_spare(fleet, now)
+        waits.append(wait)
+        fleet, now = next_spare(result.fleet, now, wait)
+    assert waits == [0.5, 1.0]
+    # A spare that gets ready (elsewhere, or the driver came back) starts the backoff over.
+    (name,) = fleet.spares
+    fleet = F.step(fleet, [F.SpareReady(name, node_id="n2"), F.SpareEnded(name, "actor died")],
+                   now).fleet
+    assert fleet.spare_backoff["a"].failed == 1
+    fleet, now = next_spare(fleet, now, 0.5)
+    # Three backend failures on n1 in a row (the budget is 2): n1 is marked, spares stop.
+    for expected in (1.0, 2.0):
+        result, wait = fail_spare(fleet, now)
+        assert wait == expected and "node_misconfigured" not in names(result)
+        fleet, now = next_spare(result.fleet, now, wait)
+    result, wait = fail_spare(fleet, now)
+    assert names(result) == ["node_misconfigured", "spare_ended"]
+    assert result.transitions[0].fields["node"] == "n1"
+    assert result.fleet.misconfigured["n1"]["a"].startswith("device backend did not start")
+    assert "LaunchSpare" not in kinds(F.step(result.fleet, [], now + 1000.0))
+    # Cleared (an operator, or a learner of the region starting well there): spares start at once.
+    cleared = F.step(result.fleet, [F.ClearMisconfigured("n1")], now + 1000.0)
+    assert "LaunchSpare" in kinds(cleared) and cleared.fleet.spare_backoff == {}
+
+
+def test_a_mark_on_a_node_gone_does_not_hold_back_spares():
+    """An autoscaler replaced the bad node n1: its mark stays (shown, clearable) but no longer
+    keeps the region from its spares."""
+    s = settings(regions={"a": F.RegionPlan(1, 2, spares=1)}, heartbeat_timeout_s=1e9)
+    fleet = F.step(F.step(F.initial(s), [], 0.0).fleet, [F.Beat("a:0", 0, True, 0.1)], 1.0).fleet
+    fleet = with_nodes(fleet, 1.5, a={"n1", "n2"})
+    ended = F.step(fleet, [F.SpareEnded("spare:a:0", on("n1"))], 2.0).fleet
+    assert set(ended.misconfigured) == {"n1"}
+    assert "LaunchSpare" not in kinds(F.step(ended, [], 100.0))   # n1 is alive and marked
+    replaced = with_nodes(ended, 101.0, a={"n2", "n3"})   # that report's step starts one
+    assert set(replaced.misconfigured) == {"n1"} and list(replaced.spares) == ["spare:a:1"]
+
+
+def test_a_good_start_anywhere_in_its_region_clears_its_unknown_node_mark():
+    """A mark that names no node (an in-process learner, or a state file from before marks
+    were a node's) is the region's: it blocked the region and its spares until an operator
+    cleared it. A learner of the region that starts well clears it, and spares start again;
+    another region's start does not."""
+    s = settings(regions={"a": F.RegionPlan(2, 3, spares=1), "b": F.RegionPlan(1, 2)},
+                 heartbeat_timeout_s=1e9)
+    fleet = F.step(F.initial(s), [], 0.0).fleet
+    fleet = F.step(fleet, [F.Beat(n, 0, True, 0.1) for n in fleet.slots], 1.0).fleet
+    (spare,) = fleet.spares
+    fleet = F.step(fleet, [F.SpareEnded(spare, "actor died")], 1.5).fleet   # no spare now
+    marked = F.step(fleet, [F.RunEnded("a:1", 0, MISMATCH, crashed=True)], 2.0).fleet
+    assert set(marked.misconfigured) == {F.UNKNOWN_NODE} and marked.blocked("a") is not None
+    assert "LaunchSpare" not in kinds(F.step(marked, [], 50.0))
+    back = F.step(F.step(marked, [F.RunEnded("b:0", 0, "died")], 3.0).fleet, [], 10.0).fleet
+    b_ready = F.step(back, [F.Beat("b:0", 1, True, 0.1)], 11.0)
+    assert "node_misconfigured_cleared" not in names(b_ready)
+    back = F.step(F.step(b_ready.fleet, [F.RunEnded("a:0", 0, "died")], 12.0).fleet, [], 20.0)
+    ready = F.step(back.fleet, [F.Beat("a:0", 1, True, 0.1)], 21.0)
+    assert names(ready)[:2] == ["learner_ready", "node_misconfigured_cleared"]
+    assert ready.transitions[1].fields["reason"] == "a:0 started in its region"
+    assert ready.fleet.misconfigured == {} and ready.fleet.blocked("a") is None
+    assert "LaunchSpare" in kinds(ready)
+
+
 # -- crash loops and the crash backoff ------------------------------------------------------------
 def fail_at(fleet, learner, incarnation, now, error, resume_step=None):
     """``learner``'s incarnation dies with ``error`` at ``now``; relaunched (past any backoff)
@@ -1235,6 +1330,70 @@ def test_the_same_error_within_the_window_of_steps_is_a_crash_loop_and_progress_
         now += 100.0
     assert result.transitions[-1].fields["cause"] == "crash_loop"
     assert result.transitions[-1].fields["step"] == 512
+
+
+def test_start_up_timeouts_and_hangs_at_one_resume_step_spend_the_budget_not_a_crash_loop():
+    """A busy machine: a:0 crashes once, then its next processes never beat (start-up timeouts,
+    each "hang detected" at the same resume step 0). Those are the fleet's verdicts, not the
+    learner's error: they spend its budget of 5 and retire it as such, never as a crash loop
+    (before, a crash and two timeouts at step 0 made one)."""
+    policy = dataclasses.replace(POLICY, max_crash_restarts=5, crash_loop_after=3)
+    fleet = training(settings(heartbeat_timeout_s=1e9, startup_timeout_s=120.0, policy=policy))
+    result = F.step(fleet, [F.RunEnded("a:0", 0, "RuntimeError('died')", crashed=True)], 10.0)
+    now, outcomes = 10.0, []
+    for incarnation in range(1, 6):
+        fleet = F.step(result.fleet, [], now + 60.0).fleet   # relaunched, past any backoff
+        assert fleet.slots["a:0"].state == SlotState.STARTING
+        assert fleet.slots["a:0"].incarnation == incarnation
+        now += 60.0 + 121.0                                 # no beat: the start-up timeout
+        result = F.step(fleet, [], now)
+        assert names(result)[:2] == ["learner_unhealthy", "learner_failed"]
+        assert result.transitions[1].fields["resume_step"] == 0
+        outcomes.append(names(result)[-1])
+    assert outcomes == ["learner_restart_scheduled"] * 4 + ["learner_retired"]
+    retired = result.transitions[-1].fields
+    assert "cause" not in retired and "crash budget of 5 spent (hang)" in retired["reason"]
+    slot = result.fleet.slots["a:0"]
+    assert slot.crash_loop is None and slot.failures == ((0, "RuntimeError('died')"),)
+
+
+def test_the_same_step_with_different_errors_is_no_crash_loop():
+    policy = dataclasses.replace(POLICY, max_crash_restarts=None, crash_loop_after=3)
+    fleet = training(settings(heartbeat_timeout_s=1e9, policy=policy))
+    now = 10.0
+    errors = ("OSError('disk')", "MemoryError()", "KeyError('x')", "ValueError('y')")
+    for incarnation, error in enumerate(errors):   # the first at step 0, then three at 48
+        result, fleet = fail_at(fleet, "a:0", incarnation, now, error, resume_step=48)
+        assert names(result)[-1] == "learner_restart_scheduled"
+        now += 100.0
+    assert [step for step, _ in fleet.slots["a:0"].failures] == [0, 48, 48, 48]
+    # The third of one error at 48 is one.
+    for incarnation in (4, 5):
+        result, fleet = fail_at(fleet, "a:0", incarnation, now, "MemoryError()", resume_step=48)
+        now += 100.0
+    assert result.transitions[-1].fields["cause"] == "crash_loop"
+
+
+def test_device_mismatches_on_a_marked_node_are_never_a_crash_loop():
+    """n2 of region a is unmarked, so a:1's mismatch on n1 restarts it as a crash; Ray puts it
+    back on n1 each time. Its line names the node (hex, alike in every signature) and it is the
+    node's fault, not the learner's at its resume step: no crash loop after three; its budget
+    ends it, and the node stays marked."""
+    policy = dataclasses.replace(POLICY, max_crash_restarts=4, crash_loop_after=3)
+    fleet = with_nodes(training(settings(heartbeat_timeout_s=1e9, policy=policy)), 2.0,
+                       a={"n1", "n2"}, b={"n1"})
+    node = "4f2a9c0d1e7b3a5f6c8d9e0f1a2b3c4d5e6f7a8b9c0d1e2f3a4b5c6d"
+    now, outcomes = 5.0, []
+    for incarnation in range(5):
+        result, fleet = fail_at(fleet, "a:1", incarnation, now, on(node))
+        assert all(t.fields.get("cause") != "crash_loop" for t in result.transitions)
+        outcomes.append(names(result)[-1])
+        now += 100.0
+    assert outcomes == ["learner_restart_scheduled"] * 4 + ["learner_retired"]
+    assert "crash budget of 4 spent" in result.transitions[-1].fields["reason"]
+    slot = fleet.slots["a:1"]
+    assert slot.crash_loop is None and slot.failures == ()
+    assert set(fleet.misconfigured) == {node} and fleet.blocked("a") is None
 
 
 def test_a_learner_failing_a_fixed_time_after_each_start_is_retired_once_its_budget_is_spent():

@@ -29,6 +29,25 @@ def test_the_counted_restarts_and_the_training_start_survive_a_controller_restar
     assert old.counted == old.restarts == ((Cause.HANG, 1),) and old.training_since_s is None
 
 
+def test_paused_time_survives_a_controller_restart():
+    """a:0 trains from 100 s, was paused 20 s before and is paused since 150 s when the state is
+    saved at 200 s: 70 s of it were paused. The restarted controller's slot still leaves them
+    out of its training time (before, only the training start was saved: 150 s of training at
+    250 s, enough for ``reset_after_s`` to forgive a crash loop's restarts)."""
+    import json
+
+    from islands.orchestrator.recovery import slot_row
+
+    paused = F.Slot("a:0", "a", 0, 0, state=F.SlotState.PAUSED, training_since_s=100.0,
+                    paused_s=20.0, paused_since_s=150.0)
+    row = json.loads(json.dumps(slot_row(paused, 200.0)))   # the state file
+    slot = saved_slot(row, remote=False)
+    assert slot.paused_s == 70.0 and slot.paused_since_s is None
+    assert slot.trained_seconds(250.0) == 80.0   # 150 s since its start, 70 of them paused
+    old = saved_slot({k: v for k, v in row.items() if k != "paused_s"}, remote=False)
+    assert old.paused_s == 0.0 and old.trained_seconds(250.0) == 150.0   # an older file
+
+
 def test_crash_loop_records_and_node_marks_survive_a_controller_restart():
     """The new shapes are read back; a state file without them (or a region-keyed mark, the
     shape before marks were a node's) still loads."""
