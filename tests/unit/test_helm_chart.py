@@ -21,17 +21,20 @@ from islands.orchestrator.config import parse  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CHART = os.path.join(REPO, "helm", "islands")
-EXAMPLES = sorted(glob.glob(os.path.join(REPO, "deploy", "helm", "values-*.yaml")))
+# Every values file under deploy/helm/, by its path there: single files (values-*.yaml) and the
+# releases of a deployment of several clusters, one folder each (gke-4-regions/home.yaml, ...).
+EXAMPLE_DIR = os.path.join(REPO, "deploy", "helm")
+EXAMPLES = sorted(glob.glob(os.path.join(EXAMPLE_DIR, "**", "*.yaml"), recursive=True))
 CRD_DIR = os.environ.get("ISLANDS_KUBERAY_CRDS") or os.path.join(os.path.dirname(REPO), "shared",
                                                                   "kuberay")
 KUBE_VERSION = "1.30.0"
 RAY_KINDS = {"RayCluster": "ray.io_rayclusters.yaml", "RayJob": "ray.io_rayjobs.yaml"}
 # Objects of CRDs kubernetes-validate has no schema for; checked field by field below.
 MONITOR_KINDS = {"ServiceMonitor", "PodMonitor"}
-CASES = ["default"] + [os.path.basename(p) for p in EXAMPLES]
+CASES = ["default"] + [os.path.relpath(p, EXAMPLE_DIR) for p in EXAMPLES]
 # Region releases (`link.region.enabled`) render no JobConfig: their agent fetches the home's.
 REGION_CASES = [c for c in CASES if c != "default" and yaml.safe_load(
-    open(os.path.join(REPO, "deploy", "helm", c))).get("link", {}).get("region", {}).get("enabled")]
+    open(os.path.join(EXAMPLE_DIR, c))).get("link", {}).get("region", {}).get("enabled")]
 HOME_CASES = [c for c in CASES if c not in REGION_CASES]
 
 
@@ -43,7 +46,7 @@ def chart():
 def example_values(case: str) -> dict:
     if case == "default":
         return {}
-    with open(os.path.join(REPO, "deploy", "helm", case)) as f:
+    with open(os.path.join(EXAMPLE_DIR, case)) as f:
         return yaml.safe_load(f)
 
 
@@ -190,16 +193,20 @@ def test_rendered_job_config_passes_islands_validation(case):
 
 
 # -- one worker group per region -------------------------------------------------------------------
-def test_worker_group_per_region_with_tpu_selectors_and_limits():
-    values = example_values("values-gke-4-regions.yaml")
-    spec = cluster_spec(objects(values))
-    groups = {g["groupName"]: g for g in spec["workerGroupSpecs"]}
-    assert sorted(groups) == ["asia-northeast1", "europe-west4", "us-central2", "us-east5"]
+GKE_4 = {"home.yaml": "us-east5", "us-central1.yaml": "us-central1",
+         "europe-west4.yaml": "europe-west4", "asia-northeast1.yaml": "asia-northeast1"}
+
+
+def test_four_regions_are_four_releases_with_tpu_selectors_and_limits():
+    """The four-region GKE example is one release per cluster: the home's worker group is its own
+    region, and each other region is the one worker group of its own release."""
     # v5p 2x2x1 is 4 chips on one host; v6e 2x4 is 8 chips on one host.
-    expected = {"us-east5": ("tpu-v5p-slice", "2x2x1", 4), "us-central2": ("tpu-v5p-slice", "2x2x1", 4),
+    expected = {"us-east5": ("tpu-v5p-slice", "2x2x1", 4), "us-central1": ("tpu-v5p-slice", "2x2x1", 4),
                 "europe-west4": ("tpu-v6e-slice", "2x4", 8), "asia-northeast1": ("tpu-v6e-slice", "2x4", 8)}
-    for name, (tpu, topology, chips) in expected.items():
-        group = groups[name]
+    for case, name in GKE_4.items():
+        (group,) = cluster_spec(objects(example_values(f"gke-4-regions/{case}")))["workerGroupSpecs"]
+        assert group["groupName"] == name, case
+        tpu, topology, chips = expected[name]
         pod = group["template"]["spec"]
         assert pod["nodeSelector"] == {"cloud.google.com/gke-tpu-accelerator": tpu,
                                        "cloud.google.com/gke-tpu-topology": topology}
@@ -209,6 +216,10 @@ def test_worker_group_per_region_with_tpu_selectors_and_limits():
         assert region_resources(group) == {f"region:{name}": 1}
         assert (group["replicas"], group["maxReplicas"], group["numOfHosts"]) == (2, 4, 1)
         assert pod["containers"][0]["name"] == "ray-worker"
+    assert sorted(f"gke-4-regions/{c}" for c in GKE_4) == sorted(
+        c for c in CASES if c.startswith("gke-4-regions/"))
+    assert sorted(c for c in REGION_CASES if c.startswith("gke-4-regions/")) == sorted(
+        f"gke-4-regions/{c}" for c in GKE_4 if c != "home.yaml")
 
 
 def test_gpu_and_cpu_regions():
@@ -275,9 +286,11 @@ def test_unschedulable_accelerators_are_refused_naming_the_key(values, message):
 
 
 @pytest.mark.parametrize("case, expected", [
-    ("values-gke-4-regions.yaml", {"us-east5": ("tpu", 4, "v5p", "2x2x1"),
-                                   "europe-west4": ("tpu", 8, "v6e", "2x4")}),
-    ("values-gpu.yaml", {"us-west": ("gpu", 1, None, None), "us-east": ("gpu", 1, None, None)}),
+    # the home's JobConfig carries its remote regions' devices too: their agents take them
+    ("gke-4-regions/home.yaml", {"us-east5": ("tpu", 4, "v5p", "2x2x1"),
+                                 "europe-west4": ("tpu", 8, "v6e", "2x4")}),
+    ("values-gpu.yaml", {"us-central1-a": ("gpu", 1, None, None),
+                         "us-central1-c": ("gpu", 1, None, None)}),
     ("default", {"local": ("cpu", 1, None, None)}),
 ])
 def test_job_config_carries_each_regions_devices(case, expected):
@@ -798,6 +811,127 @@ def test_link_misconfigurations_fail_with_the_key(values, message):
         render(values)
 
 
+# -- a deployment of several clusters: one release per cluster, and the releases agree -------------
+def link_home(case: str) -> bool:
+    return bool(example_values(case).get("link", {}).get("server", {}).get("enabled"))
+
+
+def deployments() -> list[tuple[str, list[str], list[str]]]:
+    """``(folder, link homes, region releases)`` per folder of deploy/helm/ that holds a link home
+    or a region release: the releases of one deployment sit side by side."""
+    folders = sorted({os.path.dirname(c) for c in CASES[1:] if c in REGION_CASES or link_home(c)})
+    return [(folder, [c for c in HOME_CASES[1:] if os.path.dirname(c) == folder and link_home(c)],
+             [c for c in REGION_CASES if os.path.dirname(c) == folder]) for folder in folders]
+
+
+DEPLOYMENTS = deployments()
+LINK_NAME = "external-dns.alpha.kubernetes.io/hostname"   # the link's DNS name, on its Service
+TPU_LABELS = {"tpu-v4-podslice": "v4", "tpu-v5-lite-podslice": "v5e", "tpu-v5p-slice": "v5p",
+              "tpu-v6e-slice": "v6e"}
+DEVICE_KEYS = {"tpu": "google.com/tpu", "gpu": "nvidia.com/gpu"}
+
+
+def test_the_examples_hold_the_deployments_checked_below():
+    assert [(f, len(h), len(r)) for f, h, r in DEPLOYMENTS] == [("", 1, 1), ("gke-4-regions", 1, 3)]
+
+
+@pytest.mark.parametrize("folder, homes, regions", DEPLOYMENTS, ids=[f or "." for f, _, _ in DEPLOYMENTS])
+def test_a_homes_remote_regions_are_its_region_releases(folder, homes, regions):
+    """The home's remote regions and the region releases beside it match one to one; each release
+    dials the home's link address and port; and the agent, which runs the home's JobConfig for its
+    region, asks Ray for what the release's worker group has."""
+    from islands.orchestrator.region_agent import region_config
+
+    assert len(homes) == 1, f"deploy/helm/{folder}: one link home per deployment, found {homes}"
+    home_values = example_values(homes[0])
+    remote = sorted(n for n, r in home_values["regions"].items() if r.get("remote"))
+    names = [example_values(c)["link"]["region"]["name"] for c in regions]
+    assert sorted(names) == remote, f"{homes[0]}'s remote regions against the releases {regions}"
+    server = chart().merge_values(home_values)["link"]["server"]
+    host = server["annotations"].get(LINK_NAME)
+    assert host, f"{homes[0]}: name the link's address (annotation {LINK_NAME})"
+    raw = yaml.safe_load(next(o for o in objects(home_values) if o["kind"] == "ConfigMap"
+                              and o["metadata"]["name"] == "demo-islands-job")["data"]["job.yaml"])
+    for case, name in zip(regions, names):
+        values = example_values(case)
+        assert values["link"]["region"]["home"] == f"{host}:{server['port']}", case
+        agent = region_config(raw, name)
+        region, spares = agent.regions[name], agent.spares_of(name)
+        devices = region.devices()
+        (group,) = cluster_spec(objects(values))["workerGroupSpecs"]
+        pod = group["template"]["spec"]
+        limits = pod["containers"][0]["resources"]["limits"]
+        wanted = DEVICE_KEYS.get(devices.accelerator)
+        assert [k for k in DEVICE_KEYS.values() if k in limits] == ([wanted] if wanted else []), (
+            f"{case}: the home's regions.{name} runs its learners on {devices.accelerator}, the "
+            f"release's pods have {limits}")
+        if wanted:
+            assert limits[wanted] == devices.devices_per_host, case
+        if devices.accelerator == "tpu":
+            selector = pod["nodeSelector"]
+            assert (TPU_LABELS[selector["cloud.google.com/gke-tpu-accelerator"]],
+                    selector["cloud.google.com/gke-tpu-topology"]) == (devices.tpu_type,
+                                                                       devices.topology), case
+        assert group["numOfHosts"] == devices.hosts, case
+        assert (group["replicas"], group["maxReplicas"]) == (
+            region.learners + spares, region.max_learners + spares), case
+
+
+def cloud_region(name: str):
+    """The cloud region of a region or zone name (GCP ``us-east5``, ``us-east5-a``; AWS
+    ``us-east-1``, ``us-east-1a``), or None for a name that is neither."""
+    found = re.match(r"^([a-z]+-[a-z]+\d+)(-[a-z])?$", name) or re.match(
+        r"^([a-z]{2}(?:-gov)?-[a-z]+-\d)[a-z]?$", name)
+    return found.group(1) if found else None
+
+
+def group_cloud_regions(group: dict) -> set:
+    """Where a worker group's pods run: the zones or regions its node selector or required node
+    affinity names, else its name if that is a cloud region or zone."""
+    keys = ("topology.kubernetes.io/region", "topology.kubernetes.io/zone")
+    pod = group["template"]["spec"]
+    places = [v for k, v in pod.get("nodeSelector", {}).items() if k in keys]
+    required = pod.get("affinity", {}).get("nodeAffinity", {}).get(
+        "requiredDuringSchedulingIgnoredDuringExecution", {})
+    places += [v for term in required.get("nodeSelectorTerms", [])
+               for e in term.get("matchExpressions", [])
+               if e["key"] in keys and e["operator"] == "In" for v in e["values"]]
+    return {cloud_region(p) for p in places or [group["groupName"]]} - {None}
+
+
+def cloud_region_problems(values: dict) -> list:
+    """A cluster is in one cloud region: its worker groups must not be in two. Groups that say
+    nowhere are allowed side by side only as a demo's emulated regions (with ``latencyMs``)."""
+    where = {g["groupName"]: group_cloud_regions(g)
+             for g in cluster_spec(objects(values))["workerGroupSpecs"]}
+    problems = []
+    if len(set().union(*where.values())) > 1:
+        problems.append(f"worker groups in several cloud regions: {where}")
+    if len(where) > 1:
+        problems += [f"regions.{n}: no cloud location beside other regions (and no emulated WAN)"
+                     for n, w in where.items()
+                     if not w and values["regions"][n].get("latencyMs") is None]
+    return problems
+
+
+@pytest.mark.parametrize("case", CASES[1:])
+def test_no_release_puts_two_cloud_regions_in_one_cluster(case):
+    assert cloud_region_problems(example_values(case)) == []
+
+
+def test_the_cloud_region_check_sees_two_regions_in_one_cluster():
+    # the former four-region example: GKE's us-east5 and europe-west4 as groups of one cluster
+    assert cloud_region_problems({"regions": {"us-east5": LOCAL, "europe-west4": LOCAL}})
+    zones = {n: {**LOCAL, "nodeSelector": {"topology.kubernetes.io/zone": z}}
+             for n, z in (("a", "us-central1-a"), ("b", "europe-west4-b"))}
+    assert cloud_region_problems({"regions": zones})
+    zones["b"]["nodeSelector"]["topology.kubernetes.io/zone"] = "us-central1-c"
+    assert cloud_region_problems({"regions": zones}) == []
+    assert cloud_region_problems({"regions": {"east": LOCAL, "west": LOCAL}})   # says nowhere
+    assert (cloud_region("us-east-1a"), cloud_region("us-east5-a"), cloud_region("local")) == (
+        "us-east-1", "us-east5", None)
+
+
 def test_link_notes_say_how_to_join():
     notes = render(example_values("values-home-link.yaml"))["islands/templates/NOTES.txt"]
     assert "Service demo-islands-link (LoadBalancer)" in notes
@@ -913,11 +1047,15 @@ def guide_releases() -> dict[str, list[list[dict]]]:
         release, namespace, values_file = found.groups()
         # "my-values.yaml" is an example of deploy/helm/ with the user's edits: render each.
         cases = (HOME_CASES[1:] if values_file == "my-values.yaml"
-                 else [os.path.basename(values_file)])
+                 else [os.path.relpath(values_file, os.path.join("deploy", "helm"))])
         for case in cases:
             values = with_regions(example_values(case))
-            for setting in re.findall(r"--set (\S+)=(\S+)", cmd):
-                values.setdefault("link", {}).setdefault("region", {})["home"] = setting[1]
+            for key, value in re.findall(r"--set (\S+)=(\S+)", cmd):
+                *path, leaf = key.split(".")
+                node = values
+                for part in path:
+                    node = node.setdefault(part, {})
+                node[leaf] = value
             text = chart().render(values, name=release, namespace=namespace)
             objs = [o for path, body in text.items() if path.endswith(".yaml")
                     for o in yaml.safe_load_all(body) if o]
@@ -938,7 +1076,9 @@ def _pod_templates(objs: list[dict]) -> list[dict]:
 
 def test_the_guides_commands_name_rendered_objects():
     releases = guide_releases()
-    assert set(releases) == {"islands", "islands-europe-west4"}, releases.keys()
+    # The home and one release per other region of the four-region example.
+    assert set(releases) == {"islands", "islands-us-central1", "islands-europe-west4",
+                             "islands-asia-northeast1"}, releases.keys()
     everything = [o for renders in releases.values() for objs in renders for o in objs]
     names = {(o["kind"], o["metadata"]["name"]) for o in everything}
     secrets_used = {v["secret"]["secretName"] for t in _pod_templates(everything)
