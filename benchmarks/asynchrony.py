@@ -38,9 +38,15 @@ fractions of the same seed's.
     python benchmarks/asynchrony.py --model-size medium --fleets lockstep --quorums 1 \\
         --rules defaults --name asynchrony_medium         # the product row on a larger model
 
-``--jobs N`` runs N trainings at once (separate processes). Prints a table, then one JSON
-object as the last line (``gap_noisy_k1``, ``gap_mixed_k1``, ``gap_noisy_km`` for the
-defaults, ...); writes asynchrony.png and .json.
+``--jobs N`` runs N trainings at once (separate processes). ``--ablation RULES`` adds those
+rule sets on the noisy and the mixed fleet at K = 1, first seed only (``ablation_<fleet>_k1_
+seed<S>``: {rules: loss}). Prints a table, then one JSON object as the last line; writes
+``<name>.png`` and ``<name>.json``. Its headline keys (``HEADLINE_KEYS``, what BENCHMARKS.md
+quotes): ``gap_<fleet>_k1`` / ``_km`` for the defaults (the 3-seed mean of eval loss over the
+lockstep fleet's, minus 1), ``gap_<fleet>_k<K>_worst`` (the worst seed), and
+``gap_<fleet>_k<K>_<rules>`` for every other rule set (``_today``: the earlier rules).
+
+``benchmarks/results/asynchrony_1000.json`` is one run of ``REGENERATE`` (below).
 """
 
 from __future__ import annotations
@@ -90,6 +96,16 @@ MODEL_SIZES = {   # --model-size: ModelConfig kwargs ({} is the tiny default, 11
     "medium": dict(d_model=128, n_layers=4, n_heads=4, d_ff=512),
 }
 _SETUPS: dict = {}
+# The one command behind benchmarks/results/asynchrony_1000.{json,png}: every figure of
+# BENCHMARKS.md's "Quality under asynchrony" section and the ablation of benchmarks/NOTES.md.
+ABLATION = ["rebased", "round", "fleet", "rebased_fleet", "rebased_round", "all", "all_share",
+            "wait25", "wait100"]
+REGENERATE = ("python benchmarks/asynchrony.py --steps 1000 --seeds 3 --rules today defaults "
+              "--ablation " + " ".join(ABLATION) + " --jobs 2 --name asynchrony_1000 "
+              "--out benchmarks/results")
+# What a consumer reads (tests/unit/test_asynchrony_bench.py checks a run has them).
+HEADLINE_KEYS = ("gap_noisy_k1", "gap_mixed_k1", "gap_noisy_k1_worst", "gap_mixed_k1_worst",
+                 "gap_noisy_k1_today", "gap_mixed_k1_today")
 
 
 def run_one(job: dict) -> dict:
@@ -146,10 +162,33 @@ def main() -> None:
     p.add_argument("--no-references", action="store_true",
                    help="skip data-parallel and synchronous DiLoCo")
     p.add_argument("--model-size", default="tiny", choices=list(MODEL_SIZES))
+    p.add_argument("--ablation", nargs="*", default=[], choices=list(RULES),
+                   help="rule sets also run on the noisy and mixed fleets at K = 1, first seed")
     p.add_argument("--jobs", type=int, default=1, help="trainings at once (processes)")
     p.add_argument("--name", default="asynchrony")
     args = p.parse_args()
     watch = C.Stopwatch()
+    steps, seeds, rules, fleets, jobs = plan(args)
+    print(f"{len(jobs)} runs, {args.jobs} at once", flush=True)
+    done = []
+    if args.jobs > 1:
+        ctx = multiprocessing.get_context("spawn")
+        with futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
+            for out in pool.map(run_one, jobs):
+                done.append(out)
+                _say(out, watch)
+    else:
+        for job in jobs:
+            done.append(run_one(job))
+            _say(done[-1], watch)
+    result = summarize(done, seeds, rules, fleets, steps, args)
+    result.update(runtime_s=watch(), machine=C.machine(),
+                  png=plot(args.out, args.name, done, seeds[0], steps))
+    C.finish(args.name, result, args.out)
+
+
+def plan(args) -> tuple:
+    """``(steps, seeds, rules, fleets, jobs)``: every training of the run, each once."""
     steps = args.steps or (240 if args.quick else 1000)
     rules = args.rules or (["defaults"] if args.quick else ["today", "defaults"])
     fleets = args.fleets or list(FLEETS)
@@ -168,22 +207,13 @@ def main() -> None:
                 for k in quorums:
                     jobs.append({**base, "kind": "ours", "fleet": f, "k": 1 if k == "1" else "M",
                                  "rules": r})
-    print(f"{len(jobs)} runs, {args.jobs} at once", flush=True)
-    done = []
-    if args.jobs > 1:
-        ctx = multiprocessing.get_context("spawn")
-        with futures.ProcessPoolExecutor(args.jobs, mp_context=ctx) as pool:
-            for out in pool.map(run_one, jobs):
-                done.append(out)
-                _say(out, watch)
-    else:
-        for job in jobs:
-            done.append(run_one(job))
-            _say(done[-1], watch)
-    result = summarize(done, seeds, rules, fleets, steps, args)
-    result.update(runtime_s=watch(), machine=C.machine(),
-                  png=plot(args.out, args.name, done, seeds[0], steps))
-    C.finish(args.name, result, args.out)
+    base = {"seed": seeds[0], "steps": steps, "model": args.model_size, "kind": "ours", "k": 1}
+    for r in getattr(args, "ablation", None) or []:
+        for f in ("noisy", "mixed"):
+            job = {**base, "fleet": f, "rules": r}
+            if job not in jobs:
+                jobs.append(job)
+    return steps, seeds, rules, fleets, jobs
 
 
 def _say(out: dict, watch) -> None:
@@ -224,8 +254,12 @@ def summarize(done, seeds, rules, fleets, steps, args) -> dict:
                     if g is not None and ref != key:
                         row[name], row[name + "_min"], row[name + "_max"] = g
                 rows.append(row)
-                if r == "defaults" and "vs_lockstep" in row:
-                    out[f"gap_{f}_k{'1' if k == '1' else 'm'}"] = row["vs_lockstep"]
+                if "vs_lockstep" in row:
+                    name = f"gap_{f}_k{'1' if k == '1' else 'm'}"
+                    if r == "defaults":
+                        out[name], out[name + "_worst"] = row["vs_lockstep"], row["vs_lockstep_max"]
+                    else:
+                        out[f"{name}_{r}"] = row["vs_lockstep"]
         key = ("sync", "lockstep", "M", r)
         if key + (seeds[0],) in loss:
             row = {"fleet": "sync DiLoCo (P=1, K=M, fp32, τ=0)", "K": "M", "rules": r,
@@ -248,11 +282,27 @@ def summarize(done, seeds, rules, fleets, steps, args) -> dict:
         g = gap(("ours", "lockstep", "1", r), ("dp", "lockstep", "M", "-"))
         if g is not None:
             out[f"product_vs_dp_{r}"] = g[0]
+    for f in ("noisy", "mixed"):   # --ablation: every rule set run on this fleet at the first seed
+        ablation = {o["rules"]: o["loss"] for o in done if o["kind"] == "ours"
+                    and o["fleet"] == f and o["k"] == 1 and o["seed"] == seeds[0]}
+        if getattr(args, "ablation", None) and ablation:
+            out[f"ablation_{f}_k1_seed{seeds[0]}"] = ablation
     params = next((o["params"] for o in done if "params" in o), None)
     return {"benchmark": "asynchrony", "quick": args.quick, "steps_per_learner": steps,
-            "seeds": seeds, "rules": {r: RULES[r] for r in rules}, "model_size": args.model_size,
+            "seeds": seeds, "rules": rule_settings({o["rules"] for o in done}),
+            "model_size": args.model_size,
             "model_params": params, "rows": rows,
             "runs": [{k: v for k, v in o.items() if k != "evals"} for o in done], **out}
+
+
+def rule_settings(names) -> dict:
+    """{rule set: its settings} of the rule sets run, ``defaults`` resolved to what JobConfig
+    gave this run (so the file names the rules its figures ran with)."""
+    from quality import user_defaults
+
+    defaults = user_defaults(4)
+    return {r: RULES[r] if RULES[r] is not None else {k: defaults[k] for k in RULES["today"]}
+            for r in RULES if r in names}
 
 
 def plot(out_dir, name, done, seed, steps) -> str:

@@ -9,7 +9,10 @@ default, so inside a device machine's 8-minute command):
   b. service  the same ``mid`` learner in the real service: ``islands run``'s job API
               (``orchestrator.job.run_job``) on an embedded Ray cluster that holds the GPU, one
               learner of a GPU region (``accelerator: gpu``, ``devices_per_host: 1``,
-              ``run.dashboard: false``): service steps/s ÷ bare steps/s (goal ≥ 0.99);
+              ``run.dashboard: false``): service steps/s ÷ bare steps/s (goal ≥ 0.99). The
+              service's rate is on the learner's own clock: its ``status()``'s ``step_at``
+              (when it reached its step), polled over the window, from the first step seen to
+              the last (not when the controller received heartbeats);
   c. GPU utilisation, sampled every 0.5 s over the whole run by ``nvidia-smi
               --query-gpu=utilization.gpu,memory.used --format=csv,noheader,nounits -lms 500``
               (a subprocess; no Python dependency), averaged per phase;
@@ -45,7 +48,9 @@ Without the package installed (the GPU machine) the script maps ``islands.*`` to
 as ``pyproject.toml``'s package-dir table says, on disk, so Ray's workers import it too.
 
 Prints a table, then one JSON object as the last line; writes ``gpu.json`` and ``gpu.png``
-to ``--out`` (``benchmarks/out``).
+to ``--out`` (``benchmarks/out``), and keeps each job's run dir (events, metrics, and
+``gpu_step_samples.json``: the window's ``(step_at, step)`` samples behind its rates) under
+``--out/runs/``, named in ``gpu.json`` (``run_dir``).
 """
 
 from __future__ import annotations
@@ -187,8 +192,8 @@ def backend_of(row: Optional[dict]) -> Optional[str]:
 
 
 def window_rate(series: list[tuple[float, int]], start: float, end: float) -> Optional[float]:
-    """Steps/s of a ``(t, step)`` heartbeat series between the first sample at or after ``start``
-    and the last at or before ``end``.
+    """Steps/s of a ``(t, step)`` series between the first sample at or after ``start`` and the
+    last at or before ``end``.
 
     >>> window_rate([(0.0, 0), (1.0, 10), (2.0, 30), (3.0, 40)], 0.5, 3.0)
     15.0
@@ -197,6 +202,30 @@ def window_rate(series: list[tuple[float, int]], start: float, end: float) -> Op
     if len(inside) < 2 or inside[-1][0] <= inside[0][0]:
         return None
     return (inside[-1][1] - inside[0][1]) / (inside[-1][0] - inside[0][0])
+
+
+def own_clock_rate(samples: list[tuple[Optional[float], int]]) -> Optional[float]:
+    """Steps/s from a learner's own ``(step_at, step)`` samples (its ``status()``: the time on
+    its clock when it reached ``step``), polled over the window: from the first step seen to the
+    last, so both ends are step boundaries and the polling period does not enter the rate.
+
+    >>> own_clock_rate([(10.0, 100), (10.0, 100), (10.4, 104), (12.0, 120)])
+    10.0
+    >>> own_clock_rate([(None, 0), (5.0, 50)]), own_clock_rate([(5.0, 50), (5.0, 50)])
+    (None, None)
+    """
+    points = [(t, s) for t, s in samples if t is not None]
+    if len(points) < 2 or points[-1][0] <= points[0][0]:
+        return None
+    return (points[-1][1] - points[0][1]) / (points[-1][0] - points[0][0])
+
+
+def job_run_dir(out_dir: str, name: str) -> str:
+    """A new run dir for job ``name`` under ``out_dir/runs``; kept after the run (its events and
+    metrics are what the figures can be audited against), never reused or removed."""
+    root = os.path.join(out_dir, "runs")
+    os.makedirs(root, exist_ok=True)
+    return tempfile.mkdtemp(prefix=f"{name}-{time.strftime('%Y%m%dT%H%M%S')}-", dir=root)
 
 
 class Budget:
@@ -293,22 +322,18 @@ def validate(raw: dict, gpus: float = 1.0, cpus: float = 16.0,
 # -- the learner's environment, the bare loop ----------------------------------------------------
 def learner_env(accelerator: str, devices_per_host: float, cache_dir: str) -> dict:
     """The variables a learner of this region runs with (the project's ``process_env``), for the
-    bare loop's subprocess; {name: None} entries are removed."""
+    bare loop's subprocess; {name: None} entries are removed. Without the project's own
+    definition there is nothing to compare against: a failed import is an error naming it, not
+    a stand-in environment."""
     try:
         from islands.orchestrator.accelerators import learner_devices
         from islands.orchestrator.runtime import Role, process_env
-
-        devices = learner_devices(accelerator, devices_per_host if accelerator == "gpu" else None)
-        return process_env(Role.LEARNER, devices, cache_dir)
-    except ImportError:  # an older runtime.py
-        env = {"JAX_PLATFORMS": None if accelerator == "gpu" else "cpu",
-               "XLA_PYTHON_CLIENT_PREALLOCATE": "false", "OMP_NUM_THREADS": "1",
-               "JAX_COMPILATION_CACHE_DIR": cache_dir,
-               "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
-               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
-        if accelerator != "gpu":
-            env["XLA_FLAGS"] = "--xla_cpu_multi_thread_eigen=false"
-        return env
+    except ImportError as exc:
+        raise ImportError(f"gpu.py: the learner's environment comes from islands.orchestrator "
+                          f"(accelerators.learner_devices, runtime.process_env), which does not "
+                          f"import: {exc}") from exc
+    devices = learner_devices(accelerator, devices_per_host if accelerator == "gpu" else None)
+    return process_env(Role.LEARNER, devices, cache_dir)
 
 
 def child_env(env: dict) -> dict:
@@ -475,9 +500,10 @@ class JobRun:
 
 
 def run_service_job(spec: JobSpec, preset, accelerator: str, work, timeout_s: float,
-                    cache_dir: str) -> JobRun:
+                    cache_dir: str, out_dir: str) -> JobRun:
     """Runs one job through ``run_job`` (the ``islands run`` path: preflight, embedded cluster,
-    capacity check, controller) and ``work(controller, recorder, run)`` once it started."""
+    capacity check, controller) and ``work(controller, recorder, run)`` once it started. Its run
+    dir stays under ``out_dir/runs``."""
     import ray
 
     import recovery
@@ -485,9 +511,11 @@ def run_service_job(spec: JobSpec, preset, accelerator: str, work, timeout_s: fl
     from islands.orchestrator.job import run_job
 
     run = JobRun(spec.name)
-    run_dir = tempfile.mkdtemp(prefix=f"islands-gpu-{spec.name}-")
+    run_dir = job_run_dir(out_dir, spec.name)
+    run.result["run_dir"] = run_dir
     # The learners' compile cache is the bare loop's: the same step is a cache hit.
-    os.symlink(cache_dir, os.path.join(run_dir, "jax_cache"))
+    cache_link = os.path.join(run_dir, "jax_cache")
+    os.symlink(cache_dir, cache_link)
     config = parse(job_dict(spec, preset, accelerator, run_dir))
     t0 = time.time()
 
@@ -520,7 +548,10 @@ def run_service_job(spec: JobSpec, preset, accelerator: str, work, timeout_s: fl
         if tail:
             run.error += " | last events: " + tail
     finally:
-        shutil.rmtree(run_dir, ignore_errors=True)
+        # The run dir is kept; only the link this function made to the shared compile cache
+        # (removed at the end of the run) goes.
+        if os.path.islink(cache_link):
+            os.unlink(cache_link)
     return run
 
 
@@ -533,20 +564,57 @@ def _events_tail(run_dir: str, n: int = 6) -> str:
     return " ; ".join(line[:300] for line in lines)
 
 
+def learner_handles(snap: dict, learners: list[str]) -> dict:
+    """{learner: its incarnation's Ray actor} (the actor a spare was promoted into included)."""
+    import ray
+
+    from islands.orchestrator.controller import NAMESPACE
+    from islands.orchestrator.runtime import learner_actor_name
+
+    rows = snap.get("learners") or {}
+    return {n: ray.get_actor((rows.get(n) or {}).get("actor") or learner_actor_name(n),
+                             namespace=NAMESPACE) for n in learners}
+
+
 def measure_rates(recorder, learners: list[str], warmup_s: float, seconds: float) -> dict:
-    """Each learner's steps/s over a window of ``seconds`` after ``warmup_s``, from the heartbeat
-    series (the learner's own clock), and the window."""
+    """Each learner's steps/s over a window of ``seconds`` after ``warmup_s``, on the learner's
+    own clock: its ``status()`` polled every 0.25 s gives ``(step_at, step)``, the time it
+    reached that step, so the rate runs from a step's end to a later step's end
+    (``own_clock_rate``). The controller's receipt of heartbeats (which beat every 0.25 s and
+    are polled as often) would add up to half a second of jitter at each end of the window.
+    Returns the rates, the samples, the window, and the receipt-based rates beside them."""
+    import ray
+
+    handles = learner_handles(recorder.last_snapshot, learners)
     t_end_warm = time.time() + warmup_s
     while time.time() < t_end_warm:
         recorder.poll()
         time.sleep(0.25)
+    samples: dict = {n: [] for n in learners}
     start = time.time()
-    while time.time() - start < seconds:
+    while True:
+        statuses = ray.get([handles[n].status.remote() for n in learners], timeout=30)
+        for n, st in zip(learners, statuses):
+            samples[n].append((st.get("step_at"), int(st["step"])))
         recorder.poll()
+        if time.time() - start >= seconds:
+            break
         time.sleep(0.25)
     end = time.time()
-    rates = {n: window_rate(recorder.series.get(n, []), start, end) for n in learners}
-    return {"window": (start, end), "rates": rates}
+    return {"window": (start, end), "rates": {n: own_clock_rate(samples[n]) for n in learners},
+            "samples": samples,
+            "rates_by_receipt": {n: window_rate(recorder.series.get(n, []), start, end)
+                                 for n in learners}}
+
+
+def save_samples(run: JobRun, measured: dict) -> None:
+    """The window's ``(step_at, step)`` samples into the job's run dir, for an audit."""
+    path = os.path.join(run.result["run_dir"], "gpu_step_samples.json")
+    with open(path, "w") as f:
+        json.dump({"window": measured["window"], "samples": measured["samples"],
+                   "rates": measured["rates"],
+                   "rates_by_receipt": measured["rates_by_receipt"]}, f)
+    run.result["step_samples"] = path
 
 
 # -- phases ---------------------------------------------------------------------------------------
@@ -554,7 +622,9 @@ def service_work(seconds: float, warmup_s: float):
     def work(controller, recorder, run: JobRun, deadline: float):
         m = measure_rates(recorder, [f"{REGION}:0"], warmup_s, seconds)
         run.window = m["window"]
+        save_samples(run, m)
         run.result["service_steps_per_s"] = m["rates"][f"{REGION}:0"]
+        run.result["service_steps_per_s_by_receipt"] = m["rates_by_receipt"][f"{REGION}:0"]
         snap = recorder.last_snapshot
         run.result["learner_timings"] = snap["learners"][f"{REGION}:0"].get("timings")
     return work
@@ -566,6 +636,7 @@ def share_work(seconds: float, warmup_s: float, kill_timeout_s: float, do_kill: 
         learners = sorted(recorder.last_snapshot["learners"])
         m = measure_rates(recorder, learners, warmup_s, seconds)
         run.window = m["window"]
+        save_samples(run, m)
         rates = m["rates"]
         run.result["rates"] = rates
         run.result["aggregate_steps_per_s"] = (sum(r for r in rates.values() if r)
@@ -775,15 +846,21 @@ def run_all(args) -> dict:
     t_start = time.time()
     budget = Budget(args.budget_s)
     skip = {s for s in args.skip.split(",") if s}
-    cache_dir = tempfile.mkdtemp(prefix="islands-gpu-jax-cache-")
     gpu = args.accelerator == "gpu"
-    env1 = learner_env(args.accelerator, 1.0, cache_dir)
+    cache_dir = tempfile.mkdtemp(prefix="islands-gpu-jax-cache-")
+    try:
+        env1 = learner_env(args.accelerator, 1.0, cache_dir)
+    except ImportError as exc:   # named, one line; nothing runs with another environment
+        print(exc, file=sys.stderr)
+        shutil.rmtree(cache_dir, ignore_errors=True)
+        raise SystemExit(5)
     probe = probe_backend(env1)
     if gpu and probe.get("backend") != "gpu":
         why = f" ({probe['error']})" if probe.get("error") else ""
         print(f"gpu.py: no GPU: JAX with a GPU learner's environment (JAX_PLATFORMS="
               f"{env1.get('JAX_PLATFORMS')}) found backend {probe.get('backend')!r}{why}; on a "
               "machine without one run --dry-run", file=sys.stderr)
+        shutil.rmtree(cache_dir, ignore_errors=True)   # made by this run, still empty
         raise SystemExit(3)
     try:
         import ray  # noqa: F401
@@ -791,6 +868,7 @@ def run_all(args) -> dict:
         print(f"gpu.py: Ray is not importable ({exc}): on a GPU machine run "
               'export PYTHONPATH="$(bash bundle/install.sh /tmp/islands-gpu)" first',
               file=sys.stderr)
+        shutil.rmtree(cache_dir, ignore_errors=True)
         raise SystemExit(4)
     # This process stays off the GPU: the learners get all of it.
     os.environ["JAX_PLATFORMS"] = "cpu"
@@ -837,7 +915,7 @@ def run_all(args) -> dict:
             def go():
                 run = run_service_job(specs[spec_name], table[args.model], args.accelerator,
                                       work, timeout_s=min(need + 60.0, budget.left() - 10),
-                                      cache_dir=cache_dir)
+                                      cache_dir=cache_dir, out_dir=args.out)
                 if run.window[0] is not None:
                     windows[f"{spec_name} (measured)"] = run.window
                 if run.error:

@@ -58,7 +58,10 @@ class LearnerUnit:
                                       "wire_bytes_down": 0, "in_flight": 0, "epoch": None,
                                       "compression_relative_error": None, "pushes": 0,
                                       "refused": 0, "adopted": 0, "reregistered": 0,
-                                      "ready_at": None}
+                                      "ready_at": None,
+                                      # This clock's time when ``step`` was reached (its
+                                      # iteration's end): step rates on the learner's own clock.
+                                      "step_at": None}
         self.core = None
         self.settled_opt_state = None   # the inner state of the newest finished step (a peer's)
         self.gang = None            # the other hosts of a multi-host unit (learners/gang.py)
@@ -469,7 +472,7 @@ class LearnerUnit:
                     self.stats.update(step=core.step, tokens_done=core.tokens_done,
                                       compute_s=core.compute_s, loss=loss,
                                       step_time_s=step_time_ema, in_flight=sender.in_flight(),
-                                      epoch=self.epoch)
+                                      epoch=self.epoch, step_at=t0 + dt)
                 if time.time() - last_beat >= spec.heartbeat_s:
                     self._beat(core, step_time_ema)
                     last_beat = time.time()

@@ -158,6 +158,34 @@ def test_backend_read_defensively():
     assert gpu.backend_of({"devices": "cuda:0"}) is None
 
 
+def test_rates_on_the_learners_own_clock():
+    """From the first step seen to the last, on the learner's ``step_at``: the poll times (when
+    the samples were taken) do not enter, so a late first poll costs nothing."""
+    samples = [(100.0, 1000), (100.0, 1000), (100.5, 1005), (101.2, 1012), (103.0, 1030)]
+    assert gpu.own_clock_rate(samples) == pytest.approx(10.0)
+    # A learner that has not stepped yet (no step_at) and one that stalled give no rate.
+    assert gpu.own_clock_rate([(None, 0), (None, 0), (2.0, 20)]) is None
+    assert gpu.own_clock_rate([(7.0, 70)] * 5) is None
+    assert gpu.own_clock_rate([]) is None
+
+
+def test_a_missing_import_is_an_error_naming_it(monkeypatch):
+    """No stand-in environment for the bare loop: the failed import is named."""
+    monkeypatch.setitem(sys.modules, "islands.orchestrator.runtime", None)
+    with pytest.raises(ImportError, match=r"islands\.orchestrator\.runtime"):
+        gpu.learner_env("gpu", 1.0, "/nonexistent-cache")
+
+
+def test_each_jobs_run_dir_is_new_and_kept_under_out(tmp_path):
+    first = gpu.job_run_dir(str(tmp_path / "out"), "service")
+    second = gpu.job_run_dir(str(tmp_path / "out"), "service")
+    assert first != second
+    for d in (first, second):
+        assert os.path.isdir(d) and os.path.dirname(d) == str(tmp_path / "out" / "runs")
+        assert os.path.basename(d).startswith("service-")
+    assert os.listdir(first) == []
+
+
 def test_job_configs_validate_and_fit_one_gpu():
     table = gpu.presets()
     for spec in gpu.JOBS:
