@@ -23,6 +23,10 @@ ROUND_STEP = "per_round"
 STALENESS_SHARE = 0.0
 SCHEDULE_CLOCK = "fleet"
 ROUND_WAIT = 0.5
+# The downlink shadows kept per fragment (learners at one base share one); None: no bound, so a
+# learner whose copy diverged from the others' still gets encoded replies. A bound trades syncer
+# memory for full fp32 replies to the learners past it.
+DOWNLINK_MAX_SHADOWS = None
 
 # -- quorum (config: quorum.*) ---------------------------------------------------------------------
 MIN_LEARNERS = 1                  # K

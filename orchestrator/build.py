@@ -264,6 +264,7 @@ def syncer_options(config, run_dir: str) -> dict:
                                             DEFAULT_BLOCK_SIZE),
                 downlink_error_feedback=config.downlink_compression.error_feedback,
                 downlink_full_after_versions=config.syncer.downlink_full_after_versions,
+                downlink_max_shadows=config.syncer.downlink_max_shadows,
                 checkpoint_dir=snapshot_directory(config.syncer.checkpoint_dir, run_dir,
                                                   config.name),
                 snapshot_every_merges=config.syncer.snapshot_every_merges,

@@ -167,6 +167,7 @@ class SyncerSection(_Section):
     journal: bool = True
     checkpoint_dir: Optional[str] = None
     downlink_full_after_versions: Optional[int] = Field(8, ge=0)
+    downlink_max_shadows: Optional[int] = Field(defaults.DOWNLINK_MAX_SHADOWS, ge=1)
     shards: int = Field(1, ge=1, description="S: syncer actors, each merging its own fragments "
                         "(balanced by parameter count); at most P")
 

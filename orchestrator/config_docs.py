@@ -230,6 +230,13 @@ FIELD_NOTES: dict[str, str] = {
     "downlink_compression.block_size": "Elements per scale (float32; bfloat16 for nf2). For "
                                        "nf2 it defaults to 256 (written out or not), for the "
                                        "others to 64.",
+    "syncer.downlink_max_shadows": "With an encoded downlink, the most shadows (the syncer's "
+                                    "copy of what a learner holds) kept per fragment; learners "
+                                    "at one base share one. null (the default): no bound, so a "
+                                    "learner whose copy diverged from the others' still gets "
+                                    "encoded replies, at one fragment copy of syncer memory each. "
+                                    "A bound caps that memory; the learners past it get the "
+                                    "full fp32 fragment instead (about 16x the bytes of nf2).",
     "syncer.downlink_full_after_versions": "With an encoded downlink, a learner whose copy is "
                                            "more than this many versions behind the merge gets "
                                            "the full fragment instead; null: never for that "

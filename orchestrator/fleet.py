@@ -893,8 +893,11 @@ class _Machine:
         else:
             cause = death_cause(slot.node_id, self.fleet.alive_nodes or frozenset({slot.node_id}),
                                 obs.preempted, obs.error)
+        # Only the learner's own raised error can show a crash loop: a dead process's line is
+        # Ray's (alike for an OOM kill, a segfault and a SIGKILL from outside); the budget ends
+        # those.
         self.fail(slot, cause, detail=(obs.error or "run returned")[:300],
-                  error=obs.error or "run returned")
+                  error=(obs.error if obs.crashed else None))
 
     def on_quarantine(self, obs: Quarantine) -> None:
         slot = self.current(obs.learner, obs.incarnation)

@@ -25,6 +25,42 @@ from .runtime import (NAMESPACE, learner_actor_name, learner_options, release_un
 
 log = logging.getLogger("islands.controller")
 SPARE_PREFIX = "islands:spare:"
+# A placed learner slow to answer a restarted controller's ping gets this many times the ping's
+# timeout before it is ended as wedged.
+SLOW_PING_FACTOR = 6
+# Ray's states of an actor it has not placed yet (ray.util.state).
+UNPLACED_STATES = frozenset({"PENDING_CREATION", "DEPENDENCIES_UNREADY"})
+
+
+def pending_placement(name: str) -> bool:
+    """Whether the live actor ``name`` (namespace islands) waits for Ray to place it. Unknown
+    (the state API failed): False, so the caller waits longer rather than ends it."""
+    try:
+        from ray.util.state import list_actors
+
+        states = {a.state for a in list_actors(filters=[("name", "=", name)], timeout=10)
+                  if getattr(a, "ray_namespace", NAMESPACE) == NAMESPACE}
+    except Exception as exc:
+        log.warning("cannot ask Ray whether %s is placed: %s", name, exc)
+        return False
+    return bool(states) and states <= UNPLACED_STATES
+
+
+def release_unit_groups(learner: str) -> list[str]:
+    """Removes every placement group of ``learner``'s unit incarnations
+    (``islands-unit:<learner>:<incarnation>``); returns their names."""
+    from ray.util.placement_group import PlacementGroup, remove_placement_group
+
+    prefix = f"islands-unit:{learner}:"
+    removed = []
+    for pg_id, info in ray.util.placement_group_table().items():
+        if str(info.get("name", "")).startswith(prefix) and info.get("state") != "REMOVED":
+            try:
+                remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+                removed.append(info["name"])
+            except Exception as exc:   # removed meanwhile
+                log.warning("placement group %s: %s", info.get("name"), exc)
+    return removed
 
 
 @dataclasses.dataclass
@@ -118,33 +154,49 @@ class LearnerGroups:
                  timeout_s: float = 10) -> Optional[dict]:
         """A restarted controller takes over a unit still running under ``actor``'s name: its
         ``ping`` (incarnation, state, start step), or None when it is gone. An actor under that
-        name that does not answer (one Ray has not placed: a handover or a start launched after
-        the last save) is ended: it holds the name the relaunch needs, and would train as an
-        orphan once placed."""
+        name that Ray has not placed (a handover, or a start launched after the last save) is
+        ended, with a unit's placement groups: it holds the name the relaunch needs, and would
+        train as an orphan once placed. One that is placed but slow to answer (a compile, a
+        loaded host) gets ``SLOW_PING_FACTOR`` times longer before it is ended as wedged."""
 
+        name = learner_actor_name(actor)
         try:
-            handle = ray.get_actor(learner_actor_name(actor), namespace=NAMESPACE)
+            handle = ray.get_actor(name, namespace=NAMESPACE)
         except Exception:
             return None
         try:
             info = ray.get(handle.ping.remote(), timeout=timeout_s)
-        except Exception:
-            self.end_unplaced(actor)
+        except ray.exceptions.GetTimeoutError:
+            info = None
+            if not pending_placement(name):
+                try:
+                    info = ray.get(handle.ping.remote(), timeout=SLOW_PING_FACTOR * timeout_s)
+                except Exception:
+                    info = None
+            if info is None:
+                self.end_unplaced(actor, learner)
+                return None
+        except Exception:   # it died meanwhile: its name is released with it
+            self.end_unplaced(actor, learner)
             return None
         if info["state"] in ("training", "paused", "draining", "starting"):
             self.units[learner] = _Unit(info["incarnation"], handle, handle.wait_done.remote(),
                                         hosts)
         return info
 
-    def end_unplaced(self, actor: str) -> None:
+    def end_unplaced(self, actor: str, learner: Optional[str] = None) -> None:
         """Ends the learner actor named ``actor`` that does not answer (Ray has not placed it):
-        it holds the learner's name, so its relaunch could never take it."""
+        it holds the learner's name, so its relaunch could never take it. A unit's detached
+        placement groups (``islands-unit:<learner>:<incarnation>``) go with it: left, they would
+        take the capacity its relaunch waits for."""
 
         try:
             ray.kill(ray.get_actor(learner_actor_name(actor), namespace=NAMESPACE),
                      no_restart=True)
         except ValueError:   # gone meanwhile
             pass
+        if learner is not None:
+            release_unit_groups(learner)
 
     def launch_spare(self, name: str, region: str, devices, spec) -> Optional[str]:
         """Starts a warm spare (a learner's devices, held ready); why not, or None."""

@@ -130,15 +130,19 @@ def _budget_kind(cause: Cause) -> str:
 
 
 def error_signature(text: str) -> str:
-    """What makes two failures "the same error": the text with its numbers and hex ids made
-    alike (a pid, an address, an actor id differ between incarnations), whitespace collapsed.
+    """What makes two failures "the same error": the last line of the text (a traceback's is the
+    exception itself) with its numbers and hex ids made alike (a pid, an address, an actor id
+    differ between incarnations), whitespace collapsed.
 
     >>> error_signature("RayTaskError(ValueError)(ValueError('bad record 17 at 0x7f3a9c'))")
     "RayTaskError(ValueError)(ValueError('bad record # at #'))"
+    >>> error_signature("Traceback (most recent call last):\\n  File 'x.py', line 3\\nKeyError: 'w'\\n")
+    "KeyError: 'w'"
     """
     import re
 
-    text = re.sub(r"0x[0-9a-fA-F]+|\b[0-9a-fA-F]{12,}\b|\d+", "#", text or "")
+    lines = [line for line in (text or "").splitlines() if line.strip()]
+    text = re.sub(r"0x[0-9a-fA-F]+|\b[0-9a-fA-F]{12,}\b|\d+", "#", lines[-1] if lines else "")
     return " ".join(text.split())[:200]
 
 

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from islands import defaults
+
 from . import downlink as downlink_lib
 from . import shards as shards_lib
 from . import timing
@@ -71,6 +73,7 @@ class SyncerSpec:
     downlink_block_size: int = 64
     downlink_error_feedback: bool = True
     downlink_full_after_versions: Optional[int] = 8
+    downlink_max_shadows: Optional[int] = defaults.DOWNLINK_MAX_SHADOWS
     embedding_paths: Optional[tuple] = None   # the task's embedding tensors (else the prefix)
     checkpoint_dir: Optional[str] = None
     snapshot_every_merges: int = 10
@@ -94,7 +97,8 @@ def downlink_settings(spec: SyncerSpec) -> downlink_lib.DownlinkSettings:
     codec = (None if spec.downlink_kind in (None, "none")
              else codec_lib.make_codec(spec.downlink_kind, block_size=spec.downlink_block_size))
     return downlink_lib.DownlinkSettings(codec, spec.downlink_error_feedback,
-                                         spec.downlink_full_after_versions)
+                                         spec.downlink_full_after_versions,
+                                         spec.downlink_max_shadows)
 
 
 class Syncer:

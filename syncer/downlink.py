@@ -38,6 +38,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Mapping, NamedTuple, Optional
 
+from islands import defaults
+
 import numpy as np
 
 # No JAX at import (the Ray learner sets its XLA flags before JAX loads): ``codec`` is imported
@@ -66,7 +68,7 @@ class DownlinkSettings:
     codec: Any = None   # a codec.Codec
     error_feedback: bool = True
     full_after_versions: Optional[int] = 8
-    max_shadows: Optional[int] = 4
+    max_shadows: Optional[int] = defaults.DOWNLINK_MAX_SHADOWS
 
 
 @dataclass(frozen=True)

@@ -55,3 +55,48 @@ def test_a_killed_controller_comes_back_and_no_learner_stops(tmp_path, tiny_job)
     assert ft["applied"] + ft["dropped"] + ft["in_flight"] == ft["processed"] > 0
     assert summary["books_balanced"] is True
     assert 0.0 < summary["goodput"] <= 1.0
+
+
+@ray.remote(num_cpus=0)
+class _Pinged:
+    """Stands in for a learner unit at its ping: answers after ``delay`` seconds."""
+
+    def __init__(self, delay: float):
+        self.delay = delay
+
+    def ping(self) -> dict:
+        time.sleep(self.delay)
+        return {"incarnation": 3, "state": "done", "start_step": 7}
+
+
+def test_reattach_ends_an_unplaced_learner_and_its_unit_groups_but_waits_for_a_slow_one():
+    """A restarted controller's re-attach: an actor under a learner's name that Ray has not
+    placed is ended with its unit's placement groups (it would hold the name the relaunch needs);
+    one that is placed but slow to answer gets longer and is kept."""
+    from ray.util.placement_group import placement_group
+
+    from islands.orchestrator.groups import LearnerGroups, pending_placement
+    from islands.orchestrator.runtime import NAMESPACE, learner_actor_name, unit_group_name
+
+    groups = LearnerGroups()
+    unplaced = _Pinged.options(name=learner_actor_name("t:0"), namespace=NAMESPACE,
+                               resources={"no-such-resource": 1}).remote(0.0)
+    orphan_group = placement_group([{"no-such-resource": 1}], name=unit_group_name("t:0", 2),
+                                   lifetime="detached")
+    slow = _Pinged.options(name=learner_actor_name("t:1"), namespace=NAMESPACE).remote(1.5)
+    try:
+        ray.get(slow.__ray_ready__.remote(), timeout=60)
+        assert pending_placement(learner_actor_name("t:0"))
+        assert not pending_placement(learner_actor_name("t:1"))
+        assert groups.reattach("t:0", "t:0", timeout_s=0.5) is None
+        with pytest.raises(ValueError):   # ended: its name is free for the relaunch
+            ray.get_actor(learner_actor_name("t:0"), namespace=NAMESPACE)
+        table = ray.util.placement_group_table()
+        assert table[orphan_group.id.hex()]["state"] == "REMOVED"
+        # Placed but slow (1.5 s against a 0.5 s ping): waited for, not ended.
+        assert groups.reattach("t:1", "t:1", timeout_s=0.5) == {
+            "incarnation": 3, "state": "done", "start_step": 7}
+        assert ray.get_actor(learner_actor_name("t:1"), namespace=NAMESPACE)
+    finally:
+        for handle in (unplaced, slow):
+            ray.kill(handle)

@@ -39,6 +39,7 @@ CHANGES = {
     "model.compute_dtype": "bfloat16",
     "data.corpus": "/some/corpus/dir",
     "regions.a.bandwidth_gbps": 2.5,   # None (no emulation) by default
+    "syncer.downlink_max_shadows": 4,  # None (no bound) by default
     "task.path": "my_pkg.tasks:make",
     "task.args": None,         # only with another task.path: test_task_args_reach_the_learners
     "learner.overlap": "carry",

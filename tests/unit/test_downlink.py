@@ -2,6 +2,7 @@
 between the learner's copy and the syncer's shadow over many rounds with error feedback on both
 sides; a rejoin, a lost update and a learner too far behind get the full fragment."""
 
+import dataclasses
 import doctest
 
 import jax
@@ -321,3 +322,30 @@ def test_without_error_feedback_the_update_is_the_merges_since_the_base():
         {k: result.params[k] - history0[k] for k in history0}))
     for k in want:
         np.testing.assert_array_equal(update.codes[k].payload, want[k].payload)
+
+
+@pytest.mark.parametrize("cap", [None, 2])
+def test_diverged_learners_keep_encoded_replies_unless_a_shadow_cap_is_set(cap):
+    """Five learners merge one at a time (a fleet out of phase): each holds its own copy. With
+    no bound (the default) every reply stays encoded, one shadow each; with ``max_shadows`` the
+    fragment keeps at most that many, and the learners past it get the full fragment."""
+    names = tuple(f"x:{i}" for i in range(5))
+    syncer, cores, rng = make_system(learners=names)
+    syncer.downlink = dataclasses.replace(syncer.downlink, max_shadows=cap)
+    kinds = []
+    for r in range(3):
+        for i, name in enumerate(names):
+            train(cores[name], rng)
+            push_and_merge(syncer, cores[name], 0, float(r * 10 + i))
+            result = syncer.merge(0, "test", live_count=len(names))
+            update = syncer.updates(result)[name]
+            kinds.append(type(update).__name__)
+            cores[name].offer_reply(0, update, result.version)
+            cores[name].adopt_ready()
+            held = [k for k in syncer.shadows if k[1] == 0]
+            assert cap is None or len(held) <= cap, held
+    if cap is None:
+        assert "FullUpdate" not in kinds
+        assert len([k for k in syncer.shadows if k[1] == 0]) == len(names)
+    else:
+        assert kinds.count("FullUpdate") >= len(names)   # past the cap, round after round

@@ -1249,10 +1249,11 @@ def test_a_good_start_anywhere_in_its_region_clears_its_unknown_node_mark():
 
 
 # -- crash loops and the crash backoff ------------------------------------------------------------
-def fail_at(fleet, learner, incarnation, now, error, resume_step=None):
-    """``learner``'s incarnation dies with ``error`` at ``now``; relaunched (past any backoff)
-    at ``resume_step`` (the syncer's ledger) and training again. Returns (result, fleet)."""
-    result = F.step(fleet, [F.RunEnded(learner, incarnation, error, crashed=True)], now)
+def fail_at(fleet, learner, incarnation, now, error, resume_step=None, crashed=True):
+    """``learner``'s incarnation dies with ``error`` at ``now`` (``crashed``: its loop raised;
+    else its process died); relaunched (past any backoff) at ``resume_step`` (the syncer's
+    ledger) and training again. Returns (result, fleet)."""
+    result = F.step(fleet, [F.RunEnded(learner, incarnation, error, crashed=crashed)], now)
     if result.fleet.slots[learner].state != SlotState.RESTARTING:
         return result, result.fleet
     obs = [F.Applied({learner: (incarnation, resume_step, 1)})] if resume_step is not None else []
@@ -1283,6 +1284,24 @@ def test_a_learner_failing_at_one_resume_step_is_retired_as_a_crash_loop():
     slot = fleet.slots["a:0"]
     assert slot.state == SlotState.FAILED and "resume step 48" in slot.crash_loop
     assert slot.restart_counts == {Cause.CRASH: 3}   # budget left: the loop, not the budget
+
+
+def test_process_deaths_at_one_step_spend_the_budget_not_a_crash_loop():
+    """A dead process's line is Ray's, alike for an OOM kill, a segfault and a SIGKILL from
+    outside: not the learner's own error, so no crash loop; the budget of 5 ends it."""
+    policy = dataclasses.replace(POLICY, max_crash_restarts=5, crash_loop_after=3)
+    fleet = training(settings(heartbeat_timeout_s=1e9, policy=policy))
+    died = "The actor died unexpectedly before finishing this task. pid=%d"
+    now, events = 10.0, []
+    for incarnation in range(6):
+        result, fleet = fail_at(fleet, "a:0", incarnation, now, died % (100 + incarnation),
+                                resume_step=48, crashed=False)
+        events += names(result)
+        now += 100.0
+    assert "learner_retired" in events
+    retired = next(t for t in result.transitions if t.name == "learner_retired").fields
+    assert retired.get("cause") != "crash_loop" and fleet.slots["a:0"].crash_loop is None
+    assert fleet.slots["a:0"].restart_counts == {Cause.CRASH: 5}
 
 
 def test_chaos_kills_at_one_step_are_never_a_crash_loop():

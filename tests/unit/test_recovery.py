@@ -143,15 +143,3 @@ def test_a_handover_caught_in_the_state_saves_gap_is_relaunched_as_a_handover():
     plain = relaunched(saved_slot({**row, "preempted_s": None}, remote=False), known=2,
                        now=100.0)
     assert plain.recovery is None
-
-
-def test_a_restarted_controller_ends_a_learner_actor_that_does_not_answer():
-    """``reattach`` ends an actor under the learner's name that does not answer its ping (one
-    Ray has not placed), rather than leaving it to hold the name the relaunch needs."""
-    import inspect
-
-    from islands.orchestrator.groups import LearnerGroups
-
-    source = inspect.getsource(LearnerGroups.reattach)
-    unanswered = source[source.index("handle.ping.remote()"):]
-    assert "self.end_unplaced(actor)" in unanswered.split("return None")[0]
