@@ -460,6 +460,26 @@ def test_safe_defaults():
         assert container["resources"]["requests"] and container["resources"]["limits"]
 
 
+def test_the_default_image_is_the_one_the_dockerfile_builds():
+    """No registry publishes an islands image: the default is the name deploy/Dockerfile's header
+    builds (``docker build -t islands:<appVersion>``), and the guides say to push it and set
+    ``image.repository``."""
+    with open(os.path.join(REPO, "deploy", "Dockerfile")) as f:
+        header = f.read()
+    built = re.search(r"docker build -t (\S+):(\S+) -f deploy/Dockerfile \.", header)
+    assert built, "deploy/Dockerfile's header shows no `docker build -t NAME:TAG` line"
+    with open(os.path.join(CHART, "Chart.yaml")) as f:
+        app_version = yaml.safe_load(f)["appVersion"]
+    assert chart().values["image"]["repository"] == built.group(1)
+    assert built.group(2) == app_version
+    images = {c["image"] for _, c in containers(objects())}
+    assert images == {f"{built.group(1)}:{app_version}"}
+    for guide in (os.path.join(CHART, "README.md"), os.path.join(REPO, "docs", "kubernetes.md")):
+        with open(guide) as f:
+            text = f.read()
+        assert "image.repository" in text and "push" in text, guide
+
+
 def test_network_policy_admits_ray_ports_only_from_the_release():
     objs = objects({"networkPolicy": {"monitoringNamespace": "prom"}})
     policy = only(objs, "NetworkPolicy")["spec"]
