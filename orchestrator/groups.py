@@ -28,22 +28,13 @@ SPARE_PREFIX = "islands:spare:"
 # A placed learner slow to answer a restarted controller's ping gets this many times the ping's
 # timeout before it is ended as wedged.
 SLOW_PING_FACTOR = 6
-# Ray's states of an actor it has not placed yet (ray.util.state).
-UNPLACED_STATES = frozenset({"PENDING_CREATION", "DEPENDENCIES_UNREADY"})
 
 
-def pending_placement(name: str) -> bool:
-    """Whether the live actor ``name`` (namespace islands) waits for Ray to place it. Unknown
-    (the state API failed): False, so the caller waits longer rather than ends it."""
-    try:
-        from ray.util.state import list_actors
-
-        states = {a.state for a in list_actors(filters=[("name", "=", name)], timeout=10)
-                  if getattr(a, "ray_namespace", NAMESPACE) == NAMESPACE}
-    except Exception as exc:
-        log.warning("cannot ask Ray whether %s is placed: %s", name, exc)
-        return False
-    return bool(states) and states <= UNPLACED_STATES
+def placed(handle, timeout_s: float = 1.0) -> bool:
+    """Whether Ray has placed and created the actor ``handle`` (its ``__ray_ready__`` answers;
+    a threaded learner answers it beside a long call)."""
+    ready, _ = ray.wait([handle.__ray_ready__.remote()], timeout=timeout_s)
+    return bool(ready)
 
 
 def release_unit_groups(learner: str) -> list[str]:
@@ -168,7 +159,7 @@ class LearnerGroups:
             info = ray.get(handle.ping.remote(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
             info = None
-            if not pending_placement(name):
+            if placed(handle):
                 try:
                     info = ray.get(handle.ping.remote(), timeout=SLOW_PING_FACTOR * timeout_s)
                 except Exception:

@@ -59,7 +59,8 @@ def test_a_killed_controller_comes_back_and_no_learner_stops(tmp_path, tiny_job)
 
 @ray.remote(num_cpus=0)
 class _Pinged:
-    """Stands in for a learner unit at its ping: answers after ``delay`` seconds."""
+    """Stands in for a learner unit at its ping (threaded, as a learner is: it answers beside its
+    long run): answers after ``delay`` seconds."""
 
     def __init__(self, delay: float):
         self.delay = delay
@@ -75,7 +76,7 @@ def test_reattach_ends_an_unplaced_learner_and_its_unit_groups_but_waits_for_a_s
     one that is placed but slow to answer gets longer and is kept."""
     from ray.util.placement_group import placement_group
 
-    from islands.orchestrator.groups import LearnerGroups, pending_placement
+    from islands.orchestrator.groups import LearnerGroups, placed
     from islands.orchestrator.runtime import NAMESPACE, learner_actor_name, unit_group_name
 
     groups = LearnerGroups()
@@ -83,11 +84,11 @@ def test_reattach_ends_an_unplaced_learner_and_its_unit_groups_but_waits_for_a_s
                                resources={"no-such-resource": 1}).remote(0.0)
     orphan_group = placement_group([{"no-such-resource": 1}], name=unit_group_name("t:0", 2),
                                    lifetime="detached")
-    slow = _Pinged.options(name=learner_actor_name("t:1"), namespace=NAMESPACE).remote(1.5)
+    slow = _Pinged.options(name=learner_actor_name("t:1"), namespace=NAMESPACE,
+                           max_concurrency=8).remote(1.5)
     try:
         ray.get(slow.__ray_ready__.remote(), timeout=60)
-        assert pending_placement(learner_actor_name("t:0"))
-        assert not pending_placement(learner_actor_name("t:1"))
+        assert not placed(unplaced, 0.5) and placed(slow)
         assert groups.reattach("t:0", "t:0", timeout_s=0.5) is None
         with pytest.raises(ValueError):   # ended: its name is free for the relaunch
             ray.get_actor(learner_actor_name("t:0"), namespace=NAMESPACE)
