@@ -24,7 +24,10 @@ MARKDOWN = sorted(glob.glob(os.path.join(DOCS, "*.md"))) + [os.path.join(REPO, "
 EXAMPLE = os.path.join(REPO, "deploy", "examples", "local.yaml")
 # What a user must never be sent to: the team's internal design notes and shared folder.
 FORBIDDEN = (re.compile(r"DESIGN\s*§"), re.compile(r"DESIGN\.md"), re.compile(r"shared/"),
-             re.compile(r"shared folder", re.IGNORECASE), re.compile(r"team's shared"))
+             re.compile(r"shared folder", re.IGNORECASE), re.compile(r"team's shared"),
+             # the team's own tracker and machines mean nothing to a user
+             re.compile(r"\bissue \d+", re.IGNORECASE), re.compile(r"development machine"),
+             re.compile(r"machines? lent here"))
 
 
 def read(path: str) -> str:
