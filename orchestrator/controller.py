@@ -10,6 +10,7 @@ only talks to Ray. Control plane only: tensors flow learner <-> syncer directly.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -34,6 +35,7 @@ from .owner_role import HOME, OwnerRole
 from .groups_api import Incarnation, SyncerStatus, combined
 from .groups import (DrainQuery, LearnerGroups, SyncerShards, cluster_view, drain_node, draining_nodes,
                      node_views, restarted_actor, share)
+from .logs import EventLog, RecoveryLog, keep_span_s, trim_before
 from .safety import DrainGuard
 from . import remote_regions
 from .snapshot import console_view, goodput_view, learner_goodput, live_fates
@@ -43,7 +45,6 @@ from .runtime import (CONTROLLER_NAME, NAMESPACE, SYNCER_NAME, controller_option
 
 log = logging.getLogger("islands.controller")
 
-EVENT_LOG_LIMIT = 100_000
 
 
 
@@ -76,7 +77,7 @@ class Controller:
         self.groups = LearnerGroups()   # every Ray call for learners and spares
         self.closed: dict[str, dict] = {}    # per learner: counters of ended incarnations
         self.lock = threading.Lock()         # guards events and the syncer status for readers
-        self.events: list[dict] = []
+        self.events = EventLog()             # the newest events (events.jsonl has all)
         self.started_s = time.time()
         self.job_started_s: Optional[float] = None
         self.stop_event = threading.Event()
@@ -94,9 +95,9 @@ class Controller:
                                     "participation_counts": {}}
         self.eval_history: list[tuple[float, int, float]] = []
         self.initial_eval_loss: Optional[float] = None
-        self.recoveries: list[dict] = []
+        self.recoveries = RecoveryLog()      # a histogram of all, the newest as rows
         self.chaos_fired: list[dict] = []
-        self.goodput_history: list = []
+        self.goodput_history: collections.deque = collections.deque()  # (t, useful, allocated)
         self.step_seconds: dict = {}         # per region: histogram of heartbeats' step times
         self.badput_high: dict = {}          # per cause: the highest exported (never goes back)
         self.metrics_server = None
@@ -123,17 +124,15 @@ class Controller:
         now = time.time()
         event = {"t": now, "elapsed_s": round(now - self.started_s, 3), "event": kind, **fields}
         with self.lock:
-            if len(self.events) < EVENT_LOG_LIMIT:
-                self.events.append(event)
+            self.events.append(event)
         log.info("%s %s", kind, fields)
 
     def events_since(self, index: int) -> tuple[list[dict], int]:
-        """Events after the first ``index``; all of them when ``index`` is past the end (the
-        caller's count is from before this controller restarted)."""
+        """Events after the first ``index`` (absolute: it never goes back), and the next index;
+        the oldest kept when ``index`` is past the end (the caller's count is from before this
+        controller restarted). The newest ``logs.EVENTS_KEPT`` are kept here."""
         with self.lock:
-            if index > len(self.events):
-                index = 0
-            return self.events[index:], len(self.events)
+            return self.events.since(index)
 
     # -- start ----------------------------------------------------------------------------------
     def start(self) -> dict:
@@ -255,7 +254,8 @@ class Controller:
                     observations += self._refusals()
                     gp = self.goodput()
                     self.goodput_history.append((now, gp["useful_s"], gp["allocated_s"]))
-                    del self.goodput_history[:-100_000]
+                    trim_before(self.goodput_history,
+                                now - keep_span_s(self.settings.goodput_window_s))
                     self._mirror_ray_metrics()
                     last["syncer"] = now
                 observations += self._due_faults()
@@ -323,7 +323,7 @@ class Controller:
         elif t.name == "learner_retired":
             self.books.release(t.learner, now)
         elif t.name == "learner_recovered":
-            self.recoveries.append(dict(t.fields))
+            self.recoveries.append({**t.fields, "learner": t.learner})
         self.emit(t.name, **fields)
         self.role.recorded(t)
 

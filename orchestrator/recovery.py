@@ -6,6 +6,7 @@ learners that kept training meanwhile. Functions over the owner (``controller.Co
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import os
@@ -15,6 +16,7 @@ from typing import Any, Optional
 from . import fleet as fleet_lib
 from .books import Books
 from .groups_api import Incarnation
+from .logs import RecoveryLog
 from .metrics import window_to_save
 from .runtime import enable_compile_cache
 from .snapshot import finite
@@ -150,7 +152,7 @@ def save_state(owner: Any) -> None:
         "lost_regions": dict(fleet.lost_regions),
         "misconfigured": {node: dict(regions) for node, regions in fleet.misconfigured.items()},
         "operator_paused": fleet.operator_paused,
-        "recoveries": owner.recoveries[-1000:],
+        "recoveries": owner.recoveries.to_json(),
         "eval_history": owner.eval_history[-1000:], "initial_eval_loss": owner.initial_eval_loss,
         "syncer_restarts": owner.syncer_restarts, "syncer_closed": owner.syncer_closed,
         "chaos_fired": owner.chaos_fired, "job_started_s": owner.job_started_s,
@@ -178,14 +180,15 @@ def recover(owner: Any) -> None:
         saved = json.load(f)
     owner.books = Books.from_json(saved["books"])
     owner.closed = saved["closed"]
-    owner.recoveries, owner.chaos_fired = saved["recoveries"], saved["chaos_fired"]
+    owner.recoveries = RecoveryLog.from_json(saved["recoveries"])
+    owner.chaos_fired = saved["chaos_fired"]
     owner.eval_history = [tuple(e) for e in saved["eval_history"]]
     owner.initial_eval_loss = saved["initial_eval_loss"]
     owner.syncer_restarts, owner.syncer_closed = saved["syncer_restarts"], saved["syncer_closed"]
     owner.started_s, owner.job_started_s = saved["started_s"], saved["job_started_s"]
     owner.restarts = saved["restarts"] + 1
     # The sliding goodput window goes on from the samples it held (not from 1.0 at zero).
-    owner.goodput_history = [tuple(x) for x in saved.get("goodput_history") or []]
+    owner.goodput_history = collections.deque(tuple(x) for x in saved.get("goodput_history") or [])
     owner.step_seconds = saved.get("step_seconds") or {}
     if owner.chaos_plan is not None and owner.job_started_s is not None:
         owner.chaos_plan.due(time.time() - owner.job_started_s)  # fired before: not again
