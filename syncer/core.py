@@ -182,6 +182,18 @@ class _Judged:
 
 
 @dataclass(frozen=True)
+class Credit:
+    """What one merged push added to its learner's ledger entry, with what the entry held before,
+    so that a merge that could not be made durable takes it back (``SyncerCore.revoke``)."""
+
+    push: Push
+    step_before: Optional[int]        # merged_steps[p] before the credit (None: none)
+    tokens_before: Optional[int]      # merged_tokens[p] before
+    watermark_before: tuple           # (applied_tokens_done, applied_compute_s, applied_step)
+    mark_before: Optional[tuple]      # SyncerCore.merge_marks[(learner, p)] before
+
+
+@dataclass(frozen=True)
 class MergeResult:
     """The record of one merge: what it made and who took part.
 
@@ -207,6 +219,8 @@ class MergeResult:
     joined: int = 0                      # per_round: pushes of the round stepped before this merge
     live: Optional[int] = None           # live learners M when the merge was decided
     detail: str = ""                     # a refused merge: why, in words
+    # What the merge credited to the ledger, per push (``SyncerCore.revoke`` takes it back).
+    credits: tuple = field(default=(), repr=False, compare=False)
 
     @property
     def participants(self) -> int:
@@ -357,6 +371,10 @@ class SyncerCore:
         # The fleet is paused (the pause rule): a gap that holds a pause is no period; the
         # measure starts over on resume (``pause_periods``).
         self.periods_paused = False
+        # (learner, fragment) -> (incarnation, tokens_done, compute_s, step) of its newest push
+        # merged in this process: what the applied watermark falls back to when a merge is
+        # revoked (``revoke``).
+        self.merge_marks: dict[tuple[str, int], tuple] = {}
 
     # -- membership -----------------------------------------------------------------------------
     def register(self, learner: str, incarnation: int, session: Optional[str] = None
@@ -940,8 +958,8 @@ class SyncerCore:
         slot.history[slot.version] = slot.params
         for old in [v for v in slot.history if v <= slot.version - self.settings.history_versions]:
             del slot.history[old]
-        for c in contributions:
-            self._credit(c.push)
+        credits = tuple(credit for credit in map(self._credit, (c.push for c in contributions))
+                        if credit is not None)
         slot.round = {}
         slot.quorum_reached_at_s = None
         slot.round_opened_at_s = None
@@ -955,7 +973,7 @@ class SyncerCore:
             groups=tuple(c.group for c in contributions),
             fleet_step=(self.fleet_step() if self.settings.schedule_clock
                         == merge_lib.ScheduleClock.FLEET else None),
-            joined=len(joined), live=live_count))
+            joined=len(joined), live=live_count, credits=credits))
 
     def _refuse_unadopted(self, slot: FragmentSlot, fragment: int,
                           contributions: Sequence[Contribution],
@@ -1084,17 +1102,56 @@ class SyncerCore:
         ranked = sorted(sharing, key=lambda k: (-sharing[k], k))
         return set(ranked[max(cap - len(kept), 0):])
 
-    def _credit(self, push: Push) -> None:
+    def _credit(self, push: Push) -> Optional[Credit]:
         entry = self.ledger.setdefault(push.learner, LedgerEntry(incarnation=push.incarnation))
         if push.incarnation != entry.incarnation:
-            return  # an older incarnation's push cannot be in a round: forget() removed it
-        entry.merged_steps[push.fragment] = push.step
-        entry.merged_tokens[push.fragment] = entry.merged_tokens.get(push.fragment, 0) + push.c_tokens
+            return None  # an older incarnation's push cannot be in a round: forget() removed it
+        p, key = push.fragment, (push.learner, push.fragment)
+        credit = Credit(push, entry.merged_steps.get(p), entry.merged_tokens.get(p),
+                        (entry.applied_tokens_done, entry.applied_compute_s, entry.applied_step),
+                        self.merge_marks.get(key))
+        entry.merged_steps[p] = push.step
+        entry.merged_tokens[p] = entry.merged_tokens.get(p, 0) + push.c_tokens
         entry.merged_tokens_total += push.c_tokens
+        self.merge_marks[key] = (push.incarnation, push.tokens_done, push.compute_s, push.step)
         if push.tokens_done > entry.applied_tokens_done:
             entry.applied_tokens_done = push.tokens_done
             entry.applied_compute_s = push.compute_s
             entry.applied_step = push.step
+        return credit
+
+    def revoke(self, result: MergeResult, detail: str) -> None:
+        """A merge that could not be made durable (its journal entry was not written): its
+        pushes are refused ``not_durable`` (their learners drop their tokens with that reason
+        and start over from the current Θ[p]), so the ledger takes back what the merge credited
+        them: the fragment-tokens merged, the fragment's last merged step and the applied
+        watermark, which becomes the newest of what the entry held before this merge and the
+        pushes of its other fragments merged since (``merge_marks``). Every token then has one
+        fate on both sides. Θ[p] keeps the merge (undoing it would need the round's sums, gone
+        with it); a later durable merge of the fragment writes it down."""
+        for credit in result.credits:
+            push = credit.push
+            self._refused(push, Rejected(RejectReason.NOT_DURABLE, detail))
+            entry = self.ledger.get(push.learner)
+            if entry is None or entry.incarnation != push.incarnation:
+                continue   # a new incarnation's books start afresh: nothing of this one is there
+            p, key = push.fragment, (push.learner, push.fragment)
+            entry.merged_tokens_total -= push.c_tokens
+            for books, before in ((entry.merged_steps, credit.step_before),
+                                  (entry.merged_tokens, credit.tokens_before)):
+                if before is None:
+                    books.pop(p, None)
+                else:
+                    books[p] = before
+            if credit.mark_before is None:
+                self.merge_marks.pop(key, None)
+            else:
+                self.merge_marks[key] = credit.mark_before
+            marks = [credit.watermark_before] + [
+                mark[1:] for (name, _), mark in self.merge_marks.items()
+                if name == push.learner and mark[0] == push.incarnation]
+            (entry.applied_tokens_done, entry.applied_compute_s,
+             entry.applied_step) = max(marks, key=lambda m: m[0])
 
     # -- views ----------------------------------------------------------------------------------
     def fragment(self, p: int) -> tuple[Fragment, int]:
