@@ -101,8 +101,16 @@ class Contribution:
     # A member of a region's pre-merged push: the push's name. Its members share one outer
     # gradient (the group's mean) and are merged, forgotten and answered together.
     group: Optional[str] = None
-    # What its outer gradient is decoded from again (a learner forgotten, a pull-rule join)
-    # and its merge weight: the round keeps running sums, not the gradients (fused.GradSum).
+    # What its outer gradient is decoded from again, and its merge weight: the round keeps
+    # running sums, not the gradients (fused.GradSum). The codes are the push's own (the same
+    # object as ``push.codes``; a pre-merged push's, which its members share), held until the
+    # round merges because they are read again when the push leaves the round unmerged (its
+    # learner forgotten: ``_take_out`` decodes this push alone and subtracts it) and, under
+    # ``outer_gradient: pull``, when a partial merge joins its round (each gradient moves to
+    # the round's start, and RDA needs each one's new norm). They are the smallest record of
+    # the gradient there is (nf2: 0.07 of its float32 bytes), and dropping them here would free
+    # nothing before the push is answered: the syncer's ``push`` call holds its argument until
+    # then.
     codes: Any = None
     weight: float = 0.0
 
@@ -423,16 +431,14 @@ class SyncerCore:
         for slot in self.slots:
             contribution = slot.round.pop(learner, None)
             if contribution is not None:
-                dropped.append(contribution.push)
+                left = [contribution]
                 if contribution.group is not None:
                     # Its drift is inside the group's mean: the group goes with it (its other
                     # members are answered "dropped" and push their drift again).
-                    for mate in [n for n, c in slot.round.items()
-                                 if c.group == contribution.group]:
-                        dropped.append(slot.round.pop(mate).push)
-                self._refold(slot)   # the sum without it (none left: no sum)
-                if not slot.round:
-                    self._release_open(slot)
+                    left += [slot.round.pop(mate) for mate in
+                             [n for n, c in slot.round.items() if c.group == contribution.group]]
+                dropped.extend(c.push for c in left)
+                self._take_out(slot, left)   # the sum without it (none left: no sum)
                 self._recount_quorum(slot)
         self.learners.pop(learner, None)
         self.sessions.pop(learner, None)
@@ -739,6 +745,27 @@ class SyncerCore:
         slot.open_sum.fold(grads, norms, weight, unit_weight, self.pool)
         for g in grads.values():
             self.pool.give(g)
+
+    def _take_out(self, slot: FragmentSlot, left: Sequence[Contribution]) -> None:
+        """The open round's sum without the pushes ``left`` (one push, or the members of one
+        pre-merged push, which share one outer gradient): their gradient is decoded again from
+        their codes, as ``_fold`` made it (the same anchor, base and drift: the same values),
+        and subtracted (``GradSum.unfold``); the pushes that stay are not decoded. Only where
+        subtracting cannot give their sum (the pushes that left held its only positive weights)
+        is it folded again from theirs."""
+        if not slot.round or slot.open_sum is None:
+            self._release_open(slot)
+            return
+        c = left[0]
+        drift = {k: np.asarray(v) for k, v in self.decode(c.codes).items()}
+        grads, norms = fused.outer_gradient(self._anchor(slot, c.push, c.base), c.base, drift,
+                                            self.pool)
+        whole = slot.open_sum.unfold(grads, norms, sum(m.weight for m in left),
+                                     float(len(left)), self.pool)
+        for g in grads.values():
+            self.pool.give(g)
+        if not whole:
+            self._refold(slot)
 
     def _refold(self, slot: FragmentSlot, shift: Optional[tuple] = None) -> None:
         """Rebuilds the open round's sum from its pushes' codes, in the order they came (the

@@ -318,14 +318,16 @@ class GradSum:
         self.weight = 0.0
         self.positive = False   # a positive weight is in (else the sums are of weight 1 each)
         self.count = 0
+        self.in_sums = 0        # pushes inside the sums (a zero weight after a positive is not)
+        self.directed: dict = {}   # path -> pushes inside ``direction[path]`` (‖g‖ > 0)
 
     def release(self, pool: Optional[BufferPool]) -> None:
         """Hands the arrays to the pool; the sum is empty afterwards."""
         if pool is not None:
             for v in itertools.chain(self.mean.values(), self.direction.values()):
                 pool.give(v)
-        self.mean, self.direction, self.length = {}, {}, {}
-        self.weight, self.positive, self.count = 0.0, False, 0
+        self.mean, self.direction, self.length, self.directed = {}, {}, {}, {}
+        self.weight, self.positive, self.count, self.in_sums = 0.0, False, 0, 0
 
     def fold(self, grads: dict, norms: dict, weight: float, unit_weight: float = 1.0,
              pool: Optional[BufferPool] = None) -> None:
@@ -343,6 +345,7 @@ class GradSum:
         else:
             weight = unit_weight
         self.count = count
+        self.in_sums += 1
         w = float(weight)
         take = pool.take if pool is not None else (lambda shape: np.empty(shape, np.float32))
         for path, g in grads.items():
@@ -352,6 +355,7 @@ class GradSum:
                 self.length[path] = self.length.get(path, 0.0) + w * n
                 if n > 0:
                     targets.append((self.direction, w / n))
+                    self.directed[path] = self.directed.get(path, 0) + 1
             for target, c in targets:
                 if path not in target:
                     target[path] = take(g.shape)
@@ -359,6 +363,44 @@ class GradSum:
                 else:
                     _axpy(c, g, target[path])
         self.weight += w
+
+    def unfold(self, grads: dict, norms: dict, weight: float, unit_weight: float = 1.0,
+               pool: Optional[BufferPool] = None) -> bool:
+        """Takes out one outer gradient ``fold`` added with these arguments (its push left the
+        round): ``−c·g`` for each ``+c·g`` it added, to float32 rounding of the sums' terms.
+        Returns False when subtracting cannot give the sum of the pushes that stay, which must
+        then be folded again: it held the only positive weights while pushes of weight 0 stay
+        (those were left out of the sums, ``fold``)."""
+        if self.count <= 0:
+            raise ValueError("unfold: the sum holds no push")
+        if weight > 0 and not self.positive:
+            raise ValueError("unfold: a positive weight that the sum does not hold")
+        self.count -= 1
+        if weight <= 0 and self.positive:
+            return True             # it added nothing
+        w = float(weight) if weight > 0 else float(unit_weight)
+        self.in_sums -= 1
+        if self.in_sums == 0:       # nothing left in the sums: empty them, not a residue
+            count = self.count
+            self.release(pool)
+            self.count = count      # (pushes of weight 0 left out of the sums may stay)
+            return count == 0
+        for path, g in grads.items():
+            n = norms[path]
+            _axpy(-w, g, self.mean[path])
+            if path in self.rda_paths:
+                self.length[path] = self.length.get(path, 0.0) - w * n
+                if n > 0:
+                    self.directed[path] -= 1
+                    if self.directed[path] == 0:    # the rest point nowhere: no residue kept
+                        del self.directed[path]
+                        v = self.direction.pop(path)
+                        if pool is not None:
+                            pool.give(v)
+                    else:
+                        _axpy(-w / n, g, self.direction[path])
+        self.weight -= w
+        return True
 
     def absorb(self, other: "GradSum", pool: Optional[BufferPool] = None) -> None:
         """``self += other`` (the pushes of a partial merge join their round's sum); ``other``
@@ -378,7 +420,10 @@ class GradSum:
                 theirs.clear()
             for path, x in other.length.items():
                 self.length[path] = self.length.get(path, 0.0) + x
+            for path, x in other.directed.items():
+                self.directed[path] = self.directed.get(path, 0) + x
             self.weight += other.weight
+            self.in_sums += other.in_sums
         self.count += other.count
         other.release(pool)
 

@@ -169,3 +169,43 @@ def test_zero_momentum_keeps_no_trace():
     params = {"w": np.ones(8, np.float32)}
     assert fused._trace(outer.build("nesterov", lr=1.0, momentum=0.0).init(params)) is None
     assert fused._trace(outer.build("nesterov", lr=0.7, momentum=0.9).init(params)) is not None
+
+
+def test_unfold_takes_a_push_out_of_the_sums_by_hand():
+    """RDA of (2, 0) and (0, 4) with weights 1 and 3 (3.5·(1, 3)/√10, test above) after a third
+    push (1, 1), weight 2, was folded in and taken out again; its direction too: a tensor none
+    of whose remaining pushes points anywhere keeps no residue."""
+    optimizer = outer.build("sgd", lr=1.0, momentum=0.0)
+    params = {"w": np.zeros(2, np.float32), "b": np.zeros(1, np.float32)}
+    sums = fused.GradSum(frozenset({"w", "b"}))
+    pushes = [({"w": np.array([2.0, 0.0], np.float32), "b": np.zeros(1, np.float32)}, 1.0),
+              ({"w": np.array([1.0, 1.0], np.float32), "b": np.ones(1, np.float32)}, 2.0),
+              ({"w": np.array([0.0, 4.0], np.float32), "b": np.zeros(1, np.float32)}, 3.0)]
+    norms = [{k: fused._norm(v) for k, v in g.items()} for g, _ in pushes]
+    for (g, w), n in zip(pushes, norms):
+        sums.fold(g, n, w)
+    assert sums.unfold(pushes[1][0], norms[1], 2.0)
+    assert (sums.count, sums.weight, "b" in sums.direction) == (2, 4.0, False)
+    new, _, finite, norm = fused.step_sums(optimizer, [sums], 1.0, params,
+                                           optimizer.init(params))
+    assert finite and norm == pytest.approx(3.5)
+    np.testing.assert_allclose(new["w"], -3.5 * np.array([1.0, 3.0]) / np.sqrt(10), rtol=1e-6)
+    np.testing.assert_array_equal(new["b"], [0.0])
+    assert sums.unfold(pushes[0][0], norms[0], 1.0) and sums.unfold(pushes[2][0], norms[2], 3.0)
+    assert (sums.count, sums.mean, sums.direction) == (0, {}, {})
+
+
+def test_unfold_of_the_only_positive_weight_asks_for_a_refold():
+    """A push of weight 0 folded before a positive one is left out of the sums (it weighs
+    nothing next to it); taking the positive one out cannot give the zero-weight push's sum."""
+    g = {"w": np.array([1.0], np.float32)}
+    n = {"w": 1.0}
+    sums = fused.GradSum(frozenset())
+    sums.fold(g, n, 0.0)
+    sums.fold(g, n, 5.0)
+    assert sums.unfold(g, n, 5.0) is False and sums.count == 1 and sums.mean == {}
+    zero = fused.GradSum(frozenset())
+    zero.fold(g, n, 0.0)
+    zero.fold({"w": np.array([3.0], np.float32)}, n, 0.0)
+    assert zero.unfold(g, n, 0.0) and zero.weight == 1.0
+    np.testing.assert_array_equal(zero.mean["w"], [3.0])
