@@ -301,30 +301,6 @@ def regions_to_rejoin(learners: Sequence[str], bases: Sequence[tuple],
     return frozenset(r for r, seen in bases_of.items() if len(seen) > 1)
 
 
-def shared_gradients(contributions: Sequence[Contribution], weights: Sequence[float]
-                     ) -> tuple[list, list, list]:
-    """(outer gradients, their norms, weights) with the members of one pre-merged push folded
-    into one: their shared gradient once, with the sum of their weights (one pass over it, and
-    each buffer goes back to the pool once). ``Σ_i w_i ḡ = (Σ_i w_i) ḡ``: the weighted mean is
-    unchanged.
-
-    >>> g = {"w": None}
-    >>> c = [Contribution(None, g, 0, 0.0, group="r"), Contribution(None, g, 0, 0.0, group="r"),
-    ...      Contribution(None, {"w": None}, 0, 0.0)]
-    >>> shared_gradients(c, [1.0, 2.0, 4.0])[2]
-    [3.0, 4.0]
-    """
-    out: dict[int, list] = {}
-    for c, w in zip(contributions, weights, strict=True):
-        key = id(c.outer_grad)
-        if key in out:
-            out[key][2] += w
-        else:
-            out[key] = [c.outer_grad, c.grad_norms, w]
-    rows = list(out.values())
-    return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
-
-
 class SyncerCore:
     """Owns the global parameters Θ and the outer optimizer state, per fragment."""
 
