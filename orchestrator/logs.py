@@ -11,7 +11,7 @@ import collections
 import itertools
 from typing import Iterable, Mapping, Optional
 
-EVENTS_KEPT = 10_000       # the job driver reads events every ~0.25 s: far behind this is gone
+EVENTS_KEPT = 5_000        # the job driver reads events every ~0.25 s: far behind this is gone
 RECOVERIES_KEPT = 1_000    # rows for summary.json's table; the histogram counts every one
 RECOVERIES_IN_SNAPSHOT = 20   # rows in each periodic snapshot (metrics.jsonl): the newest
 RECOVERY_PHASES = ("detect", "restart", "restore", "first_contribution", "total")
