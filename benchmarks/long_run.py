@@ -22,9 +22,11 @@ Checked at the end:
     process: each actor's process at the end (the service kills fall in 30-60 % of the run, so
     it lived through the last 40 %), its last W failures against its first W; the figures for
     the role over the whole run (first process against last) are reported beside it. Open file
-    descriptors (the driver, the controller, the syncer, the link server, the learners) and
-    live Ray actors back to their counts at the start, both read once every learner trains and
-    no spare is starting; after the job no job actor and none of the processes it used alive.
+    descriptors of the driver, the controller, the syncer and the link server back to their
+    counts at the start, and each learner's no more than any learner's over the first window
+    (``fds_verdict``: a restarted learner keeps a socket to the peer it copied from), and live
+    Ray actors back to their count, all read once every learner trains and no spare is
+    starting; after the job no job actor and none of the processes it used alive.
 
     python benchmarks/long_run.py                  # ≥ 2,000 failures within 60 minutes
     python benchmarks/long_run.py --quick          # 60 failures: the same checks, minutes
@@ -157,6 +159,33 @@ def versions_monotonic(merges) -> tuple[bool, int]:
     return lost == 0, lost
 
 
+def fds_verdict(start: dict, end: dict, learner_window_max: Optional[int]) -> dict:
+    """Open fds back where they started, per process role.
+
+    The processes that live through the run (the driver, the controller, the syncer, the link
+    server; the service kills restart some, and a restarted one is read the same way) must end
+    at or below their count at the start. The learners at the end are other processes than at
+    the start: a restarted learner that copied its state from a peer keeps a connection to that
+    peer's process while both live, which the first incarnations never made. So each learner at
+    the end must hold no more fds than the most any learner held over the first window of
+    failures (``learner_window_max``, sampled): a leak grows past that, a peer's socket does not.
+
+    >>> fds_verdict({"driver": 40, "learners": [46, 46]}, {"driver": 40, "learners": [48, 47]}, 48)
+    {'driver': True, 'learners': True, 'back': True}
+    >>> fds_verdict({"driver": 40, "learners": [46]}, {"driver": 41, "learners": [49]}, 48)
+    {'driver': False, 'learners': False, 'back': False}
+    """
+    out = {}
+    for role, first in start.items():
+        if role == "learners":
+            bound = max(first + [learner_window_max or 0])
+            out[role] = bool(end.get(role)) and max(end[role]) <= bound
+        elif first is not None:
+            out[role] = end.get(role) is not None and end[role] <= first
+    out["back"] = bool(out) and all(out.values())
+    return out
+
+
 # -- the real run ---------------------------------------------------------------------------------
 def job_config(seed: int, token_file: str) -> dict:
     config = soak.job_config(seed)
@@ -213,6 +242,7 @@ class Chaos:
         # Open fds over the run (failures so far, fds): a leak grows with failures, a process
         # of another kind (a promoted spare) is an offset.
         self.fd_samples: dict[str, list] = {"driver": [], "controller": [], "syncer": []}
+        self.learner_fd_samples: list = []   # (failures so far, each training learner's fds)
         self.log: list = []
         self.start_counts: dict = {}
         self.end_counts: dict = {}
@@ -272,19 +302,30 @@ class Chaos:
             fds[role] = proc_figures(pid)[1]
             if pid:
                 self.seen(pid)
-        learner_fds = 0
+        fds["learners"] = self.learner_fds(status)
+        named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+        total = sum(v or 0 for k, v in fds.items() if k != "learners") + sum(fds["learners"])
+        return {"fds": fds, "fds_total": total,
+                "live_actors": live_actor_count(), "named_actors": len(named)}
+
+    def learner_fds(self, status: dict) -> list[int]:
+        """Open fds of each training learner's process now (sorted by learner)."""
+        import ray
+
+        out = []
         for name, x in sorted(status["learners"].items()):
+            if x["state"] != "training":
+                continue
             try:
                 pid = actor_pid(ray.get_actor(x["actor"], namespace="islands"))
             except Exception:
                 pid = None
             if pid:
                 self.seen(pid)
-            learner_fds += proc_figures(pid)[1] or 0
-        fds["learners"] = learner_fds
-        named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
-        return {"fds": fds, "fds_total": sum(v or 0 for v in fds.values()),
-                "live_actors": live_actor_count(), "named_actors": len(named)}
+            fds = proc_figures(pid)[1]
+            if fds is not None:
+                out.append(fds)
+        return out
 
     def wait_steady(self, controller, timeout_s: float, hold_s: float = 5.0) -> Optional[dict]:
         """The status once the job has been steady for ``hold_s`` (None at the timeout)."""
@@ -299,6 +340,12 @@ class Chaos:
                 since = None
             time.sleep(0.5)
         return None
+
+    def learner_window_max(self) -> Optional[int]:
+        """The most fds any learner held in the samples of the first window of failures."""
+        window = window_size(max(self.failures, 1))
+        rows = [max(fds) for n, fds in self.learner_fd_samples if n < window and fds]
+        return max(rows) if rows else None
 
     def seen(self, pid: int) -> None:
         import psutil
@@ -350,7 +397,7 @@ class Chaos:
         plan = service_kill_plan(args.failures, *args.service_kills)
         trained_since: dict = {}
         handles = self.handles()
-        next_kill = next_sample = next_print = 0.0
+        next_kill = next_sample = next_print = next_learner_fds = 0.0
         mode = 0
         while (self.count_failures() < args.failures and time.time() < deadline
                and not self.stop.is_set()):
@@ -383,6 +430,9 @@ class Chaos:
                     key = (name, x["incarnation"])
                     trained_since.setdefault(key, now)
                     training[name] = now - trained_since[key]
+            if now >= next_learner_fds:
+                self.learner_fd_samples.append((self.failures, self.learner_fds(status)))
+                next_learner_fds = now + 10.0
             if training and now >= next_kill:
                 victim = max(training, key=training.get)
                 how = ("ray_kill", "exit")[mode % 2]
@@ -410,10 +460,12 @@ class Chaos:
             self.end_counts = {"error": f"not steady within {args.settle_s:.0f}s"}
         else:
             self.end_counts = self.counts(controller, status)
-            # A count above the start may be a process that is still closing: read again.
-            for _ in range(10):
+            # A count above the start may be a process, or a connection to one, that is still
+            # closing (Ray drops its clients of dead workers lazily): read again, for a minute.
+            for _ in range(30):
                 if (self.end_counts["live_actors"] <= self.start_counts["live_actors"]
-                        and self.end_counts["fds_total"] <= self.start_counts["fds_total"]):
+                        and fds_verdict(self.start_counts["fds"], self.end_counts["fds"],
+                                        self.learner_window_max())["back"]):
                     break
                 time.sleep(2.0)
                 status = self.wait_steady(controller, args.settle_s, hold_s=1.0) or status
@@ -482,7 +534,9 @@ def run_real(args) -> dict:
                     for role, s in chaos.samples.items()}
     books = books_check(summary)
     start, end = chaos.start_counts, chaos.end_counts
-    fds_back = bool(start and end.get("fds")) and end["fds_total"] <= start["fds_total"]
+    fds_check = (fds_verdict(start["fds"], end["fds"], chaos.learner_window_max())
+                 if start and end.get("fds") else {"back": False})
+    fds_back = fds_check["back"]
     actors_back = bool(start and "live_actors" in end) and (
         end["live_actors"] == start["live_actors"])
     kinds = [k for k, _ in chaos.log]
@@ -519,7 +573,13 @@ def run_real(args) -> dict:
         "memory": memory, "memory_since_last_restart": memory_since,
         "fds_start": start.get("fds"), "fds_end": end.get("fds"),
         "fds_total_start": start.get("fds_total"), "fds_total_end": end.get("fds_total"),
-        "fds_back": fds_back,
+        "fds_back": fds_back, "fds_check": fds_check,
+        "learner_fds_window_max": chaos.learner_window_max(),
+        "learner_fds_over_failures": {
+            "first": max([max(f) for n, f in chaos.learner_fd_samples if n < window and f],
+                         default=None),
+            "last": max([max(f) for n, f in chaos.learner_fd_samples
+                         if n >= failures - window and f], default=None)},
         # Median open fds over the first and the last W failures, per process role.
         "fds_over_failures": {role: {k: v for k, v in memory_windows(rows, failures, window).items()
                                      if k in ("first", "last")}
@@ -532,7 +592,8 @@ def run_real(args) -> dict:
         "merges": summary.get("merges"), "goodput": summary.get("goodput"),
         "chaos_error": chaos.error, "run_dir": run_dir,
         # Every sample, for a second look: [failures so far, bytes or fds, pid].
-        "samples": {"rss": chaos.samples, "fds": chaos.fd_samples},
+        "samples": {"rss": chaos.samples, "fds": chaos.fd_samples,
+                    "learner_fds": chaos.learner_fd_samples},
     }
     result["met"] = bool(failures >= args.failures and books["balanced"] and monotonic
                          and result["nothing_lost"] and result["memory_within_10pct"]

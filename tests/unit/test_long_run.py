@@ -57,3 +57,16 @@ def test_books_check_term_by_term():
 def test_versions_going_back_are_caught():
     assert long_run.versions_monotonic([(0, 1), (1, 1), (0, 2), (0, 3)]) == (True, 0)
     assert long_run.versions_monotonic([(0, 1), (0, 4), (0, 2)]) == (False, 2)
+
+
+def test_fds_back_per_role_and_learners_against_the_first_window():
+    start = {"driver": 40, "controller": 57, "syncer": 55, "link": 49, "learners": [46, 46]}
+    same = {**start, "learners": [48, 47]}
+    assert long_run.fds_verdict(start, same, 48)["back"]
+    # A long-lived process one fd above its start is not back.
+    assert not long_run.fds_verdict(start, {**same, "controller": 58}, 48)["back"]
+    # A learner above every learner of the first window is not back; nor is one with no sample.
+    assert not long_run.fds_verdict(start, {**same, "learners": [49, 46]}, 48)["back"]
+    assert long_run.fds_verdict(start, {**same, "learners": [46]}, None)["back"]
+    assert not long_run.fds_verdict(start, {**same, "learners": [47]}, None)["back"]
+    assert not long_run.fds_verdict(start, {**same, "learners": []}, 48)["back"]
