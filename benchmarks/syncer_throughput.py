@@ -176,6 +176,8 @@ def build_bench(num_params: int, learners: int, codec_kind: str, seed: int = 0) 
     core = SyncerCore([fragment], settings, outer_lib.build(outer_kind, **outer_kwargs),
                       lambda codes: codec_lib.decode_tree(codec, codes))
     pushes = []
+    # Counters the service accepts: whole steps of at most its tokens per step (a default job's).
+    per_step = settings.tokens_per_step or 4096
     for m in range(learners):
         core.register(f"bench:{m}", 0)
         drift = {k: (1e-3 * rng.standard_normal(v.shape, np.float32)) for k, v in fragment.items()}
@@ -183,7 +185,7 @@ def build_bench(num_params: int, learners: int, codec_kind: str, seed: int = 0) 
         codes = jax.device_get(codes)
         wire = codec_lib.tree_wire_bytes(codes)
         pushes.append(Push(learner=f"bench:{m}", fragment=0, codes=codes, base_version=0, epoch=0,
-                           c_tokens=4096 * (m + 1), c_steps=m + 1, step=m + 1, wire_bytes=wire))
+                           c_tokens=per_step * (m + 1), c_steps=m + 1, step=m + 1, wire_bytes=wire))
         del drift
     return Bench(core, pushes, num_params * 4, pushes[0].wire_bytes)
 
