@@ -36,6 +36,7 @@ from .groups_api import Incarnation, SyncerStatus, combined
 from .groups import (DrainQuery, LearnerGroups, SyncerShards, cluster_view, drain_node, draining_nodes,
                      node_views, restarted_actor, share)
 from .logs import EventLog, RecoveryLog, keep_span_s, trim_before
+from .memory import release_free_memory
 from .safety import DrainGuard
 from . import remote_regions
 from .snapshot import console_view, goodput_view, learner_goodput, live_fates
@@ -44,6 +45,8 @@ from .runtime import (CONTROLLER_NAME, NAMESPACE, SYNCER_NAME, controller_option
                       syncer_options)
 
 log = logging.getLogger("islands.controller")
+
+RELEASE_MEMORY_EVERY_S = 30.0   # malloc_trim takes milliseconds; RSS is sampled by the second
 
 
 
@@ -233,7 +236,7 @@ class Controller:
 
     # -- the owner thread -----------------------------------------------------------------------
     def _owner_loop(self) -> None:
-        last = {"cluster": 0.0, "syncer": 0.0}
+        last = {"cluster": 0.0, "syncer": 0.0, "trimmed": time.time()}
         while not self.stop_event.is_set():
             try:
                 observations = self._drain_inbox()
@@ -258,6 +261,9 @@ class Controller:
                                 now - keep_span_s(self.settings.goodput_window_s))
                     self._mirror_ray_metrics()
                     last["syncer"] = now
+                if now - last["trimmed"] >= RELEASE_MEMORY_EVERY_S:
+                    release_free_memory()   # what glibc keeps of freed snapshots (memory.py)
+                    last["trimmed"] = now
                 observations += self._due_faults()
                 self._step(observations)
                 if now - last.get("saved", 0.0) >= 1.0:
