@@ -174,14 +174,16 @@ def fds_verdict(start: dict, end: dict, learner_window_max: Optional[int]) -> di
     {'driver': True, 'learners': True, 'back': True}
     >>> fds_verdict({"driver": 40, "learners": [46]}, {"driver": 41, "learners": [49]}, 48)
     {'driver': False, 'learners': False, 'back': False}
+    >>> fds_verdict({"link": None, "learners": [46]}, {"link": 40, "learners": [46]}, 46)["link"]
+    False
     """
     out = {}
     for role, first in start.items():
         if role == "learners":
-            bound = max(first + [learner_window_max or 0])
-            out[role] = bool(end.get(role)) and max(end[role]) <= bound
-        elif first is not None:
-            out[role] = end.get(role) is not None and end[role] <= first
+            bound = max((first or []) + [learner_window_max or 0])
+            out[role] = bool(first) and bool(end.get(role)) and max(end[role]) <= bound
+        else:   # a process not read at the start (or the end) is not shown to be back
+            out[role] = first is not None and end.get(role) is not None and end[role] <= first
     out["back"] = bool(out) and all(out.values())
     return out
 
@@ -462,11 +464,16 @@ class Chaos:
             self.end_counts = self.counts(controller, status)
             # A count above the start may be a process, or a connection to one, that is still
             # closing (Ray drops its clients of dead workers lazily): read again, for a minute.
+            passed = 0   # back on two reads in a row, not on one lucky low reading
             for _ in range(30):
                 if (self.end_counts["live_actors"] <= self.start_counts["live_actors"]
                         and fds_verdict(self.start_counts["fds"], self.end_counts["fds"],
                                         self.learner_window_max())["back"]):
-                    break
+                    passed += 1
+                    if passed == 2:
+                        break
+                else:
+                    passed = 0
                 time.sleep(2.0)
                 status = self.wait_steady(controller, args.settle_s, hold_s=1.0) or status
                 self.end_counts = self.counts(controller, status)

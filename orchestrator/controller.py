@@ -35,7 +35,7 @@ from .owner_role import HOME, OwnerRole
 from .groups_api import Incarnation, SyncerStatus, combined
 from .groups import (DrainQuery, LearnerGroups, SyncerShards, cluster_view, drain_node, draining_nodes,
                      node_views, restarted_actor, share)
-from .logs import EventLog, RecoveryLog, keep_span_s, trim_before
+from .logs import EventLog, RecoveryLog, events_kept, keep_span_s, trim_before
 from .memory import release_free_memory
 from .safety import DrainGuard
 from . import remote_regions
@@ -80,7 +80,10 @@ class Controller:
         self.groups = LearnerGroups()   # every Ray call for learners and spares
         self.closed: dict[str, dict] = {}    # per learner: counters of ended incarnations
         self.lock = threading.Lock()         # guards events and the syncer status for readers
-        self.events = EventLog()             # the newest events (events.jsonl has all)
+        # The newest events (events.jsonl has all); indexes from this process's start, so a
+        # reader's index from before a restart of this actor is below every new one.
+        slots = sum(max(r.learners, r.max_learners or 0) for r in config.regions.values())
+        self.events = EventLog(events_kept(slots), first_index=time.time_ns() // 1000)
         self.started_s = time.time()
         self.job_started_s: Optional[float] = None
         self.stop_event = threading.Event()
@@ -329,7 +332,8 @@ class Controller:
         elif t.name == "learner_retired":
             self.books.release(t.learner, now)
         elif t.name == "learner_recovered":
-            self.recoveries.append({**t.fields, "learner": t.learner})
+            with self.lock:   # snapshots read the histogram and rows under it
+                self.recoveries.append({**t.fields, "learner": t.learner})
         self.emit(t.name, **fields)
         self.role.recorded(t)
 

@@ -8,49 +8,63 @@ hold the full story; these are the controller's working copies.
 from __future__ import annotations
 
 import collections
-import itertools
 from typing import Iterable, Mapping, Optional
 
-EVENTS_KEPT = 5_000        # the job driver reads events every ~0.25 s: far behind this is gone
+EVENTS_KEPT = 5_000        # at least; 20 per learner slot (``events_kept``)
+EVENTS_PER_SLOT = 20       # a start, a stop or a restart of the whole fleet emits a few each
 RECOVERIES_KEPT = 1_000    # rows for summary.json's table; the histogram counts every one
 RECOVERIES_IN_SNAPSHOT = 20   # rows in each periodic snapshot (metrics.jsonl): the newest
 RECOVERY_PHASES = ("detect", "restart", "restore", "first_contribution", "total")
 RECOVERY_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 
 
+def events_kept(slots: int) -> int:
+    """How many events the controller keeps: enough that the job driver, polling every quarter
+    second, misses none even when the whole fleet starts or stops at once.
+
+    >>> events_kept(4), events_kept(1000)
+    (5000, 20000)
+    """
+    return max(EVENTS_KEPT, EVENTS_PER_SLOT * slots)
+
+
 class EventLog:
     """The newest ``keep`` events, each with an absolute index that never goes back.
 
-    ``since(index)`` returns the events after the first ``index`` ever emitted and the next
-    index to ask for; a reader that fell more than ``keep`` behind gets what is kept (the file
-    its job writes has the rest), and an index past the end (a reader of a controller that
-    restarted since) starts again from the oldest kept.
+    Indexes start at ``first_index``: the controller passes its process's start time in
+    microseconds, so an index handed out by an earlier incarnation (restarted by Ray, its log
+    gone with it) is always below this one's first, and its reader gets everything kept here
+    rather than skipping the first events of the new one. ``since(index)`` returns the events
+    after ``index`` and the next index to ask for; a reader that fell more than ``keep`` behind
+    gets what is kept (the file its job writes has the rest); an index past the end (from no
+    incarnation of this log) starts from the oldest kept too.
 
-    >>> log = EventLog(keep=2)
+    >>> log = EventLog(keep=2, first_index=100)
     >>> for n in range(3): log.append({"n": n})
-    >>> log.since(0), log.since(2), log.since(9)
-    (([{'n': 1}, {'n': 2}], 3), ([{'n': 2}], 3), ([{'n': 1}, {'n': 2}], 3))
+    >>> log.since(0), log.since(102), log.since(999)
+    (([{'n': 1}, {'n': 2}], 103), ([{'n': 2}], 103), ([{'n': 1}, {'n': 2}], 103))
     """
 
-    def __init__(self, keep: int = EVENTS_KEPT):
+    def __init__(self, keep: int = EVENTS_KEPT, first_index: int = 0):
         if keep < 1:
             raise ValueError(f"keep must be >= 1, got {keep}")
         self.rows: collections.deque = collections.deque(maxlen=keep)
-        self.total = 0    # events ever appended: the index of the next one
+        self.total = int(first_index)   # the index of the next event
 
     def append(self, event: dict) -> None:
         self.rows.append(event)
         self.total += 1
 
     def since(self, index: int) -> tuple[list[dict], int]:
-        first = self.total - len(self.rows)   # the absolute index of rows[0]
+        rows = list(self.rows)   # one copy (atomic): appends may come from other threads
+        first = self.total - len(rows)   # the absolute index of rows[0]
         if index > self.total:
             index = first
-        skip = max(0, index - first)
-        return list(itertools.islice(self.rows, skip, None)), self.total
+        return rows[max(0, index - first):], self.total
 
     def newest(self, n: int) -> list[dict]:
-        return list(itertools.islice(self.rows, max(0, len(self.rows) - n), None))
+        rows = list(self.rows)
+        return rows[max(0, len(rows) - n):]
 
     def __len__(self) -> int:
         return len(self.rows)
@@ -93,7 +107,8 @@ class RecoveryLog:
             self.sums[phase] += float(value)
 
     def newest(self, n: int) -> list[dict]:
-        return [dict(r) for r in itertools.islice(self.rows, max(0, len(self.rows) - n), None)]
+        rows = list(self.rows)   # one copy (atomic): the owner thread appends meanwhile
+        return [dict(r) for r in rows[max(0, len(rows) - n):]]
 
     def histogram(self) -> dict:
         """``{phase: {"bounds", "buckets" (cumulative, +Inf last), "sum", "count"}}``."""
@@ -101,7 +116,8 @@ class RecoveryLog:
                     "sum": self.sums[p], "count": self.counts[p][-1]} for p in RECOVERY_PHASES}
 
     def to_json(self) -> dict:
-        return {"rows": list(self.rows), "counts": self.counts, "sums": self.sums,
+        return {"rows": [dict(r) for r in list(self.rows)],
+                "counts": {p: list(c) for p, c in self.counts.items()}, "sums": dict(self.sums),
                 "total": self.total}
 
     @classmethod
@@ -112,13 +128,18 @@ class RecoveryLog:
             for row in saved:
                 log.append(row)
             return log
-        log.rows.extend(saved.get("rows") or [])
+        rows = saved.get("rows") or []
+        log.rows.extend(rows)
         log.total = int(saved.get("total") or 0)
         for phase in RECOVERY_PHASES:
             counts = (saved.get("counts") or {}).get(phase)
             if counts is not None and len(counts) == len(RECOVERY_BUCKETS_S) + 1:
                 log.counts[phase] = [int(n) for n in counts]
                 log.sums[phase] = float((saved.get("sums") or {}).get(phase, 0.0))
+            else:   # a save with other buckets (or none): counted again from the rows kept
+                values = [float(r[f"{phase}_s"]) for r in rows if r.get(f"{phase}_s") is not None]
+                log.counts[phase] = _bucket_counts(values)
+                log.sums[phase] = sum(values)
         return log
 
 

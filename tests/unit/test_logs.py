@@ -5,8 +5,8 @@ import json
 import pytest
 
 from islands.orchestrator import metrics
-from islands.orchestrator.logs import (RECOVERY_BUCKETS_S, EventLog, RecoveryLog, keep_span_s,
-                                       trim_before)
+from islands.orchestrator.logs import (RECOVERY_BUCKETS_S, RECOVERY_PHASES, EventLog,
+                                       RecoveryLog, events_kept, keep_span_s, trim_before)
 
 
 def test_a_reader_keeps_its_place_while_old_events_fall_off():
@@ -21,10 +21,24 @@ def test_a_reader_keeps_its_place_while_old_events_fall_off():
     assert log.since(10) == ([], 10)
 
 
-def test_a_reader_from_before_a_restart_starts_from_the_oldest_kept():
-    log = EventLog(keep=3)
-    log.append({"n": 0})
-    assert log.since(500) == ([{"n": 0}], 1)
+def test_a_reader_from_before_a_restart_gets_every_event_of_the_new_incarnation():
+    # The first controller handed out indexes from its start (µs); its reader holds 1_000_025.
+    old = EventLog(keep=100, first_index=1_000_000)
+    for n in range(25):
+        old.append({"n": n})
+    _, index = old.since(0)
+    # Restarted 2 s later: 30 events before the reader's first poll, more than it had read.
+    new = EventLog(keep=100, first_index=3_000_000)
+    for n in range(30):
+        new.append({"new": n})
+    rows, _ = new.since(index)
+    assert [r["new"] for r in rows] == list(range(30))   # none skipped
+    # An index from no incarnation (past the end) starts from the oldest kept as well.
+    assert len(new.since(10 ** 12)[0]) == 30
+
+
+def test_the_events_kept_grow_with_the_fleet():
+    assert events_kept(4) == 5_000 and events_kept(1_000) == 20_000
 
 
 def test_a_reader_far_behind_gets_what_is_kept_and_the_true_next_index():
@@ -82,6 +96,48 @@ def test_a_saved_log_comes_back_with_its_counts_and_an_old_saved_list_is_counted
     assert back.total == 3
     old = RecoveryLog.from_json([rec(0.2), rec(3.0)])
     assert old.total == 2 and old.histogram()["total"]["count"] == 2
+
+
+def test_a_save_without_counts_is_counted_again_from_its_rows():
+    log = RecoveryLog(keep=5)
+    for total in (0.2, 3.0):
+        log.append(rec(total))
+    saved = log.to_json()
+    del saved["counts"]["total"]   # an older save, or other buckets
+    saved["counts"]["detect"] = [1, 2]
+    back = RecoveryLog.from_json(saved)
+    assert back.histogram() == log.histogram()
+    assert set(back.histogram()) == set(RECOVERY_PHASES)
+
+
+def test_rows_are_read_whole_while_another_thread_appends():
+    import sys
+    import threading
+
+    log = RecoveryLog(keep=50)
+    events = EventLog(keep=50)
+    for _ in range(50):
+        log.append(rec(4.0))
+        events.append({"n": 0})
+    stop = threading.Event()
+
+    def writer():
+        while not stop.is_set():
+            log.append(rec(4.0))
+            events.append({"n": 1})
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    thread = threading.Thread(target=writer)
+    thread.start()
+    try:
+        for _ in range(20_000):   # "deque mutated during iteration" would raise here
+            assert len(log.newest(20)) == 20 and len(events.newest(20)) == 20
+            assert len(events.since(0)[0]) == 50
+    finally:
+        stop.set()
+        thread.join()
+        sys.setswitchinterval(interval)
 
 
 def test_goodput_samples_older_than_the_console_span_and_a_window_are_dropped():
