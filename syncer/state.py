@@ -111,6 +111,7 @@ def restore_into(core: SyncerCore, arrays: dict, meta: dict, min_epoch: int = 0)
         slot.quorum_reached_at_s = None
         slot.round_opened_at_s = None
     core.ledger = {name: LedgerEntry(**entry) for name, entry in meta["ledger"].items()}
+    core.ledger_durable()
     core.learners = {}  # every learner must register again with the new epoch
     core.catching_up = set(range(len(core.slots)))  # learners may hold newer merged versions
     core.epoch = max(min_epoch, int(meta["epoch"]) + 1)
@@ -319,6 +320,7 @@ class FragmentJournal:
             taken.append(p)
         if newest[1] is not None:
             core.ledger = {name: LedgerEntry(**entry) for name, entry in newest[1].items()}
+            core.ledger_durable()
         if taken:
             log.info("merge journal: fragments %s newer than the snapshot (versions %s)", taken,
                      [core.slots[p].version for p in taken])
