@@ -90,7 +90,8 @@ class SyncerSettings:
 class Contribution:
     """An accepted push, kept as its outer gradient ``g_m = Θ[p] − θ_m[p]`` where
     ``θ_m[p] = base + δ`` is the learner's fragment (Θ[p] does not change while the round is open:
-    only this fragment's merge, which closes the round, replaces it)."""
+    only this fragment's merge, which closes the round, replaces it, or a catch-up after a
+    restore, which folds the round's sum again against the new Θ[p])."""
 
     push: Push
     outer_grad: Optional[Fragment]   # None: folded into the round's running sum at once
@@ -512,6 +513,12 @@ class SyncerCore:
                      version, learner, slot.version)
             slot.params, slot.version = values, int(version)
             slot.history = {slot.version: values}
+            if slot.round:
+                # The open pushes' anchor (``_anchor``: Θ[p], or a version of the history) is
+                # another now: their sum is folded again against it, so that a push leaving the
+                # round (``_take_out`` decodes it against the current anchor and subtracts it)
+                # takes out what it put in, and the merge reads the pushes as the rule says.
+                self._refold(slot)
             taken.append(p)
         return taken
 
