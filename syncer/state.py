@@ -141,6 +141,9 @@ class SnapshotStore:
                 "overwrites them. Resume that job (islands run --resume), or point the job at "
                 "another directory (syncer.checkpoint_dir, --run-dir or the job name)")
         os.makedirs(directory, exist_ok=True)
+        # The fragments' versions in the newest snapshot this store wrote (None: none yet): a
+        # merge they hold is durable, whatever becomes of its journal entry (syncer/actor.py).
+        self.saved_versions: Optional[tuple] = None
         self.manager = ocp.CheckpointManager(
             os.path.abspath(directory),
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
@@ -151,10 +154,13 @@ class SnapshotStore:
         meta["sha256"] = arrays_checksum(arrays)
         step = meta["merges"]
         if step in (self.manager.all_steps() or []):
+            # This store's own (the versions only grow: the same ones, saved_versions has
+            # them), or an earlier life's that the restore passed over: nothing more is saved.
             return step
         self.manager.save(step, args=self._ocp.args.Composite(
             arrays=self._ocp.args.StandardSave(arrays), meta=self._ocp.args.JsonSave(meta)))
         self.manager.wait_until_finished()
+        self.saved_versions = tuple(meta["versions"])
         return step
 
     def latest_step(self) -> Optional[int]:

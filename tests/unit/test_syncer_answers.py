@@ -251,3 +251,41 @@ def test_revoking_two_pending_merges_leaves_the_durable_watermark():
     assert watermark() == (100, 1.0, 1), "a revoked merge came back with the other's revoke"
     assert (entry.merged_steps, entry.merged_tokens, entry.merged_tokens_total) == (
         {0: 1}, {0: 100}, 100)
+
+
+def test_a_merge_a_snapshot_holds_is_answered_though_its_journal_entry_is_not_written(tmp_path):
+    """A snapshot is saved at every merge, before the merge's journal entry is written; the
+    write fails. The snapshot holds the merge (Θ[p] and the ledger's credit), so it is durable:
+    the push is answered as merged, the ledger keeps the credit, and a syncer restarted from
+    that snapshot agrees with the learner (not "merged" for tokens it dropped)."""
+    import dataclasses
+    import os
+
+    from islands.syncer.validate import RejectReason
+
+    spec = dataclasses.replace(_spec(tmp_path), snapshot_every_merges=1)
+
+    async def scenario():
+        syncer = Syncer(spec)
+        reg = await syncer.register("a", 0)
+        await asyncio.sleep(0.01)   # (the progress bound: a few steps need a few 10 µs)
+        os.makedirs(syncer.journal._path(0) + ".tmp")   # the journal's write cannot land
+        reply = await asyncio.wait_for(syncer.push(_push(reg, 0, 2)), timeout=10)
+        assert (reply.status, reply.version) == ("merged", 1), reply
+        await _until(lambda: 0 not in syncer.journal_pending)
+        assert syncer.store.saved_versions == (1,)
+        assert not os.path.exists(syncer.journal._path(0)), "the journal entry was written"
+        entry = syncer.core.ledger["a"]
+        assert (entry.merged_tokens_total, entry.applied_step) == (64, 2)
+        assert syncer.core.rejected[RejectReason.NOT_DURABLE] == 0
+        syncer._loop_task.cancel()
+        syncer.journal_writer.close()
+        syncer.store.close()
+
+    asyncio.run(scenario())
+    restarted = Syncer(spec, epoch=1, restore=True)
+    entry = restarted.core.ledger["a"]
+    assert restarted.core.versions == (1,)
+    assert (entry.merged_tokens_total, entry.applied_step, entry.applied_tokens) == (64, 2, 128)
+    restarted.journal_writer.close()
+    restarted.store.close()
