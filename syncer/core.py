@@ -745,7 +745,8 @@ class SyncerCore:
         their codes, as ``_fold`` made it (the same anchor, base and drift: the same values),
         and subtracted (``GradSum.unfold``); the pushes that stay are not decoded. Only where
         subtracting cannot give their sum (the pushes that left held its only positive weights)
-        is it folded again from theirs."""
+        or not precisely (they weighed more than all that stay: float32 cancellation) is it
+        folded again from theirs."""
         if not slot.round or slot.open_sum is None:
             self._release_open(slot)
             return

@@ -278,6 +278,25 @@ def test_a_push_forgotten_after_a_catch_up_takes_out_what_it_put_in(rule):
     np.testing.assert_allclose(core.fragment(0)[0]["w"], [0.0, 4.0], atol=1e-5)
 
 
+def test_forgetting_a_push_that_outweighs_the_round_leaves_the_rest_exact():
+    """Θ = 0, outer sgd(1.0), the pull rule: a pushes θ = (1000, 1000) with 10⁵ tokens in one
+    step (weight 10¹⁰), c (0, 4) with 1 token (weight 1). a is forgotten: subtracting its
+    float32 terms (~10¹³) would leave their rounding for c's; the round is folded again from
+    c's push, so the merge gives c's weights exactly."""
+    core = SyncerCore([{"w": np.zeros(2, np.float32)}],
+                      SyncerSettings(outlier_norm_factor=None, merge_rule=merge.MergeRule.MEAN,
+                                     outer_gradient=merge.OuterGradientRule.PULL),
+                      outer.build("sgd", lr=1.0, momentum=0.0), identity_decode)
+    for name in ("a", "c"):
+        core.register(name, 0)
+    push_theta(core, "a", [1000.0, 1000.0], tokens=100_000)
+    push_theta(core, "c", [0.0, 4.0], tokens=1)
+    core.forget("a")
+    assert core.slots[0].open_sum.weight == 1.0
+    core.merge(0, live_count=None)
+    np.testing.assert_allclose(core.fragment(0)[0]["w"], [0.0, 4.0], atol=1e-6)
+
+
 def test_forgetting_every_push_empties_the_round_sum():
     core = one_fragment_syncer([0.0], outer.build("sgd", lr=1.0, momentum=0.0))
     push_theta(core, "a", [1.0])
