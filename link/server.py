@@ -446,7 +446,11 @@ class ReplyJournal:
         dst = None
         try:
             kept, _ = self._kept(cut)
-            dst = open(tmp, "wb", buffering=0)
+            # Append mode, as the journal's own handle (O_APPEND): it becomes ``self._file``,
+            # and a write cut back by ``_cut_back`` (ftruncate, which leaves a plain handle's
+            # position past the end) must not put the next line after a hole of NUL bytes.
+            dst = os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_APPEND,
+                                    0o666), "ab", buffering=0)
             with open(self.path, "rb") as src:
                 for offset, length in kept:
                     src.seek(offset)

@@ -246,6 +246,18 @@ class Syncer:
             await durable
             self._answer(g, result, updates, taken)
         except Exception as exc:
+            if self._in_snapshot(p, result.version):
+                # The snapshot saved at this merge (or since) holds it, Θ[p] and the ledger's
+                # credit both: a restart restores it from there, so it is durable and answered
+                # as merged. Refusing it would leave that snapshot's ledger saying "merged" for
+                # tokens the learner dropped. (Saving the snapshot only after the journal write
+                # would not do: it would still hold the other fragments' merges whose entries
+                # are being written, and any of those could fail.)
+                log.warning("fragment %d: the merge journal entry of version %d was not "
+                            "written (%r); the snapshot holds the merge: answered", g,
+                            result.version, exc)
+                self._answer(g, result, updates, taken)
+                return
             # Not durable (a restart replays the previous entry), yet merged here: a push
             # answered "dropped" would be pushed again and its drift merged twice. Refused
             # instead, with the current fragment (this merge in it) to start over from: its
@@ -262,6 +274,13 @@ class Syncer:
             self.journal_pending.pop(p, None)
             if self._wake:
                 self._wake.set()   # the fragment may merge again
+
+    def _in_snapshot(self, p: int, version: int) -> bool:
+        """Whether the newest snapshot this syncer saved holds fragment ``p`` at ``version`` or
+        later (a merge of ``p`` waits for the previous one's journal entry: so it holds that
+        merge, and the ledger as the merge credited it)."""
+        saved = self.store.saved_versions if self.store is not None else None
+        return saved is not None and saved[p] >= version
 
     def _refuse_taken(self, p: int, g: int, taken: dict, detail: str) -> None:
         """Answers the merged pushes' waiters ``taken`` whose merge could not be made durable:

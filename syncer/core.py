@@ -90,7 +90,8 @@ class SyncerSettings:
 class Contribution:
     """An accepted push, kept as its outer gradient ``g_m = Θ[p] − θ_m[p]`` where
     ``θ_m[p] = base + δ`` is the learner's fragment (Θ[p] does not change while the round is open:
-    only this fragment's merge, which closes the round, replaces it)."""
+    only this fragment's merge, which closes the round, replaces it, or a catch-up after a
+    restore, which folds the round's sum again against the new Θ[p])."""
 
     push: Push
     outer_grad: Optional[Fragment]   # None: folded into the round's running sum at once
@@ -197,7 +198,6 @@ class Credit:
     push: Push
     step_before: Optional[int]        # merged_steps[p] before the credit (None: none)
     tokens_before: Optional[int]      # merged_tokens[p] before
-    watermark_before: tuple           # (applied_tokens_done, applied_compute_s, applied_step)
     mark_before: Optional[tuple]      # SyncerCore.merge_marks[(learner, p)] before
 
 
@@ -356,9 +356,13 @@ class SyncerCore:
         # measure starts over on resume (``pause_periods``).
         self.periods_paused = False
         # (learner, fragment) -> (incarnation, tokens_done, compute_s, step) of its newest push
-        # merged in this process: what the applied watermark falls back to when a merge is
-        # revoked (``revoke``).
+        # merged in this process (a revoked merge's mark goes back to the one before it), and
+        # learner -> (incarnation, (tokens_done, compute_s, step)): the applied watermark its
+        # incarnation held before its first merge in this process (restored, or a new
+        # incarnation's start: nothing a revoke can take back). A revoke rebuilds the watermark
+        # from these alone (``revoke``).
         self.merge_marks: dict[tuple[str, int], tuple] = {}
+        self.watermark_bases: dict[str, tuple] = {}
 
     # -- membership -----------------------------------------------------------------------------
     def register(self, learner: str, incarnation: int, session: Optional[str] = None
@@ -448,7 +452,14 @@ class SyncerCore:
         self.learners, self.sessions, self.registered_at = {}, {}, {}
         self.garbage_streak.clear()
         self.quarantined = {}
+        self.ledger_durable()
         return dropped
+
+    def ledger_durable(self) -> None:
+        """The ledger as it stands is durable (restored from a snapshot and the merge journal,
+        or restarted as of them): no merge credited so far can be revoked, so the marks a revoke
+        rebuilds the watermark from start over (``revoke``)."""
+        self.merge_marks, self.watermark_bases = {}, {}
 
     def _drop_shadows(self, learner: str) -> None:
         for key in [key for key in self.shadows if key[0] == learner]:
@@ -502,6 +513,12 @@ class SyncerCore:
                      version, learner, slot.version)
             slot.params, slot.version = values, int(version)
             slot.history = {slot.version: values}
+            if slot.round:
+                # The open pushes' anchor (``_anchor``: Θ[p], or a version of the history) is
+                # another now: their sum is folded again against it, so that a push leaving the
+                # round (``_take_out`` decodes it against the current anchor and subtracts it)
+                # takes out what it put in, and the merge reads the pushes as the rule says.
+                self._refold(slot)
             taken.append(p)
         return taken
 
@@ -728,7 +745,8 @@ class SyncerCore:
         their codes, as ``_fold`` made it (the same anchor, base and drift: the same values),
         and subtracted (``GradSum.unfold``); the pushes that stay are not decoded. Only where
         subtracting cannot give their sum (the pushes that left held its only positive weights)
-        is it folded again from theirs."""
+        or not precisely (they weighed more than all that stay: float32 cancellation) is it
+        folded again from theirs."""
         if not slot.round or slot.open_sum is None:
             self._release_open(slot)
             return
@@ -1110,8 +1128,11 @@ class SyncerCore:
         if push.incarnation != entry.incarnation:
             return None  # an older incarnation's push cannot be in a round: forget() removed it
         p, key = push.fragment, (push.learner, push.fragment)
+        base = self.watermark_bases.get(push.learner)
+        if base is None or base[0] != push.incarnation:   # its first merge in this process
+            self.watermark_bases[push.learner] = (push.incarnation, (
+                entry.applied_tokens_done, entry.applied_compute_s, entry.applied_step))
         credit = Credit(push, entry.merged_steps.get(p), entry.merged_tokens.get(p),
-                        (entry.applied_tokens_done, entry.applied_compute_s, entry.applied_step),
                         self.merge_marks.get(key))
         entry.merged_steps[p] = push.step
         entry.merged_tokens[p] = entry.merged_tokens.get(p, 0) + push.c_tokens
@@ -1128,8 +1149,11 @@ class SyncerCore:
         pushes are refused ``not_durable`` (their learners drop their tokens with that reason
         and start over from the current Θ[p]), so the ledger takes back what the merge credited
         them: the fragment-tokens merged, the fragment's last merged step and the applied
-        watermark, which becomes the newest of what the entry held before this merge and the
-        pushes of its other fragments merged since (``merge_marks``). Every token then has one
+        watermark, rebuilt from what still stands: the incarnation's watermark before its first
+        merge in this process (``watermark_bases``) and the newest merge of each fragment not
+        revoked (``merge_marks``). Not from what the entry held when this merge credited it:
+        that may hold another fragment's merge that is itself revoked later (a full disk fails
+        every pending journal write), which would come back with it. Every token then has one
         fate on both sides. Θ[p] keeps the merge (undoing it would need the round's sums, gone
         with it); a later durable merge of the fragment writes it down."""
         for credit in result.credits:
@@ -1150,7 +1174,11 @@ class SyncerCore:
                 self.merge_marks.pop(key, None)
             else:
                 self.merge_marks[key] = credit.mark_before
-            marks = [credit.watermark_before] + [
+            base = self.watermark_bases.get(push.learner)
+            if base is None or base[0] != push.incarnation:   # (a restore made it all durable)
+                base = (push.incarnation, (entry.applied_tokens_done, entry.applied_compute_s,
+                                           entry.applied_step))
+            marks = [base[1]] + [
                 mark[1:] for (name, _), mark in self.merge_marks.items()
                 if name == push.learner and mark[0] == push.incarnation]
             (entry.applied_tokens_done, entry.applied_compute_s,

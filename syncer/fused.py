@@ -233,9 +233,13 @@ class GradSum:
                pool: Optional[BufferPool] = None) -> bool:
         """Takes out one outer gradient ``fold`` added with these arguments (its push left the
         round): ``−c·g`` for each ``+c·g`` it added, to float32 rounding of the sums' terms.
-        Returns False when subtracting cannot give the sum of the pushes that stay, which must
-        then be folded again: it held the only positive weights while pushes of weight 0 stay
-        (those were left out of the sums, ``fold``)."""
+        Returns False when subtracting cannot give the sum of the pushes that stay, or not
+        precisely, which must then be folded again (the sums are emptied): it held the only
+        positive weights while pushes of weight 0 stay (those were left out of the sums,
+        ``fold``), or it weighs more than all that stay together (its float32 terms would
+        dominate theirs, and the difference would keep its rounding as theirs: cancellation).
+        A tensor none of whose remaining pushes points anywhere keeps no direction and a
+        length of exactly 0."""
         if self.count <= 0:
             raise ValueError("unfold: the sum holds no push")
         if weight > 0 and not self.positive:
@@ -245,7 +249,9 @@ class GradSum:
             return True             # it added nothing
         w = float(weight) if weight > 0 else float(unit_weight)
         self.in_sums -= 1
-        if self.in_sums == 0:       # nothing left in the sums: empty them, not a residue
+        if self.in_sums == 0 or w > self.weight - w:
+            # Nothing left in the sums: empty them, not a residue; or what stays weighs less
+            # than what leaves: folded again from the pushes that stay (the caller's part).
             count = self.count
             self.release(pool)
             self.count = count      # (pushes of weight 0 left out of the sums may stay)
@@ -259,6 +265,7 @@ class GradSum:
                     self.directed[path] -= 1
                     if self.directed[path] == 0:    # the rest point nowhere: no residue kept
                         del self.directed[path]
+                        self.length[path] = 0.0     # (their norms are all 0)
                         v = self.direction.pop(path)
                         if pool is not None:
                             pool.give(v)

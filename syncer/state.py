@@ -111,6 +111,7 @@ def restore_into(core: SyncerCore, arrays: dict, meta: dict, min_epoch: int = 0)
         slot.quorum_reached_at_s = None
         slot.round_opened_at_s = None
     core.ledger = {name: LedgerEntry(**entry) for name, entry in meta["ledger"].items()}
+    core.ledger_durable()
     core.learners = {}  # every learner must register again with the new epoch
     core.catching_up = set(range(len(core.slots)))  # learners may hold newer merged versions
     core.epoch = max(min_epoch, int(meta["epoch"]) + 1)
@@ -140,6 +141,9 @@ class SnapshotStore:
                 "overwrites them. Resume that job (islands run --resume), or point the job at "
                 "another directory (syncer.checkpoint_dir, --run-dir or the job name)")
         os.makedirs(directory, exist_ok=True)
+        # The fragments' versions in the newest snapshot this store wrote (None: none yet): a
+        # merge they hold is durable, whatever becomes of its journal entry (syncer/actor.py).
+        self.saved_versions: Optional[tuple] = None
         self.manager = ocp.CheckpointManager(
             os.path.abspath(directory),
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
@@ -150,10 +154,13 @@ class SnapshotStore:
         meta["sha256"] = arrays_checksum(arrays)
         step = meta["merges"]
         if step in (self.manager.all_steps() or []):
+            # This store's own (the versions only grow: the same ones, saved_versions has
+            # them), or an earlier life's that the restore passed over: nothing more is saved.
             return step
         self.manager.save(step, args=self._ocp.args.Composite(
             arrays=self._ocp.args.StandardSave(arrays), meta=self._ocp.args.JsonSave(meta)))
         self.manager.wait_until_finished()
+        self.saved_versions = tuple(meta["versions"])
         return step
 
     def latest_step(self) -> Optional[int]:
@@ -319,6 +326,7 @@ class FragmentJournal:
             taken.append(p)
         if newest[1] is not None:
             core.ledger = {name: LedgerEntry(**entry) for name, entry in newest[1].items()}
+            core.ledger_durable()
         if taken:
             log.info("merge journal: fragments %s newer than the snapshot (versions %s)", taken,
                      [core.slots[p].version for p in taken])

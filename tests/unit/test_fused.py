@@ -215,6 +215,39 @@ def test_unfold_takes_a_push_out_of_the_sums_by_hand():
     assert (sums.count, sums.mean, sums.direction) == (0, {}, {})
 
 
+def test_unfold_leaves_no_length_where_no_direction_is_left():
+    """Three pushes pointing somewhere and one of norm 0 on an RDA tensor: once the three are
+    taken out, the tensor's length is exactly 0 (not the float residue of adding and
+    subtracting their w·‖g‖, 0.1 + 0.1 + 0.1 − 0.1 − 0.1 − 0.1 = 3e-17), as its direction is
+    gone."""
+    sums = fused.GradSum(frozenset({"w"}))
+    pushes = [(np.array([1.0, 0.0], np.float32), 0.1), (np.array([0.0, 1.0], np.float32), 0.1),
+              (np.array([-1.0, 0.0], np.float32), 0.1), (np.zeros(2, np.float32), 1.3)]
+    for g, w in pushes:
+        sums.fold({"w": g}, {"w": fused._norm(g)}, w)
+    for g, w in pushes[:3]:
+        assert sums.unfold({"w": g}, {"w": fused._norm(g)}, w)
+    assert "w" not in sums.direction and "w" not in sums.directed
+    assert sums.length["w"] == 0.0 and sums.count == 1
+
+
+def test_unfold_of_a_push_outweighing_the_rest_asks_for_a_refold():
+    """A push of weight 10¹⁰ (gradient ~10³) and one of weight 1: subtracting the big one from
+    the float32 sum would leave its rounding (~10⁶) in place of the small one's (4); unfold
+    empties the sums and asks for a refold instead. Equal weights still subtract."""
+    big, small = np.array([1e3, 1e3], np.float32), np.array([0.0, 4.0], np.float32)
+    sums = fused.GradSum(frozenset())
+    sums.fold({"w": big}, {"w": fused._norm(big)}, 1e10)
+    sums.fold({"w": small}, {"w": fused._norm(small)}, 1.0)
+    assert sums.unfold({"w": big}, {"w": fused._norm(big)}, 1e10) is False
+    assert (sums.count, sums.mean, sums.weight) == (1, {}, 0.0)
+    even = fused.GradSum(frozenset())
+    even.fold({"w": big}, {"w": fused._norm(big)}, 1.0)
+    even.fold({"w": small}, {"w": fused._norm(small)}, 1.0)
+    assert even.unfold({"w": big}, {"w": fused._norm(big)}, 1.0)
+    np.testing.assert_array_equal(even.mean["w"], small)
+
+
 def test_unfold_of_the_only_positive_weight_asks_for_a_refold():
     """A push of weight 0 folded before a positive one is left out of the sums (it weighs
     nothing next to it); taking the positive one out cannot give the zero-weight push's sum."""

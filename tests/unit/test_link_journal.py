@@ -356,6 +356,48 @@ def test_a_write_cut_short_is_cut_back_and_the_size_recounted(tmp_path):
     assert again.journal.counts["unreadable"] == 0
 
 
+def test_a_write_cut_short_after_a_compaction_leaves_no_hole_before_the_next_reply(tmp_path):
+    """The compacted file becomes the journal's handle: after a real partial write (RLIMIT_FSIZE)
+    is cut back, the next reply's line starts where the file ends, not where the cut-off write
+    left the handle's position (a plain "wb" handle wrote it after a hole of NUL bytes, which
+    the next life read as an unreadable line: the reply was lost)."""
+    resource = pytest.importorskip("resource")
+    import signal
+
+    big = type(_reply(0))("merged", 0, 0, {"w": np.zeros(1 << 18, np.float32)}, 0)   # ~1.4 MB
+    probe = ReplyJournal(str(tmp_path / "probe"))
+    probe.answered("p0", big)
+    line = (tmp_path / "probe" / ReplyJournal.FILE).stat().st_size
+    # 3 big lines reach 2 × bound and compact to the newest one (the limit below then stays
+    # above pytest's own files)
+    journal = ReplyJournal(str(tmp_path), max_bytes=line + line // 2 - 16)
+    path = tmp_path / ReplyJournal.FILE
+    for i in range(3):
+        journal.answered(f"p{i}", big)
+        assert journal.wait_compacted(10.0)
+    assert journal.counts["compacted"] == 1 and journal.counts["compaction_errors"] == 0
+    before = path.stat().st_size
+    assert journal.size == before < 2 * line
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (before + 40, hard))
+        journal.answered("p8", _reply(8))   # 40 bytes land, then EFBIG
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert journal.counts["write_errors"] == 1
+    assert journal.size == path.stat().st_size == before
+    journal.answered("p9", _reply(9))
+    assert journal.size == path.stat().st_size
+    assert b"\0" not in path.read_bytes()[before:], "a hole before the next line"
+    journal.close()
+    again = PushOnce(journal=ReplyJournal(str(tmp_path)))
+    assert again.journal.counts["unreadable"] == 0
+    assert again.run("p9", lambda: pytest.fail("merged twice")).version == 9
+    assert again.run("p2", lambda: pytest.fail("merged twice")).version == 0
+
+
 def test_a_compaction_opens_nothing_after_its_swap_so_no_reply_is_lost(tmp_path, monkeypatch):
     """Opening the journal's file for appending fails from the compaction on (descriptors run
     out, say): the compacted file is appended to through the handle it was written with, so the

@@ -3,6 +3,7 @@ Syncer actor class, driven directly on an asyncio loop)."""
 
 import asyncio
 import threading
+import time
 
 import numpy as np
 
@@ -209,3 +210,82 @@ def test_revoking_a_merge_restores_the_watermark_of_the_merges_that_stay():
     assert (entry.merged_steps, entry.merged_tokens, entry.merged_tokens_total) == (
         {1: 5}, {1: 100}, 100)
     assert core.rejected[RejectReason.NOT_DURABLE] == 1
+
+
+def test_revoking_two_pending_merges_leaves_the_durable_watermark():
+    """A full disk fails every pending journal write: fragment 1's merge (tokens_done 200) and
+    then fragment 0's (300, credited on top of it) are both revoked, in the order they were
+    submitted. The applied watermark (what a restarted learner resumes from) goes back to the
+    durable merge before them (100, step 1), not to what the entry held when fragment 0's merge
+    was credited (fragment 1's 200, revoked itself)."""
+    import optax
+
+    from islands.syncer import merge as merge_lib
+    from islands.syncer.core import SyncerCore
+
+    core = SyncerCore([{"w": np.zeros(1, np.float32)}, {"v": np.zeros(1, np.float32)}],
+                      SyncerSettings(min_learners=1, outlier_norm_factor=None,
+                                     merge_rule=merge_lib.MergeRule.MEAN),
+                      optax.sgd(1.0), lambda codes: codes)
+    core.register("a", 0)
+    time.sleep(0.01)   # (the progress bound: a few steps need a few 10 µs)
+
+    def merged(p, path, step):
+        push = Push("a", p, {path: np.ones(1, np.float32)}, core.fragment(p)[1], core.epoch,
+                    100, 1, step=step, tokens_done=100 * step, compute_s=float(step))
+        assert core.accept_push(push, 0.0).ok
+        return core.merge(p)
+
+    entry = core.ledger["a"]
+
+    def watermark():
+        return entry.applied_tokens_done, entry.applied_compute_s, entry.applied_step
+
+    merged(0, "w", 1)                     # durable (its journal entry written)
+    q = merged(1, "v", 2)                 # pending
+    p = merged(0, "w", 3)                 # pending
+    assert watermark() == (300, 3.0, 3)
+    core.revoke(q, "disk full")
+    assert watermark() == (300, 3.0, 3)   # fragment 0's merge still stands
+    core.revoke(p, "disk full")
+    assert watermark() == (100, 1.0, 1), "a revoked merge came back with the other's revoke"
+    assert (entry.merged_steps, entry.merged_tokens, entry.merged_tokens_total) == (
+        {0: 1}, {0: 100}, 100)
+
+
+def test_a_merge_a_snapshot_holds_is_answered_though_its_journal_entry_is_not_written(tmp_path):
+    """A snapshot is saved at every merge, before the merge's journal entry is written; the
+    write fails. The snapshot holds the merge (Θ[p] and the ledger's credit), so it is durable:
+    the push is answered as merged, the ledger keeps the credit, and a syncer restarted from
+    that snapshot agrees with the learner (not "merged" for tokens it dropped)."""
+    import dataclasses
+    import os
+
+    from islands.syncer.validate import RejectReason
+
+    spec = dataclasses.replace(_spec(tmp_path), snapshot_every_merges=1)
+
+    async def scenario():
+        syncer = Syncer(spec)
+        reg = await syncer.register("a", 0)
+        await asyncio.sleep(0.01)   # (the progress bound: a few steps need a few 10 µs)
+        os.makedirs(syncer.journal._path(0) + ".tmp")   # the journal's write cannot land
+        reply = await asyncio.wait_for(syncer.push(_push(reg, 0, 2)), timeout=10)
+        assert (reply.status, reply.version) == ("merged", 1), reply
+        await _until(lambda: 0 not in syncer.journal_pending)
+        assert syncer.store.saved_versions == (1,)
+        assert not os.path.exists(syncer.journal._path(0)), "the journal entry was written"
+        entry = syncer.core.ledger["a"]
+        assert (entry.merged_tokens_total, entry.applied_step) == (64, 2)
+        assert syncer.core.rejected[RejectReason.NOT_DURABLE] == 0
+        syncer._loop_task.cancel()
+        syncer.journal_writer.close()
+        syncer.store.close()
+
+    asyncio.run(scenario())
+    restarted = Syncer(spec, epoch=1, restore=True)
+    entry = restarted.core.ledger["a"]
+    assert restarted.core.versions == (1,)
+    assert (entry.merged_tokens_total, entry.applied_step, entry.applied_tokens) == (64, 2, 128)
+    restarted.journal_writer.close()
+    restarted.store.close()

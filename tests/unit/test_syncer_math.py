@@ -246,6 +246,57 @@ def test_a_forgotten_push_leaves_the_round_sum_decoding_only_itself(rule):
     np.testing.assert_allclose(core.fragment(0)[0]["w"], want, rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("rule", [merge.MergeRule.RDA, merge.MergeRule.MEAN])
+def test_a_push_forgotten_after_a_catch_up_takes_out_what_it_put_in(rule):
+    """Θ = 0 (as restored from a snapshot), outer sgd(1.0), the pull rule: a pushes θ = (2, 0)
+    and c (0, 4); then b re-registers with a newer adopted copy, Θ = (10, 10) (catch_up), while
+    their round is open, and a is forgotten. Its gradient is taken out against the anchor it
+    was folded against, so the sum is c's alone (against the current Θ, as the rule reads it:
+    the merge of c alone gives c's weights, Θ' = Θ − (Θ − θ_c) = (0, 4)), not c's plus the
+    difference of a's gradients against the old and the new Θ (which merged to (20, 24))."""
+    core = SyncerCore([{"w": np.zeros(2, np.float32)}],
+                      SyncerSettings(outlier_norm_factor=None, merge_rule=rule,
+                                     outer_gradient=merge.OuterGradientRule.PULL),
+                      outer.build("sgd", lr=1.0, momentum=0.0), identity_decode)
+    for name in ("a", "b", "c"):
+        core.register(name, 0)
+    core.catching_up.add(0)          # as after a restore from a snapshot
+    push_theta(core, "a", [2.0, 0.0])
+    push_theta(core, "c", [0.0, 4.0])
+    assert core.catch_up("b", 0, [(5, {"w": np.array([10.0, 10.0], np.float32)})]) == [0]
+    assert [p.learner for p in core.forget("a")] == ["a"]
+    sums = core.slots[0].open_sum
+    g, norms = core.outer_gradient_of(0, "c")
+    np.testing.assert_allclose(g["w"], [10.0, 6.0])   # Θ − θ_c
+    np.testing.assert_allclose(sums.mean["w"] / sums.weight, g["w"], rtol=1e-6)
+    if rule == merge.MergeRule.RDA:
+        assert sums.length["w"] / sums.weight == pytest.approx(norms["w"], rel=1e-5)
+        np.testing.assert_allclose(sums.direction["w"] * norms["w"] / sums.weight, g["w"],
+                                   rtol=1e-5)
+    result = core.merge(0, live_count=None)
+    assert result.learners == ("c",) and result.version == 6
+    np.testing.assert_allclose(core.fragment(0)[0]["w"], [0.0, 4.0], atol=1e-5)
+
+
+def test_forgetting_a_push_that_outweighs_the_round_leaves_the_rest_exact():
+    """Θ = 0, outer sgd(1.0), the pull rule: a pushes θ = (1000, 1000) with 10⁵ tokens in one
+    step (weight 10¹⁰), c (0, 4) with 1 token (weight 1). a is forgotten: subtracting its
+    float32 terms (~10¹³) would leave their rounding for c's; the round is folded again from
+    c's push, so the merge gives c's weights exactly."""
+    core = SyncerCore([{"w": np.zeros(2, np.float32)}],
+                      SyncerSettings(outlier_norm_factor=None, merge_rule=merge.MergeRule.MEAN,
+                                     outer_gradient=merge.OuterGradientRule.PULL),
+                      outer.build("sgd", lr=1.0, momentum=0.0), identity_decode)
+    for name in ("a", "c"):
+        core.register(name, 0)
+    push_theta(core, "a", [1000.0, 1000.0], tokens=100_000)
+    push_theta(core, "c", [0.0, 4.0], tokens=1)
+    core.forget("a")
+    assert core.slots[0].open_sum.weight == 1.0
+    core.merge(0, live_count=None)
+    np.testing.assert_allclose(core.fragment(0)[0]["w"], [0.0, 4.0], atol=1e-6)
+
+
 def test_forgetting_every_push_empties_the_round_sum():
     core = one_fragment_syncer([0.0], outer.build("sgd", lr=1.0, momentum=0.0))
     push_theta(core, "a", [1.0])
