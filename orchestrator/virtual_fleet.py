@@ -76,6 +76,82 @@ class Fleet:
         return self.step_time_s / self.speed_factors[index]
 
 
+RESTART = 7   # the event priority of a start's end: after everything else at its time (inprocess)
+
+
+class ProcessStarts:
+    """New processes starting on the virtual clock (a restart's or a spare's): each is done
+    after its wall time, or, with ``RestartCosts.start_cpu_s``, once it had that much CPU out
+    of ``start_cores`` shared by every start (processor sharing), so a burst of failures makes
+    every start slower, as on a machine whose cores they share.
+
+    ``schedule(time_s, priority, kind, payload)`` is the driver's event queue: a
+    ``start_done`` event comes at each end, and ``finished`` says which starts it finishes."""
+
+    def __init__(self, restart, schedule: Callable[..., None]):
+        self.restart, self.schedule = restart, schedule
+        self.starting = 0          # processes starting now (they take CPU from the learners)
+        self.starts: dict = {}     # key -> (what, payload, CPU seconds left or None)
+        self.at = 0.0
+        self.version = 0
+
+    def begin(self, now: float, key, what: str, payload, wall_s: float) -> None:
+        self.starting += 1
+        cpu_s = self.restart.start_cpu_s
+        if cpu_s <= 0:
+            self.starts[key] = (what, payload, None)
+            self.schedule(now + wall_s, RESTART, "start_done", (key, None))
+            return
+        self.advance(now)
+        self.starts[key] = (what, payload, cpu_s)
+        self.reschedule(now)
+
+    def cancel(self, now: float, key) -> None:
+        """The starting process was killed: it needs no more CPU and never comes back."""
+        if key not in self.starts:
+            return
+        self.advance(now)
+        del self.starts[key]
+        self.starting -= 1
+        self.reschedule(now)
+
+    def rate(self) -> float:
+        """CPU seconds per second each start gets (one core at most: a process is one thread)."""
+        n = sum(1 for _, _, left in self.starts.values() if left is not None)
+        return min(1.0, self.restart.start_cores / n) if n else 0.0
+
+    def advance(self, now: float) -> None:
+        done = (now - self.at) * self.rate()
+        for key, (what, payload, left) in list(self.starts.items()):
+            if left is not None:
+                self.starts[key] = (what, payload, left - done)
+        self.at = now
+
+    def reschedule(self, now: float) -> None:
+        self.version += 1
+        left = [x for _, _, x in self.starts.values() if x is not None]
+        if left:
+            self.schedule(now + max(min(left), 0.0) / self.rate(), RESTART, "start_done",
+                          (None, self.version))
+
+    def finished(self, now: float, payload) -> list[tuple[str, Any]]:
+        """The starts a ``start_done`` event finishes, in order: (what, payload) as begun."""
+        key, version = payload
+        if key is not None:          # a flat start: this one is done, unless it was cancelled
+            finished = [key] if key in self.starts else []
+        else:                        # the CPU pool: whichever starts ran out of work
+            if version != self.version:
+                return []
+            self.advance(now)
+            finished = [k for k, (_, _, left) in self.starts.items()
+                        if left is not None and left <= 1e-9]
+        done = [self.starts.pop(k) for k in finished]
+        self.starting -= len(done)
+        if key is None:
+            self.reschedule(now)
+        return [(what, item) for what, item, _ in done]
+
+
 def fleet_settings(ids: Sequence[str], regions: Sequence[str], speed_factors: Sequence[float],
                    min_learners: int, spares: int = 0,
                    restart_wait_s: float = 0.0,

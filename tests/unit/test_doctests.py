@@ -13,7 +13,8 @@ MODULES = ["islands.syncer.fragments", "islands.syncer.merge", "islands.syncer.q
             "islands.syncer.state", "islands.link.premerge", "islands.syncer.core",
            "islands.faults", "islands.learners.devices", "islands.orchestrator.runtime",
            "islands.orchestrator.cli", "islands.orchestrator.seam", "islands.syncer.timing",
-           "islands.orchestrator.groups_api", "islands.syncer.status"]
+           "islands.orchestrator.groups_api", "islands.syncer.status",
+           "islands.orchestrator.owner"]
 
 
 @pytest.mark.parametrize("name", MODULES)
