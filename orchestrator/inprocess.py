@@ -1,22 +1,15 @@
 """In-process driver: M learners and the syncer in one process, on a virtual clock.
 
-Deterministic discrete-event simulation of the Decoupled DiLoCo data path, built from exactly the
-core objects the Ray actors wrap (``LearnerCore``, ``SyncerCore``). It is the engine for the fast
+A deterministic discrete-event simulation of the Decoupled DiLoCo data path, built from exactly
+the core objects the Ray actors wrap (``LearnerCore``, ``SyncerCore``): the engine of the fast
 tests, the benchmarks and the in-process demo. A learner never waits here either: it keeps
-stepping while its pushes travel, and adopts a reply at a step boundary.
-
-Faults come from a ``chaos.FaultPlan`` (docs/architecture.md#failures-and-reintegration): a killed learner stops at the fault time and
-its unmerged pushes are dropped (``SyncerCore.forget``); after detect + repair + restart
-(``chaos.RestartCosts``) a new incarnation registers, takes every fragment from the syncer and the
-inner optimizer state of a live peer (a fresh one when none is alive), and resumes its shard at
-``syncer.ledger[learner].applied_step``. Slowdowns multiply step time; network faults change the
-region's transfer time; a syncer kill drops the open rounds and the fleet restarts it
-(``SyncerCore.restart``) at a new epoch, which fences the old one. Operator commands
-(``commands``: a drain, a pause) go to the same fleet, held by the same ``owner.Owner`` as the
-Ray controller's: its handlers carry every action out on the seam's interfaces on this virtual
-clock (orchestrator/virtual_groups.py). Goodput
-(docs/architecture.md#goodput) is exact on the virtual clock: applied inner-step seconds (the ledger's
-``applied_compute``) over the seconds each learner's slot existed, down time included.
+stepping while its pushes travel, and adopts a reply at a step boundary. Faults come from a
+``chaos.FaultPlan`` (docs/architecture.md#failures-and-reintegration) and operator commands
+(a drain, a pause) go to the fleet, held by the same ``owner.Owner`` as the Ray controller's, on
+the seam's interfaces on this clock (virtual_groups.py); what takes time on a cluster (detection,
+a restart, a spare, a syncer's restart) takes virtual time (``chaos.RestartCosts``). Goodput
+(docs/architecture.md#goodput) is exact here: applied inner-step seconds over the seconds each
+learner's slot existed, down time included.
 """
 
 from __future__ import annotations
@@ -26,40 +19,24 @@ import itertools
 import math
 from typing import Any, Callable, Optional, Sequence
 
-import numpy as np
 
-from islands.faults import LEARNER_LOSS_KINDS, FaultKind, FaultWindows
+from islands.faults import FaultKind, FaultWindows
 from islands.learners.core import LearnerCore
-from islands.learners.inner import at_schedule_step
 from islands.learners.loop import LearnerLoop
 from islands.orchestrator import fleet as fleet_lib
 from islands.orchestrator.chaos import FaultPlan, RestartCosts
 from islands.orchestrator.owner import Hooks, Owner
-from islands.orchestrator.run_record import RunRecord, StepRecord, series_from_intervals  # noqa: F401
+from islands.orchestrator.run_record import RunRecord, StepRecord
 from islands.orchestrator.virtual_groups import (ARRIVE, CHECK, FAULT, FLEET, REPLY, STEP_DONE,
                                                  STEP_START, VirtualLearnerGroup,
                                                  VirtualSyncerGroup)
-from islands.orchestrator.virtual_fleet import (Fleet, assemble_like,  # noqa: F401
-                                                build_syncer_and_learners, fleet_settings)
+from islands.orchestrator.virtual_fleet import (Fleet, VirtualSpecs, assemble_like,  # noqa: F401
+                                                build_syncer_and_learners, check_plan,
+                                                restarted_core, run_task)
 from islands.syncer import downlink as downlink_lib
-from islands.syncer import fragments as fragments_lib
 from islands.syncer import timing
 from islands.syncer.core import SyncerCore
 from islands.syncer.validate import SYNCER_DOWN
-
-
-class _Specs:
-    """What the owner starts a virtual learner from: its ``fleet.Launch`` (start step, peer);
-    no devices, no spec for a spare or a syncer (which restarts from its own core)."""
-
-    def learner(self, a: fleet_lib.Launch) -> tuple:
-        return None, a, None
-
-    def spare(self, a: fleet_lib.LaunchSpare) -> tuple:
-        return None, None
-
-    def syncer(self, s: int) -> tuple:
-        return None, {}, math.inf
 
 
 class _Driver(Hooks):
@@ -83,15 +60,8 @@ class _Driver(Hooks):
         n = len(self.cores)
         self.ids = [core.learner for core in self.cores]
         self.index_of = {name: i for i, name in enumerate(self.ids)}
-        if len(self.index_of) != n:
-            raise ValueError(f"learner ids must be unique, got {self.ids}")
-        if len(fleet.speed_factors) != n:
-            raise ValueError(f"fleet.speed_factors has {len(fleet.speed_factors)} entries for "
-                             f"{n} learners")
-        if fleet.regions is not None and len(fleet.regions) != n:
-            raise ValueError(f"fleet.regions has {len(fleet.regions)} entries for {n} learners")
-        self.regions = [fleet.region_of(i, name) for i, name in enumerate(self.ids)]
-        self._check_plan()
+        self.regions = fleet.regions_of(self.ids)
+        check_plan(self.faults, self.ids, self.regions, opt_init)
         self.loops = [self.loop_for(i, core) for i, core in enumerate(self.cores)]
         self.paused = [False] * n
         self.parked = [False] * n        # paused at a step boundary, to start again on resume
@@ -120,32 +90,10 @@ class _Driver(Hooks):
         # The seam's interfaces on this state (virtual_groups.py), and the fleet's owner on them.
         self.groups = VirtualLearnerGroup(self)
         self.shards = VirtualSyncerGroup(self)
-        settings = fleet_settings(self.ids, self.regions, fleet.speed_factors,
-                                  syncer.settings.min_learners, fleet.spares,
-                                  fleet.restart_wait_s, fleet.health_timeout_s)
-        self.owner = Owner(settings, num_fragments, self.groups, self.shards, _Specs(),
+        settings = fleet.settings(self.ids, syncer.settings.min_learners)
+        self.owner = Owner(settings, num_fragments, self.groups, self.shards, VirtualSpecs(),
                            clock=lambda: self.now, hooks=self,
                            tell=lambda obs: self.schedule(self.now, FLEET, "fleet", [obs]))
-
-    # -- setup ----------------------------------------------------------------------------------
-    def _check_plan(self) -> None:
-        regions = set(self.regions)
-        for fault in self.faults.faults:
-            if fault.kind in (FaultKind.KILL, FaultKind.EXIT, FaultKind.HANG):
-                ok = fault.target in self.index_of
-            elif fault.kind == FaultKind.SLOWDOWN:
-                ok = fault.target in self.index_of or fault.target in regions
-            elif fault.kind == FaultKind.SYNCER_KILL:
-                ok = True
-            else:
-                ok = fault.target in regions
-            if not ok:
-                raise ValueError(f"faults: {fault.kind.value} target {fault.target!r} is not a "
-                                 f"learner ({', '.join(self.ids)}) or region "
-                                 f"({', '.join(sorted(regions))}) of this fleet")
-        if self.opt_init is None and any(f.kind in LEARNER_LOSS_KINDS for f in self.faults.faults):
-            raise ValueError("opt_init is required with learner faults: a restarted learner "
-                             "starts a fresh inner state when no peer is alive")
 
     def schedule(self, time_s: float, priority: int, kind: str, payload: Any) -> None:
         heapq.heappush(self.events, (time_s, priority, next(self.seq), kind, payload))
@@ -189,13 +137,6 @@ class _Driver(Hooks):
 
     def tokens_applied(self) -> float:
         return self.owner.books.tokens(self.live_fates()).applied / self.num_fragments
-
-    def merged_steps(self, i: int) -> dict:
-        """The syncer's fragment -> step of the current incarnation's last merged push."""
-        entry = self.syncer.ledger.get(self.ids[i])
-        if entry is None or entry.incarnation != self.cores[i].incarnation:
-            return {}
-        return dict(entry.merged_steps)
 
     def maybe_eval(self, now_s: float) -> None:
         if self.evaluate is not None:
@@ -479,31 +420,20 @@ class _Driver(Hooks):
             return  # killed again while it was coming back
         if self.until_s is not None and now >= self.until_s:
             return  # the run is over before it is back; its slot stays allocated to the end
-        old = self.cores[i]
-        name = self.ids[i]
-        incarnation = launch.incarnation
+        name, incarnation, start_step = self.ids[i], launch.incarnation, launch.start_step
         epoch, frags = self.syncer.register(name, incarnation)
-        flat = {}
-        for fragment, _ in frags:
-            flat.update(fragment)
-        assemble = self.assemble or assemble_like(old.params)
-        params = assemble({k: np.array(v, np.float32, copy=True) for k, v in flat.items()})
-        self.record.wire_bytes_restore += sum(int(np.asarray(v).nbytes) for v in flat.values())
         peer = self.index_of.get(launch.peer) if launch.peer is not None else None
         if peer is not None and not self.up[peer]:
             peer = None  # the peer died meanwhile: a fresh inner state
-        opt_state = self.cores[peer].opt_state if peer is not None else self.opt_init(params)
-        start_step = launch.start_step
         # Its schedule resumes where the syncer says under the fleet clock (the fleet's count,
         # for a fresh state and a peer's alike), else where its data does.
         schedule = self.syncer.schedule_start()
         schedule = start_step if schedule is None else schedule
-        opt_state = at_schedule_step(opt_state, schedule)
-        core = LearnerCore(name, params, opt_state, old.plan, [v for _, v in frags],
-                           old.error_feedback, old.wire_bytes, old.decode,
-                           overlap_steps=old.overlap_steps, merge_alpha=old.merge_alpha,
-                           incarnation=incarnation, start_step=start_step,
-                           carry_overlap=old.carry_overlap)
+        core, nbytes = restarted_core(
+            self.cores[i], frags, self.assemble, incarnation, start_step, schedule,
+            lambda params: self.cores[peer].opt_state if peer is not None
+            else self.opt_init(params))
+        self.record.wire_bytes_restore += nbytes
         self.cores[i] = core
         self.loops[i] = self.loop_for(i, core)
         self.start_step[i] = start_step
@@ -556,13 +486,7 @@ class _Driver(Hooks):
             else:  # down at the end: allocated (and down) until the horizon
                 end = max(horizon, self.down_since[i])
                 record.down_intervals[i].append((self.down_since[i], end))
-            self.owner.books.release(name, end)
-            record.allocated_s.append(self.owner.books.allocated_s(end, name))
-            fates = self.owner.books.learner_tokens(name, live)
-            record.useful_s.append(fates.applied_s / self.num_fragments)
-            record.ledger[name] = {
-                **fates.as_dict(self.num_fragments),
-                "restarts": sum(r["learner"] == name for r in record.restarts)}
+            record.close_slot(self.owner.books, name, end, live, self.num_fragments)
         # The job ends as the Ray controller ends it: stop, then every running learner's run ends.
         self.groups.stop_all(0.0)
         self.fleet_step(record.end_time_s, [fleet_lib.Stop()] + self.owner.observe())
@@ -629,57 +553,3 @@ def run_inprocess(
                    eval_every_steps=eval_every_steps, assemble=assemble, faults=faults,
                    restart=restart, opt_init=opt_init, until_s=until_s,
                    commands=commands).run()
-
-
-def run_task(task, *, steps: int, optimizer, num_learners: int = 2, fragments: int = 2,
-             sync_every_steps: int = 8, overlap_steps: int = 2, min_learners: int = 1,
-             codec: str = "int4", seed: int = 0, fleet: Optional[Fleet] = None,
-             eval_every_steps: int = 0, faults: Optional[FaultPlan] = None,
-             outer_optimizer=None) -> RunRecord:
-    """Trains a :class:`~islands.learners.task.Task` with ``num_learners`` learners on the virtual
-    clock: init from ``PRNGKey(seed)``, shard i of ``num_learners`` through a ``TaskStream``
-    (a restarted learner reopens it at its applied step), the task's own eval batches. The
-    syncer merges under the service's rules (``islands.defaults``, as a job's default config:
-    re-based outer gradients, one step per round, the fleet's schedule clock, round_wait 0.5).
-
-    Args:
-      task: what to train.
-      steps: inner steps per learner.
-      optimizer: the inner optax transformation (``task.optimizer`` wins when it has one).
-      num_learners, fragments, sync_every_steps, overlap_steps, min_learners: M, P, H, τ, K.
-      codec: outer-gradient codec kind, with error feedback.
-      seed: init and step rng seed.
-      fleet: speeds and links (default: equal speeds, instant links).
-      eval_every_steps: evaluate the global params every this many steps of learner 0.
-      faults: a fault plan (restarted learners take a peer's inner state or a fresh one).
-      outer_optimizer: default ``syncer.outer.build()`` (Nesterov).
-    """
-    import jax
-
-    from islands.learners.task import TaskStream, make_eval_fn, make_train_step
-    from islands.syncer import codec as codec_lib
-    from islands.syncer import outer as outer_lib
-    from islands.syncer.core import SyncerSettings
-
-    optimizer = task.optimizer if task.optimizer is not None else optimizer
-    params = jax.jit(task.init_params)(jax.random.PRNGKey(seed))
-    codec_obj = codec_lib.make_codec(codec)
-    syncer, learners = build_syncer_and_learners(
-        params=params, opt_init=optimizer.init, plan=fragments_lib.partition(params, fragments),
-        settings=SyncerSettings(min_learners=min_learners, overlap_steps=overlap_steps),
-        outer_optimizer=outer_optimizer if outer_optimizer is not None else outer_lib.build(),
-        error_feedback_factory=lambda: codec_lib.error_feedback(codec_obj),
-        decode=lambda c: codec_lib.decode_tree(codec_obj, c),
-        wire_bytes=codec_lib.tree_wire_bytes,
-        learner_ids=[f"local:{i}" for i in range(num_learners)], merge_alpha=0.0,
-        is_embedding=task.is_embedding)
-    streams = [TaskStream(task, i, num_learners) for i in range(num_learners)]
-    evaluate, eval_set = make_eval_fn(task), list(task.eval_batches())
-    return run_inprocess(
-        learners=learners, syncer=syncer, train_step=make_train_step(task, optimizer, seed),
-        batch_for=lambda i, k: streams[i].batch_at(k),
-        tokens_per_batch=int(task.tokens(streams[0].batch_at(0).batch)),
-        fleet=fleet if fleet is not None else Fleet(speed_factors=[1.0] * num_learners),
-        num_fragments=fragments, sync_every_steps=sync_every_steps, steps=steps,
-        evaluate=lambda p: evaluate(p, eval_set), eval_every_steps=eval_every_steps,
-        assemble=assemble_like(params), faults=faults, opt_init=optimizer.init)

@@ -298,7 +298,7 @@ def test_syncer_restart_drops_the_open_rounds_and_forgets_registrations():
 @pytest.mark.parametrize("health", [{}, {"health": {"timeout_s": 7.0}}])
 def test_the_in_process_body_bounds_a_drain_as_the_ray_body_does(health):
     """One job's drain bound is the same in both bodies: the Ray controller's fleet
-    (``build.fleet_settings``) and the in-process driver's (``virtual_fleet.fleet_settings``),
+    (``build.fleet_settings``) and the in-process driver's (``virtual_fleet.Fleet.settings``),
     given the job's ``health.timeout_s`` or left at its default."""
     from islands.orchestrator import build
     from islands.orchestrator.config import JobConfig
