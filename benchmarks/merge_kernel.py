@@ -1,13 +1,15 @@
 """The syncer's merge + outer step against ``np.copyto``, side by side in one process (issue 25).
 
-One fragment of N parameters, M = 4 stored outer gradients (a round), merged by RDA (the default
-rule) or the weighted mean and stepped by Nesterov, the syncer's path
-(``syncer/fused.py:merge_and_step``: blocks of 256K values, each summed and stepped in cache;
-M + 6 passes over memory with RDA, M + 4 with the mean). The copy baseline is ``np.copyto`` of
+One fragment of N parameters, a round of M = 4 outer gradients merged by RDA (the default rule)
+or the weighted mean and stepped by Nesterov, the syncer's path: each gradient folded into the
+round's running sums as its push is accepted (``syncer/fused.py:GradSum.fold``: one axpy per sum,
+2 sums with RDA), then one step from the sums (``step_sums``: blocks of 256K values, each
+stepped in cache; 7 passes with RDA, 5 with the mean). The copy baseline is ``np.copyto`` of
 the same M fragments (M reads and M writes: 2M passes). The ratio is merged bytes per second
-over copied bytes per second, i.e. copy time ÷ merge time; each repetition times the merge and
-the copy back to back, so load on the machine hits both alike. Goal: ≥ 0.5 at 10M and 30M
-parameters.
+over copied bytes per second, i.e. copy time ÷ (fold + merge) time; each repetition times the
+merge and the copy back to back, so load on the machine hits both alike. Goal: ≥ 0.5 at 10M
+and 30M parameters. (``results/merge_kernel_issue25.json`` was measured on the list merge that
+the running sums replaced.)
 
 BLAS runs single-threaded, as in the syncer actor (``orchestrator/runtime.py:process_env``
 sets ``OMP_NUM_THREADS=1``, which OpenBLAS follows): ``--blas-threads N`` sets
@@ -65,8 +67,12 @@ def time_one(size: int, learners: int, rule: str, reps: int, seed: int = 0) -> d
     merge_s, copy_s = [], []
     for rep in range(reps + 1):                  # the first of each is a warm-up
         t0 = time.perf_counter()
-        new_params, new_state, finite, _ = fused.merge_and_step(
-            optimizer, rda, grads, norms, weights, 1.0, params, state, pool)
+        sums = fused.GradSum(rda)
+        for g, n, w in zip(grads, norms, weights):
+            sums.fold(g, n, w, 1.0, pool)
+        new_params, new_state, finite, _ = fused.step_sums(optimizer, [sums], 1.0, params,
+                                                           state, pool)
+        sums.release(pool)
         t1 = time.perf_counter()
         for g, d in zip(grads, dst):
             np.copyto(d, g["w"])
@@ -84,8 +90,11 @@ def time_one(size: int, learners: int, rule: str, reps: int, seed: int = 0) -> d
             "copy_gb_per_s": gb / statistics.median(copy_s),
             "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
             "ratio_max": max(ratios), "meets_goal": statistics.median(ratios) >= GOAL,
-            # passes over memory (one = N float32 values read or written), fused.merge_and_step
-            "merge_passes": learners + (6 if rule == "rda" else 4), "copy_passes": 2 * learners}
+            # passes over memory (one = N float32 values read or written): the folds (2 for
+            # the first push, 3 for each next, per sum) and step_sums
+            "merge_passes": (2 if rule == "rda" else 1) * (3 * learners - 1)
+                            + (7 if rule == "rda" else 5),
+            "copy_passes": 2 * learners}
 
 
 def plot(rows: list[dict], out_dir: str) -> None:

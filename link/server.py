@@ -233,6 +233,16 @@ def _line_id(line: bytes) -> Optional[str]:
         return None
 
 
+def _write_all(f, data: bytes) -> None:
+    """Writes all of ``data`` to an unbuffered file (a raw write may take part of it)."""
+    view = memoryview(data)
+    while view:
+        n = f.write(view)
+        if not n:
+            raise OSError(f"wrote nothing of {len(view)} bytes")
+        view = view[n:]
+
+
 class ReplyJournal:
     """The link server's exactly-once replies, on disk: ``RUN_DIR/link/replies.jsonl``, one JSON
     object a line, appended (and flushed) as it happens, so they outlive the server's process:
@@ -254,6 +264,18 @@ class ReplyJournal:
     the lock. So the file stays under about ``2 × max_bytes`` plus what is journaled while one
     compaction runs. Flushed, not fsynced: it outlives the process, not the machine (whose loss
     takes the home's syncer with it).
+
+    Failures leave a usable journal and are logged once (until the operation works again, which
+    is logged too); ``counts`` has them all:
+
+    - a write that fails (a full disk) is cut back to where the line began, so no torn line is
+      left for the next one to be glued to (where the cut fails too, the next line starts on a
+      new line), and ``size`` is recounted from the file: the reply stays in memory;
+    - a compaction that fails leaves the file as it was (its temporary file removed) and is
+      tried again only once the file grew by another ``2 × max_bytes``, not at every append;
+    - the compacted file is written through the handle the journal then appends to, opened
+      before the swap: nothing is opened after ``os.replace``, so no failure there can leave the
+      journal without a file (or the replies journaled since the compaction began without one).
     """
 
     FILE = "replies.jsonl"
@@ -268,11 +290,16 @@ class ReplyJournal:
         self.max_bytes = int(max_bytes)
         self.encode, self.decode = encode, decode
         self.lock = threading.Lock()
-        self.counts = collections.Counter()   # written, write_errors, torn, unreadable, compacted
+        # written, write_errors, torn, unreadable, compacted, compaction_errors
+        self.counts = collections.Counter()
         self._last = self._read()   # what the file held when opened: id -> last record
-        self._file = open(self.path, "ab")
-        self.size = self._file.tell()   # bytes in the file
+        # Unbuffered: a write that fails leaves nothing in a buffer to land later, mid-line.
+        self._file = open(self.path, "ab", buffering=0)
+        self.size = self._file_size()   # bytes in the file
         self._compaction: Optional[threading.Thread] = None
+        self._compact_at = 2 * self.max_bytes   # the size that starts the next compaction
+        self._torn = False        # a failed write left part of a line the cut could not remove
+        self._failing: set = set()   # operations failing now ("write", "compaction"): logged
 
     def _read(self) -> "collections.OrderedDict[str, dict]":
         """Every push's last record; cuts a torn last line off the file first."""
@@ -336,20 +363,54 @@ class ReplyJournal:
         record = {"id": record.pop("id"), **record, "t": round(time.time(), 3)}   # id first
         line = (json.dumps(record, separators=(",", ":")) + "\n").encode("utf-8")
         with self.lock:
+            start = self.size
             try:
-                self._file.write(line)
-                self._file.flush()
+                _write_all(self._file, b"\n" + line if self._torn else line)
             except (OSError, ValueError) as exc:   # a full disk: the replies stay in memory
                 self.counts["write_errors"] += 1
-                log.error("link: reply journal %s: %r", self.path, exc)
+                self._cut_back(start)
+                self._failed("write", "the replies stay in memory", exc)
                 return
+            self._torn = False
+            self._works("write")
             self.counts["written"] += 1
-            self.size += len(line)
-            if self.size < 2 * self.max_bytes or self._compaction is not None:
+            self.size = self._file_size()
+            if self.size < self._compact_at or self._compaction is not None:
                 return
             self._compaction = threading.Thread(target=self._compact, args=(self.size,),
                                                 name="reply-journal-compaction", daemon=True)
             self._compaction.start()
+
+    def _file_size(self) -> int:
+        """The journal file's size as the file has it (not as the appends added it up)."""
+        return os.fstat(self._file.fileno()).st_size
+
+    def _cut_back(self, start: int) -> None:
+        """After a failed write (under the lock): the file is cut back to ``start``, where the
+        line began, and ``size`` recounted from it; where the cut fails, the next line starts
+        on a new line (the torn part is then a line of its own, skipped when read)."""
+        try:
+            os.ftruncate(self._file.fileno(), start)
+        except (OSError, ValueError):
+            self._torn = True
+        try:
+            self.size = self._file_size()
+        except (OSError, ValueError):
+            pass
+
+    def _failed(self, what: str, consequence: str, exc: BaseException) -> None:
+        """Logs a failing operation once (under the lock), until it works again."""
+        if what in self._failing:
+            log.debug("link: reply journal %s: %s failed again: %r", self.path, what, exc)
+            return
+        self._failing.add(what)
+        log.error("link: reply journal %s: %s failed: %r; %s (said once, until it works again)",
+                  self.path, what, exc, consequence)
+
+    def _works(self, what: str) -> None:
+        if what in self._failing:
+            self._failing.discard(what)
+            log.warning("link: reply journal %s: %s works again", self.path, what)
 
     def _kept(self, cut: int) -> tuple[list[tuple[int, int]], int]:
         """The (offset, length) of each push's last line in the file's first ``cut`` bytes,
@@ -378,28 +439,45 @@ class ReplyJournal:
     def _compact(self, cut: int) -> None:
         """Rewrites the file's first ``cut`` bytes as the newest pushes' last lines (``_kept``),
         off the lock; then, under it, appends what was journaled since ``cut`` and swaps the
-        file in."""
+        file in. The rewritten file's handle becomes the journal's (nothing is opened after the
+        swap). A failure leaves the journal as it was; the next try waits for the file to grow
+        by another ``2 × max_bytes``."""
         tmp = self.path + ".tmp"
+        dst = None
         try:
-            kept, total = self._kept(cut)
-            with open(self.path, "rb") as src, open(tmp, "wb") as dst:
+            kept, _ = self._kept(cut)
+            dst = open(tmp, "wb", buffering=0)
+            with open(self.path, "rb") as src:
                 for offset, length in kept:
                     src.seek(offset)
-                    dst.write(src.read(length))
+                    _write_all(dst, src.read(length))
             with self.lock:
-                with open(self.path, "rb") as src, open(tmp, "ab") as dst:
+                with open(self.path, "rb") as src:
                     src.seek(cut)
                     tail = src.read()
-                    dst.write(tail)
+                _write_all(dst, tail)   # (a torn end stays one: _torn still holds)
                 os.replace(tmp, self.path)
-                self._file.close()
-                self._file = open(self.path, "ab")
-                self.size = total + len(tail)
+                old, self._file, dst = self._file, dst, None
+                self.size = self._file_size()
+                self._compact_at = 2 * self.max_bytes
                 self.counts["compacted"] += 1
+                self._works("compaction")
+            try:
+                old.close()
+            except OSError:
+                pass
         except (OSError, ValueError) as exc:
+            if dst is not None:
+                try:
+                    dst.close()
+                    os.remove(tmp)
+                except OSError:
+                    pass
             with self.lock:
-                self.counts["write_errors"] += 1
-            log.error("link: reply journal %s could not be compacted: %r", self.path, exc)
+                self.counts["compaction_errors"] += 1
+                self._compact_at = self.size + 2 * self.max_bytes
+                self._failed("compaction", f"the file stays as it is; tried again once it holds "
+                             f"{self._compact_at} bytes", exc)
         finally:
             with self.lock:
                 self._compaction = None

@@ -11,6 +11,7 @@ in ``snapshot.py``. This file is the Ray actor's shell: threads, inbox, wall clo
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 import os
@@ -30,6 +31,7 @@ from .owner import Hooks, Owner
 from .owner_role import HOME, OwnerRole
 from .groups import (DrainQuery, LearnerGroups, SyncerShards, cluster_view, drain_node, draining_nodes,
                      node_views, restarted_actor, share)
+from .logs import EventLog, keep_span_s, trim_before
 from .safety import DrainGuard
 from . import remote_regions
 from .snapshot import console_view, goodput_view, learner_goodput, live_fates
@@ -39,7 +41,6 @@ from .runtime import (CONTROLLER_NAME, NAMESPACE, SYNCER_NAME, controller_option
 
 log = logging.getLogger("islands.controller")
 
-EVENT_LOG_LIMIT = 100_000
 
 
 class _Body(Hooks):
@@ -101,7 +102,7 @@ class Controller:
         self.inbox: "queue.Queue[tuple[Any, Optional[Future]]]" = queue.Queue()
         self.groups = LearnerGroups()   # every Ray call for learners and spares
         self.lock = threading.Lock()         # guards events and the syncer status for readers
-        self.events: list[dict] = []
+        self.events = EventLog()             # the newest events (events.jsonl has all)
         self.started_s = time.time()
         self.job_started_s: Optional[float] = None
         self.stop_event = threading.Event()
@@ -119,7 +120,7 @@ class Controller:
         self.eval_history: list[tuple[float, int, float]] = []
         self.initial_eval_loss: Optional[float] = None
         self.chaos_fired: list[dict] = []
-        self.goodput_history: list = []
+        self.goodput_history: collections.deque = collections.deque()  # (t, useful, allocated)
         self.step_seconds: dict = {}         # per region: histogram of heartbeats' step times
         self.badput_high: dict = {}          # per cause: the highest exported (never goes back)
         self.metrics_server = None
@@ -142,17 +143,15 @@ class Controller:
         now = time.time()
         event = {"t": now, "elapsed_s": round(now - self.started_s, 3), "event": kind, **fields}
         with self.lock:
-            if len(self.events) < EVENT_LOG_LIMIT:
-                self.events.append(event)
+            self.events.append(event)
         log.info("%s %s", kind, fields)
 
     def events_since(self, index: int) -> tuple[list[dict], int]:
-        """Events after the first ``index``; all of them when ``index`` is past the end (the
-        caller's count is from before this controller restarted)."""
+        """Events after the first ``index`` (absolute: it never goes back), and the next index;
+        the oldest kept when ``index`` is past the end (the caller's count is from before this
+        controller restarted). The newest ``logs.EVENTS_KEPT`` are kept here."""
         with self.lock:
-            if index > len(self.events):
-                index = 0
-            return self.events[index:], len(self.events)
+            return self.events.since(index)
 
     # -- start ----------------------------------------------------------------------------------
     def start(self) -> dict:
@@ -249,7 +248,8 @@ class Controller:
                     observations += self._refusals()
                     gp = self.goodput()
                     self.goodput_history.append((now, gp["useful_s"], gp["allocated_s"]))
-                    del self.goodput_history[:-100_000]
+                    trim_before(self.goodput_history,
+                                now - keep_span_s(self.settings.goodput_window_s))
                     self._mirror_ray_metrics()
                     last["syncer"] = now
                 observations += self._due_faults()

@@ -14,6 +14,7 @@ fleet's observations (``fleet.RunEnded``, ``fleet.Placed``, ``fleet.SpareReady``
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import time
 from typing import Any, Iterable, Optional, Sequence
@@ -26,6 +27,17 @@ from .runtime import (NAMESPACE, learner_actor_name, learner_options, release_un
                       reserve_unit)
 
 log = logging.getLogger("islands.controller")
+
+
+@functools.cache
+def learner_unit_class():
+    """The learner's Ray actor class, made once per process: a job launches thousands of
+    learners and spares over its life, each from the same class."""
+    from islands.learners.unit import LearnerUnit
+
+    return ray.remote(LearnerUnit)
+
+
 SPARE_PREFIX = "islands:spare:"
 # A placed learner slow to answer a restarted controller's ping gets this many times the ping's
 # timeout before it is ended as wedged.
@@ -98,8 +110,6 @@ class LearnerGroups:
         (if it died meanwhile its run fails, and the fleet restarts the slot). Returns why it
         could not start (the last incarnation's name is not released yet), or None."""
 
-        from islands.learners.unit import LearnerUnit
-
         if spare is not None:
             handle = self.spares.pop(spare).handle
             handle.promote.remote(identity)
@@ -108,7 +118,7 @@ class LearnerGroups:
             group = (reserve_unit(learner, incarnation, region, devices)
                      if devices.hosts > 1 else None)
             try:
-                handle = ray.remote(LearnerUnit).options(
+                handle = learner_unit_class().options(
                     **learner_options(learner, region, devices, group)).remote(spec)
             except ValueError as exc:
                 if group is not None:
@@ -194,10 +204,8 @@ class LearnerGroups:
     def launch_spare(self, name: str, region: str, devices, spec) -> Optional[str]:
         """Starts a warm spare (a learner's devices, held ready); why not, or None."""
 
-        from islands.learners.unit import LearnerUnit
-
         try:
-            handle = ray.remote(LearnerUnit).options(
+            handle = learner_unit_class().options(
                 **learner_options(name, region, devices)).remote(spec)
         except ValueError as exc:   # an earlier spare's name is not released yet
             return str(exc)

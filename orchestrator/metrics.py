@@ -17,18 +17,19 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping, Optional
 
+# Recovery phases run from a fraction of a second (detect) to minutes (a slow restart): the
+# controller counts them as it goes (logs.RecoveryLog), so the buckets are defined there.
+from .logs import RECOVERY_BUCKETS_S, RECOVERY_PHASES
+
 log = logging.getLogger("islands.metrics")
 
 DEFAULT_METRICS_PORT = 9400
-# Recovery phases run from a fraction of a second (detect) to minutes (a slow restart).
-RECOVERY_BUCKETS_S = (0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
 # Staleness in fragment versions: 0 is the common case, a few with K < M, more after an outage.
 STALENESS_BUCKETS = (0, 1, 2, 3, 4, 6, 8, 12, 16, 32)
 # Learners in one merge: one, a few with K < M, up to a large fleet.
 PARTICIPANTS_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 # Participants ÷ live learners of one merge (1: every live learner took part).
 PARTICIPATION_BUCKETS = (0.1, 0.25, 0.5, 0.75, 0.9, 1.0)
-RECOVERY_PHASES = ("detect", "restart", "restore", "first_contribution", "total")
 LEARNER_STATES = ("pending", "starting", "training", "paused", "draining", "restarting", "failed",
                   "retired", "unreachable", "awaiting_placement")
 RESTART_REASONS = ("crash", "preemption", "preempted_planned", "hang", "straggler", "quarantine")
@@ -372,7 +373,14 @@ def families(snap: Mapping[str, Any]) -> list:
 
     recovery = HistogramMetricFamily("islands_recovery_seconds",
                                      spec["islands_recovery_seconds"].help, labels=["phase"])
+    counted = snap.get("recovery_seconds") or {}
     for phase in RECOVERY_PHASES:
+        if phase in counted:   # every recovery of the job (the rows are only the newest)
+            h = counted[phase]
+            buckets = [(str(float(b)), n) for b, n in zip(h["bounds"], h["buckets"])]
+            buckets.append(("+Inf", h["buckets"][-1]))
+            recovery.add_metric([phase], buckets, float(h["sum"]))
+            continue
         buckets, total = _histogram((r[f"{phase}_s"] for r in snap.get("recoveries") or []),
                                     RECOVERY_BUCKETS_S)
         recovery.add_metric([phase], buckets, total)

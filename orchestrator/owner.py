@@ -38,8 +38,8 @@ from . import fleet
 from . import seam
 from .books import Books
 from .groups_api import Incarnation, SyncerStatus, combined
+from .logs import RecoveryLog
 
-RECOVERIES_KEPT = 1000   # the recoveries an owner keeps (the newest): its memory stays bounded
 # A re-attached learner's state (its actor's answer) -> its slot's ("paused": the floor decides
 # again at the first step).
 RUNNING_STATES = {"training": fleet.SlotState.TRAINING, "paused": fleet.SlotState.TRAINING,
@@ -114,7 +114,7 @@ class Owner:
         self.lock = lock if lock is not None else threading.Lock()  # readers of the statuses
         self.running: dict[str, Incarnation] = {}
         self.closed: dict[str, dict] = {}     # per learner: counters of ended incarnations
-        self.recoveries: list[dict] = []
+        self.recoveries = RecoveryLog()      # a histogram of all, the newest as rows
         self.remote_beats: dict[tuple, Any] = {}   # (learner, incarnation) -> newest beat
         self.remote_restarts: dict[str, list] = {}  # per remote region: restarts for its agent
         self.syncer_restarts = 0
@@ -165,8 +165,7 @@ class Owner:
         elif t.name == "learner_retired":
             self.books.release(t.learner, now)
         elif t.name == "learner_recovered":
-            self.recoveries.append(dict(t.fields))
-            del self.recoveries[:-RECOVERIES_KEPT]
+            self.recoveries.append({**t.fields, "learner": t.learner})
         fields = dict(t.fields)
         if t.learner is not None:
             fields.setdefault("learner", t.learner)
@@ -290,7 +289,7 @@ class Owner:
             "misconfigured": {node: dict(regions)
                               for node, regions in fleet_state.misconfigured.items()},
             "operator_paused": fleet_state.operator_paused,
-            "recoveries": self.recoveries[-RECOVERIES_KEPT:],
+            "recoveries": self.recoveries.to_json(),
             "syncer_restarts": self.syncer_restarts, "syncer_closed": self.syncer_closed,
             "syncer_epoch": int(self.syncer_status.epoch),
             "syncer_epochs": [int(st.epoch) if st is not None else 0
@@ -307,7 +306,7 @@ class Owner:
         paused (the first step pauses them again if a reason still holds)."""
         self.books = Books.from_json(saved["books"])
         self.closed = dict(saved["closed"])
-        self.recoveries = list(saved["recoveries"])[-RECOVERIES_KEPT:]
+        self.recoveries = RecoveryLog.from_json(saved["recoveries"])
         self.syncer_restarts = int(saved["syncer_restarts"]) + syncer_restarts_missed
         self.syncer_closed = saved["syncer_closed"]
         ledger = self.syncer_status.ledger

@@ -6,6 +6,7 @@ kept training meanwhile. The fleet's and the books' half of the state is the own
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import time
@@ -68,7 +69,7 @@ def recover(controller: Any) -> None:
     c.started_s, c.job_started_s = saved["started_s"], saved["job_started_s"]
     c.restarts = saved["restarts"] + 1
     # The sliding goodput window goes on from the samples it held (not from 1.0 at zero).
-    c.goodput_history = [tuple(x) for x in saved.get("goodput_history") or []]
+    c.goodput_history = collections.deque(tuple(x) for x in saved.get("goodput_history") or [])
     c.step_seconds = saved.get("step_seconds") or {}
     if c.chaos_plan is not None and c.job_started_s is not None:
         c.chaos_plan.due(time.time() - c.job_started_s)  # fired before: not again

@@ -637,8 +637,10 @@ def recovery_rows(summary: Mapping[str, Any], events: Sequence[Mapping[str, Any]
     recovered = [e for e in events if e.get("event") == "learner_recovered"]
     if not recoveries:
         recoveries = recovered  # an old summary without the list: the events say the same
-    names = ([e.get("learner") for e in recovered] if len(recovered) == len(recoveries)
-             else [None] * len(recoveries))
+    # The summary keeps the newest rows (a long job's are counted in its histogram): they are
+    # the newest events' too.
+    names = ([e.get("learner") for e in recovered[len(recovered) - len(recoveries):]]
+             if len(recovered) >= len(recoveries) else [None] * len(recoveries))
     rows = []
     for rec, name in zip(recoveries, names):
         rows.append({"learner": rec.get("learner") or name or "–",

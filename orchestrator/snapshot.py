@@ -12,6 +12,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Optional
 
+from .logs import RECOVERIES_IN_SNAPSHOT, RECOVERIES_KEPT
 from .runtime import learner_actor_name
 
 
@@ -68,7 +69,7 @@ class JobSnapshot:
     syncer: dict
     syncer_restarts: int
     learner_restarts: dict
-    recoveries: list
+    recoveries: list          # the newest few (summary.json: the newest logs.RECOVERIES_KEPT)
     paused_reason: Optional[str]
     wire_bytes: dict
     rejected_total: dict
@@ -80,6 +81,9 @@ class JobSnapshot:
     # Merges that replaced Θ by "participants/live" (syncer/core.py participation_key).
     participation_counts: dict = field(default_factory=dict)
     drain_query_failures: int = 0   # failed polls of Ray's draining-node table
+    # Every recovery, per phase: a histogram (logs.RecoveryLog), and how many there were.
+    recovery_seconds: dict = field(default_factory=dict)
+    recoveries_total: int = 0
 
     def as_dict(self) -> dict:
         out = asdict(self)
@@ -111,7 +115,8 @@ class JobSnapshot:
             "duration_s": self.elapsed_s,
             "learners": {k: asdict(v) for k, v in self.learners.items()},
             "regions": regions,
-            "recoveries": self.recoveries,
+            "recoveries": controller.owner.recoveries.newest(RECOVERIES_KEPT),
+            "recoveries_total": self.recoveries_total,
             "rejected_pushes": self.rejected_total,
             "goodput_window": self.goodput["window"],
             "chaos_fired": list(controller.chaos_fired),
@@ -133,7 +138,8 @@ def job_snapshot(controller: Any) -> JobSnapshot:
         closed_syncer = {k: dict(v) for k, v in controller.owner.syncer_closed.items()}
         eval_loss = controller.eval_history[-1][2] if controller.eval_history else None
         initial_eval_loss = controller.initial_eval_loss
-        recoveries = list(controller.owner.recoveries)
+        recoveries = controller.owner.recoveries.newest(RECOVERIES_IN_SNAPSHOT)
+        recovery_seconds = controller.owner.recoveries.histogram()
         step_seconds = {r: {"counts": list(h["counts"]), "sum": h["sum"], "count": h["count"]}
                         for r, h in getattr(controller, "step_seconds", {}).items()}
     learners = {}
@@ -182,7 +188,9 @@ def job_snapshot(controller: Any) -> JobSnapshot:
         train_loss=statistics.fmean(losses) if losses else None, eval_loss=eval_loss,
         initial_eval_loss=initial_eval_loss, syncer={k: status.get(k) for k in SYNCER_KEYS},
         syncer_restarts=controller.owner.syncer_restarts, learner_restarts=dict(restarts),
-        recoveries=recoveries, paused_reason=fleet.paused_reason, wire_bytes=wire,
+        recoveries=recoveries, recovery_seconds=recovery_seconds,
+        recoveries_total=controller.owner.recoveries.total, paused_reason=fleet.paused_reason,
+        wire_bytes=wire,
         rejected_total=dict(rejected), staleness_counts=dict(staleness),
         link=_link_rows(controller, now), step_seconds=step_seconds,
         drain_query_failures=getattr(getattr(controller, "drain_query", None), "failures", 0),
@@ -235,7 +243,7 @@ def console_view(controller: Any) -> dict:
     fleet and the beats know (the console reads this view, never the controller's fields)."""
     snap = controller.snapshot()
     with controller.lock:
-        events = list(controller.events[-2000:])
+        events = controller.events.newest(2000)
         profilers = {name: run.beat.profiler if run.beat is not None else None
                      for name, run in controller.owner.running.items()}
     return {"snapshot": snap, "events": events, "profilers": profilers,

@@ -249,11 +249,15 @@ class Syncer:
             # Not durable (a restart replays the previous entry), yet merged here: a push
             # answered "dropped" would be pushed again and its drift merged twice. Refused
             # instead, with the current fragment (this merge in it) to start over from: its
-            # tokens are dropped with the reason, and nobody waits on an answer for ever.
+            # tokens are dropped with the reason, the ledger takes back what the merge credited
+            # (core.revoke: one fate per token on both sides), and nobody waits on an answer
+            # for ever.
             log.exception("fragment %d: the merge journal entry of version %d was not written; "
                           "its pushes are refused as not durable", g, result.version)
-            self._refuse_taken(p, g, taken, f"the merge journal entry of version "
-                               f"{result.version} was not written: {exc!r}"[:300])
+            detail = (f"the merge journal entry of version {result.version} was not written: "
+                      f"{exc!r}")[:300]
+            self.core.revoke(result, detail)
+            self._refuse_taken(p, g, taken, detail)
         finally:
             self.journal_pending.pop(p, None)
             if self._wake:

@@ -101,8 +101,16 @@ class Contribution:
     # A member of a region's pre-merged push: the push's name. Its members share one outer
     # gradient (the group's mean) and are merged, forgotten and answered together.
     group: Optional[str] = None
-    # What its outer gradient is decoded from again (a learner forgotten, a pull-rule join)
-    # and its merge weight: the round keeps running sums, not the gradients (fused.GradSum).
+    # What its outer gradient is decoded from again, and its merge weight: the round keeps
+    # running sums, not the gradients (fused.GradSum). The codes are the push's own (the same
+    # object as ``push.codes``; a pre-merged push's, which its members share), held until the
+    # round merges because they are read again when the push leaves the round unmerged (its
+    # learner forgotten: ``_take_out`` decodes this push alone and subtracts it) and, under
+    # ``outer_gradient: pull``, when a partial merge joins its round (each gradient moves to
+    # the round's start, and RDA needs each one's new norm). They are the smallest record of
+    # the gradient there is (nf2: 0.07 of its float32 bytes), and dropping them here would free
+    # nothing before the push is answered: the syncer's ``push`` call holds its argument until
+    # then.
     codes: Any = None
     weight: float = 0.0
 
@@ -182,6 +190,18 @@ class _Judged:
 
 
 @dataclass(frozen=True)
+class Credit:
+    """What one merged push added to its learner's ledger entry, with what the entry held before,
+    so that a merge that could not be made durable takes it back (``SyncerCore.revoke``)."""
+
+    push: Push
+    step_before: Optional[int]        # merged_steps[p] before the credit (None: none)
+    tokens_before: Optional[int]      # merged_tokens[p] before
+    watermark_before: tuple           # (applied_tokens_done, applied_compute_s, applied_step)
+    mark_before: Optional[tuple]      # SyncerCore.merge_marks[(learner, p)] before
+
+
+@dataclass(frozen=True)
 class MergeResult:
     """The record of one merge: what it made and who took part.
 
@@ -207,6 +227,8 @@ class MergeResult:
     joined: int = 0                      # per_round: pushes of the round stepped before this merge
     live: Optional[int] = None           # live learners M when the merge was decided
     detail: str = ""                     # a refused merge: why, in words
+    # What the merge credited to the ledger, per push (``SyncerCore.revoke`` takes it back).
+    credits: tuple = field(default=(), repr=False, compare=False)
 
     @property
     def participants(self) -> int:
@@ -279,30 +301,6 @@ def regions_to_rejoin(learners: Sequence[str], bases: Sequence[tuple],
     return frozenset(r for r, seen in bases_of.items() if len(seen) > 1)
 
 
-def shared_gradients(contributions: Sequence[Contribution], weights: Sequence[float]
-                     ) -> tuple[list, list, list]:
-    """(outer gradients, their norms, weights) with the members of one pre-merged push folded
-    into one: their shared gradient once, with the sum of their weights (one pass over it, and
-    each buffer goes back to the pool once). ``Σ_i w_i ḡ = (Σ_i w_i) ḡ``: the weighted mean is
-    unchanged.
-
-    >>> g = {"w": None}
-    >>> c = [Contribution(None, g, 0, 0.0, group="r"), Contribution(None, g, 0, 0.0, group="r"),
-    ...      Contribution(None, {"w": None}, 0, 0.0)]
-    >>> shared_gradients(c, [1.0, 2.0, 4.0])[2]
-    [3.0, 4.0]
-    """
-    out: dict[int, list] = {}
-    for c, w in zip(contributions, weights, strict=True):
-        key = id(c.outer_grad)
-        if key in out:
-            out[key][2] += w
-        else:
-            out[key] = [c.outer_grad, c.grad_norms, w]
-    rows = list(out.values())
-    return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
-
-
 class SyncerCore:
     """Owns the global parameters Θ and the outer optimizer state, per fragment."""
 
@@ -357,6 +355,10 @@ class SyncerCore:
         # The fleet is paused (the pause rule): a gap that holds a pause is no period; the
         # measure starts over on resume (``pause_periods``).
         self.periods_paused = False
+        # (learner, fragment) -> (incarnation, tokens_done, compute_s, step) of its newest push
+        # merged in this process: what the applied watermark falls back to when a merge is
+        # revoked (``revoke``).
+        self.merge_marks: dict[tuple[str, int], tuple] = {}
 
     # -- membership -----------------------------------------------------------------------------
     def register(self, learner: str, incarnation: int, session: Optional[str] = None
@@ -405,16 +407,14 @@ class SyncerCore:
         for slot in self.slots:
             contribution = slot.round.pop(learner, None)
             if contribution is not None:
-                dropped.append(contribution.push)
+                left = [contribution]
                 if contribution.group is not None:
                     # Its drift is inside the group's mean: the group goes with it (its other
                     # members are answered "dropped" and push their drift again).
-                    for mate in [n for n, c in slot.round.items()
-                                 if c.group == contribution.group]:
-                        dropped.append(slot.round.pop(mate).push)
-                self._refold(slot)   # the sum without it (none left: no sum)
-                if not slot.round:
-                    self._release_open(slot)
+                    left += [slot.round.pop(mate) for mate in
+                             [n for n, c in slot.round.items() if c.group == contribution.group]]
+                dropped.extend(c.push for c in left)
+                self._take_out(slot, left)   # the sum without it (none left: no sum)
                 self._recount_quorum(slot)
         self.learners.pop(learner, None)
         self.sessions.pop(learner, None)
@@ -722,6 +722,27 @@ class SyncerCore:
         for g in grads.values():
             self.pool.give(g)
 
+    def _take_out(self, slot: FragmentSlot, left: Sequence[Contribution]) -> None:
+        """The open round's sum without the pushes ``left`` (one push, or the members of one
+        pre-merged push, which share one outer gradient): their gradient is decoded again from
+        their codes, as ``_fold`` made it (the same anchor, base and drift: the same values),
+        and subtracted (``GradSum.unfold``); the pushes that stay are not decoded. Only where
+        subtracting cannot give their sum (the pushes that left held its only positive weights)
+        is it folded again from theirs."""
+        if not slot.round or slot.open_sum is None:
+            self._release_open(slot)
+            return
+        c = left[0]
+        drift = {k: np.asarray(v) for k, v in self.decode(c.codes).items()}
+        grads, norms = fused.outer_gradient(self._anchor(slot, c.push, c.base), c.base, drift,
+                                            self.pool)
+        whole = slot.open_sum.unfold(grads, norms, sum(m.weight for m in left),
+                                     float(len(left)), self.pool)
+        for g in grads.values():
+            self.pool.give(g)
+        if not whole:
+            self._refold(slot)
+
     def _refold(self, slot: FragmentSlot, shift: Optional[tuple] = None) -> None:
         """Rebuilds the open round's sum from its pushes' codes, in the order they came (the
         same numbers as folding them as they came): after a push left the round, or moved to
@@ -940,8 +961,8 @@ class SyncerCore:
         slot.history[slot.version] = slot.params
         for old in [v for v in slot.history if v <= slot.version - self.settings.history_versions]:
             del slot.history[old]
-        for c in contributions:
-            self._credit(c.push)
+        credits = tuple(credit for credit in map(self._credit, (c.push for c in contributions))
+                        if credit is not None)
         slot.round = {}
         slot.quorum_reached_at_s = None
         slot.round_opened_at_s = None
@@ -955,7 +976,7 @@ class SyncerCore:
             groups=tuple(c.group for c in contributions),
             fleet_step=(self.fleet_step() if self.settings.schedule_clock
                         == merge_lib.ScheduleClock.FLEET else None),
-            joined=len(joined), live=live_count))
+            joined=len(joined), live=live_count, credits=credits))
 
     def _refuse_unadopted(self, slot: FragmentSlot, fragment: int,
                           contributions: Sequence[Contribution],
@@ -1084,17 +1105,56 @@ class SyncerCore:
         ranked = sorted(sharing, key=lambda k: (-sharing[k], k))
         return set(ranked[max(cap - len(kept), 0):])
 
-    def _credit(self, push: Push) -> None:
+    def _credit(self, push: Push) -> Optional[Credit]:
         entry = self.ledger.setdefault(push.learner, LedgerEntry(incarnation=push.incarnation))
         if push.incarnation != entry.incarnation:
-            return  # an older incarnation's push cannot be in a round: forget() removed it
-        entry.merged_steps[push.fragment] = push.step
-        entry.merged_tokens[push.fragment] = entry.merged_tokens.get(push.fragment, 0) + push.c_tokens
+            return None  # an older incarnation's push cannot be in a round: forget() removed it
+        p, key = push.fragment, (push.learner, push.fragment)
+        credit = Credit(push, entry.merged_steps.get(p), entry.merged_tokens.get(p),
+                        (entry.applied_tokens_done, entry.applied_compute_s, entry.applied_step),
+                        self.merge_marks.get(key))
+        entry.merged_steps[p] = push.step
+        entry.merged_tokens[p] = entry.merged_tokens.get(p, 0) + push.c_tokens
         entry.merged_tokens_total += push.c_tokens
+        self.merge_marks[key] = (push.incarnation, push.tokens_done, push.compute_s, push.step)
         if push.tokens_done > entry.applied_tokens_done:
             entry.applied_tokens_done = push.tokens_done
             entry.applied_compute_s = push.compute_s
             entry.applied_step = push.step
+        return credit
+
+    def revoke(self, result: MergeResult, detail: str) -> None:
+        """A merge that could not be made durable (its journal entry was not written): its
+        pushes are refused ``not_durable`` (their learners drop their tokens with that reason
+        and start over from the current Θ[p]), so the ledger takes back what the merge credited
+        them: the fragment-tokens merged, the fragment's last merged step and the applied
+        watermark, which becomes the newest of what the entry held before this merge and the
+        pushes of its other fragments merged since (``merge_marks``). Every token then has one
+        fate on both sides. Θ[p] keeps the merge (undoing it would need the round's sums, gone
+        with it); a later durable merge of the fragment writes it down."""
+        for credit in result.credits:
+            push = credit.push
+            self._refused(push, Rejected(RejectReason.NOT_DURABLE, detail))
+            entry = self.ledger.get(push.learner)
+            if entry is None or entry.incarnation != push.incarnation:
+                continue   # a new incarnation's books start afresh: nothing of this one is there
+            p, key = push.fragment, (push.learner, push.fragment)
+            entry.merged_tokens_total -= push.c_tokens
+            for books, before in ((entry.merged_steps, credit.step_before),
+                                  (entry.merged_tokens, credit.tokens_before)):
+                if before is None:
+                    books.pop(p, None)
+                else:
+                    books[p] = before
+            if credit.mark_before is None:
+                self.merge_marks.pop(key, None)
+            else:
+                self.merge_marks[key] = credit.mark_before
+            marks = [credit.watermark_before] + [
+                mark[1:] for (name, _), mark in self.merge_marks.items()
+                if name == push.learner and mark[0] == push.incarnation]
+            (entry.applied_tokens_done, entry.applied_compute_s,
+             entry.applied_step) = max(marks, key=lambda m: m[0])
 
     # -- views ----------------------------------------------------------------------------------
     def fragment(self, p: int) -> tuple[Fragment, int]:

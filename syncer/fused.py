@@ -1,21 +1,22 @@
-"""The syncer's hot path in place: a push's outer gradient with its norms, and a fragment's merge
-with its outer step, each as few passes over memory as the math allows, into reused buffers.
+"""The syncer's hot path in place: a push's outer gradient with its norms, folded into its
+round's running sums (``GradSum``), and a fragment's merge with its outer step from those sums,
+each as few passes over memory as the math allows, into reused buffers.
 
 Plain numpy expressions walk a fragment once per operation and allocate a fresh array for each
 (θ = base + δ, g = Θ − θ, φ(g), the weighted sums, the optimizer's moments, Θ's update); a jitted
 XLA program on the syncer's single CPU thread measured slower still (26 ns per parameter for
 ``Θ − (base + δ)``, against 2 ns for a copy). Here ``outer_gradient`` writes g into a buffer of
-the pool (two subtractions and a dot), and ``merge_and_step`` walks the fragment in blocks of
-``BLOCK`` values: each block of the weighted sum is built from the M gradients with numpy ``out=``
-ufuncs while it sits in cache, and SGD or Nesterov is applied to it there, writing the new
-momentum and a new Θ once (``merge_and_step`` counts the passes: 8 for the weighted mean and 10
-for RDA with M = 4 and Nesterov, where a copy of the M gradients makes 8). Other outer optimizers
-(adam) take optax's compiled step. The math is ``merge.py``'s and ``outer.py``'s
+the pool (two subtractions and a dot), ``GradSum.fold`` adds it to the round's sums as the push
+is accepted (one BLAS axpy per sum), and ``step_sums`` walks the fragment in blocks of ``BLOCK``
+values: each block of the merged gradient is made from the sums while it sits in cache, and SGD
+or Nesterov is applied to it there, writing the new momentum and a new Θ once (``step_sums``
+counts the passes, whatever the number of learners). Other outer optimizers (adam) take optax's
+compiled step. The math is ``merge.py``'s and ``outer.py``'s
 (docs/architecture.md#token-weighted-merge-and-rda): ``RDA = (Σ w‖g‖/Σ w)·φ(Σ w φ(g)/Σ w)``,
 falling back to the weighted mean when the directions cancel, the embeddings always the mean;
 ``optax.sgd``: ``m ← g + μ·m``, ``Θ ← Θ − lr·(g + μ·m)`` (Nesterov) or ``Θ − lr·m``. The order of
-float32 operations differs from ``merge.py`` (per-learner coefficients ``w/(Σw·‖g‖)``, the RDA
-scale applied once with the participation share), so results agree to float32 rounding.
+float32 operations differs from ``merge.py`` (the sums are normalised by Σ w once, at the merge;
+the RDA scale applied once with the participation share), so results agree to float32 rounding.
 """
 
 from __future__ import annotations
@@ -114,41 +115,6 @@ def _direction(grads: Sequence[np.ndarray], coefs: Sequence[float], out: np.ndar
     return norm_sq
 
 
-def _coefficients(norms: Sequence[float], weights: Sequence[float], use_rda: bool):
-    """The per-learner coefficients of the direction (RDA: ``w/(Σw·‖g‖)`` for each g ≠ 0, the
-    mean: ``w/Σw``) and the learners they apply to, and the RDA mean norm ``Σ w‖g‖/Σ w``."""
-    total = float(sum(weights))
-    w = [float(x) / total for x in weights]
-    if not use_rda:
-        return list(range(len(w))), w, None
-    keep = [i for i, n in enumerate(norms) if n > 0]
-    return keep, [w[i] / norms[i] for i in keep], sum(wm * n for wm, n in zip(w, norms))
-
-
-def _merged_direction(grads, norms, weights, use_rda, out) -> tuple[float, float, bool]:
-    """Writes the merged direction into ``out`` and returns ``(scale, ‖scale·out‖, rda)``: the
-    merged outer gradient is ``scale · out``; RDA when the directions do not cancel, else the
-    weighted mean (scale 1), as ``merge.py``. One pass over the g's (two when RDA falls back)."""
-    if use_rda:
-        keep, coefs, mean_norm = _coefficients(norms, weights, True)
-        if keep:
-            d_norm = math.sqrt(max(_direction([grads[i] for i in keep], coefs, out), 0.0))
-            if d_norm >= RDA_EPS:
-                return mean_norm / d_norm, mean_norm, True
-    _, coefs, _ = _coefficients(norms, weights, False)
-    return 1.0, math.sqrt(max(_direction(grads, coefs, out), 0.0)), False
-
-
-def combine(grads: Sequence[np.ndarray], norms: Sequence[float], weights: Sequence[float],
-            use_rda: bool, out: np.ndarray) -> tuple[np.ndarray, Optional[float]]:
-    """One tensor's merged outer gradient into ``out`` (RDA, or the weighted mean); returns it
-    and its norm when it is RDA's (the mean norm), else None."""
-    scale, norm, rda = _merged_direction(grads, norms, weights, use_rda, out)
-    if scale != 1.0:
-        out *= np.float32(scale)
-    return out, (norm if rda else None)
-
-
 def _sgd_kind(optimizer) -> Optional[tuple[float, float, bool]]:
     spec = getattr(optimizer, "spec", None)
     if spec is None or spec[0] not in ("nesterov", "sgd"):
@@ -195,107 +161,6 @@ def _stepper(theta: np.ndarray, new: np.ndarray, trace: Optional[np.ndarray],
     return step
 
 
-def merge_and_step(optimizer, rda_paths: frozenset, grads: Sequence[dict],
-                   norms: Sequence[dict], weights: Sequence[float], share: float, params: dict,
-                   state: Any, pool: Optional[BufferPool] = None):
-    """Merges the M outer gradients of one fragment and applies the outer optimizer.
-
-    Passes over memory per tensor of N values (one pass = N float32 read or written; a copy of
-    the M gradients makes 2M), with SGD / Nesterov (``_stepper``) in blocks of ``BLOCK``:
-
-    - weighted mean (embeddings, rule "mean"): one pass, M + 4 (read the M g's, Θ and m; write
-      m' and Θ'); the merged block never leaves the cache;
-    - RDA: M + 6: the direction ``Σ w φ(g)`` and its norm (read M, write it), then the step
-      (read it, Θ and m; write m' and Θ'). ‖φ(d)‖ must be known before the first value of the
-      step, hence the second pass; the length ``Σ w‖g‖`` comes from the pushes' norms;
-    - no momentum: two fewer (no m to read or write); the finiteness check and the norms are
-      taken from blocks in cache. For M = 4: 8 (mean) and 10 (RDA) against the copy's 8 (the
-      former kernel: about 28).
-
-    Other optimizers (adam) get the merged gradient as arrays and optax's compiled step.
-
-    Args:
-      optimizer: the outer optax transform (``outer.build``'s carry their kind: sgd and
-        Nesterov run in place, others through optax).
-      rda_paths: the tensors merged by RDA (the others, embeddings, by the weighted mean).
-      grads, norms: per learner, ``{path: g_m}`` and ``{path: ‖g_m‖}`` (``outer_gradient``).
-      weights: the learners' merge weights (token weight × staleness factor), summing to > 0.
-      share: the participation scale n/M (1 without it).
-      params: Θ of the fragment (not modified: earlier versions stay in the history).
-      state: the outer optimizer's state (not modified; with a pool, sgd/Nesterov hand its
-        momentum buffers back once the new state replaces it).
-      pool: where scratch and momentum buffers come from and go back to.
-
-    Returns:
-      ``(new Θ, new state, every value finite, ‖merged outer gradient‖)``.
-    """
-    with np.errstate(over="ignore", invalid="ignore"):   # a non-finite merge is refused, not logged
-        return _merge_and_step(optimizer, rda_paths, grads, norms, weights, share, params, state,
-                               pool)
-
-
-def _merge_and_step(optimizer, rda_paths, grads, norms, weights, share, params, state, pool):
-    take = pool.take if pool is not None else (lambda shape: np.empty(shape, np.float32))
-    give = pool.give if pool is not None else (lambda array: None)
-    sgd = _sgd_kind(optimizer)
-    trace = _trace(state) if sgd is not None else None
-    largest = max((int(np.size(v)) for v in params.values()), default=0)
-    block = take((min(largest, BLOCK),))
-    merged, new_params, norm_sq, finite = {}, {}, 0.0, [True]
-    new_trace = {} if trace is not None else None
-    for path, value in params.items():
-        gs = [g[path] for g in grads]
-        ns = [n[path] for n in norms]
-        use_rda = path in rda_paths
-        if sgd is None:     # the merged gradient itself, for optax
-            out = take(value.shape)
-            scale, norm, _ = _merged_direction(gs, ns, weights, use_rda, out)
-            if scale * share != 1.0:
-                out *= np.float32(scale * share)
-            norm_sq += (norm * share) ** 2
-            merged[path] = out
-            continue
-        lr, momentum, nesterov = sgd
-        new = np.empty(value.shape, np.float32)
-        m_new = take(value.shape) if trace is not None else None
-        step = _stepper(_flat(np.asarray(value, np.float32)), _flat(new),
-                        None if trace is None else _flat(np.asarray(trace[path], np.float32)),
-                        None if m_new is None else _flat(m_new), lr, momentum, nesterov, finite)
-        if not use_rda:     # one pass: each block of Σ w g is stepped while in cache
-            coefs = _coefficients(ns, weights, False)[1]
-            norm_sq += share ** 2 * _direction(
-                gs, coefs, block, step=lambda lo, hi, d, step=step: step(lo, hi, d, share))
-        else:               # the direction (and its norm), then the step
-            direction = take(value.shape)
-            scale, norm, _ = _merged_direction(gs, ns, weights, True, direction)
-            flat = _flat(direction)
-            for lo, hi in _blocks(flat.size):
-                step(lo, hi, flat[lo:hi], scale * share)
-            norm_sq += (norm * share) ** 2
-            give(direction)
-        new_params[path] = new
-        if new_trace is not None:
-            new_trace[path] = m_new
-    give(block)
-    grad_norm = math.sqrt(norm_sq)
-    if sgd is None:
-        new_params, new_state = outer_lib.outer_step(optimizer, merged, state, params)
-        finite = [all(np.isfinite(_norm(v)) or bool(np.all(np.isfinite(v)))
-                      for v in new_params.values())]
-        for v in merged.values():
-            give(v)
-    else:
-        new_state = state if trace is None else tuple(
-            part._replace(trace=new_trace) if getattr(part, "trace", None) is not None else part
-            for part in state)
-        if trace is not None:
-            for v in (trace.values() if finite[0] else ()):   # the old momentum is no one's
-                if isinstance(v, np.ndarray) and v.flags.writeable:
-                    give(v)
-    return new_params, new_state, finite[0], grad_norm
-
-
-
 # -- running sums: a round's pushes folded as they arrive ----------------------------------------
 class GradSum:
     """The pushes of a round folded into running sums as they arrive, so a round holds one or two
@@ -318,14 +183,16 @@ class GradSum:
         self.weight = 0.0
         self.positive = False   # a positive weight is in (else the sums are of weight 1 each)
         self.count = 0
+        self.in_sums = 0        # pushes inside the sums (a zero weight after a positive is not)
+        self.directed: dict = {}   # path -> pushes inside ``direction[path]`` (‖g‖ > 0)
 
     def release(self, pool: Optional[BufferPool]) -> None:
         """Hands the arrays to the pool; the sum is empty afterwards."""
         if pool is not None:
             for v in itertools.chain(self.mean.values(), self.direction.values()):
                 pool.give(v)
-        self.mean, self.direction, self.length = {}, {}, {}
-        self.weight, self.positive, self.count = 0.0, False, 0
+        self.mean, self.direction, self.length, self.directed = {}, {}, {}, {}
+        self.weight, self.positive, self.count, self.in_sums = 0.0, False, 0, 0
 
     def fold(self, grads: dict, norms: dict, weight: float, unit_weight: float = 1.0,
              pool: Optional[BufferPool] = None) -> None:
@@ -343,6 +210,7 @@ class GradSum:
         else:
             weight = unit_weight
         self.count = count
+        self.in_sums += 1
         w = float(weight)
         take = pool.take if pool is not None else (lambda shape: np.empty(shape, np.float32))
         for path, g in grads.items():
@@ -352,6 +220,7 @@ class GradSum:
                 self.length[path] = self.length.get(path, 0.0) + w * n
                 if n > 0:
                     targets.append((self.direction, w / n))
+                    self.directed[path] = self.directed.get(path, 0) + 1
             for target, c in targets:
                 if path not in target:
                     target[path] = take(g.shape)
@@ -359,6 +228,44 @@ class GradSum:
                 else:
                     _axpy(c, g, target[path])
         self.weight += w
+
+    def unfold(self, grads: dict, norms: dict, weight: float, unit_weight: float = 1.0,
+               pool: Optional[BufferPool] = None) -> bool:
+        """Takes out one outer gradient ``fold`` added with these arguments (its push left the
+        round): ``−c·g`` for each ``+c·g`` it added, to float32 rounding of the sums' terms.
+        Returns False when subtracting cannot give the sum of the pushes that stay, which must
+        then be folded again: it held the only positive weights while pushes of weight 0 stay
+        (those were left out of the sums, ``fold``)."""
+        if self.count <= 0:
+            raise ValueError("unfold: the sum holds no push")
+        if weight > 0 and not self.positive:
+            raise ValueError("unfold: a positive weight that the sum does not hold")
+        self.count -= 1
+        if weight <= 0 and self.positive:
+            return True             # it added nothing
+        w = float(weight) if weight > 0 else float(unit_weight)
+        self.in_sums -= 1
+        if self.in_sums == 0:       # nothing left in the sums: empty them, not a residue
+            count = self.count
+            self.release(pool)
+            self.count = count      # (pushes of weight 0 left out of the sums may stay)
+            return count == 0
+        for path, g in grads.items():
+            n = norms[path]
+            _axpy(-w, g, self.mean[path])
+            if path in self.rda_paths:
+                self.length[path] = self.length.get(path, 0.0) - w * n
+                if n > 0:
+                    self.directed[path] -= 1
+                    if self.directed[path] == 0:    # the rest point nowhere: no residue kept
+                        del self.directed[path]
+                        v = self.direction.pop(path)
+                        if pool is not None:
+                            pool.give(v)
+                    else:
+                        _axpy(-w / n, g, self.direction[path])
+        self.weight -= w
+        return True
 
     def absorb(self, other: "GradSum", pool: Optional[BufferPool] = None) -> None:
         """``self += other`` (the pushes of a partial merge join their round's sum); ``other``
@@ -378,7 +285,10 @@ class GradSum:
                 theirs.clear()
             for path, x in other.length.items():
                 self.length[path] = self.length.get(path, 0.0) + x
+            for path, x in other.directed.items():
+                self.directed[path] = self.directed.get(path, 0) + x
             self.weight += other.weight
+            self.in_sums += other.in_sums
         self.count += other.count
         other.release(pool)
 
@@ -390,9 +300,11 @@ def counted(sums: Sequence[GradSum]) -> list[GradSum]:
 
 
 def _sum_direction(sums, path, use_rda, out, step=None) -> tuple[float, float, bool]:
-    """As ``_merged_direction`` over running sums: writes Σ over the sums into ``out`` (or
-    hands each block to ``step``) and returns ``(scale, norm, rda)``, the merged outer gradient
-    being ``scale · out``."""
+    """One tensor's merged direction over the running sums: writes it into ``out`` (or hands
+    each block to ``step``) and returns ``(scale, norm, rda)``, the merged outer gradient being
+    ``scale · out``: RDA (``Σ direction / Σ w``, scaled to the mean norm ``Σ length / Σ w``)
+    when the directions do not cancel, else the weighted mean ``Σ mean / Σ w`` (scale 1), as
+    ``merge.py``."""
     total = sum(s.weight for s in sums)
     if use_rda:
         parts = [s.direction[path] for s in sums if path in s.direction]
@@ -422,10 +334,18 @@ def _sum_direction(sums, path, use_rda, out, step=None) -> tuple[float, float, b
 
 def step_sums(optimizer, sums: Sequence[GradSum], share: float, params: dict, state: Any,
               pool: Optional[BufferPool] = None, recycle_state: bool = True):
-    """``merge_and_step`` over running sums (``GradSum``; several: a round's and a joining
-    merge's, taken together without changing either). Passes per tensor with SGD / Nesterov: the
-    weighted mean 1 + 4 (read the sum, Θ and m; write m' and Θ'), RDA 2 + 5 (the direction and
-    its norm, then the step), whatever the number of learners.
+    """Merges a fragment's pushes from their running sums (``GradSum``; several: a round's
+    and a joining merge's, taken together without changing either) and applies the outer
+    optimizer. Passes over memory per tensor (one = its N float32 values read or written) with
+    SGD / Nesterov (``_stepper``), in blocks of ``BLOCK``: the weighted mean 1 + 4 (read the
+    sum, Θ and m; write m' and Θ': the merged block never leaves the cache), RDA 2 + 5 (the
+    direction and its norm, since ‖φ(d)‖ must be known before the first value of the step; then
+    the step), two fewer without momentum, whatever the number of learners. Other optimizers
+    (adam) get the merged gradient as arrays and optax's compiled step.
+
+    ``optimizer``: the outer optax transform (``outer.build``'s carry their kind: sgd and
+    Nesterov run in place). ``share``: the participation scale n/M (1 without it). ``params``
+    (Θ of the fragment) and ``state`` are not modified: earlier versions stay in the history.
 
     ``recycle_state``: the old momentum buffers may go back to the pool (False: the state is
     kept, as ``round_step: per_round`` keeps its round's start).

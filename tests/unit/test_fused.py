@@ -1,5 +1,6 @@
-"""The syncer's in-place hot path gives the reference math (merge.py + optax) for every outer
-optimizer and merge rule, leaves Θ and the old state alone, and reuses its buffers."""
+"""The syncer's in-place hot path (pushes folded into running sums, then one step from them)
+gives the reference math (merge.py + optax) for every outer optimizer and merge rule, leaves Θ
+and the old state alone, and reuses its buffers."""
 
 import numpy as np
 import pytest
@@ -24,12 +25,21 @@ def grads_and_norms(rng, m, pool=None):
     return params, out
 
 
+def merge_and_step(optimizer, rda, grads, norms, weights, share, params, state, pool=None):
+    """The syncer's merge of a round: each push folded into the round's sum as it is
+    accepted, then one step from the sum."""
+    sums = fused.GradSum(rda)
+    for g, n, w in zip(grads, norms, weights):
+        sums.fold(g, n, w, 1.0, pool)
+    return fused.step_sums(optimizer, [sums], share, params, state, pool)
+
+
 @pytest.mark.parametrize("kind, kwargs", [("nesterov", {}), ("sgd", {"lr": 1.0, "momentum": 0.0}),
                                           ("sgd", {"lr": 0.5, "momentum": 0.8}),
                                           ("adam", {"lr": 1e-2})])
 @pytest.mark.parametrize("rule", [merge.MergeRule.RDA, merge.MergeRule.MEAN])
 @pytest.mark.parametrize("block", [fused.BLOCK, 16])   # 16: every tensor spans several blocks
-def test_in_place_merge_and_step_match_the_reference(kind, kwargs, rule, block, monkeypatch):
+def test_the_merge_from_running_sums_matches_the_reference(kind, kwargs, rule, block, monkeypatch):
     monkeypatch.setattr(fused, "BLOCK", block)
     rng = np.random.default_rng(0)
     pool = fused.BufferPool()
@@ -44,7 +54,7 @@ def test_in_place_merge_and_step_match_the_reference(kind, kwargs, rule, block, 
                                                 lambda p: p.startswith("embed/"))
         reference = {k: np.float32(share) * v for k, v in reference.items()}
         want, want_state = outer.outer_step(optimizer, reference, state, params)
-        got, got_state, finite, norm = fused.merge_and_step(
+        got, got_state, finite, norm = merge_and_step(
             optimizer, rda, [g for g, _ in gn], [n for _, n in gn], weights, share, params,
             state, pool)
         assert finite
@@ -58,16 +68,23 @@ def test_in_place_merge_and_step_match_the_reference(kind, kwargs, rule, block, 
 
 
 def test_rda_falls_back_to_the_mean_when_directions_cancel():
+    """g and −g: the directions cancel, so the weighted mean (0) is the merge and Θ stays;
+    hand-worked RDA: unit directions (1, 0) and (0, 1), norms 2 and 4, weights 1 and 3: mean
+    norm (2 + 12)/4 = 3.5, direction (1, 3)/4 → φ = (1, 3)/√10, so G = 3.5·(1, 3)/√10."""
+    sgd = outer.build("sgd", lr=1.0, momentum=0.0)
+    params = {"w": np.zeros(2, np.float32)}
     g = np.array([1.0, -2.0], np.float32)
-    out, norm = fused.combine([g, -g], [float(np.linalg.norm(g))] * 2, [1.0, 1.0], True,
-                              np.empty(2, np.float32))
-    np.testing.assert_array_equal(out, [0.0, 0.0])
-    assert norm is None
-    # hand-worked RDA: unit directions (1, 0) and (0, 1), norms 2 and 4, weights 1 and 3:
-    # mean norm (2 + 12)/4 = 3.5, direction (1, 3)/4 → φ = (1, 3)/√10, so 3.5·(1, 3)/√10.
-    out, norm = fused.combine([np.array([2.0, 0.0], np.float32), np.array([0.0, 4.0], np.float32)],
-                              [2.0, 4.0], [1.0, 3.0], True, np.empty(2, np.float32))
-    np.testing.assert_allclose(out, 3.5 * np.array([1.0, 3.0]) / np.sqrt(10), rtol=1e-6)
+    new, _, finite, norm = merge_and_step(sgd, frozenset({"w"}), [{"w": g}, {"w": -g}],
+                                          [{"w": float(np.linalg.norm(g))}] * 2, [1.0, 1.0],
+                                          1.0, params, sgd.init(params))
+    assert finite and norm == 0.0
+    np.testing.assert_array_equal(new["w"], [0.0, 0.0])
+    new, _, _, norm = merge_and_step(sgd, frozenset({"w"}),
+                                     [{"w": np.array([2.0, 0.0], np.float32)},
+                                      {"w": np.array([0.0, 4.0], np.float32)}],
+                                     [{"w": 2.0}, {"w": 4.0}], [1.0, 3.0], 1.0, params,
+                                     sgd.init(params))
+    np.testing.assert_allclose(new["w"], -3.5 * np.array([1.0, 3.0]) / np.sqrt(10), rtol=1e-6)
     assert norm == pytest.approx(3.5)
 
 
@@ -76,8 +93,8 @@ def test_a_non_finite_step_is_reported_and_the_state_kept():
     params = {"w": np.array([3e38, 1.0], np.float32)}
     state = optimizer.init(params)
     g = {"w": np.array([-3e38, 0.0], np.float32)}
-    _, new_state, finite, _ = fused.merge_and_step(optimizer, frozenset(), [g],
-                                                   [{"w": 3e38}], [1.0], 1.0, params, state)
+    _, new_state, finite, _ = merge_and_step(optimizer, frozenset(), [g], [{"w": 3e38}], [1.0],
+                                             1.0, params, state)
     assert not finite
     np.testing.assert_array_equal(np.asarray(state[0].trace["w"]), [0.0, 0.0])
 
@@ -106,7 +123,7 @@ def test_nesterov_merge_by_hand(block, monkeypatch):
     norms = [{"w": float(np.linalg.norm(g["w"]))} for g in grads]
     G = np.array([2.5, 2, 3, 1], np.float32)
     for want_theta, want_m in [(-0.75 * G, G), (-1.625 * G, 1.5 * G)]:
-        params, state, finite, norm = fused.merge_and_step(
+        params, state, finite, norm = merge_and_step(
             optimizer, frozenset(), grads, norms, [1.0, 3.0], 1.0, params, state, pool)
         assert finite and norm == 4.5
         np.testing.assert_array_equal(params["w"], want_theta)
@@ -121,9 +138,9 @@ def test_rda_merge_by_hand(block, monkeypatch):
     optimizer = outer.build("sgd", lr=1.0, momentum=0.0)
     params = {"w": np.ones(2, np.float32)}
     grads = [{"w": np.array([2.0, 0.0], np.float32)}, {"w": np.array([0.0, 4.0], np.float32)}]
-    new, _, finite, norm = fused.merge_and_step(optimizer, frozenset({"w"}), grads,
-                                                [{"w": 2.0}, {"w": 4.0}], [1.0, 3.0], 0.5,
-                                                params, optimizer.init(params))
+    new, _, finite, norm = merge_and_step(optimizer, frozenset({"w"}), grads,
+                                          [{"w": 2.0}, {"w": 4.0}], [1.0, 3.0], 0.5,
+                                          params, optimizer.init(params))
     assert finite and norm == pytest.approx(1.75)
     np.testing.assert_allclose(new["w"], 1 - 1.75 * np.array([1.0, 3.0]) / np.sqrt(10), rtol=1e-6)
 
@@ -135,8 +152,8 @@ def test_rda_merge_by_hand(block, monkeypatch):
 @pytest.mark.parametrize("block", [fused.BLOCK, 16])
 def test_running_sums_step_as_the_gradients_do(kind, kwargs, rule, block, monkeypatch):
     """A round folded push by push into a GradSum (split in two sums, as a joining partial
-    merge) steps to what merge_and_step makes of the gradients themselves, to float32 rounding;
-    zero weights count as 1 each only when every weight is 0."""
+    merge) steps to what merge.py and optax make of the gradients themselves, to float32
+    rounding; zero weights count as 1 each only when every weight is 0."""
     monkeypatch.setattr(fused, "BLOCK", block)
     rng = np.random.default_rng(3)
     pool = fused.BufferPool()
@@ -149,9 +166,12 @@ def test_running_sums_step_as_the_gradients_do(kind, kwargs, rule, block, monkey
         for i, ((g, n), w) in enumerate(zip(gn, weights)):
             (first if i < 2 else second).fold(g, n, w, 1.0, pool)
         effective = weights if sum(weights) > 0 else [1.0] * 4
-        want, _, _, want_norm = fused.merge_and_step(
-            optimizer, rda, [g for g, _ in gn], [n for _, n in gn], effective, 0.75, params,
-            state)
+        reference = merge.merge_outer_gradients([g for g, _ in gn], effective, rule,
+                                                lambda p: p.startswith("embed/"))
+        reference = {k: np.float32(0.75) * v for k, v in reference.items()}
+        want, _ = outer.outer_step(optimizer, reference, state, params)
+        want_norm = float(np.sqrt(sum(np.sum(v.astype(np.float64) ** 2)
+                                      for v in reference.values())))
         got, _, finite, norm = fused.step_sums(optimizer, [first, second], 0.75, params, state,
                                                pool)
         assert finite and norm == pytest.approx(want_norm, rel=1e-5)
@@ -169,3 +189,43 @@ def test_zero_momentum_keeps_no_trace():
     params = {"w": np.ones(8, np.float32)}
     assert fused._trace(outer.build("nesterov", lr=1.0, momentum=0.0).init(params)) is None
     assert fused._trace(outer.build("nesterov", lr=0.7, momentum=0.9).init(params)) is not None
+
+
+def test_unfold_takes_a_push_out_of_the_sums_by_hand():
+    """RDA of (2, 0) and (0, 4) with weights 1 and 3 (3.5·(1, 3)/√10, test above) after a third
+    push (1, 1), weight 2, was folded in and taken out again; its direction too: a tensor none
+    of whose remaining pushes points anywhere keeps no residue."""
+    optimizer = outer.build("sgd", lr=1.0, momentum=0.0)
+    params = {"w": np.zeros(2, np.float32), "b": np.zeros(1, np.float32)}
+    sums = fused.GradSum(frozenset({"w", "b"}))
+    pushes = [({"w": np.array([2.0, 0.0], np.float32), "b": np.zeros(1, np.float32)}, 1.0),
+              ({"w": np.array([1.0, 1.0], np.float32), "b": np.ones(1, np.float32)}, 2.0),
+              ({"w": np.array([0.0, 4.0], np.float32), "b": np.zeros(1, np.float32)}, 3.0)]
+    norms = [{k: fused._norm(v) for k, v in g.items()} for g, _ in pushes]
+    for (g, w), n in zip(pushes, norms):
+        sums.fold(g, n, w)
+    assert sums.unfold(pushes[1][0], norms[1], 2.0)
+    assert (sums.count, sums.weight, "b" in sums.direction) == (2, 4.0, False)
+    new, _, finite, norm = fused.step_sums(optimizer, [sums], 1.0, params,
+                                           optimizer.init(params))
+    assert finite and norm == pytest.approx(3.5)
+    np.testing.assert_allclose(new["w"], -3.5 * np.array([1.0, 3.0]) / np.sqrt(10), rtol=1e-6)
+    np.testing.assert_array_equal(new["b"], [0.0])
+    assert sums.unfold(pushes[0][0], norms[0], 1.0) and sums.unfold(pushes[2][0], norms[2], 3.0)
+    assert (sums.count, sums.mean, sums.direction) == (0, {}, {})
+
+
+def test_unfold_of_the_only_positive_weight_asks_for_a_refold():
+    """A push of weight 0 folded before a positive one is left out of the sums (it weighs
+    nothing next to it); taking the positive one out cannot give the zero-weight push's sum."""
+    g = {"w": np.array([1.0], np.float32)}
+    n = {"w": 1.0}
+    sums = fused.GradSum(frozenset())
+    sums.fold(g, n, 0.0)
+    sums.fold(g, n, 5.0)
+    assert sums.unfold(g, n, 5.0) is False and sums.count == 1 and sums.mean == {}
+    zero = fused.GradSum(frozenset())
+    zero.fold(g, n, 0.0)
+    zero.fold({"w": np.array([3.0], np.float32)}, n, 0.0)
+    assert zero.unfold(g, n, 0.0) and zero.weight == 1.0
+    np.testing.assert_array_equal(zero.mean["w"], [3.0])

@@ -281,3 +281,102 @@ def test_a_push_in_flight_when_the_server_died_is_refused_in_doubt_with_the_frag
     finally:
         client.close()
         server.stop(0)
+
+
+def _compaction_errors_logged(caplog) -> list:
+    return [r for r in caplog.records
+            if r.levelname == "ERROR" and "compaction failed" in r.getMessage()]
+
+
+def test_a_failed_compaction_backs_off_and_says_so_once(tmp_path, caplog):
+    """The compaction cannot write its temporary file (a folder holds its place): the journal
+    goes on taking replies, does not try again at every append but once the file grew by
+    another 2 × max_bytes, logs the failure once, and compacts again once it can."""
+    import logging
+
+    caplog.set_level(logging.DEBUG, logger="islands.link")
+    probe = ReplyJournal(str(tmp_path / "probe"))
+    probe.answered("p0", _reply(0))
+    line = (tmp_path / "probe" / ReplyJournal.FILE).stat().st_size
+    bound = 2 * line - 8   # (the lines' timestamps differ in length by a few bytes)
+    journal = ReplyJournal(str(tmp_path), max_bytes=bound)
+    path = tmp_path / ReplyJournal.FILE
+    (tmp_path / (ReplyJournal.FILE + ".tmp")).mkdir()
+    for i in range(4):                    # 4 lines = 2 × bound: the first try, which fails
+        journal.answered(f"p{i}", _reply(i))
+        assert journal.wait_compacted(10.0)
+    assert journal.counts["compaction_errors"] == 1
+    for i in range(4, 7):                 # 3 more lines: less than another 2 × bound
+        journal.answered(f"p{i}", _reply(i))
+        assert journal.wait_compacted(10.0)
+    assert journal.counts["compaction_errors"] == 1, "tried again at an append"
+    journal.answered("p7", _reply(7))     # 2 × bound more: tried again, fails again
+    assert journal.wait_compacted(10.0)
+    assert journal.counts["compaction_errors"] == 2
+    assert len(_compaction_errors_logged(caplog)) == 1, "logged more than once"
+    assert journal.size == path.stat().st_size and journal.counts["write_errors"] == 0
+    (tmp_path / (ReplyJournal.FILE + ".tmp")).rmdir()
+    for i in range(8, 12):               # 4 more lines: the next try, which works
+        journal.answered(f"p{i}", _reply(i))
+        assert journal.wait_compacted(10.0)
+    assert journal.counts["compacted"] == 1
+    assert any("compaction works again" in r.getMessage() for r in caplog.records)
+    assert journal.size == path.stat().st_size < 2 * bound
+    again = PushOnce(journal=ReplyJournal(str(tmp_path), max_bytes=bound))
+    assert again.run("p11", lambda: pytest.fail("merged twice")).version == 11
+
+
+def test_a_write_cut_short_is_cut_back_and_the_size_recounted(tmp_path):
+    """A real partial write: the file-size limit (RLIMIT_FSIZE) stops a reply's line halfway.
+    The torn part is cut off, ``size`` is the file's, and the next reply's line is whole (not
+    glued to the torn one), so a retry of it is answered from the journal."""
+    resource = pytest.importorskip("resource")
+    import signal
+
+    journal = ReplyJournal(str(tmp_path))
+    path = tmp_path / ReplyJournal.FILE
+    big = _reply(0)
+    big = type(big)("merged", 0, 0, {"w": np.zeros(1 << 18, np.float32)}, 0)   # ~1.4 MB
+    journal.answered("p0", big)           # (the limit below stays above pytest's own files)
+    before = path.stat().st_size
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old_handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    try:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (before + 40, hard))
+        journal.answered("p1", _reply(1))   # 40 bytes land, then EFBIG
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old_handler)
+    assert journal.counts["write_errors"] == 1
+    assert journal.size == path.stat().st_size == before
+    journal.answered("p2", _reply(2))
+    assert journal.size == path.stat().st_size
+    again = PushOnce(journal=ReplyJournal(str(tmp_path)))
+    assert again.run("p2", lambda: pytest.fail("merged twice")).version == 2
+    assert again.journal.counts["unreadable"] == 0
+
+
+def test_a_compaction_opens_nothing_after_its_swap_so_no_reply_is_lost(tmp_path, monkeypatch):
+    """Opening the journal's file for appending fails from the compaction on (descriptors run
+    out, say): the compacted file is appended to through the handle it was written with, so the
+    replies journaled after it are on disk and a retry of any of them is answered."""
+    import islands.link.server as server
+
+    journal = ReplyJournal(str(tmp_path), max_bytes=1)
+    real_open = open
+
+    def no_append_open(file, mode="r", *args, **kwargs):
+        if str(file) == journal.path and "a" in mode:
+            raise OSError(24, "Too many open files")
+        return real_open(file, mode, *args, **kwargs)
+
+    monkeypatch.setattr(server, "open", no_append_open, raising=False)
+    for i in range(4):
+        journal.answered(f"p{i}", _reply(i))
+        assert journal.wait_compacted(10.0)
+    assert journal.counts["compacted"] >= 1
+    assert journal.counts["write_errors"] == 0 and journal.counts["compaction_errors"] == 0
+    assert journal.size == (tmp_path / ReplyJournal.FILE).stat().st_size
+    monkeypatch.undo()
+    again = PushOnce(journal=ReplyJournal(str(tmp_path)))
+    assert again.run("p3", lambda: pytest.fail("merged twice")).version == 3

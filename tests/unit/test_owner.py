@@ -16,7 +16,8 @@ from islands.orchestrator.chaos import FaultPlan
 from islands.orchestrator.controller import Controller
 from islands.orchestrator.groups_api import Incarnation, SyncerStatus
 from islands.orchestrator.health import Cause, RestartPolicy
-from islands.orchestrator.owner import Owner, RECOVERIES_KEPT
+from islands.orchestrator.logs import RECOVERIES_KEPT
+from islands.orchestrator.owner import Owner
 from islands.orchestrator.region_agent import FORWARDED, RegionController
 
 from test_seam import driver   # a virtual fleet of three learners on a tiny model
@@ -144,9 +145,10 @@ def test_a_remote_incarnation_is_closed_at_its_forget_and_a_local_one_at_its_run
 # -- saved state ---------------------------------------------------------------------------------
 def test_the_saved_state_reads_back_keeping_a_running_learner_and_relaunching_a_gone_one():
     d = started(M=3)
-    d.owner.recoveries.extend({"total_s": float(i)} for i in range(RECOVERIES_KEPT + 5))
+    for i in range(RECOVERIES_KEPT + 5):
+        d.owner.recoveries.append({"total_s": float(i)})
     saved = json.loads(json.dumps(d.owner.save(2.5)))
-    assert len(saved["recoveries"]) == RECOVERIES_KEPT
+    assert len(saved["recoveries"]["rows"]) == RECOVERIES_KEPT
     fresh = driver(M=3).owner
     fresh.refresh_syncer_status()
     observed = {"r:0": {"state": "training", "incarnation": 0, "start_step": 0},
@@ -160,7 +162,8 @@ def test_the_saved_state_reads_back_keeping_a_running_learner_and_relaunching_a_
     assert states["r:2"][0] == F.SlotState.RESTARTING   # gone: relaunched
     assert sorted(fresh.running) == ["r:0", "r:1"]
     assert fresh.syncer_restarts == 2 and fresh.books.to_json() == d.owner.books.to_json()
-    assert fresh.recoveries[-1] == {"total_s": float(RECOVERIES_KEPT + 4)}
+    assert fresh.recoveries.newest(1) == [{"total_s": float(RECOVERIES_KEPT + 4)}]
+    assert fresh.recoveries.total == RECOVERIES_KEPT + 5
 
 
 def test_a_saved_remote_learner_stays_mirrored():

@@ -110,3 +110,102 @@ def test_a_refusal_as_not_durable_drops_the_pushs_tokens_with_a_reason():
     totals = core.fates.totals()
     assert totals["dropped_by"] == {"refused": 128} and totals["in_flight"] == 0
     assert core.fates.balanced() and core.tracks[0].base_version == 1
+
+
+def test_a_not_durable_refusal_leaves_one_fate_per_token_on_both_sides(tmp_path):
+    """The real Syncer and LearnerCore: the push's merge is not written to the journal, so it is
+    refused ``not_durable``; the learner drops its tokens as refused, and the syncer's ledger
+    takes back what the merge credited (merged tokens, merged step, applied watermark), so the
+    two books agree: applied on neither side. The next push, merged durably, is applied on
+    both."""
+    import os
+
+    import jax.numpy as jnp
+
+    from islands.learners.core import LearnerCore
+    from islands.syncer import fragments
+    from islands.syncer.validate import RejectReason
+
+    async def scenario():
+        syncer = Syncer(_spec(tmp_path))
+        reg = await syncer.register("a", 0)
+        learner = LearnerCore("a", {"w": jnp.ones(4)}, None,
+                              fragments.partition({"w": jnp.ones(4)}, 1), [0],
+                              codec_lib.error_feedback(CODEC), codec_lib.tree_wire_bytes,
+                              lambda c: codec_lib.decode_tree(CODEC, c), overlap_steps=1,
+                              session=reg["session"])
+        await asyncio.sleep(0.01)   # (the progress bound: a few steps need a few 10 µs)
+
+        async def push_and_answer():
+            learner.params = {"w": learner.params["w"] - 0.1}
+            learner.record_step(64, 0.1)
+            push = learner.make_push(0, reg["epoch"]).on_host().push
+            reply = await asyncio.wait_for(syncer.push(push), timeout=10)
+            learner.record_step(64, 0.1)   # the overlap step (τ = 1)
+            if reply.status == "merged":
+                learner.offer_reply(0, reply.update, reply.version)
+                assert learner.adopt_ready() == [0]
+            else:
+                learner.refused(0, reply.reason, reply.params, reply.version)
+            return reply
+
+        os.makedirs(syncer.journal._path(0) + ".tmp")   # the journal's write cannot land
+        reply = await push_and_answer()
+        assert (reply.status, reply.reason) == ("rejected", "not_durable")
+        entry, totals = syncer.core.ledger["a"], learner.fates.totals()
+        assert totals["dropped_by"] == {"refused": 128} and totals["applied"] == 0
+        assert entry.merged_tokens_total == totals["applied"] == 0
+        assert (entry.merged_steps, entry.merged_tokens) == ({}, {})
+        assert (entry.applied_tokens, entry.applied_step) == (0, 0)
+        assert syncer.core.rejected[RejectReason.NOT_DURABLE] == 1
+        assert syncer.core.refusals[-1]["reason"] == "not_durable"
+        status = await syncer.status()
+        assert status.ledger["a"]["merged_tokens_total"] == 0
+
+        await _until(lambda: 0 not in syncer.journal_pending)
+        os.rmdir(syncer.journal._path(0) + ".tmp")
+        again = await push_and_answer()
+        assert (again.status, again.version) == ("merged", 2)
+        totals = learner.fates.totals()
+        assert totals["applied"] == entry.merged_tokens_total == 64
+        assert (entry.merged_steps, entry.applied_step, entry.applied_tokens) == ({0: 3}, 3, 192)
+        assert learner.fates.balanced()
+        syncer._loop_task.cancel()
+        syncer.journal_writer.close()
+        syncer.store.close()
+
+    asyncio.run(scenario())
+
+
+def test_revoking_a_merge_restores_the_watermark_of_the_merges_that_stay():
+    """SyncerCore.revoke: a's push of fragment 0 (step 6) merges, then its older push of
+    fragment 1 (step 5); fragment 0's merge is revoked: the applied watermark is fragment 1's
+    push (step 5, 500 tokens), not what it was before both (0), nor fragment 0's."""
+    import optax
+
+    from islands.syncer import merge as merge_lib
+    from islands.syncer.core import SyncerCore
+    from islands.syncer.validate import RejectReason
+
+    core = SyncerCore([{"w": np.zeros(1, np.float32)}, {"v": np.zeros(1, np.float32)}],
+                      SyncerSettings(min_learners=1, outlier_norm_factor=None,
+                                     merge_rule=merge_lib.MergeRule.MEAN),
+                      optax.sgd(1.0), lambda codes: codes)
+    core.register("a", 0)
+
+    def merged(p, path, step):
+        push = Push("a", p, {path: np.ones(1, np.float32)}, 0, core.epoch, 100, 1, step=step,
+                    tokens_done=100 * step, compute_s=float(step))
+        assert core.accept_push(push, 0.0).ok
+        return core.merge(p)
+
+    first = merged(0, "w", 6)
+    merged(1, "v", 5)
+    entry = core.ledger["a"]
+    assert (entry.applied_step, entry.merged_tokens_total) == (6, 200)
+    core.revoke(first, "the journal entry was not written")
+    assert (entry.applied_tokens_done, entry.applied_compute_s, entry.applied_step) == (
+        500, 5.0, 5)
+    assert (entry.merged_steps, entry.merged_tokens, entry.merged_tokens_total) == (
+        {1: 5}, {1: 100}, 100)
+    assert core.rejected[RejectReason.NOT_DURABLE] == 1

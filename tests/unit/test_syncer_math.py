@@ -213,3 +213,43 @@ def test_participation_scale():
     for name in ("a", "b", "c"):
         push_theta(core, name, [-3.0])
     np.testing.assert_allclose(core.merge(0, live_count=3).params["w"], [-3.0])
+
+
+@pytest.mark.parametrize("rule", [merge.MergeRule.RDA, merge.MergeRule.MEAN])
+def test_a_forgotten_push_leaves_the_round_sum_decoding_only_itself(rule):
+    """Θ = 0, outer sgd(1.0) (Θ' = −G), equal token weights, under the pull rule and one step
+    per merge (g = Θ − θ_m = −θ_m): a pushes θ = (2, 0), b (7, 7), c (0, 4). b is forgotten: its
+    push alone is decoded again and taken out of the sum, and the merge is a's and c's, Θ' = −G:
+    mean G = −(1, 2); RDA G = (mean norm 3)·φ((−1, 0) + (0, −1)) = −3·(1, 1)/√2."""
+    decoded = []
+
+    def decode(codes):
+        decoded.append(1)
+        return identity_decode(codes)
+
+    core = SyncerCore([{"w": np.zeros(2, np.float32)}],
+                      SyncerSettings(outlier_norm_factor=None, merge_rule=rule,
+                                     outer_gradient=merge.OuterGradientRule.PULL,
+                                     round_step=merge.RoundStep.PER_MERGE),
+                      outer.build("sgd", lr=1.0, momentum=0.0), decode)
+    for name in ("a", "b", "c"):
+        core.register(name, 0)
+    for name, theta in (("a", [2.0, 0.0]), ("b", [7.0, 7.0]), ("c", [0.0, 4.0])):
+        push_theta(core, name, theta)
+    assert len(decoded) == 3            # each push decoded once, as it was accepted
+    assert [p.learner for p in core.forget("b")] == ["b"]
+    assert len(decoded) == 4, "forget decoded more than the push that left"
+    result = core.merge(0, live_count=None)
+    assert result.learners == ("a", "c")
+    want = ([1.0, 2.0] if rule == merge.MergeRule.MEAN
+            else 3.0 * np.array([1.0, 1.0]) / math.sqrt(2.0))
+    np.testing.assert_allclose(core.fragment(0)[0]["w"], want, rtol=1e-6, atol=1e-7)
+
+
+def test_forgetting_every_push_empties_the_round_sum():
+    core = one_fragment_syncer([0.0], outer.build("sgd", lr=1.0, momentum=0.0))
+    push_theta(core, "a", [1.0])
+    push_theta(core, "b", [3.0])
+    core.forget("a")
+    core.forget("b")
+    assert core.slots[0].round == {} and core.slots[0].open_sum is None
