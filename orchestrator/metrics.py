@@ -12,6 +12,7 @@ the suffix to a counter family), ``_ratio`` for 0–1. Labels are bounded.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from dataclasses import dataclass
@@ -188,12 +189,15 @@ def observe_step(hist: dict, region: str, seconds: float) -> None:
     h["count"] += 1
 
 
-def window_to_save(history: list, now_s: float, window_s: float) -> list:
+def window_to_save(history, now_s: float, window_s: float) -> list:
     """The goodput samples a restarted controller needs to go on with the sliding window: those
     inside it and the newest one before it (``windowed_ratio`` starts there).
 
     >>> window_to_save([(0, 0, 0), (5, 1, 5), (12, 3, 12), (20, 5, 20)], 20, 10)
     [(5, 1, 5), (12, 3, 12), (20, 5, 20)]
+    >>> import collections   # the controller keeps its samples in a deque
+    >>> window_to_save(collections.deque([(0, 0, 0), (12, 3, 12)]), 20, 10)
+    [(0, 0, 0), (12, 3, 12)]
     """
     start = 0
     for i, sample in enumerate(history):
@@ -201,7 +205,7 @@ def window_to_save(history: list, now_s: float, window_s: float) -> list:
             start = i
         else:
             break
-    return [tuple(x) for x in history[start:]]
+    return [tuple(x) for x in itertools.islice(history, start, None)]
 
 
 def _histogram(values: Iterable[float], bounds: Iterable[float]) -> tuple[list, float]:
