@@ -1,18 +1,17 @@
-"""The controller actor: a thin single-writer shell around the pure fleet state machine.
+"""The controller actor: the Ray shell (threads, inbox, wall clock, public methods, serving)
+around the fleet's one owner.
 
-One thread (the owner) holds the fleet. Everything else it hears about — learners' heartbeats,
-their ``run`` futures resolving, cluster membership, the syncer's ledger, the chaos plan coming
-due, operator commands — becomes an observation; the owner hands them to ``fleet.step`` with the
-wall clock and carries out the actions it returns (launch, kill, forget, drain, pause, chaos).
-Decisions live in ``fleet.py``; the fleet state, the books and every action's handler in
-``owner.py`` (the ``Owner`` this actor holds, as the in-process driver holds one); the snapshot
-in ``snapshot.py``. This file is the Ray actor's shell: threads, inbox, wall clock, serving. Control plane only: tensors flow learner <-> syncer directly.
+One thread holds the ``owner.Owner`` (the fleet state, the books, every action's handler, as the
+in-process driver holds one). Everything else it hears about (learners' heartbeats, their runs
+ending, cluster membership, the syncer's ledger, the chaos plan coming due, operator commands)
+becomes an observation for the owner's next turn on the wall clock. Decisions live in
+``fleet.py``, the snapshot in ``snapshot.py``. Control plane only: tensors flow learner <->
+syncer directly.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import os
 import queue
@@ -27,10 +26,10 @@ from .chaos import HOME_TARGET, Fault, FaultKind
 from islands.learners.messages import Heartbeat
 
 from . import recovery
-from .owner import Hooks, Owner
+from .owner import Owner
 from .owner_role import HOME, OwnerRole
-from .groups import (DrainQuery, LearnerGroups, SyncerShards, cluster_view, drain_node, draining_nodes,
-                     node_views, restarted_actor, share)
+from .groups import (DrainQuery, LearnerGroups, SyncerShards, cluster_observation,
+                     guarded_drain, restarted_actor, share)
 from .logs import EventLog, keep_span_s, trim_before
 from .safety import DrainGuard
 from . import remote_regions
@@ -41,42 +40,6 @@ from .runtime import (CONTROLLER_NAME, NAMESPACE, SYNCER_NAME, controller_option
 
 log = logging.getLogger("islands.controller")
 
-
-
-class _Body(Hooks):
-    """The controller's side of its owner: what a learner, a spare or a syncer shard starts from
-    (``owner.LaunchSpecs``, built from the job's config) and the hooks its role hears."""
-
-    def __init__(self, controller: "Controller"):
-        self.c = controller
-
-    def learner(self, a: fleet_lib.Launch) -> tuple:
-        from . import build
-
-        c = self.c
-        spec = build.learner_spec(c.config, c.training, a, c.corpus_ref, c.jax_cache_dir)
-        return (build.learner_devices(c.config, a.region), spec,
-                build.identity(spec) if a.spare else None)
-
-    def spare(self, a: fleet_lib.LaunchSpare) -> tuple:
-        from . import build
-
-        c = self.c
-        return build.learner_devices(c.config, a.region), build.spare_spec(
-            c.config, c.training, a.name, a.region, c.corpus_ref, c.jax_cache_dir)
-
-    def syncer(self, s: int) -> tuple:
-        from islands.syncer.shards import syncer_shard_name
-
-        c = self.c
-        return (c.shard_specs[s], dict(syncer_options(c.jax_cache_dir), name=syncer_shard_name(s)),
-                c.settings.placement_timeout_s)
-
-    def recorded(self, t: fleet_lib.Transition, now: float) -> None:
-        self.c.role.recorded(t)
-
-    def attach_link(self):
-        return None if self.c.role.owns_syncers else self.c.role.attach_link
 
 
 class Controller:
@@ -111,8 +74,9 @@ class Controller:
         self.drain_guard = DrainGuard()      # drain-node's check and drain, as one step
         self.shards = SyncerShards(0)        # the syncer shards' Ray side (syncer.shards = S)
         # The fleet, its books and every action's handler (owner.py); the role's replace some.
-        body = _Body(self)
-        self.owner = Owner(self._fleet_settings(), config.syncer.fragments, self.groups,
+        body = build.ControllerBody(self)
+        settings = self.role.fleet_settings(build.fleet_settings(config))
+        self.owner = Owner(settings, config.syncer.fragments, self.groups,
                            self.shards, body, clock=time.time,
                            tell=lambda obs: self.inbox.put((obs, None)), emit=self.emit,
                            hooks=body, overrides=self.role.handlers(), contain_errors=True,
@@ -132,11 +96,6 @@ class Controller:
         self.state_path = os.path.join(run_dir, "controller_state.json")
         if restarted_actor():
             recovery.recover(self)
-
-    def _fleet_settings(self) -> fleet_lib.FleetSettings:
-        from . import build
-
-        return self.role.fleet_settings(build.fleet_settings(self.config))
 
     # -- events ---------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
@@ -196,18 +155,10 @@ class Controller:
         """Builds the job's task once here: the initial params (the syncer's Θ) and, for the
         built-in byte LM, its corpus, put in the object store so every learner maps the same
         train bytes instead of reading them."""
-        from islands.learners.unit import build_task, build_training, is_builtin, load_corpus
-
         from . import build
 
-        self.training = build.training_spec(self.config)
-        self.corpus_ref = None
-        train_bytes = None
-        if is_builtin(self.training):
-            train_bytes = load_corpus(self.training).train
-            self.corpus_ref = share(train_bytes)
-        self.task = build_task(self.training, train_bytes)
-        _, self.template, _, _ = build_training(self.training, task=self.task)
+        self.training, self.corpus_ref, self.task, self.template = build.job_task(self.config,
+                                                                                  share)
 
     def init_shards(self) -> None:
         """The syncer shards' specs (one: the single syncer) and their empty slots. A region's
@@ -237,7 +188,8 @@ class Controller:
                 observations += self.owner.observe(syncers=not self.stop_event.is_set())
                 now = time.time()
                 if now - last["cluster"] >= 2.0:
-                    observations.append(self._cluster())
+                    observations.append(cluster_observation(self.config.regions,
+                                                            self.drain_query))
                     last["cluster"] = now
                 # Faster while a restarted learner's first merged contribution is awaited.
                 awaiting = any(s.recovery is not None and "restarted_s" in dict(s.recovery)
@@ -245,7 +197,7 @@ class Controller:
                 if now - last["syncer"] >= (0.2 if awaiting else 1.0):
                     self.owner.refresh_syncer_status()
                     observations.append(self.owner.applied())
-                    observations += self._refusals()
+                    observations += self.owner.refusals()
                     gp = self.goodput()
                     self.goodput_history.append((now, gp["useful_s"], gp["allocated_s"]))
                     trim_before(self.goodput_history,
@@ -305,59 +257,27 @@ class Controller:
         from .metrics import observe_step
 
         beat = Heartbeat.of(beat)
-        run = self.owner.running.get(beat.learner)
-        if run is not None and run.number == beat.incarnation:
-            if beat.devices is not None and (run.beat is None or run.beat.devices is None):
-                # Its first beat: the devices it proved at start, once per incarnation.
-                devices = beat.devices
-                self.emit("learner_devices", learner=beat.learner, incarnation=beat.incarnation,
-                          backend=devices.get("backend"), platform=devices.get("platform"),
-                          device_kind=devices.get("kind"), count=devices.get("count"))
-            run.beat = beat
-            slot = self.owner.fleet.slots.get(beat.learner)
-            if slot is not None and beat.step_time_s and beat.training:
-                with self.lock:
-                    observe_step(self.step_seconds, slot.region, float(beat.step_time_s))
+        current = self.owner.heard(beat)
+        if current == "first":   # the devices it proved at start, once per incarnation
+            devices = beat.devices
+            self.emit("learner_devices", learner=beat.learner, incarnation=beat.incarnation,
+                      backend=devices.get("backend"), platform=devices.get("platform"),
+                      device_kind=devices.get("kind"), count=devices.get("count"))
+        slot = self.owner.fleet.slots.get(beat.learner)
+        if current and slot is not None and beat.step_time_s and beat.training:
+            with self.lock:
+                observe_step(self.step_seconds, slot.region, float(beat.step_time_s))
         self.inbox.put((fleet_lib.Beat(beat.learner, beat.incarnation, beat.training,
                                        beat.step_time_s, beat.node_id, beat.ready_at,
                                        adopted=beat.adopted > 0), None))
         self.role.heard(beat)
 
-    def _cluster(self) -> fleet_lib.Cluster:
-        total, alive, by_region = cluster_view(self.config.regions)
-        # Whole units: a unit of H hosts takes H of its region's resource.
-        return fleet_lib.Cluster({r: float(int(total.get(f"region:{r}", 0.0)
-                                               / self.config.regions[r].devices().hosts + 1e-9))
-                                  for r in self.config.regions}, alive,
-                                 draining_nodes(self.drain_query), region_nodes=by_region)
-
-    def _refusals(self) -> list:
-        """Every refused push becomes a ``push_refused`` event; a learner the syncer quarantined
-        (its drifts kept being refused as garbage) becomes an observation."""
-        owner = self.owner
-        refusals = self.shards.refusals_since(owner.shard_refusals_seen)
-        owner.refusals_seen = sum(owner.shard_refusals_seen)
-        for refusal in refusals:
-            self.emit("push_refused", **refusal)
-        return [fleet_lib.Quarantine(name, incarnation, "drifts refused as garbage")
-                for name, incarnation in owner.syncer_status.quarantined.items()]
-
     def _due_faults(self) -> list:
         if self.chaos_plan is None or self.job_started_s is None:
             return []
-        out = []
-        for fault in self.chaos_plan.due(time.time() - self.job_started_s):
-            # Wall-clock times from here on: each learner checks link windows on its own clock.
-            fired = dataclasses.replace(fault, at_s=time.time())
-            try:
-                fleet_lib.check_command(self.owner.fleet, fleet_lib.Chaos(fired))
-                out.append(fleet_lib.Chaos(fired))
-                message = "fired"
-            except fleet_lib.CommandError as exc:  # e.g. the target is down already: moot
-                message = f"not fired: {exc}"
-            self.chaos_fired.append({"at_s": fault.at_s, "kind": fault.kind.value,
-                                     "target": fault.target, "message": message})
-        return out
+        now = time.time()
+        return self.owner.chaos_due(self.chaos_plan, now - self.job_started_s, now,
+                                    self.chaos_fired)
 
     # -- regions in their own clusters (link/) --------------------------------------------------
     def link_report(self, report: dict) -> dict:
@@ -447,21 +367,12 @@ class Controller:
         """
         if deadline_s is not None and not deadline_s >= 0:
             raise ValueError(f"deadline_s must be >= 0, got {deadline_s}")
-
-        def look() -> tuple:
-            draining = draining_nodes(self.drain_query)
-            return node_views(), draining, self.drain_query.last_error
-
-        # One step under the guard's lock: the controller serves 16 calls at once (the console
-        # and the CLI), and Ray's draining table lags the drains this controller asked for.
-        self.drain_guard.drain(node_id, look, self.config.regions,
-                               lambda: drain_node(node_id, deadline_s,
-                                                  f"islands drain-node ({origin})"),
-                               force=force, units={r: c.devices()
-                                                   for r, c in self.config.regions.items()})
+        guarded_drain(self.drain_guard, self.drain_query, self.config.regions, node_id,
+                      deadline_s, f"islands drain-node ({origin})", force)
         self.emit("node_drain_requested", node=node_id, deadline_s=deadline_s, origin=origin,
                   force=bool(force))
-        self.inbox.put((self._cluster(), None))   # seen now, not at the next poll
+        # seen now, not at the next poll
+        self.inbox.put((cluster_observation(self.config.regions, self.drain_query), None))
         return f"draining node {node_id}" + ("" if deadline_s is None else
                                              f" (deadline in {deadline_s:g}s)")
 
@@ -479,17 +390,18 @@ class Controller:
     def chaos_kill(self, target: str, mode: str = "ray_kill") -> str:
         """Kills a learner (``ray.kill`` or a hard exit inside it) or the syncer, on purpose."""
         if target.split(":")[0] == "syncer":  # "syncer" (shard 0) or "syncer:<shard>"
-            self._command(fleet_lib.Chaos(Fault(time.time(), FaultKind.SYNCER_KILL, target)))
+            self._chaos(FaultKind.SYNCER_KILL, target)
             return f"killed {target}"
         if mode not in ("ray_kill", "exit"):
             raise ValueError(f"unknown kill mode {mode!r}; choose ray_kill or exit")
-        kind = FaultKind.KILL if mode == "ray_kill" else FaultKind.EXIT
-        self._command(fleet_lib.Chaos(Fault(time.time(), kind, target), mode))
+        self._chaos(FaultKind.KILL if mode == "ray_kill" else FaultKind.EXIT, target, mode)
         return f"killed {target} ({mode})"
 
+    def _chaos(self, kind: FaultKind, target: str, mode: str = "ray_kill", **fault) -> None:
+        self._command(fleet_lib.Chaos(Fault(time.time(), kind, target, **fault), mode))
+
     def chaos_slowdown(self, target: str, factor: float, duration_s: float) -> str:
-        self._command(fleet_lib.Chaos(Fault(time.time(), FaultKind.SLOWDOWN, target,
-                                            duration_s=duration_s, factor=factor)))
+        self._chaos(FaultKind.SLOWDOWN, target, duration_s=duration_s, factor=factor)
         return f"slowed {target} x{factor} for {duration_s}s"
 
     def chaos_hang(self, target: str, duration_s: float) -> str:
@@ -500,8 +412,7 @@ class Controller:
 
     def chaos_region_loss(self, region: str, repair_s: float = 0.0) -> str:
         """Kills every running learner of ``region`` at once (a lost slice or node)."""
-        self._command(fleet_lib.Chaos(Fault(time.time(), FaultKind.REGION_LOSS, region,
-                                            duration_s=repair_s)))
+        self._chaos(FaultKind.REGION_LOSS, region, duration_s=repair_s)
         return f"lost region {region}"
 
     def chaos_network(self, region: str, duration_s: float, extra_latency_ms: float = 0.0,
@@ -513,9 +424,8 @@ class Controller:
         if region == HOME_TARGET and not partition:
             raise ValueError("a network fault targets one region; the home can be partitioned "
                              "(islands chaos partition --home), not degraded")
-        self._command(fleet_lib.Chaos(Fault(time.time(), kind, region, duration_s=duration_s,
-                                            extra_latency_ms=extra_latency_ms,
-                                            bandwidth_gbps=bandwidth_gbps, loss_rate=loss_rate)))
+        self._chaos(kind, region, duration_s=duration_s, extra_latency_ms=extra_latency_ms,
+                    bandwidth_gbps=bandwidth_gbps, loss_rate=loss_rate)
         if region == HOME_TARGET:
             return f"partition of the home (every remote region's link) for {duration_s}s"
         return f"{kind.value} on {region} for {duration_s}s"

@@ -580,3 +580,25 @@ def drain_node(node_id: str, deadline_s: Optional[float], message: str) -> None:
         message, deadline_ms)
     if not accepted:
         raise ValueError(f"Ray refused to drain node {node_id}: {why}")
+
+
+def cluster_observation(regions, query: Optional["DrainQuery"] = None) -> "fleet.Cluster":
+    """What the cluster holds now, as the fleet's observation: per region its whole units (a
+    unit of H hosts takes H of its region's resource), the alive nodes, the draining ones."""
+    total, alive, by_region = cluster_view(regions)
+    return fleet.Cluster({r: float(int(total.get(f"region:{r}", 0.0)
+                                       / regions[r].devices().hosts + 1e-9)) for r in regions},
+                         alive, draining_nodes(query), region_nodes=by_region)
+
+
+def guarded_drain(guard, query: "DrainQuery", regions, node_id: str,
+                  deadline_s: Optional[float], message: str, force: bool) -> None:
+    """Asks Ray to drain ``node_id`` after ``guard``'s check (``safety.DrainGuard``), as one
+    step under its lock: a controller serves many calls at once (the console and the CLI), and
+    Ray's draining table lags the drains it asked for."""
+    def look() -> tuple:
+        draining = draining_nodes(query)
+        return node_views(), draining, query.last_error
+
+    guard.drain(node_id, look, regions, lambda: drain_node(node_id, deadline_s, message),
+                force=force, units={r: c.devices() for r, c in regions.items()})

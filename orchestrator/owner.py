@@ -199,6 +199,44 @@ class Owner:
                 self.close(ended.learner)
         return out
 
+    def heard(self, beat) -> Optional[str]:
+        """A heartbeat: the current incarnation's last beat is now ``beat``. Returns None for
+        another incarnation's, "first" for the first that names its devices, else "beat"."""
+        run = self.running.get(beat.learner)
+        if run is None or run.number != beat.incarnation:
+            return None
+        first = beat.devices is not None and (run.beat is None or run.beat.devices is None)
+        run.beat = beat
+        return "first" if first else "beat"
+
+    def refusals(self) -> list:
+        """Every push the syncers refused since the last poll becomes a ``push_refused`` event;
+        a learner a syncer quarantined (its drifts kept being refused as garbage) becomes an
+        observation."""
+        for refusal in self.syncers.refusals_since(self.shard_refusals_seen):
+            self.emit("push_refused", **refusal)
+        self.refusals_seen = sum(self.shard_refusals_seen)
+        return [fleet.Quarantine(name, incarnation, "drifts refused as garbage")
+                for name, incarnation in self.syncer_status.quarantined.items()]
+
+    def chaos_due(self, plan, elapsed_s: float, now: float, fired: list) -> list:
+        """The faults of the chaos ``plan`` due ``elapsed_s`` into the job, at ``now`` (wall
+        clock from here on: each learner checks link windows on its own clock), as
+        observations; each is noted in ``fired`` with what became of it (one the fleet refuses,
+        its target down already, is moot)."""
+        out = []
+        for fault in plan.due(elapsed_s):
+            chaos = fleet.Chaos(dataclasses.replace(fault, at_s=now))
+            try:
+                fleet.check_command(self.fleet, chaos)
+                out.append(chaos)
+                message = "fired"
+            except fleet.CommandError as exc:
+                message = f"not fired: {exc}"
+            fired.append({"at_s": fault.at_s, "kind": fault.kind.value, "target": fault.target,
+                          "message": message})
+        return out
+
     def applied(self) -> fleet.Applied:
         """Every learner's applied step and tokens, as the syncers' ledgers last said."""
         return fleet.Applied({name: (int(e["incarnation"]), int(e["applied_step"]),
