@@ -124,12 +124,7 @@ class Controller:
         t_task = time.time()
         self.jax_cache_dir = os.path.join(self.run_dir, "jax_cache")
         enable_compile_cache(self.jax_cache_dir)
-        # Restarts load it instead of compiling. This process compiles for its CPU, whose
-        # programs only CPU learners can load (the cache is per platform): where every learner
-        # of this cluster runs on an accelerator it would cost the job's start a CPU compile and
-        # step of the model (minutes for 124M on single-threaded XLA) for nothing.
-        if any(not r.remote and r.devices().accelerator == "cpu"
-               for r in self.config.regions.values()):
+        if build.warms_compile_cache(self.config):   # restarts load it instead of compiling
             warm_compile_cache(self.training, self.template, self.task)
         t_cache = time.time()
         self.syncer_spec = build.syncer_spec(self.config, self.template, self.run_dir,
@@ -337,12 +332,9 @@ class Controller:
         return job_snapshot(self).summary(self)
 
     def status_table(self) -> dict:
-        snap = self.snapshot()
-        return {"learners": snap["learners"],
-                "syncer": {k: snap["syncer"].get(k)
-                           for k in ("epoch", "versions", "merges", "shards")},
-                "paused_reason": snap["paused_reason"], "spares": snap.get("spares") or {},
-                "misconfigured": self.owner.fleet.marks()}
+        from .snapshot import status_table
+
+        return status_table(self.snapshot(), self.owner.fleet)
 
     # -- operator commands ----------------------------------------------------------------------
     def scale(self, region: str, n: int) -> str:
@@ -449,9 +441,7 @@ class Controller:
         except Exception as exc:
             log.warning("final eval failed: %s", exc)
         summary = self.summary()
-        now = time.time()
-        for learner in list(self.owner.fleet.slots):
-            self.owner.books.release(learner, now)
+        self.owner.release_all(time.time())
         self.emit("job_stopped", goodput=summary["goodput"])
         if self.metrics_server is not None:
             self.metrics_server.shutdown()

@@ -1,15 +1,14 @@
 """In-process driver: M learners and the syncer in one process, on a virtual clock.
 
-A deterministic discrete-event simulation of the Decoupled DiLoCo data path, built from exactly
-the core objects the Ray actors wrap (``LearnerCore``, ``SyncerCore``): the engine of the fast
-tests, the benchmarks and the in-process demo. A learner never waits here either: it keeps
-stepping while its pushes travel, and adopts a reply at a step boundary. Faults come from a
-``chaos.FaultPlan`` (docs/architecture.md#failures-and-reintegration) and operator commands
-(a drain, a pause) go to the fleet, held by the same ``owner.Owner`` as the Ray controller's, on
-the seam's interfaces on this clock (virtual_groups.py); what takes time on a cluster (detection,
-a restart, a spare, a syncer's restart) takes virtual time (``chaos.RestartCosts``). Goodput
-(docs/architecture.md#goodput) is exact here: applied inner-step seconds over the seconds each
-learner's slot existed, down time included.
+A deterministic discrete-event simulation of the Decoupled DiLoCo data path, built from the core
+objects the Ray actors wrap (``LearnerCore``, ``SyncerCore``): the engine of the fast tests, the
+benchmarks and the demo. A learner never waits: it steps on while its pushes travel and adopts a
+reply at a step boundary. Faults (``chaos.FaultPlan``,
+docs/architecture.md#failures-and-reintegration) and operator commands go to the fleet, held by
+the same ``owner.Owner`` as the Ray controller's, on the seam's interfaces on this clock
+(virtual_groups.py); what takes time on a cluster takes virtual time (``chaos.RestartCosts``).
+Goodput (docs/architecture.md#goodput) is exact: applied inner-step seconds over the seconds
+each learner's slot existed.
 """
 
 from __future__ import annotations
@@ -26,13 +25,13 @@ from islands.learners.loop import LearnerLoop
 from islands.orchestrator import fleet as fleet_lib
 from islands.orchestrator.chaos import FaultPlan, RestartCosts
 from islands.orchestrator.owner import Hooks, Owner
-from islands.orchestrator.run_record import RunRecord, StepRecord
+from islands.orchestrator.run_record import RunRecord, StepRecord, series_from_intervals  # noqa: F401
 from islands.orchestrator.virtual_groups import (ARRIVE, CHECK, FAULT, FLEET, REPLY, STEP_DONE,
                                                  STEP_START, VirtualLearnerGroup,
                                                  VirtualSyncerGroup)
 from islands.orchestrator.virtual_fleet import (Fleet, VirtualSpecs, assemble_like,  # noqa: F401
                                                 build_syncer_and_learners, check_plan,
-                                                restarted_core, run_task)
+                                                restarted_core, task_run)
 from islands.syncer import downlink as downlink_lib
 from islands.syncer import timing
 from islands.syncer.core import SyncerCore
@@ -46,7 +45,7 @@ class _Driver(Hooks):
                  num_fragments, sync_every_steps, steps, evaluate, eval_every_steps, assemble,
                  faults, restart, opt_init, until_s, commands=()):
         self.cores: list[LearnerCore] = list(learners)
-        self.syncer = syncer
+        self.syncer: SyncerCore = syncer
         self.train_step, self.batch_for = train_step, batch_for
         self.tokens_per_batch, self.fleet = tokens_per_batch, fleet
         self.num_fragments, self.sync_every_steps = num_fragments, sync_every_steps
@@ -99,11 +98,6 @@ class _Driver(Hooks):
         heapq.heappush(self.events, (time_s, priority, next(self.seq), kind, payload))
 
     # -- helpers --------------------------------------------------------------------------------
-    def live(self) -> frozenset:
-        """The live set a round waits for: the learners registered at the syncer, as the Ray
-        syncer has it (``timing.live_set``)."""
-        return timing.live_set(self.syncer.learners)
-
     def slowest_step_s(self) -> float:
         """ξ_step as the Ray controller computes it (``timing.slowest_step_s``): the paces of the
         learners whose slot the fleet holds TRAINING (a dead one until its death is seen)."""
@@ -265,7 +259,8 @@ class _Driver(Hooks):
             return
         if timing.merges_held(self.owner.fleet.paused_reason):
             return   # the pause rule: decided again when training resumes (fleet_step)
-        live = self.live()
+        # The live set a round waits for: the learners registered there, as on Ray.
+        live = timing.live_set(self.syncer.learners)
         decision, _ = self.syncer.timed_decision(p, now, live, self.slowest_step_s(),
                                                  self.sync_time.sync_s)
         if decision.merge:
@@ -301,19 +296,17 @@ class _Driver(Hooks):
         return LearnerLoop(core, self.train_step, lambda step: self.batch_for(i, step),
                            self.tokens_per_batch, self.num_fragments, self.sync_every_steps)
 
-    def applied_view(self) -> fleet_lib.Applied:
-        return fleet_lib.Applied({name: (e.incarnation, e.applied_step, e.applied_tokens_done)
-                                  for name, e in self.syncer.ledger.items()})
-
     def fleet_step(self, now: float, observations: list) -> None:
         """One turn of the owner at ``now``; a syncer shard it killed is seen ended at once
         (the Ray controller sees it at its next tick)."""
         self.now = now   # the groups' clock while the actions are carried out
         self.held = timing.merges_held(self.owner.fleet.paused_reason)
-        self.owner.step([self.applied_view()] + list(observations), now)
+        self.owner.step([self.shards.applied()] + list(observations), now)
         if self.shards.killed():
             self.owner.refresh_syncer_status()
             self.fleet_step(now, self.owner.observe())
+
+    on_fleet = fleet_step   # a "fleet" event: a turn with its observations
 
     # -- the owner's hooks (owner.Hooks) ----------------------------------------------------------
     def adopted(self, state: fleet_lib.FleetState) -> None:
@@ -337,9 +330,6 @@ class _Driver(Hooks):
             self.groups.draining.discard(i)
             if not self.up[i]:
                 self.retired_at[i] = now
-
-    def on_fleet(self, now: float, observations) -> None:
-        self.fleet_step(now, observations)
 
     def on_command(self, now: float, command) -> None:
         """An operator's command (``fleet.Drain``, ``fleet.PauseJob``, a ``fleet.Scale`` down)
@@ -553,3 +543,8 @@ def run_inprocess(
                    eval_every_steps=eval_every_steps, assemble=assemble, faults=faults,
                    restart=restart, opt_init=opt_init, until_s=until_s,
                    commands=commands).run()
+
+
+def run_task(task, **options) -> RunRecord:
+    """Trains ``task`` on the virtual clock (``virtual_fleet.task_run`` says with what)."""
+    return run_inprocess(**task_run(task, **options))

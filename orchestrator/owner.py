@@ -294,6 +294,11 @@ class Owner:
         closed["down"] += int(beat.get("wire_bytes_down", 0) or 0)
         closed["beat"] = beat
 
+    def release_all(self, now: float) -> None:
+        """The job's end: every slot's allocation ends ``now``."""
+        for learner in list(self.fleet.slots):
+            self.books.release(learner, now)
+
     # -- syncer shards --------------------------------------------------------------------------
     def start_syncer(self, s: int, epoch: int, restore: bool) -> None:
         """Starts shard ``s`` (a body whose one shard is a link attaches it instead). A shard that

@@ -200,6 +200,14 @@ def job_snapshot(controller: Any) -> JobSnapshot:
                 for name, x in fleet.spares.items()})
 
 
+def status_table(snap: dict, fleet) -> dict:
+    """``islands status``'s table: from a snapshot (``JobSnapshot.as_dict``) and the fleet."""
+    return {"learners": snap["learners"],
+            "syncer": {k: snap["syncer"].get(k) for k in ("epoch", "versions", "merges", "shards")},
+            "paused_reason": snap["paused_reason"], "spares": snap.get("spares") or {},
+            "misconfigured": fleet.marks()}
+
+
 # -- views of the controller (the home's or a region agent's) its actor methods return -----------
 def live_fates(controller: Any) -> dict:
     """Each running incarnation's own books, from its newest heartbeat."""

@@ -1,7 +1,7 @@
 """A virtual fleet for the in-process driver (``inprocess.py``): its learners' speeds, regions
 and links, how its processes start (``ProcessStarts``), the fleet brain's settings
 (``Fleet.settings``), the owner's launch specs for it, the fault plans it can play, the syncer
-and learner cores it starts from, and ``run_task`` (a task trained on it). No Ray, no clock: the
+and learner cores it starts from, and a task's run on it (``task_run``). No Ray, no clock: the
 driver runs them.
 """
 
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -26,8 +26,6 @@ from islands.syncer import fragments as fragments_lib
 from islands.syncer.core import SyncerCore
 from islands.syncer.fragments import FragmentPlan
 
-if TYPE_CHECKING:
-    from islands.orchestrator.run_record import RunRecord
 
 
 @dataclass(frozen=True)
@@ -285,12 +283,13 @@ def build_syncer_and_learners(*, params: Any, opt_init: Callable[[Any], Any], pl
     return syncer, cores
 
 
-def run_task(task, *, steps: int, optimizer, num_learners: int = 2, fragments: int = 2,
+def task_run(task, *, steps: int, optimizer, num_learners: int = 2, fragments: int = 2,
              sync_every_steps: int = 8, overlap_steps: int = 2, min_learners: int = 1,
              codec: str = "int4", seed: int = 0, fleet: Optional[Fleet] = None,
              eval_every_steps: int = 0, faults: Optional[FaultPlan] = None,
-             outer_optimizer=None) -> "RunRecord":
-    """Trains a :class:`~islands.learners.task.Task` with ``num_learners`` learners on the virtual
+             outer_optimizer=None) -> dict:
+    """``inprocess.run_task``'s run, as ``run_inprocess``'s arguments: a
+    :class:`~islands.learners.task.Task` trained by ``num_learners`` learners on the virtual
     clock: init from ``PRNGKey(seed)``, shard i of ``num_learners`` through a ``TaskStream``
     (a restarted learner reopens it at its applied step), the task's own eval batches. The
     syncer merges under the service's rules (``islands.defaults``, as a job's default config:
@@ -311,7 +310,6 @@ def run_task(task, *, steps: int, optimizer, num_learners: int = 2, fragments: i
     import jax
 
     from islands.learners.task import TaskStream, make_eval_fn, make_train_step
-    from islands.orchestrator.inprocess import run_inprocess
     from islands.syncer import codec as codec_lib
     from islands.syncer import outer as outer_lib
     from islands.syncer.core import SyncerSettings
@@ -330,7 +328,7 @@ def run_task(task, *, steps: int, optimizer, num_learners: int = 2, fragments: i
         is_embedding=task.is_embedding)
     streams = [TaskStream(task, i, num_learners) for i in range(num_learners)]
     evaluate, eval_set = make_eval_fn(task), list(task.eval_batches())
-    return run_inprocess(
+    return dict(
         learners=learners, syncer=syncer, train_step=make_train_step(task, optimizer, seed),
         batch_for=lambda i, k: streams[i].batch_at(k),
         tokens_per_batch=int(task.tokens(streams[0].batch_at(0).batch)),

@@ -266,6 +266,12 @@ class VirtualSyncerGroup:
             raise RuntimeError("the in-process syncer is down")
         return self._ready()
 
+    def applied(self) -> "fleet.Applied":
+        """Every learner's applied step and tokens as the core's ledger has them now (the
+        driver's turns read them at once; the Ray owner's, from the last statuses)."""
+        return fleet.Applied({name: (e.incarnation, e.applied_step, e.applied_tokens_done)
+                              for name, e in self.d.syncer.ledger.items()})
+
     def killed(self) -> bool:
         """A shard was killed and its end is not polled yet (the driver polls it at once)."""
         return bool(self._ended)
