@@ -145,7 +145,7 @@ class Fault:
         """When the fault's period ends (for kills: when the repair is done)."""
         return self.at_s + self.duration_s
 
-    def _order(self) -> tuple:
+    def order_key(self) -> tuple:
         return (self.at_s, list(FaultKind).index(self.kind), self.target)
 
 

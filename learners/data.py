@@ -18,9 +18,9 @@ import numpy as np
 DEFAULT_EVAL_FRACTION = 0.05
 # Directories under the stdlib that aren't the stdlib's own sources.
 _SKIPPED_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
-# With ``max_bytes``, eval is capped at max_bytes // _EVAL_CAP_DIVISOR, at least _MIN_EVAL_BYTES.
-_EVAL_CAP_DIVISOR = 20
-_MIN_EVAL_BYTES = 4096
+# With ``max_bytes``, eval is capped at max_bytes // EVAL_CAP_DIVISOR, at least MIN_EVAL_BYTES.
+EVAL_CAP_DIVISOR = 20
+MIN_EVAL_BYTES = 4096
 
 
 @dataclass(frozen=True)
@@ -93,7 +93,7 @@ def load_directory_corpus(root: str, eval_fraction: float = DEFAULT_EVAL_FRACTIO
         raise ValueError(f"corpus directory {root!r} does not exist")
     files = list_files(root, suffix)[:max_files]
     train_cap = max_bytes
-    eval_cap = None if max_bytes is None else max(max_bytes // _EVAL_CAP_DIVISOR, _MIN_EVAL_BYTES)
+    eval_cap = None if max_bytes is None else max(max_bytes // EVAL_CAP_DIVISOR, MIN_EVAL_BYTES)
     blobs: dict[bool, list[bytes]] = {False: [], True: []}
     counts = {False: 0, True: 0}
     caps = {False: train_cap, True: eval_cap}

@@ -20,8 +20,10 @@ from islands.syncer.core import SyncerSettings
 from islands.syncer.merge import MergeRule, OuterGradientRule, RoundStep, ScheduleClock
 from islands.syncer.outer import rule as outer_rule
 
+from . import fleet as fleet_lib
 from .fleet import FleetSettings, RegionPlan
 from .health import RestartPolicy, drain_timeout_s
+from .owner import Hooks
 
 # Settings read by the job runner and the CLI rather than by a core object.
 CLI_ONLY = ("name", "run.duration_s", "run.run_dir", "run.progress_every_s", "run.dashboard",
@@ -300,3 +302,63 @@ def _np(x):
     import numpy as np
 
     return np.asarray(x, dtype=np.float32)
+
+
+def warms_compile_cache(config) -> bool:
+    """Whether the controller compiles and steps the model once at the job's start, so that
+    restarts load the compile cache instead of compiling. It compiles for its own CPU, whose
+    programs only CPU learners can load (the cache is per platform): where every learner of
+    this cluster runs on an accelerator it would cost the start a CPU compile and step of the
+    model (minutes for 124M on single-threaded XLA) for nothing."""
+    return any(not r.remote and r.devices().accelerator == "cpu"
+               for r in config.regions.values())
+
+
+def job_task(config, share) -> tuple:
+    """The job's task, built once by its controller: (training spec, the built-in corpus's
+    train bytes as ``share`` put them in the object store or None, task, initial params).
+    Every learner maps the same train bytes instead of reading them."""
+    from islands.learners.unit import build_task, build_training, is_builtin, load_corpus
+
+    training = training_spec(config)
+    corpus_ref, train_bytes = None, None
+    if is_builtin(training):
+        train_bytes = load_corpus(training).train
+        corpus_ref = share(train_bytes)
+    task = build_task(training, train_bytes)
+    _, template, _, _ = build_training(training, task=task)
+    return training, corpus_ref, task, template
+
+
+class ControllerBody(Hooks):
+    """The controller's side of its owner: what a learner, a spare or a syncer shard starts from
+    (``owner.LaunchSpecs``, built from the job's config) and the hooks its role hears."""
+
+    def __init__(self, controller):   # a controller.Controller
+        self.c = controller
+
+    def learner(self, a: fleet_lib.Launch) -> tuple:
+        c = self.c
+        spec = learner_spec(c.config, c.training, a, c.corpus_ref, c.jax_cache_dir)
+        return (learner_devices(c.config, a.region), spec,
+                identity(spec) if a.spare else None)
+
+    def spare(self, a: fleet_lib.LaunchSpare) -> tuple:
+        c = self.c
+        return learner_devices(c.config, a.region), spare_spec(
+            c.config, c.training, a.name, a.region, c.corpus_ref, c.jax_cache_dir)
+
+    def syncer(self, s: int) -> tuple:
+        from islands.syncer.shards import syncer_shard_name
+
+        from .runtime import syncer_options
+
+        c = self.c
+        return (c.shard_specs[s], dict(syncer_options(c.jax_cache_dir), name=syncer_shard_name(s)),
+                c.settings.placement_timeout_s)
+
+    def recorded(self, t: fleet_lib.Transition, now: float) -> None:
+        self.c.role.recorded(t)
+
+    def attach_link(self):
+        return None if self.c.role.owns_syncers else self.c.role.attach_link

@@ -88,7 +88,7 @@ class FaultPlan:
     # -- replay ---------------------------------------------------------------------------------
     def sorted(self) -> "FaultPlan":
         """A new plan with the same faults in time order (ties: kind, then target), none fired."""
-        return FaultPlan(sorted(self.faults, key=Fault._order))
+        return FaultPlan(sorted(self.faults, key=Fault.order_key))
 
     def due(self, now_s: float) -> list[Fault]:
         """Faults with ``at_s <= now_s`` not handed out before, in time order; marks them fired.
@@ -98,7 +98,7 @@ class FaultPlan:
         """
         if self._sorted_ids is None or len(self._sorted_ids) != len(self.faults):
             self._sorted_ids = sorted(range(len(self.faults)),
-                                      key=lambda i: self.faults[i]._order())
+                                      key=lambda i: self.faults[i].order_key())
             self._cursor = 0
         ready = []
         k = self._cursor
@@ -132,7 +132,7 @@ class FaultPlan:
         return sorted({f.at_s for f in self.faults})
 
     def __iter__(self) -> Iterator[Fault]:
-        return iter(sorted(self.faults, key=Fault._order))
+        return iter(sorted(self.faults, key=Fault.order_key))
 
     def __len__(self) -> int:
         return len(self.faults)

@@ -1,17 +1,17 @@
-"""The controller actor: a thin single-writer shell around the pure fleet state machine.
+"""The controller actor: the Ray shell (threads, inbox, wall clock, public methods, serving)
+around the fleet's one owner.
 
-One thread (the owner) holds the fleet. Everything else it hears about — learners' heartbeats,
-their ``run`` futures resolving, cluster membership, the syncer's ledger, the chaos plan coming
-due, operator commands — becomes an observation; the owner hands them to ``fleet.step`` with the
-wall clock and carries out the actions it returns (launch, kill, forget, drain, pause, chaos).
-Decisions live in ``fleet.py``, books in ``books.py``, the snapshot in ``snapshot.py``; this file
-only talks to Ray. Control plane only: tensors flow learner <-> syncer directly.
+One thread holds the ``owner.Owner`` (the fleet state, the books, every action's handler, as the
+in-process driver holds one). Everything else it hears about (learners' heartbeats, their runs
+ending, cluster membership, the syncer's ledger, the chaos plan coming due, operator commands)
+becomes an observation for the owner's next turn on the wall clock. Decisions live in
+``fleet.py``, the snapshot in ``snapshot.py``. Control plane only: tensors flow learner <->
+syncer directly.
 """
 
 from __future__ import annotations
 
 import collections
-import dataclasses
 import logging
 import os
 import queue
@@ -22,20 +22,15 @@ from concurrent.futures import Future
 from typing import Any, Optional
 
 from . import fleet as fleet_lib
-from . import seam
-from .books import Books
-from islands.learners.fates import newest
 from .chaos import HOME_TARGET, Fault, FaultKind
 from islands.learners.messages import Heartbeat
-from islands.syncer import timing
 
-from .fleet import SlotState
-from . import groups_api, recovery
+from . import recovery
+from .owner import Owner
 from .owner_role import HOME, OwnerRole
-from .groups_api import Incarnation, SyncerStatus, combined
-from .groups import (DrainQuery, LearnerGroups, SyncerShards, cluster_view, drain_node, draining_nodes,
-                     node_views, restarted_actor, share)
-from .logs import EventLog, RecoveryLog, events_kept, keep_span_s, trim_before
+from .groups import (DrainQuery, LearnerGroups, SyncerShards, cluster_observation,
+                     guarded_drain, restarted_actor, share)
+from .logs import EventLog, events_kept, keep_span_s, trim_before
 from .memory import release_free_memory
 from .safety import DrainGuard
 from . import remote_regions
@@ -47,9 +42,6 @@ from .runtime import (CONTROLLER_NAME, NAMESPACE, SYNCER_NAME, controller_option
 log = logging.getLogger("islands.controller")
 
 RELEASE_MEMORY_EVERY_S = 30.0   # malloc_trim takes milliseconds; RSS is sampled by the second
-
-
-
 
 
 
@@ -73,12 +65,8 @@ class Controller:
         if role is not None:
             self.role = role
         self.role.bind(self)
-        self.fleet = fleet_lib.initial(self._fleet_settings())
-        self.books = Books(config.syncer.fragments)
         self.inbox: "queue.Queue[tuple[Any, Optional[Future]]]" = queue.Queue()
-        self.running: dict[str, Incarnation] = {}
         self.groups = LearnerGroups()   # every Ray call for learners and spares
-        self.closed: dict[str, dict] = {}    # per learner: counters of ended incarnations
         self.lock = threading.Lock()         # guards events and the syncer status for readers
         # The newest events (events.jsonl has all); indexes from this process's start, so a
         # reader's index from before a restart of this actor is below every new one.
@@ -88,20 +76,19 @@ class Controller:
         self.job_started_s: Optional[float] = None
         self.stop_event = threading.Event()
         self.threads: list[threading.Thread] = []
-        self.syncer_status = SyncerStatus()  # every shard's status as one (syncer/shards.py)
         self.drain_query = DrainQuery()      # the draining-node query's failures
         self.drain_guard = DrainGuard()      # drain-node's check and drain, as one step
-        # Syncer shards (syncer.shards = S): their Ray side, and per shard its status.
-        self.shards = SyncerShards(0)
-        self.shard_status: list[Optional[SyncerStatus]] = []   # None: not answered yet
-        self.shard_refusals_seen: list = []
-        self.syncer_restarts = 0
-        self.refusals_seen = 0               # the current syncer's refusals already emitted
-        self.syncer_closed: dict = {"rejected": {}, "staleness_counts": {},
-                                    "participation_counts": {}}
+        self.shards = SyncerShards(0)        # the syncer shards' Ray side (syncer.shards = S)
+        # The fleet, its books and every action's handler (owner.py); the role's replace some.
+        body = build.ControllerBody(self)
+        settings = self.role.fleet_settings(build.fleet_settings(config))
+        self.owner = Owner(settings, config.syncer.fragments, self.groups,
+                           self.shards, body, clock=time.time,
+                           tell=lambda obs: self.inbox.put((obs, None)), emit=self.emit,
+                           hooks=body, overrides=self.role.handlers(), contain_errors=True,
+                           lock=self.lock)
         self.eval_history: list[tuple[float, int, float]] = []
         self.initial_eval_loss: Optional[float] = None
-        self.recoveries = RecoveryLog()      # a histogram of all, the newest as rows
         self.chaos_fired: list[dict] = []
         self.goodput_history: collections.deque = collections.deque()  # (t, useful, allocated)
         self.step_seconds: dict = {}         # per region: histogram of heartbeats' step times
@@ -110,20 +97,11 @@ class Controller:
         self.console = None                  # console.ConsoleServer, once served
         self.ray_metrics = None
         self.link_regions: dict[str, dict] = {}   # per remote region: its link's last report
-        self.remote_beats: dict[tuple, Heartbeat] = {}  # (learner, incarnation) -> newest
-        self.remote_restarts: dict[str, list] = {}  # per remote region: restarts for its agent
         self.settings = build.controller_settings(config)
         self.chaos_plan = build.chaos_plan(config)
         self.state_path = os.path.join(run_dir, "controller_state.json")
-        # Every fleet action's handler, found now: a body missing one does not start.
-        self.handlers = {**seam.handler_table(self, "_do_"), **self.role.handlers()}
         if restarted_actor():
             recovery.recover(self)
-
-    def _fleet_settings(self) -> fleet_lib.FleetSettings:
-        from . import build
-
-        return self.role.fleet_settings(build.fleet_settings(self.config))
 
     # -- events ---------------------------------------------------------------------------------
     def emit(self, kind: str, **fields) -> None:
@@ -148,54 +126,42 @@ class Controller:
         from . import build
 
         t0 = time.time()
-        self._build_task()
+        self.build_task()
         t_task = time.time()
         self.jax_cache_dir = os.path.join(self.run_dir, "jax_cache")
         enable_compile_cache(self.jax_cache_dir)
-        # Restarts load it instead of compiling. This process compiles for its CPU, whose
-        # programs only CPU learners can load (the cache is per platform): where every learner
-        # of this cluster runs on an accelerator it would cost the job's start a CPU compile and
-        # step of the model (minutes for 124M on single-threaded XLA) for nothing.
-        if any(not r.remote and r.devices().accelerator == "cpu"
-               for r in self.config.regions.values()):
+        if build.warms_compile_cache(self.config):   # restarts load it instead of compiling
             warm_compile_cache(self.training, self.template, self.task)
         t_cache = time.time()
         self.syncer_spec = build.syncer_spec(self.config, self.template, self.run_dir,
                                              self.task.is_embedding)
-        self._init_shards()
+        self.init_shards()
         for s in range(self.shards.count):
-            self._start_syncer(epoch=0, restore=self.resume, syncer_shard=s)
-        self._refresh_syncer_status()
+            self.owner.start_syncer(s, epoch=0, restore=self.resume)
+        self.owner.refresh_syncer_status()
         t_syncer = time.time()
-        self._step([self._applied()])  # launches the configured learners (resumed: at their step)
+        self.step([self.owner.applied()])  # launches the learners (resumed: at their step)
         # Seconds of the job's start before its learners were launched (benchmarks/startup.py).
         self.start_phases = {"build_task_s": t_task - t0, "warm_cache_s": t_cache - t_task,
                              "syncer_s": t_syncer - t_cache, "launch_s": time.time() - t_syncer}
-        self._start_threads()
+        self.start_threads()
         self.job_started_s = time.time()  # the chaos plan's clock: faults hit a running job
-        self.emit("job_started", learners=list(self.fleet.slots), regions=list(self.config.regions),
+        self.emit("job_started", learners=list(self.owner.fleet.slots),
+                  regions=list(self.config.regions),
                   num_params=_num_params(self.template),
                   start_phases={k: round(v, 3) for k, v in self.start_phases.items()})
-        return {"learners": list(self.fleet.slots)}
+        return {"learners": list(self.owner.fleet.slots)}
 
-    def _build_task(self) -> None:
+    def build_task(self) -> None:
         """Builds the job's task once here: the initial params (the syncer's Θ) and, for the
         built-in byte LM, its corpus, put in the object store so every learner maps the same
         train bytes instead of reading them."""
-        from islands.learners.unit import build_task, build_training, is_builtin, load_corpus
-
         from . import build
 
-        self.training = build.training_spec(self.config)
-        self.corpus_ref = None
-        train_bytes = None
-        if is_builtin(self.training):
-            train_bytes = load_corpus(self.training).train
-            self.corpus_ref = share(train_bytes)
-        self.task = build_task(self.training, train_bytes)
-        _, self.template, _, _ = build_training(self.training, task=self.task)
+        self.training, self.corpus_ref, self.task, self.template = build.job_task(self.config,
+                                                                                  share)
 
-    def _init_shards(self) -> None:
+    def init_shards(self) -> None:
         """The syncer shards' specs (one: the single syncer) and their empty slots. A region's
         agent has one, its link, whatever ``syncer.shards`` the job has: the home's shards are
         behind it (the region's learners reach shards s > 0 through the ``LinkShard`` actors
@@ -205,33 +171,10 @@ class Controller:
         self.shard_specs = shard_specs(self.syncer_spec, self.config.syncer.shards)
         n = len(self.shard_specs) if self.role.owns_syncers else 1
         self.shards = SyncerShards(n)
-        self.shard_status, self.shard_refusals_seen = [None] * n, [0] * n
-        self.started_epochs = [0] * n     # the epoch each shard was last started with, here
+        self.owner.use_syncers(self.shards)
 
-    def _start_syncer(self, epoch: int, restore: bool, syncer_shard: int = 0) -> None:
-        """Starts one syncer shard (shard 0 keeps the name ``islands:syncer``); a region's agent
-        attaches its link instead."""
-        from islands.syncer.shards import syncer_shard_name
-
-        if not self.role.owns_syncers:
-            self.role.attach_link()
-            return
-        s = syncer_shard
-        options = dict(syncer_options(self.jax_cache_dir), name=syncer_shard_name(s))
-        ready = self.shards.start(s, self.shard_specs[s], epoch, restore, options,
-                                  self.settings.placement_timeout_s)
-        self.started_epochs[s] = int(ready["epoch"])
-        self.inbox.put((fleet_lib.SyncerStarted(s, int(ready["epoch"])), None))
-        shard = {"shard": s} if self.shards.count > 1 else {}
-        self.emit("syncer_started", epoch=ready["epoch"], versions=ready["versions"],
-                  restored_from=ready["restored_from"], journaled=ready.get("journaled", []),
-                  **shard)
-
-    # -- surviving a restart of this actor (recovery.py) -------------------------------------
-    def _save_state(self) -> None:
-        recovery.save_state(self)
-
-    def _start_threads(self) -> None:
+    # -- surviving a restart of this actor (recovery.py re-attaches; these are its steps) -------
+    def start_threads(self) -> None:
         for target in (self._owner_loop, self._eval_loop):
             thread = threading.Thread(target=target, daemon=True, name=target.__name__)
             thread.start()
@@ -243,21 +186,19 @@ class Controller:
         while not self.stop_event.is_set():
             try:
                 observations = self._drain_inbox()
-                observations += self._ended_runs()
-                observations += [fleet_lib.Placed(*p) for p in self.groups.placed()]
-                observations += self._spare_observations()
-                observations += self._ended_syncers()
+                observations += self.owner.observe(syncers=not self.stop_event.is_set())
                 now = time.time()
                 if now - last["cluster"] >= 2.0:
-                    observations.append(self._cluster())
+                    observations.append(cluster_observation(self.config.regions,
+                                                            self.drain_query))
                     last["cluster"] = now
                 # Faster while a restarted learner's first merged contribution is awaited.
                 awaiting = any(s.recovery is not None and "restarted_s" in dict(s.recovery)
-                               for s in self.fleet.slots.values())
+                               for s in self.owner.fleet.slots.values())
                 if now - last["syncer"] >= (0.2 if awaiting else 1.0):
-                    self._refresh_syncer_status()
-                    observations.append(self._applied())
-                    observations += self._refusals()
+                    self.owner.refresh_syncer_status()
+                    observations.append(self.owner.applied())
+                    observations += self.owner.refusals()
                     gp = self.goodput()
                     self.goodput_history.append((now, gp["useful_s"], gp["allocated_s"]))
                     trim_before(self.goodput_history,
@@ -268,9 +209,9 @@ class Controller:
                     release_free_memory()   # what glibc keeps of freed snapshots (memory.py)
                     last["trimmed"] = now
                 observations += self._due_faults()
-                self._step(observations)
+                self.step(observations)
                 if now - last.get("saved", 0.0) >= 1.0:
-                    self._save_state()
+                    recovery.save_state(self)
                     last["saved"] = now
             except Exception as exc:  # keep owning the fleet; say what broke, once per error
                 log.exception("controller iteration failed")
@@ -294,52 +235,22 @@ class Controller:
                 observations.append(obs)
                 continue
             try:
-                self._step(observations + [obs])
+                self.step(observations + [obs])
                 observations = []
                 reply.set_result(None)
             except fleet_lib.CommandError as exc:
-                self._step(observations)
+                self.step(observations)
                 observations = []
                 reply.set_exception(exc)
 
-    def _step(self, observations: list) -> None:
-        seam.turn(self.fleet, observations, time.time(), adopt=self._adopt_fleet,
-                  record=self._record, recorded=self._track_slots, table=self.handlers,
-                  on_error=self._action_failed)
+    def step(self, observations: list) -> None:
+        """One turn of the owner (owner thread only: the actor's one writer)."""
+        self.owner.step(observations, time.time())
         self.role.stepped()
-
-    def _adopt_fleet(self, fleet: fleet_lib.FleetState) -> None:
-        self.fleet = fleet
-
-    def _track_slots(self) -> None:
-        self.books.track({n: x.state.value for n, x in self.fleet.slots.items()}, time.time())
-
-    def _action_failed(self, action, exc: Exception) -> None:
-        self.emit("action_failed", action=type(action).__name__, error=repr(exc)[:300])
-
-    def _record(self, t: fleet_lib.Transition) -> None:
-        fields = dict(t.fields)
-        if t.learner is not None:
-            fields.setdefault("learner", t.learner)
-        now = time.time()
-        if t.name in ("learner_launched", "learner_restarted"):
-            self.books.allocate(t.learner, now)
-            if t.fields.get("remote"):  # its agent launched it: home keeps its books
-                self._close(t.learner)  # the previous incarnation's newest beat stays in closed
-                number = int(t.fields["incarnation"])
-                self.running[t.learner] = Incarnation(
-                    number, beat=self.remote_beats.pop((t.learner, number), None), remote=True)
-        elif t.name == "learner_retired":
-            self.books.release(t.learner, now)
-        elif t.name == "learner_recovered":
-            with self.lock:   # snapshots read the histogram and rows under it
-                self.recoveries.append({**t.fields, "learner": t.learner})
-        self.emit(t.name, **fields)
-        self.role.recorded(t)
 
     def _command(self, obs) -> None:
         """Queues an operator command for the owner thread and waits for its verdict."""
-        fleet_lib.check_command(self.fleet, obs)  # fail fast with the reason
+        fleet_lib.check_command(self.owner.fleet, obs)  # fail fast with the reason
         reply: Future = Future()
         self.inbox.put((obs, reply))
         reply.result(timeout=60)
@@ -350,243 +261,33 @@ class Controller:
         from .metrics import observe_step
 
         beat = Heartbeat.of(beat)
-        run = self.running.get(beat.learner)
-        if run is not None and run.number == beat.incarnation:
-            if beat.devices is not None and (run.beat is None or run.beat.devices is None):
-                # Its first beat: the devices it proved at start, once per incarnation.
-                devices = beat.devices
-                self.emit("learner_devices", learner=beat.learner, incarnation=beat.incarnation,
-                          backend=devices.get("backend"), platform=devices.get("platform"),
-                          device_kind=devices.get("kind"), count=devices.get("count"))
-            run.beat = beat
-            slot = self.fleet.slots.get(beat.learner)
-            if slot is not None and beat.step_time_s and beat.training:
-                with self.lock:
-                    observe_step(self.step_seconds, slot.region, float(beat.step_time_s))
+        current = self.owner.heard(beat)
+        if current == "first":   # the devices it proved at start, once per incarnation
+            devices = beat.devices
+            self.emit("learner_devices", learner=beat.learner, incarnation=beat.incarnation,
+                      backend=devices.get("backend"), platform=devices.get("platform"),
+                      device_kind=devices.get("kind"), count=devices.get("count"))
+        slot = self.owner.fleet.slots.get(beat.learner)
+        if current and slot is not None and beat.step_time_s and beat.training:
+            with self.lock:
+                observe_step(self.step_seconds, slot.region, float(beat.step_time_s))
         self.inbox.put((fleet_lib.Beat(beat.learner, beat.incarnation, beat.training,
                                        beat.step_time_s, beat.node_id, beat.ready_at,
                                        adopted=beat.adopted > 0), None))
         self.role.heard(beat)
 
-    def _ended_runs(self) -> list:
-        out = []
-        for ended in self.groups.ended():
-            inc = self.running.get(ended.learner)
-            if inc is not None and ended.final:
-                inc.ended_with(ended.final)
-            if ended.crashed:
-                self.emit("learner_error", learner=ended.learner, error=ended.error)
-            out.append(fleet_lib.RunEnded(ended.learner, ended.incarnation, ended.error,
-                                          ended.preempted, ended.crashed))
-            if inc is not None and not inc.remote and inc.number == ended.incarnation:
-                self._close(ended.learner)
-        return out
-
-    def _cluster(self) -> fleet_lib.Cluster:
-        total, alive, by_region = cluster_view(self.config.regions)
-        # Whole units: a unit of H hosts takes H of its region's resource.
-        return fleet_lib.Cluster({r: float(int(total.get(f"region:{r}", 0.0)
-                                               / self.config.regions[r].devices().hosts + 1e-9))
-                                  for r in self.config.regions}, alive,
-                                 draining_nodes(self.drain_query), region_nodes=by_region)
-
-    def _applied(self) -> fleet_lib.Applied:
-        ledger = self.syncer_status.ledger
-        return fleet_lib.Applied({name: (int(e["incarnation"]), int(e["applied_step"]),
-                                         int(e["applied_tokens_incarnation"]))
-                                  for name, e in ledger.items()})
-
-    def _refusals(self) -> list:
-        """Every refused push becomes a ``push_refused`` event; a learner the syncer quarantined
-        (its drifts kept being refused as garbage) becomes an observation."""
-        refusals = self.shards.refusals_since(self.shard_refusals_seen)
-        self.refusals_seen = sum(self.shard_refusals_seen)
-        for refusal in refusals:
-            self.emit("push_refused", **refusal)
-        return [fleet_lib.Quarantine(name, incarnation, "drifts refused as garbage")
-                for name, incarnation in self.syncer_status.quarantined.items()]
-
     def _due_faults(self) -> list:
         if self.chaos_plan is None or self.job_started_s is None:
             return []
-        out = []
-        for fault in self.chaos_plan.due(time.time() - self.job_started_s):
-            # Wall-clock times from here on: each learner checks link windows on its own clock.
-            fired = dataclasses.replace(fault, at_s=time.time())
-            try:
-                fleet_lib.check_command(self.fleet, fleet_lib.Chaos(fired))
-                out.append(fleet_lib.Chaos(fired))
-                message = "fired"
-            except fleet_lib.CommandError as exc:  # e.g. the target is down already: moot
-                message = f"not fired: {exc}"
-            self.chaos_fired.append({"at_s": fault.at_s, "kind": fault.kind.value,
-                                     "target": fault.target, "message": message})
-        return out
-
-    # -- actions --------------------------------------------------------------------------------
-    def _do_launch(self, a: fleet_lib.Launch) -> None:
-        from . import build
-
-        spec = build.learner_spec(self.config, self.training, a, self.corpus_ref,
-                                  self.jax_cache_dir)
-        error = self.groups.launch(a.learner, a.incarnation, a.region,
-                                   build.learner_devices(self.config, a.region), spec,
-                                   a.link_faults, spare=a.spare,
-                                   identity=build.identity(spec) if a.spare else None)
-        if error is not None:   # the dead actor's name is not released yet: retry soon
-            self.inbox.put((fleet_lib.LaunchFailed(a.learner, a.incarnation, error), None))
-            return
-        self.running[a.learner] = Incarnation(a.incarnation, a.start_step)
-
-    def _do_launchspare(self, a: fleet_lib.LaunchSpare) -> None:
-        from . import build
-
-        spec = build.spare_spec(self.config, self.training, a.name, a.region, self.corpus_ref,
-                                self.jax_cache_dir)
-        error = self.groups.launch_spare(a.name, a.region,
-                                         build.learner_devices(self.config, a.region), spec)
-        if error is not None:   # an earlier spare's name is not released yet
-            self.inbox.put((fleet_lib.SpareEnded(a.name, error), None))
-
-    def _do_hurryspare(self, a: fleet_lib.HurrySpare) -> None:
-        self.groups.hurry_spare(a.name)
-
-    def _do_killspare(self, a: fleet_lib.KillSpare) -> None:
-        self.groups.end_spare(a.name)
-
-    def _spare_observations(self) -> list:
-        """A spare whose ``prepare`` returned is ready; one whose call failed has ended."""
-        return [fleet_lib.SpareReady(r.name, r.prepare_s, r.node_id) if isinstance(r, groups_api.SpareReady)
-                else fleet_lib.SpareEnded(r.name, r.error) for r in self.groups.spare_results()]
-
-    def _do_kill(self, a: fleet_lib.Kill) -> None:
-        # Buried (decided dead): its run future is no longer an observation.
-        if self.groups.kill(a.learner, a.incarnation, a.mode):
-            self._close(a.learner)
-
-    def _do_forget(self, a: fleet_lib.Forget) -> None:
-        """Unregisters it at the syncer and settles the incarnation's tokens."""
-        # Only this incarnation: a newer one may have registered meanwhile (a remote region).
-        self.shards.forget(a.learner, a.incarnation, a.reason)
-        self._refresh_syncer_status()
-        closed = self.closed.setdefault(a.learner, {"steps": 0, "up": 0, "down": 0})
-        if closed.get("settled") == a.incarnation:
-            return
-        # The newest of its books: its last heartbeat (the incarnation may still be in `running`
-        # when its death was seen before its run ended), or what its newest push carried.
-        inc = self.running.get(a.learner)
-        beat = inc.counters() if inc is not None and inc.number == a.incarnation else closed.get(
-            "beat", {})
-        entry = self.syncer_status.ledger.get(a.learner) or {}
-        same = int(entry.get("incarnation", -1)) == a.incarnation
-        fates = newest(beat.get("fates") if int(beat.get("incarnation", a.incarnation))
-                       == a.incarnation else None, entry.get("fates") if same else None)
-        merged_steps = {int(p): int(v) for p, v in (entry.get("merged_steps") or {}).items()
-                        } if same else {}
-        self.books.close_incarnation(a.learner, fates, merged_steps, a.reason)
-        closed["settled"] = a.incarnation
-        if inc is not None and inc.remote and inc.number == a.incarnation:
-            self._close(a.learner)
-
-    def _close(self, learner: str) -> None:
-        """Folds an ended incarnation's counters into the slot's totals (they never go back)."""
-        inc = self.running.pop(learner, None)
-        if inc is None:
-            return
-        closed = self.closed.setdefault(learner, {"steps": 0, "up": 0, "down": 0})
-        beat = inc.counters()
-        start = int(self.fleet.slots[learner].start_step) if learner in self.fleet.slots else 0
-        closed["steps"] += max(0, int(beat.get("step", start) or start) - start)
-        closed["up"] += int(beat.get("wire_bytes_up", 0) or 0)
-        closed["down"] += int(beat.get("wire_bytes_down", 0) or 0)
-        closed["beat"] = beat
-
-    def _do_drainlearner(self, a) -> None:
-        self.groups.call(a.learner, "drain")
-
-    def _do_pauselearner(self, a) -> None:
-        # Ordered: the learner applies the newest call only (LearnerUnit.pause).
-        self.groups.call(a.learner, "pause", a.paused, time.time_ns())
-
-    def _do_slowdown(self, a) -> None:
-        for learner in a.learners:
-            self.groups.call(learner, "slowdown", a.fault.factor, a.fault.duration_s)
-
-    def _do_hang(self, a) -> None:
-        self.groups.call(a.learner, "hang", a.duration_s)
-
-    def _do_linkfault(self, a) -> None:
-        for learner in a.learners:
-            self.groups.call(learner, "link_fault", a.fault)
-
-    def _do_partitionhome(self, a) -> None:
-        """The link server (the home's side of every region's link) goes down for the window."""
-        import ray
-        from islands.link.server import LINK_SERVER_NAME
-
-        ray.get_actor(LINK_SERVER_NAME, namespace=NAMESPACE).partition.remote(a.fault.duration_s)
-
-    def _do_restartremote(self, a) -> None:
-        """Goes to the region's agent with the reply to its next report (the home has no handle
-        on a learner in another cluster)."""
-        with self.lock:
-            self.remote_restarts.setdefault(a.region, []).append(
-                {"learner": a.learner, "incarnation": a.incarnation, "cause": a.cause})
-
-    def _do_killsyncer(self, a) -> None:
-        self.shards.kill(a.syncer_shard)
+        now = time.time()
+        return self.owner.chaos_due(self.chaos_plan, now - self.job_started_s, now,
+                                    self.chaos_fired)
 
     # -- regions in their own clusters (link/) --------------------------------------------------
     def link_report(self, report: dict) -> dict:
         """A remote region's report, relayed by the home's link server
         (``remote_regions.take_report``); the home syncer's view of the region's learners."""
         return remote_regions.take_report(self, report)
-
-    # -- the syncer -----------------------------------------------------------------------------
-    def _ended_syncers(self) -> list:
-        """Shards whose actor ended, with the epoch each last reported: the fleet restarts
-        them (``StartSyncer``)."""
-        if self.stop_event.is_set():
-            return []
-        return [fleet_lib.SyncerEnded(e.shard, self._shard_epoch(e.shard))
-                for e in self.shards.ended()]
-
-    def _shard_epoch(self, s: int) -> int:
-        status = self.shard_status[s]
-        return int(status.epoch) if status is not None else 0
-
-    def _do_startsyncer(self, a: fleet_lib.StartSyncer) -> None:
-        """A dead shard restarts alone, from its newest snapshot at its next epoch (fencing);
-        the other shards keep merging meanwhile. Its counters died with it: keep what it last
-        reported."""
-        s, last = a.shard, self.shard_status[a.shard] or SyncerStatus()
-        with self.lock:
-            for key in ("rejected", "staleness_counts", "participation_counts"):
-                closed = self.syncer_closed.setdefault(key, {})
-                for k, n in getattr(last, key).items():
-                    closed[k] = closed.get(k, 0) + n
-            self.shard_status[s] = dataclasses.replace(last, rejected={}, staleness_counts={},
-                                                       participation_counts={})
-            self.syncer_status = combined(self.shard_status)
-        self.syncer_restarts += 1
-        self.shard_refusals_seen[s] = 0
-        self.refusals_seen = sum(self.shard_refusals_seen)
-        self._start_syncer(epoch=a.epoch, restore=a.restore, syncer_shard=s)
-        self._refresh_syncer_status()
-
-    def _refresh_syncer_status(self) -> None:
-        # ξ_step and the pause rule as the in-process driver computes them (syncer/timing.py),
-        # from the step times the TRAINING slots' heartbeats carried.
-        slowest = timing.slowest_step_s(s.step_time_s for s in self.fleet.slots.values()
-                                        if s.state == SlotState.TRAINING)
-        # A shard that cannot answer keeps its last status.
-        statuses = self.shards.statuses(slowest, timing.merges_held(self.fleet.paused_reason))
-        if not statuses:
-            return
-        with self.lock:
-            for s, status in statuses.items():
-                self.shard_status[s] = status
-            self.syncer_status = combined(self.shard_status)
 
     # -- evaluation -----------------------------------------------------------------------------
     def _eval_loop(self) -> None:
@@ -619,7 +320,7 @@ class Controller:
     def tokens(self) -> dict:
         """Tokens by fate, each counted where it happens (``books.py``): applied, dropped (by
         reason) and in flight, which account for every processed token."""
-        return self.books.tokens(live_fates(self)).as_dict(self.books.num_fragments)
+        return self.owner.books.tokens(live_fates(self)).as_dict(self.owner.books.num_fragments)
 
     def goodput(self) -> dict:
         return goodput_view(self)
@@ -640,12 +341,9 @@ class Controller:
         return job_snapshot(self).summary(self)
 
     def status_table(self) -> dict:
-        snap = self.snapshot()
-        return {"learners": snap["learners"],
-                "syncer": {k: snap["syncer"].get(k)
-                           for k in ("epoch", "versions", "merges", "shards")},
-                "paused_reason": snap["paused_reason"], "spares": snap.get("spares") or {},
-                "misconfigured": self.fleet.marks()}
+        from .snapshot import status_table
+
+        return status_table(self.snapshot(), self.owner.fleet)
 
     # -- operator commands ----------------------------------------------------------------------
     def scale(self, region: str, n: int) -> str:
@@ -670,21 +368,12 @@ class Controller:
         """
         if deadline_s is not None and not deadline_s >= 0:
             raise ValueError(f"deadline_s must be >= 0, got {deadline_s}")
-
-        def look() -> tuple:
-            draining = draining_nodes(self.drain_query)
-            return node_views(), draining, self.drain_query.last_error
-
-        # One step under the guard's lock: the controller serves 16 calls at once (the console
-        # and the CLI), and Ray's draining table lags the drains this controller asked for.
-        self.drain_guard.drain(node_id, look, self.config.regions,
-                               lambda: drain_node(node_id, deadline_s,
-                                                  f"islands drain-node ({origin})"),
-                               force=force, units={r: c.devices()
-                                                   for r, c in self.config.regions.items()})
+        guarded_drain(self.drain_guard, self.drain_query, self.config.regions, node_id,
+                      deadline_s, f"islands drain-node ({origin})", force)
         self.emit("node_drain_requested", node=node_id, deadline_s=deadline_s, origin=origin,
                   force=bool(force))
-        self.inbox.put((self._cluster(), None))   # seen now, not at the next poll
+        # seen now, not at the next poll
+        self.inbox.put((cluster_observation(self.config.regions, self.drain_query), None))
         return f"draining node {node_id}" + ("" if deadline_s is None else
                                              f" (deadline in {deadline_s:g}s)")
 
@@ -702,17 +391,18 @@ class Controller:
     def chaos_kill(self, target: str, mode: str = "ray_kill") -> str:
         """Kills a learner (``ray.kill`` or a hard exit inside it) or the syncer, on purpose."""
         if target.split(":")[0] == "syncer":  # "syncer" (shard 0) or "syncer:<shard>"
-            self._command(fleet_lib.Chaos(Fault(time.time(), FaultKind.SYNCER_KILL, target)))
+            self._chaos(FaultKind.SYNCER_KILL, target)
             return f"killed {target}"
         if mode not in ("ray_kill", "exit"):
             raise ValueError(f"unknown kill mode {mode!r}; choose ray_kill or exit")
-        kind = FaultKind.KILL if mode == "ray_kill" else FaultKind.EXIT
-        self._command(fleet_lib.Chaos(Fault(time.time(), kind, target), mode))
+        self._chaos(FaultKind.KILL if mode == "ray_kill" else FaultKind.EXIT, target, mode)
         return f"killed {target} ({mode})"
 
+    def _chaos(self, kind: FaultKind, target: str, mode: str = "ray_kill", **fault) -> None:
+        self._command(fleet_lib.Chaos(Fault(time.time(), kind, target, **fault), mode))
+
     def chaos_slowdown(self, target: str, factor: float, duration_s: float) -> str:
-        self._command(fleet_lib.Chaos(Fault(time.time(), FaultKind.SLOWDOWN, target,
-                                            duration_s=duration_s, factor=factor)))
+        self._chaos(FaultKind.SLOWDOWN, target, duration_s=duration_s, factor=factor)
         return f"slowed {target} x{factor} for {duration_s}s"
 
     def chaos_hang(self, target: str, duration_s: float) -> str:
@@ -723,8 +413,7 @@ class Controller:
 
     def chaos_region_loss(self, region: str, repair_s: float = 0.0) -> str:
         """Kills every running learner of ``region`` at once (a lost slice or node)."""
-        self._command(fleet_lib.Chaos(Fault(time.time(), FaultKind.REGION_LOSS, region,
-                                            duration_s=repair_s)))
+        self._chaos(FaultKind.REGION_LOSS, region, duration_s=repair_s)
         return f"lost region {region}"
 
     def chaos_network(self, region: str, duration_s: float, extra_latency_ms: float = 0.0,
@@ -736,9 +425,8 @@ class Controller:
         if region == HOME_TARGET and not partition:
             raise ValueError("a network fault targets one region; the home can be partitioned "
                              "(islands chaos partition --home), not degraded")
-        self._command(fleet_lib.Chaos(Fault(time.time(), kind, region, duration_s=duration_s,
-                                            extra_latency_ms=extra_latency_ms,
-                                            bandwidth_gbps=bandwidth_gbps, loss_rate=loss_rate)))
+        self._chaos(kind, region, duration_s=duration_s, extra_latency_ms=extra_latency_ms,
+                    bandwidth_gbps=bandwidth_gbps, loss_rate=loss_rate)
         if region == HOME_TARGET:
             return f"partition of the home (every remote region's link) for {duration_s}s"
         return f"{kind.value} on {region} for {duration_s}s"
@@ -749,10 +437,10 @@ class Controller:
         self.stop_event.set()
         for thread in self.threads:
             thread.join(timeout=30)
-        self._step(self._drain_inbox() + [fleet_lib.Stop()])
+        self.step(self._drain_inbox() + [fleet_lib.Stop()])
         self.groups.stop_all(timeout_s=30)
-        self._step(self._ended_runs())
-        self._refresh_syncer_status()
+        self.step(self.owner.ended_runs())
+        self.owner.refresh_syncer_status()
         try:  # the newest state on disk: `islands run --resume` continues from exactly here
             self.shards.snapshot_now()
         except Exception as exc:
@@ -762,9 +450,7 @@ class Controller:
         except Exception as exc:
             log.warning("final eval failed: %s", exc)
         summary = self.summary()
-        now = time.time()
-        for learner in list(self.fleet.slots):
-            self.books.release(learner, now)
+        self.owner.release_all(time.time())
         self.emit("job_stopped", goodput=summary["goodput"])
         if self.metrics_server is not None:
             self.metrics_server.shutdown()

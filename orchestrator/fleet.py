@@ -426,6 +426,9 @@ class RunEnded:
     error: Optional[str] = None
     preempted: bool = False             # the platform said so (an autoscaler drain)
     crashed: bool = False               # the training loop raised (not a dead process)
+    # What a returned run's unit reported last (its counters and books, as a heartbeat carries
+    # them); the fleet reads none of it, the owner's books do.
+    final: Optional[Mapping] = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -648,6 +651,7 @@ class Kill:
     incarnation: int
     mode: str = "bury"
     reason: str = ""
+    fault: Optional[Fault] = None   # a chaos kill's fault (its kind: how it dies, when seen)
 
 
 @dataclass(frozen=True)
@@ -711,6 +715,7 @@ class RestartRemote:
 @dataclass(frozen=True)
 class KillSyncer:
     syncer_shard: int = 0     # which syncer shard (syncer/shards.py); the others keep merging
+    fault: Optional[Fault] = None   # the chaos fault that kills it
 
 
 @dataclass(frozen=True)
@@ -1073,7 +1078,7 @@ class _Machine:
             mode = obs.mode if kind == FaultKind.KILL else "exit"
             self.note("chaos", fault.target, action="kill", target=fault.target, mode=mode,
                       repair_s=fault.duration_s)
-            self.kill(slot, mode, fault.duration_s)
+            self.kill(slot, mode, fault)
         elif kind == FaultKind.REGION_LOSS:
             self.region_known(fault.target)
             victims = [s for s in self.fleet.in_region(fault.target) if s.state in LIVE]
@@ -1084,7 +1089,7 @@ class _Machine:
                       repair_s=fault.duration_s, learners=[s.learner for s in victims],
                       spares=[x.name for x in spares])
             for slot in victims:
-                self.kill(slot, "ray_kill", fault.duration_s)
+                self.kill(slot, "ray_kill", fault)
             for spare in spares:
                 self.drop_spare(spare, "its region was lost")
             self.set(lost_regions={**self.fleet.lost_regions,
@@ -1126,7 +1131,7 @@ class _Machine:
                 raise CommandError(f"syncer shard {shard} does not exist (syncer.shards = "
                                    f"{self.settings.syncer_shards})")
             self.note("chaos", None, action="kill", target=fault.target, mode="ray_kill")
-            self.actions.append(KillSyncer(shard))
+            self.actions.append(KillSyncer(shard, fault))
         else:  # pragma: no cover - FaultKind is closed
             raise CommandError(f"unknown fault kind {kind!r}")
 
@@ -1425,11 +1430,11 @@ class _Machine:
                 return
 
     # -- decisions --------------------------------------------------------------------------------
-    def kill(self, slot: Slot, mode: str, repair_s: float) -> None:
+    def kill(self, slot: Slot, mode: str, fault: Fault) -> None:
         """A chaos kill: the failure time is now; it may restart no earlier than the repair."""
         self.put(dataclasses.replace(slot, killed_at_s=self.now,
-                                     repair_until_s=self.now + repair_s))
-        self.actions.append(Kill(slot.learner, slot.incarnation, mode))
+                                     repair_until_s=self.now + fault.duration_s))
+        self.actions.append(Kill(slot.learner, slot.incarnation, mode, fault=fault))
 
     def fail(self, slot: Slot, cause: Cause, detail: str = "",
              error: Optional[str] = None) -> None:

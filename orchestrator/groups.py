@@ -7,8 +7,8 @@ have ended and frees what an ended unit held. A one-process learner and a many-h
 same thing here: a learner id with an incarnation and one handle (the unit's host 0). The
 pattern is Ray Train v2's WorkerGroup, which makes every Ray call for its controller.
 
-Every method is called from the controller's owner thread, except ``call`` (operator commands
-arrive on other threads: Ray handles are thread-safe, and the dicts are only read there).
+Every method is called from the controller's owner thread. What it polls is already the
+fleet's observations (``fleet.RunEnded``, ``fleet.Placed``, ``fleet.SpareReady``/``SpareEnded``).
 """
 
 from __future__ import annotations
@@ -16,11 +16,13 @@ from __future__ import annotations
 import dataclasses
 import functools
 import logging
-from typing import Any, Iterable, Optional
+import time
+from typing import Any, Iterable, Optional, Sequence
 
 import ray
 
-from .groups_api import How, RunEnded, ShardEnded, SpareFailed, SpareReady, SyncerStatus
+from . import fleet
+from .groups_api import ShardEnded, SyncerStatus
 from .runtime import (NAMESPACE, learner_actor_name, learner_options, release_unit,
                       reserve_unit)
 
@@ -131,9 +133,9 @@ class LearnerGroups:
                                     placed_ref)
         return None
 
-    def placed(self) -> list[tuple[str, int, Optional[str]]]:
+    def placed(self) -> "list[fleet.Placed]":
         """The units whose new process Ray placed since the last poll (its ``ping``
-        answered): (learner, incarnation, node id)."""
+        answered), on which node."""
 
         waiting = {u.placed_ref: name for name, u in self.units.items()
                    if u.placed_ref is not None}
@@ -148,7 +150,7 @@ class LearnerGroups:
                 node = ray.get(ref, timeout=0).get("node_id")
             except Exception:   # it died before answering: its run's end says so
                 continue
-            out.append((waiting[ref], unit.incarnation, node))
+            out.append(fleet.Placed(waiting[ref], unit.incarnation, node))
         return out
 
     def reattach(self, learner: str, actor: str, hosts: int = 1,
@@ -239,16 +241,42 @@ class LearnerGroups:
                     pass
 
     # -- control --------------------------------------------------------------------------------
-    def call(self, learner: str, method: str, *args) -> bool:
-        """Fire-and-forget control call on a running unit (drain, pause, slowdown, hang,
-        link_fault, stop); False when it has none."""
+    def _call(self, learner: str, method: str, *args) -> bool:
+        """Fire-and-forget control call on a running unit; False when it has none."""
         unit = self.units.get(learner)
         if unit is None:
             return False
         getattr(unit.handle, method).remote(*args)
         return True
 
-    def kill(self, learner: str, incarnation: int, mode: str) -> bool:
+    def drain(self, learner: str) -> bool:
+        return self._call(learner, "drain")
+
+    def pause(self, learner: str, paused: bool) -> bool:
+        # Ordered: the learner applies the newest call only (LearnerUnit.pause).
+        return self._call(learner, "pause", paused, time.time_ns())
+
+    def hang(self, learner: str, duration_s: float) -> bool:
+        return self._call(learner, "hang", duration_s)
+
+    def apply_fault(self, learners: Sequence[str], fault) -> None:
+        """A slowdown (its factor for its duration) or a link fault, on each running unit."""
+        from .chaos import FaultKind
+
+        for learner in learners:
+            if fault.kind == FaultKind.SLOWDOWN:
+                self._call(learner, "slowdown", fault.factor, fault.duration_s)
+            else:
+                self._call(learner, "link_fault", fault)
+
+    def partition_home(self, fault) -> None:
+        """The link server (the home's side of every region's link) goes down for the window."""
+        from islands.link.server import LINK_SERVER_NAME
+
+        ray.get_actor(LINK_SERVER_NAME, namespace=NAMESPACE).partition.remote(fault.duration_s)
+
+    def kill(self, learner: str, incarnation: int, mode: str, fault=None,
+             reason: str = "") -> bool:
         """Ends a unit's incarnation: ``exit`` (a hard exit inside it, chaos), ``kill``
         (``ray.kill``; its run future then reports it) or ``bury`` (decided dead: forgotten at
         once, what it held freed). True when the unit is gone from this group."""
@@ -266,7 +294,7 @@ class LearnerGroups:
         return False
 
     # -- poll -----------------------------------------------------------------------------------
-    def ended(self) -> list[RunEnded]:
+    def ended(self) -> "list[fleet.RunEnded]":
         """The units whose runs ended since the last poll, forgotten here and their actors
         and placement groups freed (a returned or crashed run leaves a live actor holding the
         learner's name: a restart could never take it)."""
@@ -279,24 +307,25 @@ class LearnerGroups:
         for ref in ready:
             name = refs[ref]
             unit = self.units[name]
-            final, error, how = None, None, How.RETURNED
+            final, error, preempted, crashed = None, None, False, False
             try:
                 final = ray.get(ref)
             except ray.exceptions.RayActorError as exc:
                 error = str(exc)[:300] or "actor died"
-                how = How.PREEMPTED if getattr(exc, "preempted", False) else How.DIED
+                preempted = bool(getattr(exc, "preempted", False))
             except Exception as exc:  # the training loop raised: a crash of the learner
-                error, how = error_text(exc, 500), How.CRASHED
-            if how in (How.RETURNED, How.CRASHED):
+                error, crashed = error_text(exc, 500), True
+            if error is None or crashed:
                 try:
                     ray.kill(unit.handle, no_restart=True)
                 except Exception:  # already gone: its name is free anyway
                     pass
             self._forget(name)
-            out.append(RunEnded(name, unit.incarnation, final, error, how))
+            out.append(fleet.RunEnded(name, unit.incarnation, error, preempted, crashed,
+                                      final=final))
         return out
 
-    def spare_results(self) -> "list[SpareReady | SpareFailed]":
+    def spare_results(self) -> "list[fleet.SpareReady | fleet.SpareEnded]":
         """Spares whose ``prepare`` returned (ready, on their node) or failed (ended)."""
 
         pending = {s.prepare_ref: name for name, s in self.spares.items()
@@ -311,9 +340,9 @@ class LearnerGroups:
             try:
                 info = ray.get(ref)
             except Exception as exc:
-                out.append(SpareFailed(name, error_text(exc, 300)))
+                out.append(fleet.SpareEnded(name, error_text(exc, 300)))
                 continue
-            out.append(SpareReady(name, info.get("prepare_s"), info.get("node_id")))
+            out.append(fleet.SpareReady(name, time.time(), info.get("node_id")))
         return out
 
     def wait(self, other_refs: list, timeout_s: float) -> bool:
@@ -387,7 +416,7 @@ class SyncerShards:
         return [ShardEnded(s) for s, ref in enumerate(self.closed_refs)
                 if ref is not None and ray.wait([ref], timeout=0)[0]]
 
-    def kill(self, s: int) -> None:
+    def kill(self, s: int, fault=None) -> None:
 
         ray.kill(self.handles[s], no_restart=True)
 
@@ -551,3 +580,25 @@ def drain_node(node_id: str, deadline_s: Optional[float], message: str) -> None:
         message, deadline_ms)
     if not accepted:
         raise ValueError(f"Ray refused to drain node {node_id}: {why}")
+
+
+def cluster_observation(regions, query: Optional["DrainQuery"] = None) -> "fleet.Cluster":
+    """What the cluster holds now, as the fleet's observation: per region its whole units (a
+    unit of H hosts takes H of its region's resource), the alive nodes, the draining ones."""
+    total, alive, by_region = cluster_view(regions)
+    return fleet.Cluster({r: float(int(total.get(f"region:{r}", 0.0)
+                                       / regions[r].devices().hosts + 1e-9)) for r in regions},
+                         alive, draining_nodes(query), region_nodes=by_region)
+
+
+def guarded_drain(guard, query: "DrainQuery", regions, node_id: str,
+                  deadline_s: Optional[float], message: str, force: bool) -> None:
+    """Asks Ray to drain ``node_id`` after ``guard``'s check (``safety.DrainGuard``), as one
+    step under its lock: a controller serves many calls at once (the console and the CLI), and
+    Ray's draining table lags the drains it asked for."""
+    def look() -> tuple:
+        draining = draining_nodes(query)
+        return node_views(), draining, query.last_error
+
+    guard.drain(node_id, look, regions, lambda: drain_node(node_id, deadline_s, message),
+                force=force, units={r: c.devices() for r, c in regions.items()})

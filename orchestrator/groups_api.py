@@ -1,17 +1,16 @@
-"""What an owner loop needs from its learners and syncers, typed: two interfaces and the messages
-that come out of them. No Ray here.
+"""What an owner (orchestrator/owner.py) needs from its learners and syncers, typed: two
+interfaces and what comes out of them. No Ray here.
 
-A body of the owner loop (orchestrator/seam.py) carries the fleet's actions out through a
-``LearnerGroup`` (start, promote, call, kill learner units and warm spares) and a
-``SyncerGroup`` (the syncer shards: start, attach, ask for status, forget, kill). What it hears
-back is typed: ``RunEnded``, ``SpareReady`` / ``SpareFailed``, ``ShardEnded``, ``SyncerStatus``.
-The Ray bodies are ``groups.LearnerGroups`` and ``groups.SyncerShards``; a region agent's one
-syncer shard is its link client, behind the same ``SyncerGroup``; the in-process driver's are
-``virtual_groups.VirtualLearnerGroup`` and ``VirtualSyncerGroup``, on its virtual clock.
+An ``owner.Owner`` carries the fleet's actions out through a ``LearnerGroup`` (start, promote,
+drain, pause, hang, fault and kill learner units and warm spares) and a ``SyncerGroup`` (the
+syncer shards: start, attach, ask for status, forget, kill). What the learner group reports is
+already the fleet's observations (``fleet.RunEnded``, ``fleet.Placed``, ``fleet.SpareReady`` /
+``fleet.SpareEnded``); a syncer group reports ``ShardEnded`` (the owner adds the epoch the shard
+last reported) and ``SyncerStatus``. The Ray bodies are ``groups.LearnerGroups`` and
+``groups.SyncerShards``; a region agent's one syncer shard is its link client, behind the same
+``SyncerGroup``; the in-process driver's are ``virtual_groups.VirtualLearnerGroup`` and
+``VirtualSyncerGroup``, on its virtual clock.
 
->>> ended = RunEnded("a:0", 2, None, "actor died", How.PREEMPTED)
->>> ended.preempted, ended.crashed
-(True, False)
 >>> SyncerStatus.from_dict({"epoch": 3, "versions": [1, 2], "other": 1}).merges
 0
 """
@@ -19,57 +18,16 @@ syncer shard is its link client, behind the same ``SyncerGroup``; the in-process
 from __future__ import annotations
 
 import dataclasses
-import enum
 import time
-from typing import Iterable, Optional, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 from islands.learners.messages import Heartbeat, known_stats
 from islands.syncer.status import SyncerStatus
 
+if TYPE_CHECKING:
+    from islands.faults import Fault
 
-class How(str, enum.Enum):
-    """How a learner unit's run ended."""
-
-    RETURNED = "returned"     # its run returned (drained, stopped)
-    DIED = "died"             # its actor died (killed, its process or node gone)
-    PREEMPTED = "preempted"   # its node was preempted (Ray says so)
-    CRASHED = "crashed"       # its training loop raised (the actor itself was alive)
-
-
-@dataclasses.dataclass(frozen=True)
-class RunEnded:
-    """A unit's run is over: what it returned (its final stats) or why it ended."""
-
-    learner: str
-    incarnation: int
-    final: Optional[dict]     # the run's final stats (a learner's counters, as its beats carry)
-    error: Optional[str]
-    how: How = How.RETURNED
-
-    @property
-    def preempted(self) -> bool:
-        return self.how == How.PREEMPTED
-
-    @property
-    def crashed(self) -> bool:
-        return self.how == How.CRASHED
-
-
-@dataclasses.dataclass(frozen=True)
-class SpareReady:
-    """A warm spare's ``prepare`` returned: it holds its devices and waits to be promoted."""
-
-    name: str
-    prepare_s: Optional[float]
-    node_id: Optional[str]
-
-
-@dataclasses.dataclass(frozen=True)
-class SpareFailed:
-    """A warm spare's ``prepare`` failed: it has ended."""
-
-    name: str
-    error: str
+    from . import fleet
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,8 +74,8 @@ class Incarnation:
 
 @runtime_checkable
 class LearnerGroup(Protocol):
-    """The learner units and warm spares of one body: what the owner loop does to them and
-    what it polls from them. Every method runs on the owner's thread, except ``call``."""
+    """The learner units and warm spares of one body: what the owner does to them and what it
+    polls from them. Every method runs on the owner's thread."""
 
     def launch(self, learner: str, incarnation: int, region: str, devices, spec,
                link_faults: Iterable = (), spare: Optional[str] = None,
@@ -134,19 +92,34 @@ class LearnerGroup(Protocol):
     def end_spare(self, name: str) -> None:
         ...
 
-    def call(self, learner: str, method: str, *args) -> bool:
-        """A fire-and-forget control call on a running unit; False when it has none."""
+    def drain(self, learner: str) -> bool:
+        """It finishes its step and its run returns once its pushes are answered; False when
+        nothing of it is running (a drain holds for its slot)."""
 
-    def kill(self, learner: str, incarnation: int, mode: str) -> bool:
-        """Ends an incarnation (``exit``, ``kill`` or ``bury``); True when it is gone here."""
+    def pause(self, learner: str, paused: bool) -> bool:
+        """Pauses (at its next step boundary) or resumes it; the newest call wins."""
 
-    def ended(self) -> list[RunEnded]:
+    def hang(self, learner: str, duration_s: float) -> bool:
+        """Chaos: it wedges (no steps, no heartbeats) for ``duration_s``."""
+
+    def apply_fault(self, learners: Sequence[str], fault: "Fault") -> None:
+        """A slowdown or a link fault on ``learners`` (their region's link: ``fault.target``)."""
+
+    def partition_home(self, fault: "Fault") -> None:
+        """The home's side of every remote region's link goes down for ``fault.duration_s``."""
+
+    def kill(self, learner: str, incarnation: int, mode: str, fault: "Optional[Fault]" = None,
+             reason: str = "") -> bool:
+        """Ends an incarnation: ``exit`` or ``ray_kill`` (a chaos ``fault``: its end is seen
+        later), or ``bury`` (decided dead for ``reason``); True when it is gone here."""
+
+    def ended(self) -> "list[fleet.RunEnded]":
         """The runs that ended since the last poll."""
 
-    def placed(self) -> list[tuple[str, int, Optional[str]]]:
-        """The new processes placed since the last poll: (learner, incarnation, node id)."""
+    def placed(self) -> "list[fleet.Placed]":
+        """The new processes placed since the last poll."""
 
-    def spare_results(self) -> "list[SpareReady | SpareFailed]":
+    def spare_results(self) -> "list[fleet.SpareReady | fleet.SpareEnded]":
         """The spares whose ``prepare`` returned or failed since the last poll."""
 
     def stop_all(self, timeout_s: float) -> None:
@@ -163,7 +136,8 @@ class SyncerGroup(Protocol):
 
     def start(self, s: int, spec, epoch: int, restore: bool, options: dict,
               timeout_s: float) -> dict:
-        """Starts shard ``s`` and waits for its ``ready`` answer."""
+        """Starts shard ``s``; its ``ready`` answer (with ``back_at_s``: it answers only then,
+        and its body reports it)."""
 
     def attach(self, s: int, name: str, timeout_s: float) -> dict:
         """Takes over the running shard ``name``; its ``ready`` answer."""
@@ -171,7 +145,7 @@ class SyncerGroup(Protocol):
     def ended(self) -> list[ShardEnded]:
         ...
 
-    def kill(self, s: int) -> None:
+    def kill(self, s: int, fault: "Optional[Fault]" = None) -> None:
         ...
 
     def refusals_since(self, seen: list[int], timeout_s: float = 10) -> list:

@@ -1,63 +1,51 @@
 """In-process driver: M learners and the syncer in one process, on a virtual clock.
 
-Deterministic discrete-event simulation of the Decoupled DiLoCo data path, built from exactly the
-core objects the Ray actors wrap (``LearnerCore``, ``SyncerCore``). It is the engine for the fast
-tests, the benchmarks and the in-process demo. A learner never waits here either: it keeps
-stepping while its pushes travel, and adopts a reply at a step boundary.
-
-Faults come from a ``chaos.FaultPlan`` (docs/architecture.md#failures-and-reintegration): a killed learner stops at the fault time and
-its unmerged pushes are dropped (``SyncerCore.forget``); after detect + repair + restart
-(``chaos.RestartCosts``) a new incarnation registers, takes every fragment from the syncer and the
-inner optimizer state of a live peer (a fresh one when none is alive), and resumes its shard at
-``syncer.ledger[learner].applied_step``. Slowdowns multiply step time; network faults change the
-region's transfer time; a syncer kill drops the open rounds and the fleet restarts it
-(``SyncerCore.restart``) at a new epoch, which fences the old one. Operator commands
-(``commands``: a drain, a pause) go to the same fleet; every action it returns has a handler
-here (orchestrator/seam.py), most of them one call on the learners' or the syncer's group, the
-seam's interfaces on this virtual clock (orchestrator/virtual_groups.py). Goodput
-(docs/architecture.md#goodput) is exact on the virtual clock: applied inner-step seconds (the ledger's
-``applied_compute``) over the seconds each learner's slot existed, down time included.
+A deterministic discrete-event simulation of the Decoupled DiLoCo data path, built from the core
+objects the Ray actors wrap (``LearnerCore``, ``SyncerCore``): the engine of the fast tests, the
+benchmarks and the demo. A learner never waits: it steps on while its pushes travel and adopts a
+reply at a step boundary. Faults (``chaos.FaultPlan``,
+docs/architecture.md#failures-and-reintegration) and operator commands go to the fleet, held by
+the same ``owner.Owner`` as the Ray controller's, on the seam's interfaces on this clock
+(virtual_groups.py); what takes time on a cluster takes virtual time (``chaos.RestartCosts``).
+Goodput (docs/architecture.md#goodput) is exact: applied inner-step seconds over the seconds
+each learner's slot existed.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import heapq
 import itertools
 import math
 from typing import Any, Callable, Optional, Sequence
 
-import numpy as np
 
-from islands.faults import LEARNER_LOSS_KINDS, Fault, FaultKind, FaultWindows
+from islands.faults import FaultKind, FaultWindows
 from islands.learners.core import LearnerCore
-from islands.learners.inner import at_schedule_step
 from islands.learners.loop import LearnerLoop
 from islands.orchestrator import fleet as fleet_lib
-from islands.orchestrator import seam
-from islands.orchestrator.books import Books
 from islands.orchestrator.chaos import FaultPlan, RestartCosts
+from islands.orchestrator.owner import Hooks, Owner
 from islands.orchestrator.run_record import RunRecord, StepRecord, series_from_intervals  # noqa: F401
 from islands.orchestrator.virtual_groups import (ARRIVE, CHECK, FAULT, FLEET, REPLY, STEP_DONE,
                                                  STEP_START, VirtualLearnerGroup,
                                                  VirtualSyncerGroup)
-from islands.orchestrator.virtual_fleet import (Fleet, assemble_like,  # noqa: F401
-                                                build_syncer_and_learners, fleet_settings)
+from islands.orchestrator.virtual_fleet import (Fleet, VirtualSpecs, assemble_like,  # noqa: F401
+                                                build_syncer_and_learners, check_plan,
+                                                restarted_core, task_run)
 from islands.syncer import downlink as downlink_lib
-from islands.syncer import fragments as fragments_lib
 from islands.syncer import timing
 from islands.syncer.core import SyncerCore
 from islands.syncer.validate import SYNCER_DOWN
 
 
-class _Driver:
+class _Driver(Hooks):
     """The event loop of ``run_inprocess`` and its per-learner state."""
 
     def __init__(self, *, learners, syncer, train_step, batch_for, tokens_per_batch, fleet,
                  num_fragments, sync_every_steps, steps, evaluate, eval_every_steps, assemble,
                  faults, restart, opt_init, until_s, commands=()):
         self.cores: list[LearnerCore] = list(learners)
-        self.syncer = syncer
+        self.syncer: SyncerCore = syncer
         self.train_step, self.batch_for = train_step, batch_for
         self.tokens_per_batch, self.fleet = tokens_per_batch, fleet
         self.num_fragments, self.sync_every_steps = num_fragments, sync_every_steps
@@ -71,22 +59,8 @@ class _Driver:
         n = len(self.cores)
         self.ids = [core.learner for core in self.cores]
         self.index_of = {name: i for i, name in enumerate(self.ids)}
-        if len(self.index_of) != n:
-            raise ValueError(f"learner ids must be unique, got {self.ids}")
-        if len(fleet.speed_factors) != n:
-            raise ValueError(f"fleet.speed_factors has {len(fleet.speed_factors)} entries for "
-                             f"{n} learners")
-        if fleet.regions is not None and len(fleet.regions) != n:
-            raise ValueError(f"fleet.regions has {len(fleet.regions)} entries for {n} learners")
-        self.regions = [fleet.region_of(i, name) for i, name in enumerate(self.ids)]
-        self._check_plan()
-        self.fleet_state = fleet_lib.initial(fleet_settings(self.ids, self.regions,
-                                                            fleet.speed_factors,
-                                                            syncer.settings.min_learners,
-                                                            fleet.spares,
-                                                            fleet.restart_wait_s,
-                                                            fleet.health_timeout_s))
-        self.books = Books(self.num_fragments)
+        self.regions = fleet.regions_of(self.ids)
+        check_plan(self.faults, self.ids, self.regions, opt_init)
         self.loops = [self.loop_for(i, core) for i, core in enumerate(self.cores)]
         self.paused = [False] * n
         self.parked = [False] * n        # paused at a step boundary, to start again on resume
@@ -98,7 +72,6 @@ class _Driver:
         self.start_step = [core.step for core in self.cores]
         self.windows = FaultWindows()
         self.syncer_down_until = -math.inf
-        self.current_fault: Optional[Fault] = None
         self.events: list = []
         self.seq = itertools.count()
         self.last_eval_step = -1
@@ -112,48 +85,25 @@ class _Driver:
         self.step_s = [0.0] * n          # the seconds of each learner's current step
         self.in_step = [False] * n       # between a step's start and its end
         self.retired_at: list[Optional[float]] = [None] * n   # left the fleet (drained)
-        self.settled: set[tuple[int, int]] = set()   # (i, incarnation) whose books are closed
-        # The seam's interfaces on this state (virtual_groups.py): the handlers' one call each.
+        self.held = False   # merges held by a pause when the current turn began
+        # The seam's interfaces on this state (virtual_groups.py), and the fleet's owner on them.
         self.groups = VirtualLearnerGroup(self)
         self.shards = VirtualSyncerGroup(self)
-        # Every fleet action's handler, found now: a driver missing one does not start.
-        self.handlers = seam.handler_table(self, "do_")
-
-    # -- setup ----------------------------------------------------------------------------------
-    def _check_plan(self) -> None:
-        regions = set(self.regions)
-        for fault in self.faults.faults:
-            if fault.kind in (FaultKind.KILL, FaultKind.EXIT, FaultKind.HANG):
-                ok = fault.target in self.index_of
-            elif fault.kind == FaultKind.SLOWDOWN:
-                ok = fault.target in self.index_of or fault.target in regions
-            elif fault.kind == FaultKind.SYNCER_KILL:
-                ok = True
-            else:
-                ok = fault.target in regions
-            if not ok:
-                raise ValueError(f"faults: {fault.kind.value} target {fault.target!r} is not a "
-                                 f"learner ({', '.join(self.ids)}) or region "
-                                 f"({', '.join(sorted(regions))}) of this fleet")
-        if self.opt_init is None and any(f.kind in LEARNER_LOSS_KINDS for f in self.faults.faults):
-            raise ValueError("opt_init is required with learner faults: a restarted learner "
-                             "starts a fresh inner state when no peer is alive")
+        settings = fleet.settings(self.ids, syncer.settings.min_learners)
+        self.owner = Owner(settings, num_fragments, self.groups, self.shards, VirtualSpecs(),
+                           clock=lambda: self.now, hooks=self,
+                           tell=lambda obs: self.schedule(self.now, FLEET, "fleet", [obs]))
 
     def schedule(self, time_s: float, priority: int, kind: str, payload: Any) -> None:
         heapq.heappush(self.events, (time_s, priority, next(self.seq), kind, payload))
 
     # -- helpers --------------------------------------------------------------------------------
-    def live(self) -> frozenset:
-        """The live set a round waits for: the learners registered at the syncer, as the Ray
-        syncer has it (``timing.live_set``)."""
-        return timing.live_set(self.syncer.learners)
-
     def slowest_step_s(self) -> float:
         """ξ_step as the Ray controller computes it (``timing.slowest_step_s``): the paces of the
         learners whose slot the fleet holds TRAINING (a dead one until its death is seen)."""
         return timing.slowest_step_s(
             self.loops[self.index_of[slot.learner]].step_time_s
-            for slot in self.fleet_state.slots.values()
+            for slot in self.owner.fleet.slots.values()
             if slot.state == fleet_lib.SlotState.TRAINING and slot.learner in self.index_of)
 
     def current(self, i: int, incarnation: int) -> bool:
@@ -164,7 +114,7 @@ class _Driver:
                  if self.fleet.step_noise else 0.0)
         factor = self.windows.slowdown(self.ids[i], self.regions[i], now)
         # Processes starting on the same cores (restarts, spares preparing) take CPU from it.
-        factor *= 1.0 + self.restart.survivor_slowdown_per_start * self.groups.starting
+        factor *= 1.0 + self.restart.survivor_slowdown_per_start * self.groups.starts.starting
         return self.fleet.nominal_step_s(i) * (1.0 + noise) * factor
 
     def arrival(self, i: int, now: float, nbytes: int) -> float:
@@ -180,14 +130,7 @@ class _Driver:
                 if self.up[i]}
 
     def tokens_applied(self) -> float:
-        return self.books.tokens(self.live_fates()).applied / self.num_fragments
-
-    def merged_steps(self, i: int) -> dict:
-        """The syncer's fragment -> step of the current incarnation's last merged push."""
-        entry = self.syncer.ledger.get(self.ids[i])
-        if entry is None or entry.incarnation != self.cores[i].incarnation:
-            return {}
-        return dict(entry.merged_steps)
+        return self.owner.books.tokens(self.live_fates()).applied / self.num_fragments
 
     def maybe_eval(self, now_s: float) -> None:
         if self.evaluate is not None:
@@ -222,10 +165,9 @@ class _Driver:
         for t, command in self.commands:
             self.schedule(t, FLEET, "command", command)
         self.maybe_eval(0.0)
-        self.fleet_step(0.0, [])  # launches the slots: here they exist already
+        self.fleet_step(0.0, [])  # launches the slots (allocated now): here they exist already
         self.fleet_step(0.0, [fleet_lib.Beat(name, 0, True, ready_at_s=0.0) for name in self.ids])
         for i, core in enumerate(self.cores):
-            self.books.allocate(self.ids[i], 0.0)
             self.schedule(0.0, STEP_START, "start", (i, core.incarnation))
 
     def advance(self, until_s: float = math.inf) -> None:
@@ -252,7 +194,7 @@ class _Driver:
         if self.paused[i]:
             self.parked[i] = True  # the quorum floor holds it; a resume starts it again
             return
-        if loop.adopt() and not self.fleet_state.slots[self.ids[i]].adopted:
+        if loop.adopt() and not self.owner.fleet.slots[self.ids[i]].adopted:
             # Its first adopted merge: the fleet may take it as a peer donor from now on.
             self.fleet_step(now, [fleet_lib.Beat(self.ids[i], incarnation, True, adopted=True)])
         if core.step >= self.steps or (self.until_s is not None and now >= self.until_s):
@@ -315,9 +257,10 @@ class _Driver:
             return
         if not self.syncer.slots[p].round:
             return
-        if timing.merges_held(self.fleet_state.paused_reason):
+        if timing.merges_held(self.owner.fleet.paused_reason):
             return   # the pause rule: decided again when training resumes (fleet_step)
-        live = self.live()
+        # The live set a round waits for: the learners registered there, as on Ray.
+        live = timing.live_set(self.syncer.learners)
         decision, _ = self.syncer.timed_decision(p, now, live, self.slowest_step_s(),
                                                  self.sync_time.sync_s)
         if decision.merge:
@@ -330,7 +273,7 @@ class _Driver:
                     self.cores[i].refused(p, result.reason, result.params, result.version)
                 return
             self.record.merges.append(result)
-            if any(slot.recovery is not None for slot in self.fleet_state.slots.values()):
+            if any(slot.recovery is not None for slot in self.owner.fleet.slots.values()):
                 self.fleet_step(now, [])
             # Each learner's answer: the fragment, or its encoded difference to what it holds
             # (syncer/downlink.py); the same code the Ray syncer runs.
@@ -353,50 +296,46 @@ class _Driver:
         return LearnerLoop(core, self.train_step, lambda step: self.batch_for(i, step),
                            self.tokens_per_batch, self.num_fragments, self.sync_every_steps)
 
-    def applied_view(self) -> fleet_lib.Applied:
-        return fleet_lib.Applied({name: (e.incarnation, e.applied_step, e.applied_tokens_done)
-                                  for name, e in self.syncer.ledger.items()})
-
     def fleet_step(self, now: float, observations: list) -> None:
+        """One turn of the owner at ``now``; a syncer shard it killed is seen ended at once
+        (the Ray controller sees it at its next tick)."""
         self.now = now   # the groups' clock while the actions are carried out
-        held = timing.merges_held(self.fleet_state.paused_reason)
+        self.held = timing.merges_held(self.owner.fleet.paused_reason)
+        self.owner.step([self.shards.applied()] + list(observations), now)
+        if self.shards.killed():
+            self.owner.refresh_syncer_status()
+            self.fleet_step(now, self.owner.observe())
 
-        def adopt(state: fleet_lib.FleetState) -> None:
-            self.fleet_state = state
-            # round_wait's periods leave the pause out (the Ray syncer hears it in set_fleet)
-            self.syncer.pause_periods(timing.merges_held(state.paused_reason))
-            if held and not timing.merges_held(state.paused_reason):
-                self.recheck_open_rounds(now)   # resumed: the rounds the pause held are decided
+    on_fleet = fleet_step   # a "fleet" event: a turn with its observations
 
-        seam.turn(self.fleet_state, [self.applied_view()] + list(observations), now,
-                  adopt=adopt, record=lambda t: self.on_transition(now, t),
-                  table=self.handlers, context=(now,))
+    # -- the owner's hooks (owner.Hooks) ----------------------------------------------------------
+    def adopted(self, state: fleet_lib.FleetState) -> None:
+        # round_wait's periods leave the pause out (the Ray syncer hears it in set_fleet)
+        self.syncer.pause_periods(timing.merges_held(state.paused_reason))
+        if self.held and not timing.merges_held(state.paused_reason):
+            self.recheck_open_rounds(self.now)   # resumed: the rounds the pause held are decided
 
-    def on_transition(self, now: float, t: fleet_lib.Transition) -> None:
+    def recorded(self, t: fleet_lib.Transition, now: float) -> None:
         self.record.transitions.append((now, t))
         if t.name == "learner_restart_scheduled":
             self.schedule(now + t.fields["delay_s"], FLEET, "fleet", [])
         elif t.name == "learner_draining":
             # The fleet's drain deadline (``fleet.check_drains``): looked at when it falls due,
             # as the Ray controller's loop looks every tick.
-            limit = self.fleet_state.settings.drain_timeout_s
+            limit = self.owner.fleet.settings.drain_timeout_s
             if math.isfinite(limit):
                 self.schedule(now + limit, FLEET, "fleet", [])
         elif t.name == "learner_retired" and t.learner in self.index_of:
             i = self.index_of[t.learner]
             self.groups.draining.discard(i)
-            self.books.release(t.learner, now)   # as the Ray controller's books
             if not self.up[i]:
                 self.retired_at[i] = now
-
-    def on_fleet(self, now: float, observations) -> None:
-        self.fleet_step(now, observations)
 
     def on_command(self, now: float, command) -> None:
         """An operator's command (``fleet.Drain``, ``fleet.PauseJob``, a ``fleet.Scale`` down)
         at its time; one the fleet refuses is recorded with the reason."""
         try:
-            fleet_lib.check_command(self.fleet_state, command)
+            fleet_lib.check_command(self.owner.fleet, command)
         except fleet_lib.CommandError as exc:
             self.record.commands_refused.append((now, command, str(exc)))
             return
@@ -404,31 +343,28 @@ class _Driver:
 
     # -- what the groups report ------------------------------------------------------------------
     def on_start_done(self, now: float, payload) -> None:
-        for what, item in self.groups.finished_starts(now, payload):
-            (self.on_restart if what == "restart" else self.on_spare)(now, item)
+        for what, item in self.groups.starts.finished(now, payload):
+            if what == "restart":
+                self.on_restart(now, item)
+            else:
+                self.on_spare(now, fleet_lib.SpareReady(item, now))
 
-    def on_spare(self, now: float, ready) -> None:
+    def on_spare(self, now: float, ready: fleet_lib.SpareReady) -> None:
         """A spare is ready: the fleet hears it through the group's poll, as the Ray
         controller does (not once the job stops, or for a spare it has let go)."""
         self.groups.report(ready)
-        results = self.groups.spare_results()
-        if self.fleet_state.stopping:
+        observed = self.owner.observe()
+        if self.owner.fleet.stopping:
             return
-        observed = [fleet_lib.SpareReady(r.name, r.prepare_s, r.node_id) for r in results
-                    if r.name in self.fleet_state.spares]
+        observed = [o for o in observed if not isinstance(o, fleet_lib.SpareReady)
+                    or o.name in self.owner.fleet.spares]
         if observed:
             self.fleet_step(now, observed)
 
     def on_seen(self, now: float, ended) -> None:
         """A run's end is seen (a death, at its detection time): through the group's poll."""
         self.groups.report(ended)
-        self.fleet_step(now, self.ended_runs())
-
-    def ended_runs(self) -> list:
-        """The group's ended runs as the fleet's observations (the Ray controller's
-        ``_ended_runs``)."""
-        return [fleet_lib.RunEnded(e.learner, e.incarnation, e.error, e.preempted, e.crashed)
-                for e in self.groups.ended()]
+        self.fleet_step(now, self.owner.observe())
 
     def on_fault(self, now: float, _payload) -> None:
         for fault in self.faults.due(now):
@@ -439,111 +375,29 @@ class _Driver:
                     continue
             obs = fleet_lib.Chaos(fault, "exit" if fault.kind == FaultKind.EXIT else "ray_kill")
             try:
-                fleet_lib.check_command(self.fleet_state, obs)
+                fleet_lib.check_command(self.owner.fleet, obs)
             except fleet_lib.CommandError as exc:
                 self.record.faults_skipped.append((fault, str(exc)))
                 continue
-            self.current_fault = fault
             self.fleet_step(now, [obs])
-
-    # -- actions: one call on a group each, as the Ray controller's --------------------------------
-    def do_launch(self, now: float, a: fleet_lib.Launch) -> None:
-        self.groups.launch(a.learner, a.incarnation, a.region, None, a, spare=a.spare)
-
-    def do_launchspare(self, now: float, a: fleet_lib.LaunchSpare) -> None:
-        # One that could not be ready before the run ends is not started; the fleet waits for it
-        # to the end, as it would for a spare still preparing then.
-        self.groups.launch_spare(a.name, a.region, None, None)
-
-    def do_hurryspare(self, now: float, a: fleet_lib.HurrySpare) -> None:
-        self.groups.hurry_spare(a.name)
-
-    def do_killspare(self, now: float, a: fleet_lib.KillSpare) -> None:
-        self.groups.end_spare(a.name)
-
-    def do_kill(self, now: float, a: fleet_lib.Kill) -> None:
-        """A chaos kill ends the incarnation now; the death is seen after the detection time."""
-        self.groups.kill(a.learner, a.incarnation, a.mode, a.reason)
-
-    def do_forget(self, now: float, a: fleet_lib.Forget) -> None:
-        """Unregisters it at the syncer; an incarnation that left without dying (drained) has
-        its books settled here, for the Forget's reason, as the Ray controller settles them
-        (a dead one's were settled when it died: ``kill``)."""
-        i = self.index_of[a.learner]
-        if not self.up[i] and self.cores[i].incarnation == a.incarnation:
-            self.settle(i, a.reason)
-        self.shards.forget(a.learner, a.incarnation, a.reason)
-
-    def do_drainlearner(self, now: float, a: fleet_lib.DrainLearner) -> None:
-        """It finishes its step, and its run returns once its pushes are answered
-        (``check_drains``): the fleet retires it and ``do_forget`` settles its books (the pushes
-        the syncer merged are applied)."""
-        self.groups.call(a.learner, "drain")
-
-    def do_pauselearner(self, now: float, a: fleet_lib.PauseLearner) -> None:
-        self.groups.call(a.learner, "pause", a.paused)
-
-    def do_hang(self, now: float, a: fleet_lib.Hang) -> None:
-        self.groups.call(a.learner, "hang", a.duration_s)
-
-    # Slowdowns and link faults are windows on the fault's target, a learner or a region
-    # (FaultWindows), not calls on the learners running now as on Ray: a window also holds for
-    # an incarnation that starts within it (as a Ray restart is launched with the region's link
-    # faults), and the driver's step and transfer times read them.
-    def do_slowdown(self, now: float, a: fleet_lib.Slowdown) -> None:
-        self.windows.add(a.fault)
-
-    def do_linkfault(self, now: float, a: fleet_lib.LinkFault) -> None:
-        self.windows.add(a.fault)
-
-    def do_partitionhome(self, now: float, a: fleet_lib.PartitionHome) -> None:
-        """The home's network fails: every region's link is cut for the fault's window (the fleet
-        asks for this only in a job with remote regions, so a virtual fleet does not meet it
-        from a fault plan, whose home partitions ``_check_plan`` refuses)."""
-        for region in sorted(set(self.regions)):
-            self.windows.add(dataclasses.replace(a.fault, target=region))
-
-    def do_restartremote(self, now: float, a: fleet_lib.RestartRemote) -> None:
-        raise RuntimeError(f"RestartRemote({a.learner}, incarnation {a.incarnation}): the "
-                           "in-process driver has no remote regions, so the fleet cannot ask it "
-                           "to restart a learner through a region agent")
-
-    def do_killsyncer(self, now: float, a: fleet_lib.KillSyncer) -> None:
-        """The syncer's process dies now; the fleet sees it end at once (the Ray controller, at
-        its next tick) and restarts it (``StartSyncer``). Pushes that reach it meanwhile are
-        refused."""
-        self.shards.kill(a.syncer_shard)
-        ended = self.shards.ended()
-        if ended:
-            self.fleet_step(now, [fleet_lib.SyncerEnded(e.shard, self.syncer.epoch)
-                                  for e in ended])
-
-    def do_startsyncer(self, now: float, a: fleet_lib.StartSyncer) -> None:
-        """A new syncer at ``a.epoch``, restored from its own state (``SyncerCore.restart``); it
-        answers after ``RestartCosts.syncer_restart_s`` (``on_syncer_back``)."""
-        self.shards.start(a.shard, None, a.epoch, a.restore, {}, math.inf)
 
     def check_drains(self, now: float) -> None:
         """Ends the run of each draining learner that is between steps with nothing in flight."""
         for i in sorted(self.groups.draining):
             if self.groups.finish_drain(i, now):
-                self.fleet_step(now, self.ended_runs())
-
-    def settle(self, i: int, reason: str) -> None:
-        """Closes the books of learner i's current incarnation (once): its pushes the syncer
-        merged are applied, everything else it held is dropped for ``reason``."""
-        core = self.cores[i]
-        if (i, core.incarnation) in self.settled:
-            return
-        self.settled.add((i, core.incarnation))
-        self.books.close_incarnation(self.ids[i], core.fates.to_json(), self.merged_steps(i),
-                                     reason)
+                self.fleet_step(now, self.owner.observe())
 
     def kill(self, i: int, now: float, reason: str) -> None:
-        core = self.cores[i]
+        """Learner i's incarnation dies now: its books are settled at once (its last stats
+        are its final beat) for ``reason``, and the syncer drops its open pushes."""
+        core, name = self.cores[i], self.ids[i]
         # The watermark is final: forget() drops its open pushes and later ones are refused.
         self.record.watermarks[(i, core.incarnation)] = self.watermark(i)
-        self.settle(i, reason)
+        run = self.owner.running.get(name)
+        if run is not None and run.number == core.incarnation:
+            run.ended_with(self.groups.final(i))
+        self.owner.refresh_syncer_status()
+        self.owner.settle(name, core.incarnation, reason)
         self.record.dropped_pushes += len(self.syncer.forget(self.ids[i]))
         self.up[i] = False
         self.parked[i] = False
@@ -556,31 +410,20 @@ class _Driver:
             return  # killed again while it was coming back
         if self.until_s is not None and now >= self.until_s:
             return  # the run is over before it is back; its slot stays allocated to the end
-        old = self.cores[i]
-        name = self.ids[i]
-        incarnation = launch.incarnation
+        name, incarnation, start_step = self.ids[i], launch.incarnation, launch.start_step
         epoch, frags = self.syncer.register(name, incarnation)
-        flat = {}
-        for fragment, _ in frags:
-            flat.update(fragment)
-        assemble = self.assemble or assemble_like(old.params)
-        params = assemble({k: np.array(v, np.float32, copy=True) for k, v in flat.items()})
-        self.record.wire_bytes_restore += sum(int(np.asarray(v).nbytes) for v in flat.values())
         peer = self.index_of.get(launch.peer) if launch.peer is not None else None
         if peer is not None and not self.up[peer]:
             peer = None  # the peer died meanwhile: a fresh inner state
-        opt_state = self.cores[peer].opt_state if peer is not None else self.opt_init(params)
-        start_step = launch.start_step
         # Its schedule resumes where the syncer says under the fleet clock (the fleet's count,
         # for a fresh state and a peer's alike), else where its data does.
         schedule = self.syncer.schedule_start()
         schedule = start_step if schedule is None else schedule
-        opt_state = at_schedule_step(opt_state, schedule)
-        core = LearnerCore(name, params, opt_state, old.plan, [v for _, v in frags],
-                           old.error_feedback, old.wire_bytes, old.decode,
-                           overlap_steps=old.overlap_steps, merge_alpha=old.merge_alpha,
-                           incarnation=incarnation, start_step=start_step,
-                           carry_overlap=old.carry_overlap)
+        core, nbytes = restarted_core(
+            self.cores[i], frags, self.assemble, incarnation, start_step, schedule,
+            lambda params: self.cores[peer].opt_state if peer is not None
+            else self.opt_init(params))
+        self.record.wire_bytes_restore += nbytes
         self.cores[i] = core
         self.loops[i] = self.loop_for(i, core)
         self.start_step[i] = start_step
@@ -633,16 +476,10 @@ class _Driver:
             else:  # down at the end: allocated (and down) until the horizon
                 end = max(horizon, self.down_since[i])
                 record.down_intervals[i].append((self.down_since[i], end))
-            self.books.release(name, end)
-            record.allocated_s.append(self.books.allocated_s(end, name))
-            fates = self.books.learner_tokens(name, live)
-            record.useful_s.append(fates.applied_s / self.num_fragments)
-            record.ledger[name] = {
-                **fates.as_dict(self.num_fragments),
-                "restarts": sum(r["learner"] == name for r in record.restarts)}
+            record.close_slot(self.owner.books, name, end, live, self.num_fragments)
         # The job ends as the Ray controller ends it: stop, then every running learner's run ends.
         self.groups.stop_all(0.0)
-        self.fleet_step(record.end_time_s, [fleet_lib.Stop()] + self.ended_runs())
+        self.fleet_step(record.end_time_s, [fleet_lib.Stop()] + self.owner.observe())
         return record
 
 
@@ -708,55 +545,6 @@ def run_inprocess(
                    commands=commands).run()
 
 
-def run_task(task, *, steps: int, optimizer, num_learners: int = 2, fragments: int = 2,
-             sync_every_steps: int = 8, overlap_steps: int = 2, min_learners: int = 1,
-             codec: str = "int4", seed: int = 0, fleet: Optional[Fleet] = None,
-             eval_every_steps: int = 0, faults: Optional[FaultPlan] = None,
-             outer_optimizer=None) -> RunRecord:
-    """Trains a :class:`~islands.learners.task.Task` with ``num_learners`` learners on the virtual
-    clock: init from ``PRNGKey(seed)``, shard i of ``num_learners`` through a ``TaskStream``
-    (a restarted learner reopens it at its applied step), the task's own eval batches. The
-    syncer merges under the service's rules (``islands.defaults``, as a job's default config:
-    re-based outer gradients, one step per round, the fleet's schedule clock, round_wait 0.5).
-
-    Args:
-      task: what to train.
-      steps: inner steps per learner.
-      optimizer: the inner optax transformation (``task.optimizer`` wins when it has one).
-      num_learners, fragments, sync_every_steps, overlap_steps, min_learners: M, P, H, τ, K.
-      codec: outer-gradient codec kind, with error feedback.
-      seed: init and step rng seed.
-      fleet: speeds and links (default: equal speeds, instant links).
-      eval_every_steps: evaluate the global params every this many steps of learner 0.
-      faults: a fault plan (restarted learners take a peer's inner state or a fresh one).
-      outer_optimizer: default ``syncer.outer.build()`` (Nesterov).
-    """
-    import jax
-
-    from islands.learners.task import TaskStream, make_eval_fn, make_train_step
-    from islands.syncer import codec as codec_lib
-    from islands.syncer import outer as outer_lib
-    from islands.syncer.core import SyncerSettings
-
-    optimizer = task.optimizer if task.optimizer is not None else optimizer
-    params = jax.jit(task.init_params)(jax.random.PRNGKey(seed))
-    codec_obj = codec_lib.make_codec(codec)
-    syncer, learners = build_syncer_and_learners(
-        params=params, opt_init=optimizer.init, plan=fragments_lib.partition(params, fragments),
-        settings=SyncerSettings(min_learners=min_learners, overlap_steps=overlap_steps),
-        outer_optimizer=outer_optimizer if outer_optimizer is not None else outer_lib.build(),
-        error_feedback_factory=lambda: codec_lib.error_feedback(codec_obj),
-        decode=lambda c: codec_lib.decode_tree(codec_obj, c),
-        wire_bytes=codec_lib.tree_wire_bytes,
-        learner_ids=[f"local:{i}" for i in range(num_learners)], merge_alpha=0.0,
-        is_embedding=task.is_embedding)
-    streams = [TaskStream(task, i, num_learners) for i in range(num_learners)]
-    evaluate, eval_set = make_eval_fn(task), list(task.eval_batches())
-    return run_inprocess(
-        learners=learners, syncer=syncer, train_step=make_train_step(task, optimizer, seed),
-        batch_for=lambda i, k: streams[i].batch_at(k),
-        tokens_per_batch=int(task.tokens(streams[0].batch_at(0).batch)),
-        fleet=fleet if fleet is not None else Fleet(speed_factors=[1.0] * num_learners),
-        num_fragments=fragments, sync_every_steps=sync_every_steps, steps=steps,
-        evaluate=lambda p: evaluate(p, eval_set), eval_every_steps=eval_every_steps,
-        assemble=assemble_like(params), faults=faults, opt_init=optimizer.init)
+def run_task(task, **options) -> RunRecord:
+    """Trains ``task`` on the virtual clock (``virtual_fleet.task_run`` says with what)."""
+    return run_inprocess(**task_run(task, **options))

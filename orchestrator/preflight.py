@@ -83,7 +83,7 @@ def corpus_size(config) -> CorpusSize:
     train, eval_ = sizes[False], sizes[True]
     if d.max_bytes is not None:
         train = min(train, d.max_bytes)
-        eval_ = min(eval_, max(d.max_bytes // data._EVAL_CAP_DIVISOR, data._MIN_EVAL_BYTES))
+        eval_ = min(eval_, max(d.max_bytes // data.EVAL_CAP_DIVISOR, data.MIN_EVAL_BYTES))
     return CorpusSize(train=train, eval=eval_, train_files=files[False], eval_files=files[True])
 
 

@@ -74,15 +74,15 @@ class RegionRole(OwnerRole):
         self.region, self.shard_base, self.num_shards = region, shard_base, num_shards
         self.last_cause: dict[str, str] = {}
         self.drain_end: dict[str, str] = {}   # how a learner's drain under way ends (books)
-        self.owner: Optional[Controller] = None
+        self.controller: Optional[Controller] = None
 
-    def bind(self, owner: Controller) -> None:
-        self.owner = owner
+    def bind(self, controller: Controller) -> None:
+        self.controller = controller
 
     @property
     def link(self):
         """The link client (the region's one syncer), once attached; None before."""
-        handles = self.owner.shards.handles
+        handles = self.controller.shards.handles
         return handles[0] if handles else None
 
     def fleet_settings(self, settings: fleet_lib.FleetSettings) -> fleet_lib.FleetSettings:
@@ -90,9 +90,9 @@ class RegionRole(OwnerRole):
                                    num_shards=self.num_shards)
 
     def attach_link(self) -> None:
-        owner = self.owner
-        ready = owner.shards.attach(0, SYNCER_NAME, owner.settings.placement_timeout_s)
-        owner.emit("link_ready", region=self.region, epoch=ready["epoch"])
+        controller = self.controller
+        ready = controller.shards.attach(0, SYNCER_NAME, controller.settings.placement_timeout_s)
+        controller.emit("link_ready", region=self.region, epoch=ready["epoch"])
 
     def recovery_observations(self) -> list:
         """The home's pause as the link last heard it: the link tells changes only, and the
@@ -126,7 +126,7 @@ class RegionRole(OwnerRole):
                   "shard": s.shard, "last_cause": self.last_cause.get(s.learner, ""),
                   # The home mirrors this count: one restart budget per learner, the agent's.
                   "restarts_json": json.dumps({c.value: n for c, n in s.restarts})}
-                 for s in self.owner.fleet.slots.values()]
+                 for s in self.controller.owner.fleet.slots.values()]
         self.link.set_slots.remote(slots)
 
     def handlers(self) -> seam.Table:
@@ -153,7 +153,7 @@ FORWARDED = ("identity", "start", "heartbeat", "events_since", "shutdown", "ping
              "summary", "status_table", "tokens", "goodput", "learner_goodput", "evaluate_now",
              "scale", "drain", "drain_node", "pause", "chaos_kill", "chaos_slowdown",
              "chaos_hang", "chaos_region_loss", "chaos_network", "serve_metrics",
-             "serve_console", "console_url", "console_view")
+             "serve_console", "console_url", "console_view", "clear_misconfigured")
 
 
 class RegionController:
@@ -169,18 +169,18 @@ class RegionController:
 
     def __init__(self, config, run_dir: str, region: str, shard_base: int, num_shards: int):
         self.role = RegionRole(region, shard_base, num_shards)
-        self.owner = Controller(config, run_dir, role=self.role)
+        self.controller = Controller(config, run_dir, role=self.role)
 
     def home_verdict(self, learner: str, incarnation: int, cause: str) -> None:
         """The home found this incarnation hung (its heartbeats stopped reaching home): the same
         verdict as this agent's own check, which usually comes first."""
-        self.owner.inbox.put((fleet_lib.Unhealthy(learner, incarnation, cause,
+        self.controller.inbox.put((fleet_lib.Unhealthy(learner, incarnation, cause,
                                                   f"{cause} seen at home"), None))
 
     def home_pause(self, reason) -> None:
         """Training at home paused (``reason``) or resumed (None): this region's learners
         follow, through the same quorum-floor rule as a pause of its own."""
-        self.owner.inbox.put((fleet_lib.HomePause(reason), None))
+        self.controller.inbox.put((fleet_lib.HomePause(reason), None))
 
     def link_status(self) -> dict:
 
@@ -189,7 +189,7 @@ class RegionController:
 
 def _forward(name: str):
     def method(self, *args, **kwargs):
-        return getattr(self.owner, name)(*args, **kwargs)
+        return getattr(self.controller, name)(*args, **kwargs)
 
     method.__name__ = method.__qualname__ = name
     method.__doc__ = getattr(Controller, name).__doc__

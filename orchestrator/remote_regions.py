@@ -33,39 +33,40 @@ def remote_heartbeats(beats: list) -> dict[str, Heartbeat]:
     return out
 
 
-def take_report(owner: Any, report: dict) -> dict:
-    """A remote region's report, relayed by the home's link server to ``owner`` (the home's
-    controller): its learners' states become ``RemoteReport`` observations and their heartbeats
+def take_report(controller: Any, report: dict) -> dict:
+    """A remote region's report, relayed by the home's link server to the home's
+    ``controller``: its learners' states become ``RemoteReport`` observations and their heartbeats
     (books included) are kept as a local learner's are. Returns the home syncer's view of the
     region's learners."""
     region, now = report["region"], time.time()
     beats = remote_heartbeats(report.get("beats", []))
-    with owner.lock:
-        owner.link_regions[region] = {"bytes": dict(report.get("link_bytes") or {}),
-                                     "reconnects": int(report.get("reconnects") or 0),
-                                     "last_report_s": now}
+    with controller.lock:
+        controller.link_regions[region] = {"bytes": dict(report.get("link_bytes") or {}),
+                                           "reconnects": int(report.get("reconnects") or 0),
+                                           "last_report_s": now}
     for learner, beat in beats.items():
-        inc = owner.running.get(learner)
+        inc = controller.owner.running.get(learner)
         number = beat.incarnation
         if inc is not None and inc.remote and inc.number == number:
             inc.beat = beat
         else:  # its incarnation is not known here yet: kept for when it is
-            owner.remote_beats[(learner, number)] = beat
+            controller.owner.remote_beats[(learner, number)] = beat
     # The agent is alive when it updated its slots lately (the link client outlives it).
     age = float(report.get("agent_age_s") or 0.0)
+    owner = controller.owner
     agent_alive = fleet_lib.agent_reporting(now, now - age,
                                             owner.fleet.settings.heartbeat_timeout_s)
     for s in report.get("slots", []):
         beat = beats.get(s["learner"])
-        owner.inbox.put((fleet_lib.RemoteReport(
+        controller.inbox.put((fleet_lib.RemoteReport(
             s["learner"], region, int(s["incarnation"]), s["state"], int(s.get("shard", 0)),
             beat.step_time_s if beat is not None else None, s.get("last_cause") or "",
             beat=beat is not None and beat.incarnation == int(s["incarnation"]),
             agent_alive=agent_alive, restarts=fleet_lib.restart_counts(s.get("restarts_json"))),
             None))
-    with owner.lock:
-        status = owner.syncer_status
-        restarts = owner.remote_restarts.pop(region, [])
+    with controller.lock:
+        status = controller.owner.syncer_status
+        restarts = controller.owner.remote_restarts.pop(region, [])
     mine = lambda table: {k: v for k, v in (table or {}).items()  # noqa: E731
                           if k.rsplit(":", 1)[0] == region}
     return {"epoch": status.epoch, "versions": list(status.versions),
@@ -73,5 +74,5 @@ def take_report(owner: Any, report: dict) -> dict:
             "registered": mine(status.registered),
             "quarantined": mine(status.quarantined), "restart": restarts,
             "paused": owner.fleet.paused_reason,   # the region's learners pause with home
-            **({"ended": f"the home job {owner.config.name!r} is stopping"}
+            **({"ended": f"the home job {controller.config.name!r} is stopping"}
                if owner.fleet.stopping else {})}

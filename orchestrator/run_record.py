@@ -61,6 +61,17 @@ class RunRecord:
     refusals: list[dict] = field(default_factory=list)   # every refused push, with its reason
     commands_refused: list[tuple] = field(default_factory=list)  # (time_s, command, why)
 
+    def close_slot(self, books, name: str, end_s: float, live, num_fragments: int) -> None:
+        """Learner ``name``'s slot at the run's end (``end_s``): its allocated seconds, its
+        useful ones and its tokens by fate from the owner's ``books`` (``live``: the running
+        incarnation's own books, None when none runs)."""
+        books.release(name, end_s)
+        self.allocated_s.append(books.allocated_s(end_s, name))
+        fates = books.learner_tokens(name, live)
+        self.useful_s.append(fates.applied_s / num_fragments)
+        self.ledger[name] = {**fates.as_dict(num_fragments),
+                             "restarts": sum(r["learner"] == name for r in self.restarts)}
+
     @property
     def goodput(self) -> float:
         """Σ applied inner-step seconds ÷ Σ allocated seconds (docs/architecture.md#goodput); 0 for an empty run."""

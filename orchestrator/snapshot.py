@@ -91,7 +91,7 @@ class JobSnapshot:
         return out
 
     def summary(self, controller: Any) -> dict:
-        regions = {name: {"learners": controller.fleet.targets[name],
+        regions = {name: {"learners": controller.owner.fleet.targets[name],
                           "wire_bytes_up": self.wire_bytes[name]["up"],
                           "wire_bytes_down": self.wire_bytes[name]["down"]}
                    for name in controller.config.regions}
@@ -115,7 +115,7 @@ class JobSnapshot:
             "duration_s": self.elapsed_s,
             "learners": {k: asdict(v) for k, v in self.learners.items()},
             "regions": regions,
-            "recoveries": controller.recoveries.newest(RECOVERIES_KEPT),
+            "recoveries": controller.owner.recoveries.newest(RECOVERIES_KEPT),
             "recoveries_total": self.recoveries_total,
             "rejected_pushes": self.rejected_total,
             "goodput_window": self.goodput["window"],
@@ -132,20 +132,20 @@ SYNCER_KEYS = ("epoch", "versions", "merges", "merges_by_fragment", "quorum_size
 def job_snapshot(controller: Any) -> JobSnapshot:
     """Reads the controller's fleet (an immutable value), books and last syncer status."""
     now = time.time()
-    fleet = controller.fleet
+    fleet = controller.owner.fleet
     with controller.lock:
-        status = controller.syncer_status.as_dict()
-        closed_syncer = {k: dict(v) for k, v in controller.syncer_closed.items()}
+        status = controller.owner.syncer_status.as_dict()
+        closed_syncer = {k: dict(v) for k, v in controller.owner.syncer_closed.items()}
         eval_loss = controller.eval_history[-1][2] if controller.eval_history else None
         initial_eval_loss = controller.initial_eval_loss
-        recoveries = controller.recoveries.newest(RECOVERIES_IN_SNAPSHOT)
-        recovery_seconds = controller.recoveries.histogram()
+        recoveries = controller.owner.recoveries.newest(RECOVERIES_IN_SNAPSHOT)
+        recovery_seconds = controller.owner.recoveries.histogram()
         step_seconds = {r: {"counts": list(h["counts"]), "sum": h["sum"], "count": h["count"]}
                         for r, h in getattr(controller, "step_seconds", {}).items()}
     learners = {}
     for name, slot in fleet.slots.items():
-        run = controller.running.get(name)
-        closed = controller.closed.get(name, {})
+        run = controller.owner.running.get(name)
+        closed = controller.owner.closed.get(name, {})
         beat = run.counters() if run is not None else closed.get("beat", {})
         current_steps = (max(0, int(beat.get("step", slot.start_step) or 0) - slot.start_step)
                          if run is not None else 0)
@@ -187,9 +187,10 @@ def job_snapshot(controller: Any) -> JobSnapshot:
         total=sum(1 for r in learners.values() if r.state not in ("retired", "failed")),
         train_loss=statistics.fmean(losses) if losses else None, eval_loss=eval_loss,
         initial_eval_loss=initial_eval_loss, syncer={k: status.get(k) for k in SYNCER_KEYS},
-        syncer_restarts=controller.syncer_restarts, learner_restarts=dict(restarts),
+        syncer_restarts=controller.owner.syncer_restarts, learner_restarts=dict(restarts),
         recoveries=recoveries, recovery_seconds=recovery_seconds,
-        recoveries_total=controller.recoveries.total, paused_reason=fleet.paused_reason, wire_bytes=wire,
+        recoveries_total=controller.owner.recoveries.total, paused_reason=fleet.paused_reason,
+        wire_bytes=wire,
         rejected_total=dict(rejected), staleness_counts=dict(staleness),
         link=_link_rows(controller, now), step_seconds=step_seconds,
         drain_query_failures=getattr(getattr(controller, "drain_query", None), "failures", 0),
@@ -199,60 +200,68 @@ def job_snapshot(controller: Any) -> JobSnapshot:
                 for name, x in fleet.spares.items()})
 
 
-# -- views of the owner (the controller or a region agent) its actor methods return -----------
-def live_fates(owner: Any) -> dict:
+def status_table(snap: dict, fleet) -> dict:
+    """``islands status``'s table: from a snapshot (``JobSnapshot.as_dict``) and the fleet."""
+    return {"learners": snap["learners"],
+            "syncer": {k: snap["syncer"].get(k) for k in ("epoch", "versions", "merges", "shards")},
+            "paused_reason": snap["paused_reason"], "spares": snap.get("spares") or {},
+            "misconfigured": fleet.marks()}
+
+
+# -- views of the controller (the home's or a region agent's) its actor methods return -----------
+def live_fates(controller: Any) -> dict:
     """Each running incarnation's own books, from its newest heartbeat."""
     return {name: inc.beat.fates if inc.beat is not None else None
-            for name, inc in list(owner.running.items())}
+            for name, inc in list(controller.owner.running.items())}
 
 
-def goodput_view(owner: Any) -> dict:
+def goodput_view(controller: Any) -> dict:
     """The job's goodput now, its sliding window and its badput by cause (never going back)."""
     from .metrics import window_label, windowed_ratio
     from .books import goodput
 
     now = time.time()
-    useful = owner.books.useful_s(live_fates(owner))
-    allocated = owner.books.allocated_s(now)
-    window_s = owner.settings.goodput_window_s
-    history = list(owner.goodput_history) + [(now, useful, allocated)]
-    split = owner.books.badput(live_fates(owner), now)
+    useful = controller.owner.books.useful_s(live_fates(controller))
+    allocated = controller.owner.books.allocated_s(now)
+    window_s = controller.settings.goodput_window_s
+    history = list(controller.goodput_history) + [(now, useful, allocated)]
+    split = controller.owner.books.badput(live_fates(controller), now)
     # Counters never go back: the training phase's remainder wiggles by a step as beats land.
     for cause, x in split["badput_s"].items():
-        owner.badput_high[cause] = max(owner.badput_high.get(cause, 0.0), x)
+        controller.badput_high[cause] = max(controller.badput_high.get(cause, 0.0), x)
     return {"useful_s": useful, "allocated_s": allocated, "goodput": goodput(useful, allocated),
             "window": {"label": window_label(window_s), "seconds": window_s,
                        "ratio": windowed_ratio(history, now, window_s)},
-            "goodput_s": split["goodput_s"], "badput_s": dict(owner.badput_high),
+            "goodput_s": split["goodput_s"], "badput_s": dict(controller.badput_high),
             "unsettled_s": split["unsettled_s"]}
 
 
-def learner_goodput(owner: Any, learner: str) -> float:
+def learner_goodput(controller: Any, learner: str) -> float:
     """One learner slot's goodput: its applied inner-step seconds (every incarnation) over
     the seconds its slot was allocated (restarts included)."""
     from .books import goodput
 
-    live = live_fates(owner).get(learner)
-    useful = owner.books.learner_tokens(learner, live).applied_s / owner.books.num_fragments
-    return goodput(useful, owner.books.allocated_s(time.time(), learner))
+    live, books = live_fates(controller).get(learner), controller.owner.books
+    useful = books.learner_tokens(learner, live).applied_s / books.num_fragments
+    return goodput(useful, books.allocated_s(time.time(), learner))
 
 
-def console_view(owner: Any) -> dict:
+def console_view(controller: Any) -> dict:
     """What the console shows, read once under the lock: the snapshot and what only the
     fleet and the beats know (the console reads this view, never the controller's fields)."""
-    snap = owner.snapshot()
-    with owner.lock:
-        events = owner.events.newest(2000)
+    snap = controller.snapshot()
+    with controller.lock:
+        events = controller.events.newest(2000)
         profilers = {name: run.beat.profiler if run.beat is not None else None
-                     for name, run in owner.running.items()}
+                     for name, run in controller.owner.running.items()}
     return {"snapshot": snap, "events": events, "profilers": profilers,
-            "job": owner.config.name, "goodput_window_s": owner.settings.goodput_window_s,
-            "goodput_history": list(owner.goodput_history),
-            "misconfigured": owner.fleet.marks(),
-            "operator_paused": owner.fleet.operator_paused,
-            "regions": {name: {"target": owner.fleet.targets.get(name, 0),
+            "job": controller.config.name, "goodput_window_s": controller.settings.goodput_window_s,
+            "goodput_history": list(controller.goodput_history),
+            "misconfigured": controller.owner.fleet.marks(),
+            "operator_paused": controller.owner.fleet.operator_paused,
+            "regions": {name: {"target": controller.owner.fleet.targets.get(name, 0),
                                "max_learners": region.max_learners, "remote": region.remote}
-                        for name, region in owner.config.regions.items()}}
+                        for name, region in controller.config.regions.items()}}
 
 
 def finite(value: Any) -> Any:

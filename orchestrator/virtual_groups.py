@@ -17,16 +17,20 @@ and polls at once, so each poll returns that one message, in the order the event
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Any, Iterable, Optional
+from typing import Any, Iterable, Optional, Sequence
 
-from .groups_api import How, RunEnded, ShardEnded, SpareFailed, SpareReady, SyncerStatus
+from . import fleet
+from .groups_api import ShardEnded, SyncerStatus
+from .virtual_fleet import RESTART, ProcessStarts
 
 # Event priorities at equal times: pushes leave before the syncer decides, the syncer answers
 # before learners start their next step (so zero latency means "answered at this boundary").
 # A fault at the time a step ends hits after that step's pushes left (they are then refused), and
 # before the learner starts another step; a restarted learner starts after everything else.
-STEP_DONE, FAULT, ARRIVE, CHECK, REPLY, STEP_START, FLEET, RESTART = range(8)
+STEP_DONE, FAULT, ARRIVE, CHECK, REPLY, STEP_START, FLEET = range(7)
+assert RESTART == FLEET + 1   # a restarted learner starts after everything else
 
 
 class VirtualLearnerGroup:
@@ -36,24 +40,17 @@ class VirtualLearnerGroup:
     ``driver`` is the ``inprocess._Driver`` whose state this carries the fleet's actions out
     on (``now``, ``cores``, ``up``, ``restart``, ``schedule`` ...). There are no devices here
     (``devices`` is None), and ``launch``'s ``spec`` is the ``fleet.Launch`` itself (the new
-    incarnation's start step and peer)."""
-
-    CALLS = ("drain", "pause", "hang")   # the control calls a virtual learner takes
+    incarnation's start step and peer). Its new processes start through ``starts``
+    (``virtual_fleet.ProcessStarts``)."""
 
     def __init__(self, driver: Any):
         self.d = driver
         n = len(driver.ids)
-        self.starting = 0                      # processes starting now (restarts, spares)
-        # Process starts in flight: key -> (what, payload, CPU seconds left). With
-        # RestartCosts.start_cpu_s they share start_cores (processor sharing), so a burst of
-        # failures makes every start slower, as on a machine whose cores they share.
-        self.starts: dict = {}
-        self.starts_at = 0.0
-        self.starts_version = 0
+        self.starts = ProcessStarts(driver.restart, driver.schedule)
         self.draining: set[int] = set()  # told to drain: no new step, leaves once answered
         self.restart_token = [0] * n     # invalidates a scheduled comeback that was killed
         self.cause_of = [""] * n         # the fault kind of each learner's last loss
-        self._ended: list[RunEnded] = []
+        self._ended: list[fleet.RunEnded] = []
         self._spares: list = []
 
     # -- start ----------------------------------------------------------------------------------
@@ -71,70 +68,79 @@ class VirtualLearnerGroup:
         if spare is not None:
             d.schedule(d.now + d.restart_cost(True), RESTART, "restart", payload)
         else:
-            self.begin_start(d.now, ("restart", i, self.restart_token[i]), "restart", payload,
-                             d.restart_cost(False))
+            self.starts.begin(d.now, ("restart", i, self.restart_token[i]), "restart", payload,
+                              d.restart_cost(False))
         return None
 
     def launch_spare(self, name: str, region: str, devices, spec) -> Optional[str]:
-        """Starts preparing a spare; why not when it could not be ready before the run ends
-        (``until_s``): it is not started then."""
+        """Starts preparing a spare. One that could not be ready before the run ends
+        (``until_s``) is not started: the fleet waits for it to the end, as it would for a spare
+        still preparing then."""
         d = self.d
-        if d.until_s is not None and d.now + d.restart.spare_ready_s >= d.until_s:
-            return "it would be ready only after the run ends"
-        self.begin_start(d.now, ("spare", name), "spare", name, d.restart.spare_ready_s)
+        if d.until_s is None or d.now + d.restart.spare_ready_s < d.until_s:
+            self.starts.begin(d.now, ("spare", name), "spare", name, d.restart.spare_ready_s)
         return None
 
     def hurry_spare(self, name: str) -> None:
         """A virtual spare's preparation has one fixed length: no priority to change."""
 
     def end_spare(self, name: str) -> None:
-        self.cancel_start(self.d.now, ("spare", name))   # one still preparing stops taking CPU
+        self.starts.cancel(self.d.now, ("spare", name))   # one still preparing stops taking CPU
 
     # -- control --------------------------------------------------------------------------------
-    def call(self, learner: str, method: str, *args) -> bool:
-        """``drain``, ``pause(paused, order=None)`` or ``hang(duration_s)`` on ``learner``'s
-        virtual learner; True when a running incarnation took it, False for an unknown learner
-        or call. A drain or a pause is its slot's and holds across a restart (one told to drain
-        while down drains when it is back)."""
-        i = self.d.index_of.get(learner)
-        if i is None or method not in self.CALLS:
-            return False
-        running = self.d.up[i]
-        getattr(self, "_" + method)(i, *args)
-        return running
-
-    def _drain(self, i: int) -> None:
+    # A drain, a pause or a hang is its slot's and holds across a restart (one told to drain
+    # while down drains when it is back); each says whether a running incarnation took it.
+    def drain(self, learner: str) -> bool:
         """As the Ray learner's ``drain``: it finishes the step it is in (its pushes leave),
         takes no new one, and its run returns once every push it has in flight is answered
         (``finish_drain``)."""
+        i = self.d.index_of[learner]
         self.draining.add(i)
+        return self.d.up[i]
 
-    def _pause(self, i: int, paused: bool, order: Optional[int] = None) -> None:
+    def pause(self, learner: str, paused: bool) -> bool:
         """Paused, it parks at its next step boundary; resumed, a parked one steps again now."""
-        d = self.d
+        d, i = self.d, self.d.index_of[learner]
         d.paused[i] = paused
         if not paused and d.parked[i]:
             d.parked[i] = False
             d.schedule(d.now, STEP_START, "start", (i, d.cores[i].incarnation))
+        return d.up[i]
 
-    def _hang(self, i: int, duration_s: float) -> None:
+    def hang(self, learner: str, duration_s: float) -> bool:
         """A wedged learner does nothing from now on; the health timeout finds it and it is
         restarted like a dead one (its unmerged work is lost). One down already (its death not
         seen yet) is not killed again, but its end is seen as a hang too."""
-        d = self.d
-        incarnation = d.cores[i].incarnation
-        if d.up[i]:
+        d, i = self.d, self.d.index_of[learner]
+        incarnation, running = d.cores[i].incarnation, d.up[i]
+        if running:
             d.kill(i, d.now, "hang")
         self.cause_of[i] = "hang"
         self._seen_after(d.restart.detect_hang_s,
-                         RunEnded(d.ids[i], incarnation, None, "hang", How.DIED))
+                         fleet.RunEnded(d.ids[i], incarnation, "hang"))
+        return running
 
-    def kill(self, learner: str, incarnation: int, mode: str, reason: str = "") -> bool:
+    # Slowdowns and link faults are windows on the fault's target, a learner or a region
+    # (FaultWindows), not calls on the learners running now as on Ray: a window also holds for
+    # an incarnation that starts within it (as a Ray restart is launched with the region's link
+    # faults), and the driver's step and transfer times read them.
+    def apply_fault(self, learners: Sequence[str], fault) -> None:
+        self.d.windows.add(fault)
+
+    def partition_home(self, fault) -> None:
+        """The home's network fails: every region's link is cut for the fault's window (the fleet
+        asks for this only in a job with remote regions, so a virtual fleet does not meet it
+        from a fault plan, whose home partitions the driver refuses)."""
+        for region in sorted(set(self.d.regions)):
+            self.d.windows.add(dataclasses.replace(fault, target=region))
+
+    def kill(self, learner: str, incarnation: int, mode: str, fault=None,
+             reason: str = "") -> bool:
         """``bury``: a running incarnation (a quarantined one, or one the fleet ended at its
         drain's deadline: ``reason``) stops now, and no end of its run is reported (True); its
-        books are settled for ``reason``. Otherwise a chaos kill of the plan's fault the driver is firing
-        (``driver.current_fault``): the incarnation ends now, or its start is called off when it
-        was coming back; its end is seen after the fault's detection time (False)."""
+        books are settled for ``reason``. Otherwise a chaos kill by ``fault``: the incarnation
+        ends now, or its start is called off when it was coming back; its end is seen after the
+        fault's detection time (False)."""
         d, i = self.d, self.d.index_of[learner]
         if mode == "bury":
             if d.up[i] and d.cores[i].incarnation == incarnation:
@@ -143,15 +149,17 @@ class VirtualLearnerGroup:
                 self.cause_of[i] = reason or "quarantine"
                 return True
             return False
-        fault = d.current_fault
+        if fault is None:
+            raise ValueError(f"Kill({learner}, {incarnation}, {mode!r}) without its fault: the "
+                             "in-process driver times a chaos kill's detection by its kind")
         if d.up[i]:
             d.kill(i, d.now, fault.kind.value)
         else:  # killed during its restart: that comeback is off, its process is gone
-            self.cancel_start(d.now, ("restart", i, self.restart_token[i]))
+            self.starts.cancel(d.now, ("restart", i, self.restart_token[i]))
             self.restart_token[i] += 1
         self.cause_of[i] = fault.kind.value
         self._seen_after(d.restart.detect_s(fault.kind),
-                         RunEnded(learner, incarnation, None, fault.kind.value, How.DIED))
+                         fleet.RunEnded(learner, incarnation, fault.kind.value))
         return False
 
     def finish_drain(self, i: int, now: float) -> bool:
@@ -166,16 +174,16 @@ class VirtualLearnerGroup:
         d.record.watermarks[(i, core.incarnation)] = d.watermark(i)
         d.up[i] = d.parked[i] = False
         d.recheck_open_rounds(now)
-        self.report(RunEnded(d.ids[i], core.incarnation, self._final(i), None))
+        self.report(fleet.RunEnded(d.ids[i], core.incarnation, final=self.final(i)))
         return True
 
     # -- poll -----------------------------------------------------------------------------------
-    def report(self, message: "RunEnded | SpareReady | SpareFailed") -> None:
+    def report(self, message: "fleet.RunEnded | fleet.SpareReady") -> None:
         """Its event has come on the virtual clock: the next ``ended`` or ``spare_results``
         returns it."""
-        (self._ended if isinstance(message, RunEnded) else self._spares).append(message)
+        (self._ended if isinstance(message, fleet.RunEnded) else self._spares).append(message)
 
-    def ended(self) -> list[RunEnded]:
+    def ended(self) -> "list[fleet.RunEnded]":
         """The runs reported ended since the last poll."""
         out, self._ended = self._ended, []
         return out
@@ -184,7 +192,7 @@ class VirtualLearnerGroup:
         """Nothing waits for placement here: a restart's first beat starts it."""
         return []
 
-    def spare_results(self) -> "list[SpareReady | SpareFailed]":
+    def spare_results(self) -> "list[fleet.SpareReady]":
         """The spares reported ready since the last poll (a virtual spare never fails)."""
         out, self._spares = self._spares, []
         return out
@@ -195,76 +203,17 @@ class VirtualLearnerGroup:
         d = self.d
         for i, name in enumerate(d.ids):
             if d.up[i]:
-                self.report(RunEnded(name, d.cores[i].incarnation, self._final(i), None))
+                self.report(fleet.RunEnded(name, d.cores[i].incarnation, final=self.final(i)))
 
-    def _final(self, i: int) -> dict:
+    def final(self, i: int) -> dict:
+        """Learner i's last stats, as a returned Ray run's: its step and its books."""
         core = self.d.cores[i]
-        return {"learner": core.learner, "incarnation": core.incarnation, "step": core.step}
+        return {"learner": core.learner, "incarnation": core.incarnation, "state": "stopped",
+                "step": core.step, "fates": core.fates.to_json()}
 
-    def _seen_after(self, delay_s: float, ended: RunEnded) -> None:
+    def _seen_after(self, delay_s: float, ended: "fleet.RunEnded") -> None:
         """Its end is seen (``driver.on_seen``) ``delay_s`` from now."""
         self.d.schedule(self.d.now + delay_s, FLEET, "seen", ended)
-
-    # -- process starts -------------------------------------------------------------------------
-    def begin_start(self, now: float, key, what: str, payload, wall_s: float) -> None:
-        """A new process starts (a restart's or a spare's): done after ``wall_s``, or, with
-        ``start_cpu_s``, once it had that much CPU out of ``start_cores`` shared by all starts."""
-        self.starting += 1
-        cpu_s = self.d.restart.start_cpu_s
-        if cpu_s <= 0:
-            self.starts[key] = (what, payload, None)
-            self.d.schedule(now + wall_s, RESTART, "start_done", (key, None))
-            return
-        self.advance_starts(now)
-        self.starts[key] = (what, payload, cpu_s)
-        self.reschedule_starts(now)
-
-    def cancel_start(self, now: float, key) -> None:
-        """The starting process was killed: it needs no more CPU and never comes back."""
-        if key not in self.starts:
-            return
-        self.advance_starts(now)
-        del self.starts[key]
-        self.starting -= 1
-        self.reschedule_starts(now)
-
-    def start_rate(self) -> float:
-        """CPU seconds per second each start gets (one core at most: a process is one thread)."""
-        n = sum(1 for _, _, left in self.starts.values() if left is not None)
-        return min(1.0, self.d.restart.start_cores / n) if n else 0.0
-
-    def advance_starts(self, now: float) -> None:
-        done = (now - self.starts_at) * self.start_rate()
-        for key, (what, payload, left) in list(self.starts.items()):
-            if left is not None:
-                self.starts[key] = (what, payload, left - done)
-        self.starts_at = now
-
-    def reschedule_starts(self, now: float) -> None:
-        self.starts_version += 1
-        left = [x for _, _, x in self.starts.values() if x is not None]
-        if left:
-            self.d.schedule(now + max(min(left), 0.0) / self.start_rate(), RESTART, "start_done",
-                            (None, self.starts_version))
-
-    def finished_starts(self, now: float, payload) -> list[tuple[str, Any]]:
-        """The starts a ``start_done`` event finishes, in order: ``("restart", payload)`` for a
-        new incarnation, ``("spare", SpareReady)`` for a spare."""
-        key, version = payload
-        if key is not None:          # a flat start: this one is done, unless it was cancelled
-            finished = [key] if key in self.starts else []
-        else:                        # the CPU pool: whichever starts ran out of work
-            if version != self.starts_version:
-                return []
-            self.advance_starts(now)
-            finished = [k for k, (_, _, left) in self.starts.items()
-                        if left is not None and left <= 1e-9]
-        done = [self.starts.pop(k) for k in finished]
-        self.starting -= len(done)
-        if key is None:
-            self.reschedule_starts(now)
-        return [(what, item if what == "restart" else SpareReady(item, None, None))
-                for what, item, _ in done]
 
 
 class VirtualSyncerGroup:
@@ -317,19 +266,29 @@ class VirtualSyncerGroup:
             raise RuntimeError("the in-process syncer is down")
         return self._ready()
 
+    def applied(self) -> "fleet.Applied":
+        """Every learner's applied step and tokens as the core's ledger has them now (the
+        driver's turns read them at once; the Ray owner's, from the last statuses)."""
+        return fleet.Applied({name: (e.incarnation, e.applied_step, e.applied_tokens_done)
+                              for name, e in self.d.syncer.ledger.items()})
+
+    def killed(self) -> bool:
+        """A shard was killed and its end is not polled yet (the driver polls it at once)."""
+        return bool(self._ended)
+
     def ended(self) -> list[ShardEnded]:
         """The shard if it was killed since the last poll."""
         out, self._ended = self._ended, []
         return out
 
-    def kill(self, s: int) -> None:
+    def kill(self, s: int, fault=None) -> None:
         """Its process dies now: pushes that reach it are refused until a restarted one
-        answers. One that is down already is not killed again (the fault is recorded as
+        answers. One that is down already is not killed again (``fault`` is recorded as
         skipped)."""
         self._check_shard(s)
         d = self.d
         if d.now < d.syncer_down_until:
-            d.record.faults_skipped.append((d.faults.fired[-1], "syncer is already down"))
+            d.record.faults_skipped.append((fault, "syncer is already down"))
             return
         d.syncer_down_until = math.inf   # until a restarted syncer answers
         self._ended.append(ShardEnded(s))

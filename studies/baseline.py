@@ -203,7 +203,7 @@ def simulate_timeline(*, learner_ids: Sequence[str], fleet: Fleet, num_params: i
             raise ValueError(f"faults: {fault.kind.value} target {fault.target!r} is not a learner "
                              f"or region of this fleet")
     plan.reset()
-    pending = sorted(plan.faults, key=Fault._order)
+    pending = sorted(plan.faults, key=Fault.order_key)
     windows = FaultWindows()
     rngs = [fleet.noise_rng(i) for i in range(m)]
     timeline = Timeline(num_learners=m,

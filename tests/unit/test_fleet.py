@@ -291,20 +291,23 @@ def test_recovered_on_the_first_applied_tokens_of_the_new_incarnation_with_its_p
 
 
 def test_chaos_kill_with_repair_waits_for_the_repair_counted_from_detection():
-    fleet = F.step(training(), [F.Chaos(Fault(2.0, FaultKind.KILL, "a:0", duration_s=4.0))],
-                   2.0)
-    assert names(fleet) == ["chaos"] and fleet.actions[0] == F.Kill("a:0", 0, "ray_kill")
+    fault = Fault(2.0, FaultKind.KILL, "a:0", duration_s=4.0)
+    fleet = F.step(training(), [F.Chaos(fault)], 2.0)
+    # The kill carries its fault: a body times the death's detection by its kind.
+    assert names(fleet) == ["chaos"] and fleet.actions[0] == F.Kill("a:0", 0, "ray_kill",
+                                                                    fault=fault)
     result = F.step(fleet.fleet, [F.RunEnded("a:0", 0, "killed")], 2.1)
     assert result.fleet.slots["a:0"].restart_at_s == pytest.approx(2.1 + 4.0)  # repair > 0.5
 
 
 def test_a_syncer_shard_kill_names_its_shard_and_an_unknown_shard_is_refused():
     fleet = training(settings(syncer_shards=2))
-    result = F.step(fleet, [F.Chaos(Fault(2.0, FaultKind.SYNCER_KILL, "syncer:1"))], 2.0)
-    assert result.actions == (F.KillSyncer(1),)
+    fault = Fault(2.0, FaultKind.SYNCER_KILL, "syncer:1")
+    result = F.step(fleet, [F.Chaos(fault)], 2.0)
+    assert result.actions == (F.KillSyncer(1, fault),)
     assert result.transitions[0].fields["target"] == "syncer:1"
-    assert F.step(fleet, [F.Chaos(Fault(2.0, FaultKind.SYNCER_KILL, "syncer"))],
-                  2.0).actions == (F.KillSyncer(0),)
+    fault = Fault(2.0, FaultKind.SYNCER_KILL, "syncer")
+    assert F.step(fleet, [F.Chaos(fault)], 2.0).actions == (F.KillSyncer(0, fault),)
     with pytest.raises(F.CommandError, match=r"syncer shard 2 does not exist \(syncer.shards = 2\)"):
         F.check_command(fleet, F.Chaos(Fault(2.0, FaultKind.SYNCER_KILL, "syncer:2")))
     with pytest.raises(ValueError, match="'syncer' or 'syncer:<shard>', got 'syncer:x'"):

@@ -1,6 +1,7 @@
-"""The typed seam between an owner loop and its learners and syncers (orchestrator/groups_api.py):
-the Ray bodies and the in-process driver's virtual ones (orchestrator/virtual_groups.py) implement
-the interfaces, and what they report is typed, not dicts."""
+"""The typed seam between an owner and its learners and syncers (orchestrator/groups_api.py): the
+Ray bodies and the in-process driver's virtual ones (orchestrator/virtual_groups.py) implement the
+interfaces, every member an owner or a body uses of a group is in them, and what they report is
+the fleet's own observations."""
 
 import dataclasses
 
@@ -10,6 +11,7 @@ import optax
 import pytest
 
 from islands.learners.messages import Heartbeat
+from islands.orchestrator import fleet as F
 from islands.orchestrator import groups_api as api
 from islands.orchestrator import inprocess
 from islands.orchestrator.chaos import FaultPlan, RestartCosts
@@ -25,17 +27,18 @@ def test_the_ray_bodies_implement_the_interfaces():
     assert isinstance(SyncerShards(2), api.SyncerGroup)
 
 
-def test_the_out_messages_are_frozen_dataclasses():
-    for message in (api.RunEnded, api.SpareReady, api.SpareFailed, api.ShardEnded,
-                    api.SyncerStatus):
+def test_the_out_messages_are_frozen_dataclasses_and_no_fleet_type_is_repacked():
+    for message in (api.ShardEnded, api.SyncerStatus):
         assert dataclasses.is_dataclass(message)
         assert message.__dataclass_params__.frozen
+    # The groups report the fleet's own types: none of the same name lives here.
+    assert not {"RunEnded", "SpareReady", "SpareFailed", "How"} & set(vars(api))
 
 
-def test_a_run_says_how_it_ended_with_one_enum():
-    assert not api.RunEnded("a:0", 1, {"step": 3}, None).crashed
-    crashed = api.RunEnded("a:0", 1, None, "ValueError()", api.How.CRASHED)
-    assert (crashed.crashed, crashed.preempted) == (True, False)
+def test_a_returned_runs_final_stats_ride_along_but_are_not_part_of_its_identity():
+    ended = F.RunEnded("a:0", 1, final={"step": 3})
+    assert ended == F.RunEnded("a:0", 1) and ended.final == {"step": 3}
+    assert not ended.crashed and ended.error is None
 
 
 def test_a_syncer_status_reads_the_actors_answer_and_combines():
@@ -113,14 +116,14 @@ def test_a_virtual_learner_told_to_drain_leaves_once_its_last_push_is_answered()
     seen = polled(d)
     d.begin()
     d.advance(4.5)                                  # r:1 is in its step of 4..5 s
-    assert d.groups.call("r:1", "drain") is True
+    assert d.groups.drain("r:1") is True
     d.advance(5.5)                                  # that step ended; its push is in flight
     assert d.up[1] and seen == []
     d.advance(7.0)
     (t, ended), = [(t, e) for t, e in seen if e.learner == "r:1"]
     assert t == pytest.approx(5.0 + 0.3 + 0.3)     # the reply to its push of step 5
-    assert (ended.incarnation, ended.how, ended.error, ended.final["step"]) == (
-        0, api.How.RETURNED, None, 5)
+    assert (ended.incarnation, ended.error, ended.final["step"]) == (0, None, 5)
+    assert ended.final["fates"] == d.cores[1].fates.to_json()   # its books, as a Ray run's
     assert [s.start_s for s in d.record.step_log if s.learner == 1][-1] == 4.0
     assert not d.up[1] and 1 not in d.groups.draining
 
@@ -130,16 +133,16 @@ def test_a_killed_virtual_learner_takes_no_call_and_its_end_is_seen_after_detect
     seen = polled(d)
     d.begin()
     d.advance(2.5)
-    d.current_fault = FaultPlan().crash("r:0", at_s=2.5).faults[0]   # the fault being fired
-    assert d.groups.kill("r:0", 0, "ray_kill") is False   # its end is reported, not now
+    fault = FaultPlan().crash("r:0", at_s=2.5).faults[0]
+    with pytest.raises(ValueError, match="without its fault"):
+        d.groups.kill("r:0", 0, "ray_kill")
+    assert d.groups.kill("r:0", 0, "ray_kill", fault) is False   # its end is reported, not now
     assert not d.up[0] and d.groups.cause_of[0] == "kill"
-    assert d.groups.call("r:0", "drain") is False         # down: nothing running takes it
-    assert d.groups.call("r:1", "nap") is False and d.groups.call("x:9", "drain") is False
+    assert d.groups.drain("r:0") is False         # down: nothing running takes it
     d.advance(3.4)
     assert seen == []
     d.advance(3.5)                                  # detect_kill_s later
-    assert [(t, e.learner, e.how, e.error) for t, e in seen] == [
-        (3.5, "r:0", api.How.DIED, "kill")]
+    assert [(t, e.learner, e.error, e.crashed) for t, e in seen] == [(3.5, "r:0", "kill", False)]
     assert d.groups.kill("r:1", 7, "bury") is False       # not its incarnation: left alone
     assert d.up[1]
 
@@ -162,3 +165,41 @@ def test_the_virtual_syncer_restarts_through_its_core_at_a_new_epoch():
     assert status.epoch == 1 and set(status.registered) == {"r:0", "r:1"}
     assert d.shards.attach(0, "islands:syncer", 1.0)["epoch"] == 1
     assert set(d.shards.global_params()) == set(d.syncer.params_flat())
+
+
+def protocol_members(protocol) -> set:
+    return {name for name in vars(protocol) if not name.startswith("_")}
+
+
+@pytest.mark.parametrize("group, protocol", [
+    (LearnerGroups, api.LearnerGroup), (SyncerShards, api.SyncerGroup),
+    (inprocess.VirtualLearnerGroup, api.LearnerGroup),
+    (inprocess.VirtualSyncerGroup, api.SyncerGroup)], ids=lambda x: x.__name__)
+def test_every_member_of_the_interface_has_the_same_signature_in_each_body(group, protocol):
+    import inspect
+
+    for name in protocol_members(protocol):
+        want, got = getattr(protocol, name), getattr(group, name)
+        if isinstance(want, property):
+            assert isinstance(got, property), name
+            continue
+        assert list(inspect.signature(got).parameters) == list(
+            inspect.signature(want).parameters), f"{group.__name__}.{name}"
+
+
+def test_the_owner_uses_only_members_of_the_interfaces():
+    """Every ``self.learners.X`` / ``self.syncers.X`` the owner calls is in the Protocol."""
+    import ast
+    import inspect
+
+    from islands.orchestrator import owner
+
+    used = {"learners": set(), "syncers": set()}
+    for node in ast.walk(ast.parse(inspect.getsource(owner))):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
+                and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"
+                and node.value.attr in used):
+            used[node.value.attr].add(node.attr)
+    assert used["learners"] and used["syncers"]
+    assert used["learners"] <= protocol_members(api.LearnerGroup)
+    assert used["syncers"] <= protocol_members(api.SyncerGroup)

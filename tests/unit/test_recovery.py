@@ -1,8 +1,8 @@
-"""A restarted controller's slots from its saved state (orchestrator/recovery.py)."""
+"""A restarted controller's slots from its saved state (orchestrator/owner.py, its saved rows)."""
 
 from islands.orchestrator import fleet as F
 from islands.orchestrator.health import Cause
-from islands.orchestrator.recovery import saved_slot
+from islands.orchestrator.owner import saved_slot
 
 ROW = {"learner": "far:0", "region": "far", "index": 0, "shard": 1, "speed_factor": 1.0,
        "state": "training", "incarnation": 2, "start_step": 40, "restarts": {"hang": 1},
@@ -36,7 +36,7 @@ def test_paused_time_survives_a_controller_restart():
     250 s, enough for ``reset_after_s`` to forgive a crash loop's restarts)."""
     import json
 
-    from islands.orchestrator.recovery import slot_row
+    from islands.orchestrator.owner import slot_row
 
     paused = F.Slot("a:0", "a", 0, 0, state=F.SlotState.PAUSED, training_since_s=100.0,
                     paused_s=20.0, paused_since_s=150.0)
@@ -51,7 +51,7 @@ def test_paused_time_survives_a_controller_restart():
 def test_crash_loop_records_and_node_marks_survive_a_controller_restart():
     """The new shapes are read back; a state file without them (or a region-keyed mark, the
     shape before marks were a node's) still loads."""
-    from islands.orchestrator.recovery import saved_marks
+    from islands.orchestrator.owner import saved_marks
 
     slot = saved_slot({**ROW, "failures": [[48, "died"], [48, "died"]],
                        "crash_loop": "failed 3 times at resume step 48 with: died"}, remote=False)
@@ -71,7 +71,7 @@ def test_a_handover_survives_a_controller_restart():
     out, instead of retiring it as a plain drain, and its drain's deadline goes on."""
     import json
 
-    from islands.orchestrator.recovery import slot_row
+    from islands.orchestrator.owner import slot_row
 
     settings = F.FleetSettings({"a": F.RegionPlan(2, 2)}, drain_timeout_s=60.0)
     fleet = F.step(F.initial(settings), [], 0.0).fleet
@@ -105,7 +105,7 @@ def test_a_handover_survives_a_controller_restart():
 def test_a_handover_awaiting_placement_at_a_controller_restart_awaits_it_again():
     """Its process was never placed (nothing to re-attach): the restarted controller relaunches
     it as a handover, which waits for placement again instead of being timed as a start."""
-    from islands.orchestrator.recovery import relaunched
+    from islands.orchestrator.owner import relaunched
 
     settings = F.FleetSettings({"far": F.RegionPlan(1, 1)}, startup_timeout_s=60.0)
     slot = relaunched(saved_slot({**ROW, "state": "awaiting_placement", "actor": None},
@@ -125,7 +125,7 @@ def test_a_handover_caught_in_the_state_saves_gap_is_relaunched_as_a_handover():
     learner is not found (the new process was never placed, and is ended): the relaunch is a
     handover again, waiting for placement, not a start timed by the start-up limit that spends
     the crash budget."""
-    from islands.orchestrator.recovery import relaunched
+    from islands.orchestrator.owner import relaunched
 
     settings = F.FleetSettings({"far": F.RegionPlan(1, 1)}, startup_timeout_s=60.0)
     row = {**ROW, "state": "draining", "actor": None, "preempted_s": 90.0,

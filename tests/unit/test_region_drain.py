@@ -1,5 +1,5 @@
 """A remote region's planned preemption: its agent (the controller in region mode, its region
-local) reads its own cluster's draining nodes as the home does (``Controller._cluster``), hands
+local) reads its own cluster's draining nodes as the home does (``groups.cluster_observation``), hands
 its learners over, and the home mirrors the handover as one (no failure, no crash books).
 
 The agent's fleet is built as the agent builds it (``region_config``, ``build.fleet_settings``,
@@ -34,7 +34,10 @@ def report(role, fleet, beat=True):
 
 def test_the_agent_reads_its_own_clusters_drains():
     # The same owner loop: the draining table of the cluster it is connected to (its own).
-    assert "draining_nodes(" in inspect.getsource(Controller._cluster)
+    from islands.orchestrator.groups import cluster_observation
+
+    assert "cluster_observation(" in inspect.getsource(Controller._owner_loop)
+    assert "draining_nodes(" in inspect.getsource(cluster_observation)
 
 
 def test_a_remote_regions_handover_is_drained_by_its_agent_and_mirrored_home_as_one():

@@ -1,13 +1,12 @@
-"""One seam, three bodies: every action the fleet can return (``fleet.ACTIONS``) has a handler in
-the Ray controller, the region agent and the in-process driver, found when each is made; and the
-in-process body carries out a drain and a syncer restart as the Ray body does (orchestrator/seam.py).
+"""One seam, one owner, three bodies: every action the fleet can return (``fleet.ACTIONS``) has
+one handler, the owner's (orchestrator/owner.py), which the Ray controller, the region agent (with
+its role's three) and the in-process driver all hold, found when each is made; and the in-process
+body carries out a drain and a syncer restart as the Ray body does (orchestrator/seam.py).
 """
 
 import ast
 import dataclasses
 import inspect
-import threading
-import time
 
 import jax
 import jax.numpy as jnp
@@ -18,15 +17,15 @@ import pytest
 from islands.orchestrator.region_agent import RegionController, RegionRole
 from islands.orchestrator import fleet as F
 from islands.orchestrator import inprocess, seam
-from islands.orchestrator.books import Books
 from islands.orchestrator.chaos import FaultPlan, RestartCosts
 from islands.orchestrator.controller import Controller
+from islands.orchestrator.owner import Owner
 from islands.syncer import codec as codec_lib
 from islands.syncer import fragments, merge, outer
 from islands.syncer.core import SyncerSettings
 from islands.syncer.validate import RejectReason
 
-BODIES = [(Controller, "_do_"), (inprocess._Driver, "do_")]
+BODIES = [(Owner, "do_")]   # the one handler table: every body holds an Owner
 NOT_ACTIONS = {"Transition", "Step"}   # dataclasses of the actions section that are its output
 
 
@@ -60,18 +59,24 @@ def test_every_action_has_a_handler_in_every_body(body, prefix):
 
 def test_the_region_agent_is_a_controller_with_the_regions_role_not_a_subclass():
     """Composition: the agent holds a ``Controller`` built with a ``RegionRole``, whose handlers
-    replace the home's for the three actions a region carries out its own way."""
+    replace the owner's for the three actions a region carries out its own way."""
     assert not issubclass(RegionController, Controller)
     role = RegionRole("a", 0, 1)
-    table = {**seam.handler_table(Controller, "_do_"), **role.handlers()}
+    table = {**seam.handler_table(Owner, "do_"), **role.handlers()}
     assert set(table) == set(F.ACTIONS)
     assert {t for t, handler in table.items() if getattr(handler, "__self__", None) is role} == {
         F.LinkFault, F.PartitionHome, F.RestartRemote}
     assert not (role.owns_syncers or role.evaluates)
 
 
+def test_no_body_has_handlers_of_its_own():
+    """The controller and the driver hold an Owner; neither writes a handler again."""
+    for body in (Controller, inprocess._Driver):
+        assert not [name for name in dir(body) if name.startswith(("do_", "_do_"))], body
+
+
 def test_a_body_missing_handlers_is_refused_at_its_start_naming_them():
-    class Partial(inprocess._Driver):
+    class Partial(Owner):
         do_drainlearner = None
         do_startsyncer = None
 
@@ -80,28 +85,35 @@ def test_a_body_missing_handlers_is_refused_at_its_start_naming_them():
                                                    r"\(do_drainlearner\), StartSyncer"):
         seam.handler_table(Partial, "do_")
     with pytest.raises(TypeError, match="not a fleet action"):
-        seam.dispatch(seam.handler_table(inprocess._Driver, "do_"), F.Drain("a:0"), 0.0)
+        seam.dispatch(seam.handler_table(Owner, "do_"), F.Drain("a:0"))
 
 
-def test_the_controller_reports_a_failed_action_and_goes_on_with_the_next():
-    """Without Ray: a controller's shell around a fleet of two learners whose launches fail."""
-    c = Controller.__new__(Controller)
-    c.fleet = F.initial(F.FleetSettings(regions={"a": F.RegionPlan(2, 2)}))
-    c.books, c.running, c.recoveries = Books(1), {}, []
-    c.events, c.lock, c.started_s = [], threading.Lock(), time.time()
-    launched = []
+def test_an_owner_that_contains_errors_reports_a_failed_action_and_goes_on_with_the_next():
+    """The Ray controller's owner: a fleet of two learners whose launches fail (no Ray, no
+    controller: the owner with groups that raise)."""
+    events, launched = [], []
 
-    def launch(a):
-        launched.append(a.learner)
-        raise RuntimeError(f"no room for {a.learner}")
+    class Learners:
+        def launch(self, learner, *args, **kwargs):
+            launched.append(learner)
+            raise RuntimeError(f"no room for {learner}")
 
-    c._do_launch = launch
-    c.handlers = seam.handler_table(c, "_do_")
-    c._step([])
+    class Specs:
+        def learner(self, a):
+            return None, None, None
+
+    owner = Owner(F.FleetSettings(regions={"a": F.RegionPlan(2, 2)}), 1, Learners(), None,
+                  Specs(), clock=lambda: 0.0, contain_errors=True,
+                  emit=lambda kind, **fields: events.append((kind, fields)))
+    owner.step([])
     assert launched == ["a:0", "a:1"]
-    failed = [e for e in c.events if e["event"] == "action_failed"]
+    failed = [fields for kind, fields in events if kind == "action_failed"]
     assert [(e["action"], e["error"]) for e in failed] == [
         ("Launch", "RuntimeError('no room for a:0')"), ("Launch", "RuntimeError('no room for a:1')")]
+    assert owner.running == {}   # nothing launched is counted running
+    with pytest.raises(RuntimeError, match="no room"):   # the driver's owner: errors propagate
+        Owner(F.FleetSettings(regions={"a": F.RegionPlan(1, 1)}), 1, Learners(), None, Specs(),
+              clock=lambda: 0.0).step([])
 
 
 def test_the_region_agent_and_the_driver_refuse_remote_only_actions_clearly():
@@ -109,9 +121,9 @@ def test_the_region_agent_and_the_driver_refuse_remote_only_actions_clearly():
     agent = RegionRole("a", 0, 1)
     with pytest.raises(RuntimeError, match="home partition"):
         agent._do_partitionhome(F.PartitionHome(fault))
-    driver = inprocess._Driver.__new__(inprocess._Driver)
+    owner = driver().owner
     with pytest.raises(RuntimeError, match=r"RestartRemote\(b:0, incarnation 2\)"):
-        driver.do_restartremote(0.0, F.RestartRemote("b:0", "b", 2, "hang"))
+        owner.do_restartremote(F.RestartRemote("b:0", "b", 2, "hang"))
 
 
 # -- the in-process body: a drain and a syncer restart --------------------------------------------
@@ -214,7 +226,7 @@ def test_a_drained_learner_finishes_its_in_flight_pushes_then_leaves_and_its_boo
     ledger = record.ledger["r:1"]
     assert set(ledger["dropped_by"]) <= {"drained", "overlap"}
     assert record.allocated_s[1] == pytest.approx(drained_at)
-    assert d.fleet_state.slots["r:1"].state == F.SlotState.RETIRED
+    assert d.owner.fleet.slots["r:1"].state == F.SlotState.RETIRED
     # The others train on to the end; nothing else was in the way.
     assert record.steps[0] == record.steps[2] == 16 and record.steps[1] == 5
     assert record.restarts == [] and record.commands_refused == []
@@ -234,7 +246,7 @@ def test_a_syncer_restart_keeps_versions_monotonic_and_fences_the_old_epoch():
         "chaos", "syncer_failed")]
     assert syncer_events == [("chaos", {"action": "kill", "target": "syncer", "mode": "ray_kill"}),
                              ("syncer_failed", {"epoch": 0})]
-    shard = d.fleet_state.syncer_shards[0]
+    shard = d.owner.fleet.syncer_shards[0]
     assert (shard.state, shard.epoch, shard.restarts) == (F.ShardState.UP, 1, 1)
     assert d.syncer.epoch == 1
     # Versions go on from where they were, one merge at a time, across the restart.
@@ -263,7 +275,7 @@ def test_a_drain_while_the_syncer_is_down_ends_when_the_restarted_syncer_voids_i
     (drained_at,) = [t for t, x in record.transitions
                      if x.name == "learner_retired" and x.learner == "r:2"]
     assert drained_at == pytest.approx(5.2 + 1.0)   # the syncer is back (syncer_restart_s)
-    assert d.syncer.epoch == 1 and d.fleet_state.syncer_shards[0].state == F.ShardState.UP
+    assert d.syncer.epoch == 1 and d.owner.fleet.syncer_shards[0].state == F.ShardState.UP
     assert_books_balance(record, d.syncer, left=("r:2",))
     assert record.ledger["r:2"]["dropped_by"].get("drained", 0) > 0
     assert record.steps[:2] == [16, 16] and record.steps[2] == 6
@@ -286,7 +298,7 @@ def test_syncer_restart_drops_the_open_rounds_and_forgets_registrations():
 @pytest.mark.parametrize("health", [{}, {"health": {"timeout_s": 7.0}}])
 def test_the_in_process_body_bounds_a_drain_as_the_ray_body_does(health):
     """One job's drain bound is the same in both bodies: the Ray controller's fleet
-    (``build.fleet_settings``) and the in-process driver's (``virtual_fleet.fleet_settings``),
+    (``build.fleet_settings``) and the in-process driver's (``virtual_fleet.Fleet.settings``),
     given the job's ``health.timeout_s`` or left at its default."""
     from islands.orchestrator import build
     from islands.orchestrator.config import JobConfig
@@ -294,7 +306,7 @@ def test_the_in_process_body_bounds_a_drain_as_the_ray_body_does(health):
     config = JobConfig.model_validate({"name": "j", "regions": {"r": {"learners": 3}}, **health})
     ray_body = build.fleet_settings(config).drain_timeout_s
     in_process = driver(**({"health_timeout_s": config.health.timeout_s} if health else {}))
-    assert in_process.fleet_state.settings.drain_timeout_s == ray_body
+    assert in_process.owner.fleet.settings.drain_timeout_s == ray_body
     assert ray_body == 2 * config.health.timeout_s
 
 
@@ -303,8 +315,8 @@ def test_a_drain_past_the_fleets_deadline_ends_in_process_too_with_its_own_reaso
     down, waits on a push nobody answers; past ``drain_timeout_s`` the fleet ends it and what
     it held is dropped as ``drain_timeout`` (its own reason, not "drained")."""
     d = driver(faults=FaultPlan().kill_syncer(at_s=5.2), commands=[(5.5, F.Drain("r:2"))])
-    d.fleet_state = dataclasses.replace(d.fleet_state, settings=dataclasses.replace(
-        d.fleet_state.settings, drain_timeout_s=0.5))
+    d.owner.fleet = dataclasses.replace(d.owner.fleet, settings=dataclasses.replace(
+        d.owner.fleet.settings, drain_timeout_s=0.5))
     record = d.run()
     (ended_at, ended), = [(t, x) for t, x in record.transitions
                           if x.name == "learner_drain_timeout"]

@@ -104,8 +104,8 @@ def test_the_ray_syncer_starts_from_its_round_trip_and_the_default_pace():
     assert (syncer.slowest_step_s, syncer.paused) == (timing.MIN_STEP_S, True)
 
 
-def test_the_ray_controller_gives_the_syncer_the_slowest_training_pace_and_the_pause():
-    from islands.orchestrator.controller import Controller
+def test_the_owner_gives_the_syncer_the_slowest_training_pace_and_the_pause():
+    from islands.orchestrator.owner import Owner
 
     told = []
     slots = {"a:0": SimpleNamespace(state=SlotState.TRAINING, step_time_s=0.5),
@@ -114,12 +114,12 @@ def test_the_ray_controller_gives_the_syncer_the_slowest_training_pace_and_the_p
              "a:3": SimpleNamespace(state=SlotState.STARTING, step_time_s=None)}
     fake = SimpleNamespace(
         fleet=SimpleNamespace(slots=slots, paused_reason=None), lock=threading.Lock(),
-        shards=SimpleNamespace(statuses=lambda slowest, paused: told.append((slowest, paused))
-                               or {}))
-    Controller._refresh_syncer_status(fake)
+        syncers=SimpleNamespace(statuses=lambda slowest, paused: told.append((slowest, paused))
+                                or {}))
+    Owner.refresh_syncer_status(fake)
     fake.fleet.paused_reason = "paused by an operator"
     slots["a:0"] = SimpleNamespace(state=SlotState.PAUSED, step_time_s=0.5)
-    Controller._refresh_syncer_status(fake)
+    Owner.refresh_syncer_status(fake)
     assert told == [(0.5, False), (1.0, True)]   # a:2 is paused: not counted; none known: 1 s
 
 
