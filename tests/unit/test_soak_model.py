@@ -13,7 +13,7 @@ sys.path.insert(0, os.path.join(REPO, "benchmarks"))
 
 import soak  # noqa: E402
 
-from islands.orchestrator.virtual_fleet import fleet_settings  # noqa: E402
+from islands.orchestrator.virtual_fleet import Fleet  # noqa: E402
 
 
 def _restart(events, t, who, inc, wait, start, spare=None, prestarted=True):
@@ -55,11 +55,12 @@ def test_an_attempt_killed_before_it_was_ready_is_no_sample():
 
 
 def test_the_virtual_fleet_waits_its_restart_wait_before_each_start():
-    settings = fleet_settings(["a:0", "a:1"], ["a", "a"], [1.0, 1.0], 1, restart_wait_s=4.2)
+    settings = Fleet([1.0, 1.0], regions=["a", "a"], restart_wait_s=4.2).settings(
+        ["a:0", "a:1"], 1)
     policy = settings.policy
     assert policy.backoff_initial_s == policy.backoff_max_s == 4.2
     assert policy.backoff_multiplier == 1.0
-    assert fleet_settings(["a:0"], ["a"], [1.0], 1).policy.backoff_max_s == 0.0
+    assert Fleet([1.0], regions=["a"]).settings(["a:0"], 1).policy.backoff_max_s == 0.0
 
 
 def test_a_restart_still_under_way_at_the_end_is_censored_there():
