@@ -39,7 +39,7 @@ import numpy as np  # noqa: E402
 from islands.learners import mesh as mesh_lib  # noqa: E402
 from islands.learners.loop import LearnerLoop  # noqa: E402
 from islands.learners.task import TaskStream  # noqa: E402
-from islands.learners.unit import (TrainingSpec, _learner_core, build_task,  # noqa: E402
+from islands.learners.unit import (TrainingSpec, learner_core, build_task,  # noqa: E402
                                    build_training, learner_layout, make_error_feedback,
                                    meshed_steps, place_learner_state)
 from islands.syncer import codec as codec_lib  # noqa: E402
@@ -74,7 +74,7 @@ class Unit:
         self.syncer = SyncerCore(frags, settings, outer_lib.build("nesterov"), decode,
                                  is_embedding=task.is_embedding)
         self.epoch, registered = self.syncer.register("bench:0", 0)
-        self.core = _learner_core(spec, "bench:0", params, opt_state,
+        self.core = learner_core(spec, "bench:0", params, opt_state,
                                   [v for _, v in registered], layout=self.layout)
         self.loop = LearnerLoop(self.core, train_step, batch_at, int(task.tokens(first)),
                                 spec.fragments, spec.sync_every_steps)

@@ -56,7 +56,7 @@ LEARNER_LOSS_KINDS = frozenset({FaultKind.KILL, FaultKind.EXIT, FaultKind.REGION
                                 FaultKind.HANG})
 
 
-def _check_time(name: str, value: float, *, positive: bool = False) -> float:
+def check_time(name: str, value: float, *, positive: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
     if math.isnan(value) or math.isinf(value):
@@ -116,17 +116,17 @@ class Fault:
         except ValueError:
             raise ValueError(f"kind must be one of {', '.join(k.value for k in FaultKind)}, "
                              f"got {self.kind!r}") from None
-        object.__setattr__(self, "at_s", _check_time("at_s", self.at_s))
-        object.__setattr__(self, "duration_s", _check_time("duration_s", self.duration_s))
+        object.__setattr__(self, "at_s", check_time("at_s", self.at_s))
+        object.__setattr__(self, "duration_s", check_time("duration_s", self.duration_s))
         object.__setattr__(self, "extra_latency_ms",
-                           _check_time("extra_latency_ms", self.extra_latency_ms))
+                           check_time("extra_latency_ms", self.extra_latency_ms))
         if not isinstance(self.target, str) or not self.target:
             raise ValueError(f"target must be a non-empty string, got {self.target!r}")
         if isinstance(self.factor, bool) or not isinstance(self.factor, (int, float)) \
                 or not math.isfinite(self.factor) or self.factor < 1.0:
             raise ValueError(f"factor must be a finite number >= 1, got {self.factor!r}")
         if self.bandwidth_gbps is not None:
-            _check_time("bandwidth_gbps", self.bandwidth_gbps, positive=True)
+            check_time("bandwidth_gbps", self.bandwidth_gbps, positive=True)
         object.__setattr__(self, "loss_rate", check_loss_rate("loss_rate", self.loss_rate))
         if self.kind in (FaultKind.SLOWDOWN, FaultKind.NETWORK, FaultKind.PARTITION) \
                 and self.duration_s <= 0:

@@ -85,7 +85,7 @@ def warm_compile_cache(spec: TrainingSpec, params, task=None) -> None:
     opt_state = optimizer.init(params)
     _, _, loss = train_step(params, opt_state, TaskStream(task, 0, 1).batch_at(0))
     float(loss)
-    _learner_core(spec, "warmup", params, opt_state, [0] * spec.fragments).compile_pushes()
+    learner_core(spec, "warmup", params, opt_state, [0] * spec.fragments).compile_pushes()
 
 
 def learner_layout(spec: TrainingSpec, task, template, optimizer, first_batch, devices=None):
@@ -132,7 +132,7 @@ def meshed_steps(layout, train_step, batch_at):
     return layout.jit_step(train_step), lambda step: layout.place_step(batch_at(step))
 
 
-def _learner_core(spec: TrainingSpec, learner: str, params, opt_state, versions,
+def learner_core(spec: TrainingSpec, learner: str, params, opt_state, versions,
                   incarnation: int = 0, start_step: int = 0, session: str = "", layout=None):
     """The LearnerCore a learner of ``spec`` runs (also built by the cache warm-up, which must
     trace exactly the same push encoder)."""
@@ -141,7 +141,7 @@ def _learner_core(spec: TrainingSpec, learner: str, params, opt_state, versions,
 
     from .core import LearnerCore
 
-    _, ef, decode = _push_codec(spec.codec_kind, spec.codec_block_size, spec.error_feedback)
+    _, ef, decode = push_codec(spec.codec_kind, spec.codec_block_size, spec.error_feedback)
     return LearnerCore(learner, params, opt_state, fragments_lib.partition(params, spec.fragments),
                        versions, ef, codec_lib.tree_wire_bytes, decode,
                        overlap_steps=spec.overlap_steps, merge_alpha=spec.merge_alpha,
@@ -151,12 +151,12 @@ def _learner_core(spec: TrainingSpec, learner: str, params, opt_state, versions,
 
 
 def make_error_feedback(spec: TrainingSpec):
-    codec, ef, _ = _push_codec(spec.codec_kind, spec.codec_block_size, spec.error_feedback)
+    codec, ef, _ = push_codec(spec.codec_kind, spec.codec_block_size, spec.error_feedback)
     return codec, ef
 
 
 @functools.lru_cache(maxsize=8)
-def _push_codec(kind: str, block_size: int, with_feedback: bool):
+def push_codec(kind: str, block_size: int, with_feedback: bool):
     """(codec, error feedback, decode) of a job, the same objects for every LearnerCore of this
     process: the push encoder is compiled once per (error feedback, decode) pair
     (``core._compiled_encode_drift``), so a warm spare's encoders compiled at ``prepare`` are

@@ -225,7 +225,7 @@ class GangMember:
 
         from .loop import LearnerLoop
         from .task import TaskStream
-        from .factories import (_learner_core, build_task, build_training, learner_layout,
+        from .factories import (learner_core, build_task, build_training, learner_layout,
                            meshed_steps, place_learner_state)
 
         info, tspec = self.info, self.training
@@ -241,7 +241,7 @@ class GangMember:
         params, opt_state = place_learner_state(
             layout, optimizer, params, state.opt_state,
             state.start_step if state.schedule_step is None else state.schedule_step)
-        core = _learner_core(tspec, state.learner, params, opt_state, list(state.versions),
+        core = learner_core(tspec, state.learner, params, opt_state, list(state.versions),
                              state.incarnation, state.start_step, state.session, layout)
         loop = LearnerLoop(core, train_step, batch_at, int(task.tokens(first_batch)),
                            tspec.fragments, tspec.sync_every_steps)

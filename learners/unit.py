@@ -23,7 +23,7 @@ import ray  # noqa: E402
 from islands.syncer import downlink as downlink_lib
 
 from .devices import apply_env, check_devices
-from .factories import (BUILTIN_TASK, _learner_core, _push_codec, build_task,  # noqa: F401
+from .factories import (BUILTIN_TASK, learner_core, push_codec, build_task,  # noqa: F401
                         build_training, eval_loss_fn, is_builtin, learner_layout, load_corpus,
                         make_error_feedback, meshed_steps, place_learner_state,
                         warm_compile_cache)
@@ -259,7 +259,7 @@ class LearnerUnit:
             _, _, loss = train_step(params, opt_state, TaskStream(task, 0, 1).batch_at(0))
             float(loss)
             self.cpu_lap("warm_step_s")
-            _learner_core(tspec, spec.learner, params, opt_state,
+            learner_core(tspec, spec.learner, params, opt_state,
                           [0] * tspec.fragments).compile_pushes()
             self.cpu_lap("warm_pushes_s")
             for s in range(spec.syncer_shards):   # found now, registered at promotion
@@ -363,7 +363,7 @@ class LearnerUnit:
                                        schedule))
         params, opt_state = place_learner_state(layout, optimizer, params, opt_state, schedule)
         with self.lock:
-            self.core = _learner_core(tspec, spec.learner, params, opt_state, reg["versions"],
+            self.core = learner_core(tspec, spec.learner, params, opt_state, reg["versions"],
                                       spec.incarnation, spec.start_step, reg["session"], layout)
         core = self.core
         phase("place_s")
@@ -373,7 +373,7 @@ class LearnerUnit:
                            tspec.sync_every_steps)
         t_compile = time.time()
         # A prepared spare compiled exactly these encoders (same shapes, one device, the same
-        # jitted function: ``_push_codec``); a layout or a gang places them differently.
+        # jitted function: ``push_codec``); a layout or a gang places them differently.
         if not (prepared.get("pushes_compiled") and layout is None and self.gang is None):
             core.compile_pushes()
         self.timings["compile_pushes_s"] = time.time() - t_compile

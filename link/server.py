@@ -624,7 +624,7 @@ class LinkServicer(pb_grpc.LinkServicer):
     def Report(self, request, context):
         try:
             wire.check_known_fields(request)
-            beats = [wire._json(b, "beats_json") for b in request.beats_json]
+            beats = [wire.parse_json(b, "beats_json") for b in request.beats_json]
         except wire.WireError as exc:
             context.abort(grpc.StatusCode[exc.code], str(exc))
         self._remote_region(request.region, context)

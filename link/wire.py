@@ -122,7 +122,7 @@ def push_from_pb(msg: pb.PushRequest, member: bool = False):
     members = tuple(push_from_pb(m, member=True) for m in msg.members)
     if len({m.learner for m in members}) != len(members):
         raise WireError("a learner appears twice in a pre-merged push")
-    fates = _json(msg.fates_json, "fates_json") if msg.fates_json else None
+    fates = parse_json(msg.fates_json, "fates_json") if msg.fates_json else None
     return Push(learner=msg.learner, fragment=int(msg.fragment), codes=codes,
                 base_version=int(msg.base_version), epoch=int(msg.epoch),
                 c_tokens=int(msg.c_tokens), c_steps=int(msg.c_steps),
@@ -212,7 +212,7 @@ def registration_from_pb(msg: pb.RegisterReply) -> dict:
             "schedule_step": int(msg.schedule_step) if msg.has_schedule_step else None}
 
 
-def _json(text: str, field: str) -> Any:
+def parse_json(text: str, field: str) -> Any:
     try:
         return json.loads(text)
     except ValueError as exc:

@@ -22,7 +22,7 @@ from typing import Iterator, Mapping, Optional, Sequence
 import numpy as np
 
 from islands.faults import (HOME_TARGET, LEARNER_LOSS_KINDS, SYNCER_TARGET, Fault,  # noqa: F401
-                            FaultKind, FaultWindows, Link, _check_time)
+                            FaultKind, FaultWindows, Link, check_time)
 
 KILL_MODES: tuple[str, ...] = ("kill", "exit")
 
@@ -214,16 +214,16 @@ def poisson_plan(learners_by_region: Mapping[str, Sequence[str]], horizon_s: flo
     """
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"seed must be a non-negative int, got {seed!r}")
-    horizon_s = _check_time("horizon_s", horizon_s)
-    _check_time("mtbf_s", mtbf_s, positive=True)
-    repair_s = _check_time("repair_s", repair_s)
+    horizon_s = check_time("horizon_s", horizon_s)
+    check_time("mtbf_s", mtbf_s, positive=True)
+    repair_s = check_time("repair_s", repair_s)
     kill = _kill_kind(kill_mode)
     for name, value in (("region_mtbf_s", region_mtbf_s), ("slowdown_mtbf_s", slowdown_mtbf_s),
                         ("network_mtbf_s", network_mtbf_s), ("syncer_mtbf_s", syncer_mtbf_s)):
         if value is not None:
-            _check_time(name, value, positive=True)
-    _check_time("slowdown_s", slowdown_s, positive=slowdown_mtbf_s is not None)
-    _check_time("network_s", network_s, positive=network_mtbf_s is not None)
+            check_time(name, value, positive=True)
+    check_time("slowdown_s", slowdown_s, positive=slowdown_mtbf_s is not None)
+    check_time("network_s", network_s, positive=network_mtbf_s is not None)
     if network_kind not in ("network", "partition"):
         raise ValueError(f"network_kind must be 'network' or 'partition', got {network_kind!r}")
     if not learners_by_region:
@@ -328,12 +328,12 @@ class RestartCosts:
         for name in ("detect_kill_s", "detect_exit_s", "detect_lost_s", "restart_s",
                      "syncer_restart_s", "promote_s", "spare_ready_s", "detect_hang_s",
                      "survivor_slowdown_per_start", "start_cpu_s"):
-            _check_time(name, getattr(self, name))
+            check_time(name, getattr(self, name))
         if self.start_cores <= 0:
             raise ValueError(f"start_cores must be > 0, got {self.start_cores}")
         for name in ("restart_samples_s", "promote_samples_s"):
             for value in getattr(self, name):
-                _check_time(name, value)
+                check_time(name, value)
 
     def detect_s(self, kind: FaultKind) -> float:
         return {FaultKind.KILL: self.detect_kill_s, FaultKind.EXIT: self.detect_exit_s,

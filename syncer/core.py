@@ -734,7 +734,7 @@ class SyncerCore:
         if shift is not None:
             for path, g in grads.items():
                 g += shift[0][path] - shift[1][path]
-                norms[path] = fused._norm(g)
+                norms[path] = fused.tensor_norm(g)
         slot.open_sum.fold(grads, norms, weight, unit_weight, self.pool)
         for g in grads.values():
             self.pool.give(g)

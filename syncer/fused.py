@@ -56,7 +56,7 @@ def _flat(x: np.ndarray) -> np.ndarray:
     return x.reshape(-1)
 
 
-def _norm(x: np.ndarray) -> float:
+def tensor_norm(x: np.ndarray) -> float:
     flat = _flat(x)
     return math.sqrt(max(float(blas.sdot(flat, flat)), 0.0)) if flat.size else 0.0
 
@@ -83,7 +83,7 @@ def outer_gradient(params: dict, base: dict, drift: dict,
         np.subtract(value, base[path], out=g)
         np.subtract(g, np.asarray(drift[path], np.float32), out=g)
         grads[path] = g
-        norms[path] = _norm(g)
+        norms[path] = tensor_norm(g)
     return grads, norms
 
 
@@ -402,7 +402,7 @@ def _step_sums(optimizer, sums, share, params, state, pool, recycle_state):
     grad_norm = math.sqrt(norm_sq)
     if sgd is None:
         new_params, new_state = outer_lib.outer_step(optimizer, merged, state, params)
-        finite = [all(np.isfinite(_norm(v)) or bool(np.all(np.isfinite(v)))
+        finite = [all(np.isfinite(tensor_norm(v)) or bool(np.all(np.isfinite(v)))
                       for v in new_params.values())]
         for v in merged.values():
             give(v)

@@ -26,7 +26,7 @@ import numpy as np  # noqa: E402
 
 from islands.learners.loop import LearnerLoop  # noqa: E402
 from islands.learners.task import TaskStream  # noqa: E402
-from islands.learners.unit import (TrainingSpec, _learner_core, build_task,  # noqa: E402
+from islands.learners.unit import (TrainingSpec, learner_core, build_task,  # noqa: E402
                                    build_training, learner_layout, make_error_feedback,
                                    meshed_steps, place_learner_state)
 from islands.syncer import codec as codec_lib  # noqa: E402
@@ -68,7 +68,7 @@ def train(spec: TrainingSpec, devices, steps: int) -> dict:
     syncer = SyncerCore(frags, SyncerSettings(overlap_steps=spec.overlap_steps),
                         outer_lib.build("nesterov"), decode, is_embedding=task.is_embedding)
     epoch, registered = syncer.register("mesh:0", 0)
-    core = _learner_core(spec, "mesh:0", params, opt_state, [v for _, v in registered],
+    core = learner_core(spec, "mesh:0", params, opt_state, [v for _, v in registered],
                          layout=layout)
     loop = LearnerLoop(core, train_step, batch_at, int(task.tokens(first_batch)),
                        spec.fragments, spec.sync_every_steps)

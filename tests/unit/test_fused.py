@@ -201,7 +201,7 @@ def test_unfold_takes_a_push_out_of_the_sums_by_hand():
     pushes = [({"w": np.array([2.0, 0.0], np.float32), "b": np.zeros(1, np.float32)}, 1.0),
               ({"w": np.array([1.0, 1.0], np.float32), "b": np.ones(1, np.float32)}, 2.0),
               ({"w": np.array([0.0, 4.0], np.float32), "b": np.zeros(1, np.float32)}, 3.0)]
-    norms = [{k: fused._norm(v) for k, v in g.items()} for g, _ in pushes]
+    norms = [{k: fused.tensor_norm(v) for k, v in g.items()} for g, _ in pushes]
     for (g, w), n in zip(pushes, norms):
         sums.fold(g, n, w)
     assert sums.unfold(pushes[1][0], norms[1], 2.0)
@@ -224,9 +224,9 @@ def test_unfold_leaves_no_length_where_no_direction_is_left():
     pushes = [(np.array([1.0, 0.0], np.float32), 0.1), (np.array([0.0, 1.0], np.float32), 0.1),
               (np.array([-1.0, 0.0], np.float32), 0.1), (np.zeros(2, np.float32), 1.3)]
     for g, w in pushes:
-        sums.fold({"w": g}, {"w": fused._norm(g)}, w)
+        sums.fold({"w": g}, {"w": fused.tensor_norm(g)}, w)
     for g, w in pushes[:3]:
-        assert sums.unfold({"w": g}, {"w": fused._norm(g)}, w)
+        assert sums.unfold({"w": g}, {"w": fused.tensor_norm(g)}, w)
     assert "w" not in sums.direction and "w" not in sums.directed
     assert sums.length["w"] == 0.0 and sums.count == 1
 
@@ -237,14 +237,14 @@ def test_unfold_of_a_push_outweighing_the_rest_asks_for_a_refold():
     empties the sums and asks for a refold instead. Equal weights still subtract."""
     big, small = np.array([1e3, 1e3], np.float32), np.array([0.0, 4.0], np.float32)
     sums = fused.GradSum(frozenset())
-    sums.fold({"w": big}, {"w": fused._norm(big)}, 1e10)
-    sums.fold({"w": small}, {"w": fused._norm(small)}, 1.0)
-    assert sums.unfold({"w": big}, {"w": fused._norm(big)}, 1e10) is False
+    sums.fold({"w": big}, {"w": fused.tensor_norm(big)}, 1e10)
+    sums.fold({"w": small}, {"w": fused.tensor_norm(small)}, 1.0)
+    assert sums.unfold({"w": big}, {"w": fused.tensor_norm(big)}, 1e10) is False
     assert (sums.count, sums.mean, sums.weight) == (1, {}, 0.0)
     even = fused.GradSum(frozenset())
-    even.fold({"w": big}, {"w": fused._norm(big)}, 1.0)
-    even.fold({"w": small}, {"w": fused._norm(small)}, 1.0)
-    assert even.unfold({"w": big}, {"w": fused._norm(big)}, 1.0)
+    even.fold({"w": big}, {"w": fused.tensor_norm(big)}, 1.0)
+    even.fold({"w": small}, {"w": fused.tensor_norm(small)}, 1.0)
+    assert even.unfold({"w": big}, {"w": fused.tensor_norm(big)}, 1.0)
     np.testing.assert_array_equal(even.mean["w"], small)
 
 
