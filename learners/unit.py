@@ -66,6 +66,10 @@ class LearnerUnit:
         self.settled_opt_state = None   # the inner state of the newest finished step (a peer's)
         self.gang = None            # the other hosts of a multi-host unit (learners/gang.py)
         self.gang_calls: list = []  # core calls since the last step, for them to replay
+        # Sharded syncer: re-registrations with a restarting shard run on their own threads
+        # (the training loop never waits on one); their answers wait here for the loop.
+        self.registering: set[int] = set()
+        self.registered: list[tuple[int, dict]] = []
         self.prepared: Optional[dict] = None     # what ``prepare`` built (no learner identity)
         self.prepare_lock = threading.Lock()
         self.promoted = threading.Event()
@@ -489,6 +493,7 @@ class LearnerUnit:
     def _collect_replies(self, sender, arrived) -> None:
         """Moves finished push futures into ``arrived`` (with the emulated downlink delay)."""
 
+        self._apply_registrations()
         for push in sender.take_failed():
             self._lost(push)
         for ref, push in sender.finished():
@@ -612,7 +617,12 @@ class LearnerUnit:
 
     def _reregister(self, syncer_shard: int = 0) -> None:
         """Joins a restarted syncer shard: new epoch, new bases for its fragments; local progress
-        is kept as drift. The other shards' fragments are untouched."""
+        is kept as drift. The other shards' fragments are untouched.
+
+        One syncer: waits for it (nothing can merge meanwhile). Several shards: a thread of its
+        own tries until the shard answers, and the training loop applies the answer at its next
+        iteration, so this learner keeps training and pushing the other shards' fragments while
+        one restarts (a blocking try held every step for up to a second per lost push)."""
 
         with self.lock:  # what this learner adopted: a restored syncer takes newer versions
             adopted = [(t.base_version, {k: np.asarray(v) for k, v in t.base.items()})
@@ -620,11 +630,36 @@ class LearnerUnit:
             # One shard keeps the single syncer's fresh session per registration; with several,
             # every shard shares the learner's one session.
             session = self.core.session if self.spec.syncer_shards > 1 else None
-        # One syncer: wait for it (nothing can merge meanwhile). Several shards: one short try,
-        # so this learner keeps training and pushing the other shards' fragments while one
-        # restarts; its next failed push to that shard tries again.
+            if self.spec.syncer_shards > 1:
+                if syncer_shard in self.registering:
+                    return
+                self.registering.add(syncer_shard)
+        if self.spec.syncer_shards == 1:
+            reg = self._register_with(syncer_shard, adopted, session, time.time() + 60.0)
+            if reg is not None:
+                self._joined(syncer_shard, reg)
+            return
+
+        def register_in_background():
+            reg = None
+            try:
+                reg = self._register_with(syncer_shard, adopted, session, None)
+            finally:   # the shard stays "registering" until the loop has applied its answer
+                with self.lock:
+                    if reg is None:
+                        self.registering.discard(syncer_shard)
+                    else:
+                        self.registered.append((syncer_shard, reg))
+
+        threading.Thread(target=register_in_background, daemon=True,
+                         name=f"islands-register-{syncer_shard}").start()
+
+    def _register_with(self, syncer_shard: int, adopted: list, session,
+                       deadline: Optional[float]) -> Optional[dict]:
+        """Registers with shard ``syncer_shard`` (its handle is looked up anew: a restarted
+        shard is a new actor); tries every half second until ``deadline`` (None: until this
+        learner stops). None: it stopped or the deadline passed."""
         sharded = self.spec.syncer_shards > 1
-        deadline = time.time() + (0.0 if sharded else 60.0)
         while not self.stop_event.is_set():
             try:
                 handle = ray.get_actor(self._shard_name(syncer_shard),
@@ -632,23 +667,38 @@ class LearnerUnit:
                 args = (self.spec.learner, self.spec.incarnation, adopted) + (
                     (session,) if session else ())
                 reg = ray.get(handle.register.remote(*args), timeout=1.0 if sharded else 10)
-                self.syncers[syncer_shard] = handle
-                break
+                with self.lock:
+                    self.syncers[syncer_shard] = handle
+                return reg
             except Exception:
-                if time.time() >= deadline:
-                    return
-                time.sleep(0.5)
-        else:
+                if deadline is not None and time.time() >= deadline:
+                    return None
+                self.stop_event.wait(0.5)
+        return None
+
+    def _apply_registrations(self) -> None:
+        """The training loop takes the answers its registration threads got (core changes stay
+        on the training thread: a step may be running while a thread registers)."""
+        if not self.registered:
             return
+        with self.lock:
+            answers, self.registered = self.registered, []
+        for syncer_shard, reg in answers:
+            self._joined(syncer_shard, reg)
+            with self.lock:
+                self.registering.discard(syncer_shard)
+
+    def _joined(self, syncer_shard: int, reg: dict) -> None:
+        """Takes shard ``syncer_shard``'s registration answer into the core."""
         if reg["epoch"] == self.epochs[syncer_shard]:
             # Same syncer, a new session: the drift stays as it is.
             with self.lock:
                 self._core("session", reg["session"])
             return
-        self.epochs[syncer_shard] = reg["epoch"]
-        self.epoch = self.epochs[0]
         ids = reg.get("fragment_ids") if self.spec.syncer_shards > 1 else None
         with self.lock:
+            self.epochs[syncer_shard] = reg["epoch"]
+            self.epoch = self.epochs[0]
             self._core("reregistered", reg["fragments"], reg["versions"], reg["session"], ids)
             self.stats["reregistered"] += 1
 
