@@ -160,6 +160,9 @@ def format_status(table: dict) -> str:
             lines.append(f"  syncer shard {row['shard']}: fragments {row['fragments']}  "
                          f"epoch {row['epoch']}  merges {row['merges']}  "
                          f"versions {row['versions']}")
+    if s.get("snapshot_error"):   # merging goes on; a restart would restore an older snapshot
+        lines.append(f"SNAPSHOTS FAILING ({s.get('snapshot_failures')} so far): "
+                     f"{s['snapshot_error']}")
     for name, spare in sorted((table.get("spares") or {}).items()):
         reserved = f"  for {spare['for']}'s restart" if spare.get("for") else ""
         lines.append(f"spare {name}: region {spare['region']}  {spare['state']}{reserved}")

@@ -99,6 +99,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "A syncer shard's incarnation (bumped when that shard restarts)"),
     MetricSpec("islands_syncer_shard_merges", "counter", ("shard",),
                "Merges of the fragments a syncer shard owns (the sum of their versions)"),
+    MetricSpec("islands_syncer_shard_snapshot_failures", "counter", ("shard",),
+               "Snapshot saves of a syncer shard that raised (merging went on; a restart would "
+               "restore an older snapshot)"),
     MetricSpec("islands_learners", "gauge", ("state", "region"),
                "Learners by state and region; state=\"spare\" counts warm spares"),
     MetricSpec("islands_learner_devices", "gauge", ("region", "kind"),
@@ -424,10 +427,12 @@ def families(snap: Mapping[str, Any]) -> list:
 
     shard_epoch, shard_merges = gauge("islands_syncer_shard_epoch"), counter(
         "islands_syncer_shard_merges")
+    snapshot_failures = counter("islands_syncer_shard_snapshot_failures")
     for row in syncer.get("shards") or []:
         shard_epoch.add_metric([str(row["shard"])], float(row["epoch"]))
         shard_merges.add_metric([str(row["shard"])], float(row["merges"]))
-    out += [shard_epoch, shard_merges]
+        snapshot_failures.add_metric([str(row["shard"])], float(row.get("snapshot_failures", 0)))
+    out += [shard_epoch, shard_merges, snapshot_failures]
 
     learners = gauge("islands_learners")
     regions = sorted(snap["wire_bytes"]) or sorted({l["region"] for l in snap["learners"].values()})

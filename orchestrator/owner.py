@@ -160,8 +160,11 @@ class Owner:
             if t.fields.get("remote"):  # its agent launched it: home keeps its books
                 self.close(t.learner)   # the previous incarnation's newest beat stays in closed
                 number = int(t.fields["incarnation"])
-                self.running[t.learner] = Incarnation(
-                    number, beat=self.remote_beats.pop((t.learner, number), None), remote=True)
+                with self.lock:   # a report's thread stores beats that come before the launch
+                    beat = self.remote_beats.pop((t.learner, number), None)
+                    for key in [k for k in self.remote_beats if k[0] == t.learner and k[1] < number]:
+                        del self.remote_beats[key]   # older incarnations' beats: never taken
+                    self.running[t.learner] = Incarnation(number, beat=beat, remote=True)
         elif t.name == "learner_retired":
             self.books.release(t.learner, now)
         elif t.name == "learner_recovered":
@@ -338,7 +341,13 @@ class Owner:
             "syncer_epoch": int(self.syncer_status.epoch),
             "syncer_epochs": [int(st.epoch) if st is not None else 0
                               for st in self.shard_status],
-            "started_epochs": list(self.started_epochs)}
+            "started_epochs": list(self.started_epochs),
+            "refusals_seen": list(self.shard_refusals_seen),
+            # Restarts decided for a remote region's agent, not yet taken by its report, and
+            # each region's spare back-off: both would be lost with the owner's memory.
+            "remote_restarts": {r: list(rows) for r, rows in self.remote_restarts.items()},
+            "spare_backoff": {r: dataclasses.asdict(b)
+                              for r, b in fleet_state.spare_backoff.items()}}
 
     def restore(self, saved: Mapping, observed: Mapping[str, Optional[dict]], now: float,
                 syncer_restarts_missed: int = 0) -> list[str]:
@@ -353,6 +362,14 @@ class Owner:
         self.recoveries = RecoveryLog.from_json(saved["recoveries"])
         self.syncer_restarts = int(saved["syncer_restarts"]) + syncer_restarts_missed
         self.syncer_closed = saved["syncer_closed"]
+        # The refusals already reported, per shard still in the epoch it was saved at (a
+        # restarted one counts from 0 again): a restarted owner emits none of them twice.
+        for s, (seen, epoch) in enumerate(zip(saved.get("refusals_seen", []),
+                                              saved.get("syncer_epochs", []))):
+            status = self.shard_status[s] if s < len(self.shard_status) else None
+            if status is not None and int(status.epoch) == int(epoch):
+                self.shard_refusals_seen[s] = int(seen)
+        self.refusals_seen = sum(self.shard_refusals_seen)
         ledger = self.syncer_status.ledger
         regions = self.fleet.settings.regions
         slots, paused = [], []
@@ -397,7 +414,12 @@ class Owner:
         # A region still in its repair after a region loss starts no spare before it is over.
         self.fleet = dataclasses.replace(rebuilt, lost_regions={
             region: float(until) for region, until in saved.get("lost_regions", {}).items()},
-            misconfigured=saved_marks(saved.get("misconfigured")))
+            misconfigured=saved_marks(saved.get("misconfigured")),
+            spare_backoff={region: fleet.SpareBackoff(**b)
+                           for region, b in saved.get("spare_backoff", {}).items()})
+        with self.lock:
+            self.remote_restarts = {r: list(rows)
+                                    for r, rows in saved.get("remote_restarts", {}).items()}
         return paused
 
     # -- the handlers: one per action type (fleet.ACTIONS) ------------------------------------

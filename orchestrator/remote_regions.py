@@ -44,13 +44,17 @@ def take_report(controller: Any, report: dict) -> dict:
         controller.link_regions[region] = {"bytes": dict(report.get("link_bytes") or {}),
                                            "reconnects": int(report.get("reconnects") or 0),
                                            "last_report_s": now}
-    for learner, beat in beats.items():
-        inc = controller.owner.running.get(learner)
-        number = beat.incarnation
-        if inc is not None and inc.remote and inc.number == number:
-            inc.beat = beat
-        else:  # its incarnation is not known here yet: kept for when it is
-            controller.owner.remote_beats[(learner, number)] = beat
+    # Under the owner's lock: its thread takes a waiting beat when it records the launch (a beat
+    # stored between its look and its launch was never taken, and stayed for good).
+    with controller.lock:
+        for learner, beat in beats.items():
+            inc = controller.owner.running.get(learner)
+            number = beat.incarnation
+            if inc is not None and inc.remote and inc.number == number:
+                inc.beat = beat
+            elif inc is None or number > inc.number:  # not known here yet: kept for when it is
+                controller.owner.remote_beats[(learner, number)] = beat
+            # (else a closed incarnation's late beat: its counters were folded when it closed)
     # The agent is alive when it updated its slots lately (the link client outlives it).
     age = float(report.get("agent_age_s") or 0.0)
     owner = controller.owner

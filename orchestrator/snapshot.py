@@ -203,7 +203,8 @@ def job_snapshot(controller: Any) -> JobSnapshot:
 def status_table(snap: dict, fleet) -> dict:
     """``islands status``'s table: from a snapshot (``JobSnapshot.as_dict``) and the fleet."""
     return {"learners": snap["learners"],
-            "syncer": {k: snap["syncer"].get(k) for k in ("epoch", "versions", "merges", "shards")},
+            "syncer": {k: snap["syncer"].get(k) for k in ("epoch", "versions", "merges", "shards",
+                                                         "snapshot_failures", "snapshot_error")},
             "paused_reason": snap["paused_reason"], "spares": snap.get("spares") or {},
             "misconfigured": fleet.marks()}
 

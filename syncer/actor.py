@@ -141,6 +141,8 @@ class Syncer:
         self.started_s = time.time()
         # The last snapshot (or the restored state): merges then, and when.
         self.snapshot_merges, self.snapshot_s = sum(self.core.versions), time.monotonic()
+        self.snapshot_failures = 0                  # snapshot saves that raised
+        self.snapshot_error: Optional[str] = None   # the newest one's error while they fail
         self.waiters: dict[int, dict[str, asyncio.Future]] = collections.defaultdict(dict)
         # The grace window's inputs (syncer/timing.py, as the in-process driver has them):
         # ξ_step and the pause from the controller (set_fleet), ξ_sync = the configured round
@@ -229,8 +231,7 @@ class Syncer:
                                        time.monotonic() - self.snapshot_s,
                                        self.spec.snapshot_every_merges,
                                        self.spec.snapshot_min_interval_s):
-            self.store.save(self.core)
-            self.snapshot_merges, self.snapshot_s = sum(self.core.versions), time.monotonic()
+            self._save_snapshot()
         if self.journal_writer is None:
             self._answer(g, result, updates, taken)
             return
@@ -239,6 +240,28 @@ class Syncer:
         durable = asyncio.wrap_future(self.journal_writer.submit(self.core, p))
         self.journal_pending[p] = durable
         asyncio.ensure_future(self._answer_when_durable(p, g, result, updates, taken, durable))
+
+    def _save_snapshot(self) -> None:
+        """A snapshot that cannot be written (a full or read-only disk) is logged when the
+        failures start and when they end, and counted (``snapshot_failures``); the merge goes
+        on and is answered as it would be (a raise here ended the merge loop and left the
+        merge's pushes unanswered). The next try waits the minimum interval again."""
+        try:
+            self.store.save(self.core)
+        except Exception as exc:
+            self.snapshot_failures += 1
+            if self.snapshot_error is None:
+                log.error("syncer shard %s: cannot save a snapshot (%s: %s); merging goes on, "
+                          "a restart would restore an older one", self.spec.syncer_shard,
+                          type(exc).__name__, exc)
+            self.snapshot_error = f"{type(exc).__name__}: {exc}"
+            self.snapshot_s = time.monotonic()
+            return
+        if self.snapshot_error is not None:
+            log.warning("syncer shard %s: snapshots are saved again after %d failure(s)",
+                        self.spec.syncer_shard, self.snapshot_failures)
+            self.snapshot_error = None
+        self.snapshot_merges, self.snapshot_s = sum(self.core.versions), time.monotonic()
 
     async def _answer_when_durable(self, p: int, g: int, result, updates: dict, taken: dict,
                                    durable: asyncio.Future) -> None:
@@ -414,6 +437,8 @@ class Syncer:
             restored_from=self.restored_from,
             syncer_shard=self.spec.syncer_shard,
             fragment_ids=self._ids(),
+            snapshot_failures=self.snapshot_failures,
+            snapshot_error=self.snapshot_error,
         )
 
     async def fragment_at(self, p: int, version: int) -> Optional[dict]:

@@ -164,6 +164,7 @@ def combine_status(statuses: Sequence[Optional[Mapping]]) -> dict:
                  "quorum_size": {}, "live_learners": {}, "participation_counts": {},
                  "grace_window_s": 0.0, "staleness_counts": {}, "rejected": {},
                  "registered": {}, "refusals_total": 0, "quarantined": {}, "ledger": {},
+                 "snapshot_failures": 0, "snapshot_error": None,
                  "wire_bytes_up": {}, "wire_bytes_down": {}, "restored_from": None,
                  "shards": [_shard_row(s, st) for s, st in enumerate(statuses) if st]}
     versions: dict[int, int] = {}
@@ -172,6 +173,8 @@ def combine_status(statuses: Sequence[Optional[Mapping]]) -> dict:
         out["merges"] += int(st.get("merges") or 0)
         out["grace_window_s"] = max(out["grace_window_s"], float(st.get("grace_window_s") or 0))
         out["refusals_total"] += int(st.get("refusals_total") or 0)
+        out["snapshot_failures"] += int(st.get("snapshot_failures") or 0)
+        out["snapshot_error"] = out["snapshot_error"] or st.get("snapshot_error")
         for p, v in (st.get("merges_by_fragment") or {}).items():
             versions[int(p)] = int(v)
         out["merges_by_fragment"].update({int(p): v for p, v in
@@ -219,7 +222,8 @@ def _shard_row(syncer_shard: int, status: Mapping) -> dict:
                               range(len(status.get("versions") or []))),
             "versions": list(status.get("versions") or []),
             "merges": int(status.get("merges") or 0),
-            "restored_from": status.get("restored_from")}
+            "restored_from": status.get("restored_from"),
+            "snapshot_failures": int(status.get("snapshot_failures") or 0)}
 
 
 # -- building the shards ---------------------------------------------------------------------------

@@ -46,6 +46,8 @@ class SyncerStatus:
     restored_from: Any = None
     syncer_shard: Optional[int] = None
     fragment_ids: Optional[Sequence[int]] = None
+    snapshot_failures: int = 0                 # snapshot saves that raised (merging went on)
+    snapshot_error: Optional[str] = None       # the newest one's error, while saves fail
     shards: Optional[Sequence[dict]] = None    # combined: per shard its epoch, versions, ...
 
     @classmethod

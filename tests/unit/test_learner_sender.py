@@ -130,9 +130,54 @@ def _learner():
     unit.core, unit.gang, unit.lock = core, None, threading.Lock()
     unit.stats = {"refused": 0, "wire_bytes_down": 0}
     unit.epochs, unit.shard_of = [0], {0: 0, 1: 0}
+    unit.registering, unit.registered = set(), []   # (the sharded syncer's registrations)
     unit.reregistered = []
     unit._reregister = unit.reregistered.append
     return unit, core
+
+
+def test_a_sharded_learner_registers_with_a_restarting_shard_off_its_training_thread():
+    """With several syncer shards, a lost push's re-registration runs on a thread of its own:
+    the training loop's call returns before the shard answers (it waited up to a second per
+    lost push, and pushed nothing to the other shards meanwhile), a second lost push starts no
+    second registration, and the loop's next collection applies the answer: that shard's
+    fragment gets the new epoch and base, the other shard's fragment is untouched."""
+    import types
+
+    unit, core = _learner()
+    del unit._reregister                      # the real method, not the recorder
+    unit.spec = types.SimpleNamespace(syncer_shards=2, learner="r:0", incarnation=0)
+    unit.epochs, unit.shard_of, unit.epoch = [0, 0], {0: 0, 1: 1}, 0
+    unit.stats["reregistered"] = 0
+    unit.stop_event = threading.Event()
+    gate, calls = threading.Event(), []
+    restored = {k: np.full_like(np.asarray(v), 2.0) for k, v in core.tracks[1].base.items()}
+
+    def register_with(shard, adopted, session, deadline):   # the shard answers once set
+        calls.append((shard, deadline))
+        assert gate.wait(10)
+        return {"epoch": 1, "fragments": [restored], "versions": [4], "session": "s1",
+                "fragment_ids": [1]}
+
+    unit._register_with = register_with
+    base0 = {k: np.asarray(v).copy() for k, v in core.tracks[0].base.items()}
+    unit._reregister(1)
+    unit._reregister(1)                        # another lost push to the same shard
+    assert unit.registered == [] and unit.registering == {1}   # returned before the answer
+    gate.set()
+    deadline = time.monotonic() + 10
+    while not unit.registered:
+        assert time.monotonic() < deadline, "the registration thread never answered"
+        time.sleep(0.01)
+    assert calls == [(1, None)]                # one registration, trying until it answers
+    assert core.tracks[1].base_version == 0    # nothing applied off the training thread
+    unit._collect_replies(_Sender(unit, None), [])
+    assert unit.epochs == [0, 1] and unit.registering == set() and unit.stats["reregistered"] == 1
+    assert core.tracks[1].base_version == 4
+    assert all(np.array_equal(np.asarray(v), restored[k])
+               for k, v in core.tracks[1].base.items())
+    assert core.tracks[0].base_version == 0
+    assert all(np.array_equal(np.asarray(v), base0[k]) for k, v in core.tracks[0].base.items())
 
 
 def test_the_loss_of_a_push_a_reregistration_voided_leaves_the_newer_push_alone():

@@ -4,6 +4,7 @@ state read back; the region agent's forwarded methods are the controller's; and 
 another class's private fields."""
 
 import ast
+import dataclasses
 import json
 import pathlib
 
@@ -142,11 +143,29 @@ def test_a_remote_incarnation_is_closed_at_its_forget_and_a_local_one_at_its_run
     assert "a:0" not in owner.running and owner.closed["a:0"]["beat"] == {"step": 0}
 
 
+def test_a_remote_launch_takes_its_early_beat_and_drops_older_incarnations_waiting_beats():
+    """A region's report can bring an incarnation's beat before the home records its launch:
+    the beat waits, the launch takes it, and beats of older incarnations that never launched
+    here are dropped with it (they waited for good)."""
+    owner = owner_with(Syncers())
+    early, stale = {"step": 7}, {"step": 3}
+    owner.remote_beats.update({("a:0", 2): early, ("a:0", 1): stale, ("b:0", 1): stale})
+    owner.record(F.Transition("learner_restarted", "a:0", {"remote": True, "incarnation": 2}),
+                 0.0)
+    assert owner.running["a:0"].number == 2 and owner.running["a:0"].beat is early
+    assert owner.remote_beats == {("b:0", 1): stale}
+
+
 # -- saved state ---------------------------------------------------------------------------------
 def test_the_saved_state_reads_back_keeping_a_running_learner_and_relaunching_a_gone_one():
     d = started(M=3)
     for i in range(RECOVERIES_KEPT + 5):
         d.owner.recoveries.append({"total_s": float(i)})
+    d.owner.shard_refusals_seen = [5]   # refusals already emitted as events
+    backoff = F.SpareBackoff(failed=2, not_before_s=40.0, node="n1", on_node=2)
+    d.owner.fleet = dataclasses.replace(d.owner.fleet, spare_backoff={"r": backoff})
+    restart = {"learner": "far:0", "incarnation": 3, "cause": "hang"}
+    d.owner.remote_restarts = {"far": [restart]}   # decided, not yet taken by the agent
     saved = json.loads(json.dumps(d.owner.save(2.5)))
     assert len(saved["recoveries"]["rows"]) == RECOVERIES_KEPT
     fresh = driver(M=3).owner
@@ -164,6 +183,15 @@ def test_the_saved_state_reads_back_keeping_a_running_learner_and_relaunching_a_
     assert fresh.syncer_restarts == 2 and fresh.books.to_json() == d.owner.books.to_json()
     assert fresh.recoveries.newest(1) == [{"total_s": float(RECOVERIES_KEPT + 4)}]
     assert fresh.recoveries.total == RECOVERIES_KEPT + 5
+    # The same shard (same epoch): its 5 refusals are not emitted again; a shard restarted
+    # meanwhile counts its own from 0.
+    assert (fresh.shard_refusals_seen, fresh.refusals_seen) == ([5], 5)
+    assert fresh.fleet.spare_backoff == {"r": backoff}
+    assert fresh.remote_restarts == {"far": [restart]}
+    other = driver(M=3).owner
+    other.refresh_syncer_status()
+    other.restore(dict(saved, syncer_epochs=[1]), observed, 10.0)
+    assert (other.shard_refusals_seen, other.refusals_seen) == ([0], 0)
 
 
 def test_a_saved_remote_learner_stays_mirrored():

@@ -22,6 +22,16 @@ def test_status_names_each_marked_node_and_a_crash_loops_step_and_error():
     assert "MISCONFIGURED region gpu: device check failed: x" in old
 
 
+def test_status_names_failing_snapshots_with_their_error_and_count():
+    syncer = {"epoch": 0, "merges": 9, "snapshot_failures": 3,
+              "snapshot_error": "OSError: [Errno 28] No space left on device"}
+    text = cli.format_status({"learners": {"a:0": LEARNER}, "syncer": syncer})
+    assert "SNAPSHOTS FAILING (3 so far): OSError: [Errno 28] No space left on device" in text
+    healthy = cli.format_status({"learners": {"a:0": LEARNER},
+                                 "syncer": dict(syncer, snapshot_error=None)})
+    assert "SNAPSHOTS" not in healthy
+
+
 @pytest.mark.parametrize("argv", [["clear-misconfigured"],
                                   ["clear-misconfigured", "n1", "--all"]])
 def test_clear_misconfigured_takes_a_node_or_all(argv, capsys):

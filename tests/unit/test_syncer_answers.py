@@ -193,6 +193,7 @@ def test_revoking_a_merge_restores_the_watermark_of_the_merges_that_stay():
                                      merge_rule=merge_lib.MergeRule.MEAN),
                       optax.sgd(1.0), lambda codes: codes)
     core.register("a", 0)
+    time.sleep(0.01)   # (the progress bound: a few steps need a few 10 µs)
 
     def merged(p, path, step):
         push = Push("a", p, {path: np.ones(1, np.float32)}, 0, core.epoch, 100, 1, step=step,
@@ -289,3 +290,38 @@ def test_a_merge_a_snapshot_holds_is_answered_though_its_journal_entry_is_not_wr
     assert (entry.merged_tokens_total, entry.applied_step, entry.applied_tokens) == (64, 2, 128)
     restarted.journal_writer.close()
     restarted.store.close()
+
+
+def test_a_snapshot_that_cannot_be_saved_is_counted_and_merging_goes_on(tmp_path):
+    """The snapshot cannot be written (a file holds the snapshot folder's name): the merge is still
+    answered as merged, the failure is counted with its error in the status, the loop merges
+    the next push, and once the folder is back the next snapshot lands and clears the error. (A raise from the save ended the merge loop and left the merged push unanswered.)"""
+    import dataclasses
+    import os
+
+    spec = dataclasses.replace(_spec(tmp_path), snapshot_every_merges=1, journal=False,
+                               snapshot_min_interval_s=0.0)
+
+    async def scenario():
+        syncer = Syncer(spec)
+        reg = await syncer.register("a", 0)
+        await asyncio.sleep(0.01)
+        folder = str(syncer.store.manager.directory)
+        os.rmdir(folder)                    # (empty: nothing saved yet)
+        open(folder, "w").close()           # no snapshot can be written under it
+        reply = await asyncio.wait_for(syncer.push(_push(reg, 0, 2)), timeout=10)
+        assert (reply.status, reply.version) == ("merged", 1), reply
+        status = await syncer.status()
+        assert status.snapshot_failures == 1 and status.snapshot_error, status
+        assert syncer.store.saved_versions is None
+        os.remove(folder)
+        os.makedirs(folder)
+        reply = await asyncio.wait_for(syncer.push(_push(reg, 1, 4)), timeout=10)
+        assert (reply.status, reply.version) == ("merged", 2), reply
+        status = await syncer.status()
+        assert (status.snapshot_failures, status.snapshot_error) == (1, None)
+        assert syncer.store.saved_versions == (2,)
+        syncer._loop_task.cancel()
+        syncer.store.close()
+
+    asyncio.run(scenario())
