@@ -624,55 +624,70 @@ class LearnerUnit:
         iteration, so this learner keeps training and pushing the other shards' fragments while
         one restarts (a blocking try held every step for up to a second per lost push)."""
 
-        with self.lock:  # what this learner adopted: a restored syncer takes newer versions
-            adopted = [(t.base_version, {k: np.asarray(v) for k, v in t.base.items()})
-                       for t in self.core.tracks]
-            # One shard keeps the single syncer's fresh session per registration; with several,
-            # every shard shares the learner's one session.
-            session = self.core.session if self.spec.syncer_shards > 1 else None
-            if self.spec.syncer_shards > 1:
+        sharded = self.spec.syncer_shards > 1
+        if sharded:
+            with self.lock:
                 if syncer_shard in self.registering:
                     return
                 self.registering.add(syncer_shard)
-        if self.spec.syncer_shards == 1:
-            reg = self._register_with(syncer_shard, adopted, session, time.time() + 60.0)
-            if reg is not None:
-                self._joined(syncer_shard, reg)
+        else:
+            found = self._register_with(syncer_shard, time.time() + 60.0)
+            if found is not None:
+                self._joined(syncer_shard, *found)
             return
 
         def register_in_background():
-            reg = None
+            found = None
             try:
-                reg = self._register_with(syncer_shard, adopted, session, None)
+                found = self._register_with(syncer_shard, None)
             finally:   # the shard stays "registering" until the loop has applied its answer
                 with self.lock:
-                    if reg is None:
+                    if found is None:
                         self.registering.discard(syncer_shard)
                     else:
-                        self.registered.append((syncer_shard, reg))
+                        self.registered.append((syncer_shard, *found))
 
-        threading.Thread(target=register_in_background, daemon=True,
-                         name=f"islands-register-{syncer_shard}").start()
+        try:
+            threading.Thread(target=register_in_background, daemon=True,
+                             name=f"islands-register-{syncer_shard}").start()
+        except RuntimeError:   # no thread to be had: the next lost push tries again
+            with self.lock:
+                self.registering.discard(syncer_shard)
 
-    def _register_with(self, syncer_shard: int, adopted: list, session,
-                       deadline: Optional[float]) -> Optional[dict]:
-        """Registers with shard ``syncer_shard`` (its handle is looked up anew: a restarted
-        shard is a new actor); tries every half second until ``deadline`` (None: until this
-        learner stops). None: it stopped or the deadline passed."""
+    def _adopted(self) -> list:
+        """What this learner adopted, per fragment: a restored syncer takes newer versions."""
+        with self.lock:
+            return [(t.base_version, {k: np.asarray(v) for k, v in t.base.items()})
+                    for t in self.core.tracks]
+
+    def _register_with(self, syncer_shard: int, deadline: Optional[float]
+                       ) -> Optional[tuple[dict, Any]]:
+        """Registers with shard ``syncer_shard``; returns its answer and its handle (looked up
+        anew: a restarted shard is a new actor). A call not yet answered is waited on again,
+        not sent again (each send carries the adopted fragments); one whose shard died is sent
+        again to its successor, with what was adopted since. Tries until ``deadline`` (None:
+        until this learner stops or its run ends). None: it stopped or the deadline passed."""
         sharded = self.spec.syncer_shards > 1
-        while not self.stop_event.is_set():
+        # One shard keeps the single syncer's fresh session per registration; with several,
+        # every shard shares the learner's one session.
+        session = self.core.session if sharded else None
+        handle, ref = None, None
+        while not (self.stop_event.is_set() or self.done.is_set()):
             try:
-                handle = ray.get_actor(self._shard_name(syncer_shard),
-                                       namespace=self.spec.namespace)
-                args = (self.spec.learner, self.spec.incarnation, adopted) + (
-                    (session,) if session else ())
-                reg = ray.get(handle.register.remote(*args), timeout=1.0 if sharded else 10)
-                with self.lock:
-                    self.syncers[syncer_shard] = handle
-                return reg
-            except Exception:
-                if deadline is not None and time.time() >= deadline:
-                    return None
+                if ref is None:
+                    handle = ray.get_actor(self._shard_name(syncer_shard),
+                                           namespace=self.spec.namespace)
+                    args = (self.spec.learner, self.spec.incarnation, self._adopted()) + (
+                        (session,) if session else ())
+                    ref = handle.register.remote(*args)
+                return ray.get(ref, timeout=1.0 if sharded else 10), handle
+            except ray.exceptions.GetTimeoutError:
+                pass       # still restoring: the same call is waited on again
+            except Exception:   # no such actor yet, or it died: a new call next time
+                ref = None
+            if deadline is not None and time.time() >= deadline:
+                return None
+            if ref is None:
                 self.stop_event.wait(0.5)
         return None
 
@@ -683,13 +698,17 @@ class LearnerUnit:
             return
         with self.lock:
             answers, self.registered = self.registered, []
-        for syncer_shard, reg in answers:
-            self._joined(syncer_shard, reg)
+        for syncer_shard, reg, handle in answers:
+            self._joined(syncer_shard, reg, handle)
             with self.lock:
                 self.registering.discard(syncer_shard)
 
-    def _joined(self, syncer_shard: int, reg: dict) -> None:
-        """Takes shard ``syncer_shard``'s registration answer into the core."""
+    def _joined(self, syncer_shard: int, reg: dict, handle) -> None:
+        """Takes shard ``syncer_shard``'s registration answer into the core, and its handle
+        with it (the sender's pushes then carry the new epoch to the new actor; swapped
+        earlier, the old epoch's pushes went to it and were refused as stale)."""
+        with self.lock:
+            self.syncers[syncer_shard] = handle
         if reg["epoch"] == self.epochs[syncer_shard]:
             # Same syncer, a new session: the drift stays as it is.
             with self.lock:

@@ -40,6 +40,8 @@ from .books import Books
 from .groups_api import Incarnation, SyncerStatus, combined
 from .logs import RecoveryLog
 
+# A saved spare back-off's fields this version knows (a newer state file may carry more).
+BACKOFF_FIELDS = frozenset(f.name for f in dataclasses.fields(fleet.SpareBackoff))
 # A re-attached learner's state (its actor's answer) -> its slot's ("paused": the floor decides
 # again at the first step).
 RUNNING_STATES = {"training": fleet.SlotState.TRAINING, "paused": fleet.SlotState.TRAINING,
@@ -345,7 +347,7 @@ class Owner:
             "refusals_seen": list(self.shard_refusals_seen),
             # Restarts decided for a remote region's agent, not yet taken by its report, and
             # each region's spare back-off: both would be lost with the owner's memory.
-            "remote_restarts": {r: list(rows) for r, rows in self.remote_restarts.items()},
+            "remote_restarts": self.pending_remote_restarts(),
             "spare_backoff": {r: dataclasses.asdict(b)
                               for r, b in fleet_state.spare_backoff.items()}}
 
@@ -415,7 +417,8 @@ class Owner:
         self.fleet = dataclasses.replace(rebuilt, lost_regions={
             region: float(until) for region, until in saved.get("lost_regions", {}).items()},
             misconfigured=saved_marks(saved.get("misconfigured")),
-            spare_backoff={region: fleet.SpareBackoff(**b)
+            spare_backoff={region: fleet.SpareBackoff(**{k: v for k, v in b.items()
+                                                         if k in BACKOFF_FIELDS})
                            for region, b in saved.get("spare_backoff", {}).items()})
         with self.lock:
             self.remote_restarts = {r: list(rows)
@@ -476,6 +479,11 @@ class Owner:
 
     def do_partitionhome(self, a: fleet.PartitionHome) -> None:
         self.learners.partition_home(a.fault)
+
+    def pending_remote_restarts(self) -> dict:
+        """The restarts not yet taken by their region's report (its thread pops them)."""
+        with self.lock:
+            return {r: list(rows) for r, rows in self.remote_restarts.items()}
 
     def do_restartremote(self, a: fleet.RestartRemote) -> None:
         """Goes to the region's agent with the reply to its next report (the home has no handle

@@ -243,19 +243,24 @@ class Syncer:
 
     def _save_snapshot(self) -> None:
         """A snapshot that cannot be written (a full or read-only disk) is logged when the
-        failures start and when they end, and counted (``snapshot_failures``); the merge goes
-        on and is answered as it would be (a raise here ended the merge loop and left the
-        merge's pushes unanswered). The next try waits the minimum interval again."""
+        failures start (and when their error changes) and when they end, and counted
+        (``snapshot_failures``); the merge goes on and is answered as it would be (a raise here
+        ended the merge loop and left the merge's pushes unanswered). The next try is due as
+        the next snapshot would have been (``snapshot_every_merges`` merges later, and the
+        minimum interval): trying at every merge would block the loop on a failing write each
+        time."""
         try:
             self.store.save(self.core)
         except Exception as exc:
             self.snapshot_failures += 1
-            if self.snapshot_error is None:
-                log.error("syncer shard %s: cannot save a snapshot (%s: %s); merging goes on, "
-                          "a restart would restore an older one", self.spec.syncer_shard,
-                          type(exc).__name__, exc)
-            self.snapshot_error = f"{type(exc).__name__}: {exc}"
-            self.snapshot_s = time.monotonic()
+            error = f"{type(exc).__name__}: {exc}"
+            if self.snapshot_error is None or not self.snapshot_error.startswith(
+                    type(exc).__name__):
+                log.error("syncer shard %s: cannot save a snapshot (%s); merging goes on, a "
+                          "restart would restore an older one", self.spec.syncer_shard, error,
+                          exc_info=True)
+            self.snapshot_error = error
+            self.snapshot_merges, self.snapshot_s = sum(self.core.versions), time.monotonic()
             return
         if self.snapshot_error is not None:
             log.warning("syncer shard %s: snapshots are saved again after %d failure(s)",

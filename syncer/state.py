@@ -146,8 +146,11 @@ class SnapshotStore:
         self.saved_versions: Optional[tuple] = None
         self.manager = ocp.CheckpointManager(
             os.path.abspath(directory),
+            # A save that failed (a full disk) leaves orbax's temporary folder of its step;
+            # the next store on this folder (the shard's restart) removes those, and only those.
             options=ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, create=True,
-                                                 enable_async_checkpointing=False))
+                                                 enable_async_checkpointing=False,
+                                                 cleanup_tmp_directories=True))
 
     def save(self, core: SyncerCore) -> int:
         arrays, meta = snapshot_tree(core)

@@ -131,6 +131,7 @@ def _learner():
     unit.stats = {"refused": 0, "wire_bytes_down": 0}
     unit.epochs, unit.shard_of = [0], {0: 0, 1: 0}
     unit.registering, unit.registered = set(), []   # (the sharded syncer's registrations)
+    unit.done = threading.Event()
     unit.reregistered = []
     unit._reregister = unit.reregistered.append
     return unit, core
@@ -149,15 +150,16 @@ def test_a_sharded_learner_registers_with_a_restarting_shard_off_its_training_th
     unit.spec = types.SimpleNamespace(syncer_shards=2, learner="r:0", incarnation=0)
     unit.epochs, unit.shard_of, unit.epoch = [0, 0], {0: 0, 1: 1}, 0
     unit.stats["reregistered"] = 0
-    unit.stop_event = threading.Event()
+    unit.stop_event, unit.done = threading.Event(), threading.Event()
+    unit.syncers = ["shard 0", "shard 1, dead"]
     gate, calls = threading.Event(), []
     restored = {k: np.full_like(np.asarray(v), 2.0) for k, v in core.tracks[1].base.items()}
 
-    def register_with(shard, adopted, session, deadline):   # the shard answers once set
+    def register_with(shard, deadline):   # the restarted shard answers once set
         calls.append((shard, deadline))
         assert gate.wait(10)
-        return {"epoch": 1, "fragments": [restored], "versions": [4], "session": "s1",
-                "fragment_ids": [1]}
+        return ({"epoch": 1, "fragments": [restored], "versions": [4], "session": "s1",
+                 "fragment_ids": [1]}, "shard 1, restarted")
 
     unit._register_with = register_with
     base0 = {k: np.asarray(v).copy() for k, v in core.tracks[0].base.items()}
@@ -170,9 +172,12 @@ def test_a_sharded_learner_registers_with_a_restarting_shard_off_its_training_th
         assert time.monotonic() < deadline, "the registration thread never answered"
         time.sleep(0.01)
     assert calls == [(1, None)]                # one registration, trying until it answers
-    assert core.tracks[1].base_version == 0    # nothing applied off the training thread
+    # Nothing applied off the training thread: not the bases, not the epoch, not the handle
+    # (the old epoch's pushes would go to the new shard, refused as stale).
+    assert core.tracks[1].base_version == 0 and unit.syncers[1] == "shard 1, dead"
     unit._collect_replies(_Sender(unit, None), [])
     assert unit.epochs == [0, 1] and unit.registering == set() and unit.stats["reregistered"] == 1
+    assert unit.syncers == ["shard 0", "shard 1, restarted"]
     assert core.tracks[1].base_version == 4
     assert all(np.array_equal(np.asarray(v), restored[k])
                for k, v in core.tracks[1].base.items())

@@ -325,3 +325,64 @@ def test_a_snapshot_that_cannot_be_saved_is_counted_and_merging_goes_on(tmp_path
         syncer.store.close()
 
     asyncio.run(scenario())
+
+
+def test_a_save_that_fails_midway_is_tried_again_a_snapshot_later_and_restarts_clean_up(
+        tmp_path, monkeypatch):
+    """The disk fails in the middle of a snapshot (the arrays are written, the metadata is
+    not): every merge is still answered, the next try comes ``snapshot_every_merges`` merges
+    later (not at every merge, each a blocking write), and once the disk works the snapshot
+    lands and a restarted syncer restores it. A restarted shard's store removes the temporary
+    folders failed saves left, and nothing else in the folder."""
+    import dataclasses
+    import os
+
+    import orbax.checkpoint as ocp
+
+    from islands.syncer.state import SnapshotStore
+
+    spec = dataclasses.replace(_spec(tmp_path), snapshot_every_merges=2, journal=False,
+                               snapshot_min_interval_s=0.0)
+    real_save, disk = ocp.JsonCheckpointHandler.async_save, {"full": False, "tries": 0}
+
+    async def json_save(self, *args, **kwargs):   # the disk, failing at the metadata
+        if disk["full"]:
+            disk["tries"] += 1
+            raise OSError(28, "No space left on device")
+        return await real_save(self, *args, **kwargs)
+
+    monkeypatch.setattr(ocp.JsonCheckpointHandler, "async_save", json_save)
+
+    async def scenario():
+        syncer = Syncer(spec)
+        reg = await syncer.register("a", 0)
+        await asyncio.sleep(0.01)
+        disk["full"] = True
+        for version in range(5):                # merges 1..5: tries at 2 and 4 only
+            reply = await asyncio.wait_for(syncer.push(_push(reg, version, 2 * version + 2)),
+                                           timeout=10)
+            assert (reply.status, reply.version) == ("merged", version + 1), reply
+        assert disk["tries"] == 2 and syncer.snapshot_failures == 2
+        assert "No space left" in syncer.snapshot_error
+        disk["full"] = False
+        reply = await asyncio.wait_for(syncer.push(_push(reg, 5, 12)), timeout=10)
+        assert reply.version == 6 and syncer.snapshot_error is None
+        assert syncer.store.manager.all_steps() == [6]
+        syncer._loop_task.cancel()
+        syncer.store.close()
+
+    asyncio.run(scenario())
+    restarted = Syncer(spec, epoch=1, restore=True)
+    assert restarted.restored_from == 6 and restarted.core.versions == (6,)
+    restarted.store.close()
+    # What a failed save leaves, as a restarted shard's store finds it: removed, and only it.
+    folder = tmp_path / "left"
+    (folder / "3.orbax-checkpoint-tmp" / "arrays").mkdir(parents=True)
+    (folder / "notes.txt").write_text("the operator's")
+    store = SnapshotStore(str(folder))          # (orbax removes them on a thread of its own)
+    deadline = time.monotonic() + 20
+    while "3.orbax-checkpoint-tmp" in os.listdir(folder):
+        assert time.monotonic() < deadline, "the failed save's folder was never removed"
+        time.sleep(0.05)
+    assert sorted(os.listdir(folder)) == ["notes.txt"]
+    store.close()
