@@ -212,7 +212,7 @@ class Controller:
                     self.emit("monitor_error", error=repr(exc)[:300],
                               where=traceback.format_exc(limit=3)[-600:])
             # Wake on a run ending (a real event) or after a short tick.
-            if not self.groups.wait(self.shards.closed_refs, 0.2):
+            if not self.groups.wait(self.shards.closed_refs(), 0.2):
                 self.stop_event.wait(0.2)
 
     def _drain_inbox(self) -> list:
