@@ -330,6 +330,13 @@ def job_task(config, share) -> tuple:
     return training, corpus_ref, task, template
 
 
+def num_params(tree) -> int:
+    """The parameters in a tree of arrays (the job's model, in its start event)."""
+    import jax
+
+    return sum(int(v.size) for v in jax.tree_util.tree_leaves(tree))
+
+
 class ControllerBody(Hooks):
     """The controller's side of its owner: what a learner, a spare or a syncer shard starts from
     (``owner.LaunchSpecs``, built from the job's config) and the hooks its role hears."""

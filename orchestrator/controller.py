@@ -5,13 +5,13 @@ One thread holds the ``owner.Owner`` (the fleet state, the books, every action's
 in-process driver holds one). Everything else it hears about (learners' heartbeats, their runs
 ending, cluster membership, the syncer's ledger, the chaos plan coming due, operator commands)
 becomes an observation for the owner's next turn on the wall clock. Decisions live in
-``fleet.py``, the snapshot in ``snapshot.py``. Control plane only: tensors flow learner <->
-syncer directly.
+``fleet.py``, the snapshot in ``snapshot.py``, operator commands are built in ``commands.py``,
+what it records beside the books in ``controller_records.py``, and what it serves in
+``serving.py``. Control plane only: tensors flow learner <-> syncer directly.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
 import os
 import queue
@@ -22,17 +22,18 @@ from concurrent.futures import Future
 from typing import Any, Optional
 
 from . import fleet as fleet_lib
-from .chaos import HOME_TARGET, Fault, FaultKind
 from islands.learners.messages import Heartbeat
 
-from . import recovery
+from . import commands, recovery
 from .owner import Owner
 from .owner_role import HOME, OwnerRole
 from .groups import (DrainQuery, LearnerGroups, SyncerShards, cluster_observation,
                      guarded_drain, restarted_actor, share)
-from .logs import EventLog, events_kept, keep_span_s, trim_before
+from .logs import EventLog, events_kept
+from .controller_records import ControllerRecords
 from .memory import release_free_memory
 from .safety import DrainGuard
+from .serving import Serving
 from . import remote_regions
 from .snapshot import console_view, goodput_view, learner_goodput, live_fates
 from .runtime import (CONTROLLER_NAME, NAMESPACE, SYNCER_NAME, controller_options,  # noqa: F401
@@ -42,7 +43,6 @@ from .runtime import (CONTROLLER_NAME, NAMESPACE, SYNCER_NAME, controller_option
 log = logging.getLogger("islands.controller")
 
 RELEASE_MEMORY_EVERY_S = 30.0   # malloc_trim takes milliseconds; RSS is sampled by the second
-
 
 
 class Controller:
@@ -87,15 +87,8 @@ class Controller:
                            tell=lambda obs: self.inbox.put((obs, None)), emit=self.emit,
                            hooks=body, overrides=self.role.handlers(), contain_errors=True,
                            lock=self.lock)
-        self.eval_history: list[tuple[float, int, float]] = []
-        self.initial_eval_loss: Optional[float] = None
-        self.chaos_fired: list[dict] = []
-        self.goodput_history: collections.deque = collections.deque()  # (t, useful, allocated)
-        self.step_seconds: dict = {}         # per region: histogram of heartbeats' step times
-        self.badput_high: dict = {}          # per cause: the highest exported (never goes back)
-        self.metrics_server = None
-        self.console = None                  # console.ConsoleServer, once served
-        self.ray_metrics = None
+        self.records = ControllerRecords()   # evals, chaos fired, goodput window, step times
+        self.serving = Serving(self.snapshot, self.emit)   # /metrics, Ray's mirror, the console
         self.link_regions: dict[str, dict] = {}   # per remote region: its link's last report
         self.settings = build.controller_settings(config)
         self.chaos_plan = build.chaos_plan(config)
@@ -148,7 +141,7 @@ class Controller:
         self.job_started_s = time.time()  # the chaos plan's clock: faults hit a running job
         self.emit("job_started", learners=list(self.owner.fleet.slots),
                   regions=list(self.config.regions),
-                  num_params=_num_params(self.template),
+                  num_params=build.num_params(self.template),
                   start_phases={k: round(v, 3) for k, v in self.start_phases.items()})
         return {"learners": list(self.owner.fleet.slots)}
 
@@ -200,10 +193,9 @@ class Controller:
                     observations.append(self.owner.applied())
                     observations += self.owner.refusals()
                     gp = self.goodput()
-                    self.goodput_history.append((now, gp["useful_s"], gp["allocated_s"]))
-                    trim_before(self.goodput_history,
-                                now - keep_span_s(self.settings.goodput_window_s))
-                    self._mirror_ray_metrics()
+                    self.records.sample_goodput(now, gp["useful_s"], gp["allocated_s"],
+                                                self.settings.goodput_window_s)
+                    self.serving.mirror_ray_metrics()
                     last["syncer"] = now
                 if now - last["trimmed"] >= RELEASE_MEMORY_EVERY_S:
                     release_free_memory()   # what glibc keeps of freed snapshots (memory.py)
@@ -220,7 +212,7 @@ class Controller:
                     self.emit("monitor_error", error=repr(exc)[:300],
                               where=traceback.format_exc(limit=3)[-600:])
             # Wake on a run ending (a real event) or after a short tick.
-            if not self.groups.wait(self.shards.closed_refs, 0.2):
+            if not self.groups.wait(self.shards.closed_refs(), 0.2):
                 self.stop_event.wait(0.2)
 
     def _drain_inbox(self) -> list:
@@ -248,18 +240,9 @@ class Controller:
         self.owner.step(observations, time.time())
         self.role.stepped()
 
-    def _command(self, obs) -> None:
-        """Queues an operator command for the owner thread and waits for its verdict."""
-        fleet_lib.check_command(self.owner.fleet, obs)  # fail fast with the reason
-        reply: Future = Future()
-        self.inbox.put((obs, reply))
-        reply.result(timeout=60)
-
     # -- observations from Ray ------------------------------------------------------------------
     def heartbeat(self, beat: "Heartbeat | dict") -> None:
         """Called by learners (fire and forget); a region agent's beats arrive as dicts."""
-        from .metrics import observe_step
-
         beat = Heartbeat.of(beat)
         current = self.owner.heard(beat)
         if current == "first":   # the devices it proved at start, once per incarnation
@@ -270,7 +253,7 @@ class Controller:
         slot = self.owner.fleet.slots.get(beat.learner)
         if current and slot is not None and beat.step_time_s and beat.training:
             with self.lock:
-                observe_step(self.step_seconds, slot.region, float(beat.step_time_s))
+                self.records.observe_step(slot.region, float(beat.step_time_s))
         self.inbox.put((fleet_lib.Beat(beat.learner, beat.incarnation, beat.training,
                                        beat.step_time_s, beat.node_id, beat.ready_at,
                                        adopted=beat.adopted > 0), None))
@@ -281,7 +264,7 @@ class Controller:
             return []
         now = time.time()
         return self.owner.chaos_due(self.chaos_plan, now - self.job_started_s, now,
-                                    self.chaos_fired)
+                                    self.records.chaos_fired)
 
     # -- regions in their own clusters (link/) --------------------------------------------------
     def link_report(self, report: dict) -> dict:
@@ -310,10 +293,7 @@ class Controller:
         flat = self.shards.global_params()
         loss = self._evaluate(flat)
         with self.lock:
-            if self.initial_eval_loss is None:
-                self.initial_eval_loss = loss
-            self.eval_history.append((time.time() - self.started_s, self.tokens()["applied"],
-                                      loss))
+            self.records.record_eval(time.time() - self.started_s, self.tokens()["applied"], loss)
         return loss
 
     # -- the books and the snapshot -------------------------------------------------------------
@@ -345,14 +325,20 @@ class Controller:
 
         return status_table(self.snapshot(), self.owner.fleet)
 
-    # -- operator commands ----------------------------------------------------------------------
+    # -- operator commands (commands.py builds them; the owner thread decides) -----------------
+    def _command(self, obs, reply: str) -> str:
+        """Queues an operator command for the owner thread, waits for its verdict: ``reply``."""
+        fleet_lib.check_command(self.owner.fleet, obs)  # fail fast with the reason
+        verdict: Future = Future()
+        self.inbox.put((obs, verdict))
+        verdict.result(timeout=60)
+        return reply
+
     def scale(self, region: str, n: int) -> str:
-        self._command(fleet_lib.Scale(region, n))
-        return f"{region}: {n} learners"
+        return self._command(*commands.scale(region, n))
 
     def drain(self, learner: str) -> str:
-        self._command(fleet_lib.Drain(learner))
-        return f"draining {learner}"
+        return self._command(*commands.drain(learner))
 
     def drain_node(self, node_id: str, deadline_s: Optional[float] = None,
                    origin: str = "operator", force: bool = False) -> str:
@@ -366,70 +352,46 @@ class Controller:
             draining (``safety.drain_refusal``), without ``force``: Ray cannot undo a drain, so
             nothing is asked of it.
         """
-        if deadline_s is not None and not deadline_s >= 0:
-            raise ValueError(f"deadline_s must be >= 0, got {deadline_s}")
+        reply = commands.drain_node_reply(node_id, deadline_s)
         guarded_drain(self.drain_guard, self.drain_query, self.config.regions, node_id,
                       deadline_s, f"islands drain-node ({origin})", force)
         self.emit("node_drain_requested", node=node_id, deadline_s=deadline_s, origin=origin,
                   force=bool(force))
         # seen now, not at the next poll
         self.inbox.put((cluster_observation(self.config.regions, self.drain_query), None))
-        return f"draining node {node_id}" + ("" if deadline_s is None else
-                                             f" (deadline in {deadline_s:g}s)")
+        return reply
 
     def pause(self, paused: bool = True, origin: str = "operator") -> str:
         """Pauses (or resumes) every learner; they stay up and keep their state."""
-        self._command(fleet_lib.PauseJob(bool(paused), origin))
-        return "paused" if paused else "resumed"
+        return self._command(*commands.pause(paused, origin))
 
     def clear_misconfigured(self, node_id: Optional[str] = None, origin: str = "operator") -> str:
         """Clears a node's misconfigured marks (None: every node's): the regions it carries may
         place learners, spares and scale-ups there again."""
-        self._command(fleet_lib.ClearMisconfigured(node_id, origin))
-        return f"cleared node {node_id}" if node_id else "cleared every marked node"
+        return self._command(*commands.clear_misconfigured(node_id, origin))
 
     def chaos_kill(self, target: str, mode: str = "ray_kill") -> str:
         """Kills a learner (``ray.kill`` or a hard exit inside it) or the syncer, on purpose."""
-        if target.split(":")[0] == "syncer":  # "syncer" (shard 0) or "syncer:<shard>"
-            self._chaos(FaultKind.SYNCER_KILL, target)
-            return f"killed {target}"
-        if mode not in ("ray_kill", "exit"):
-            raise ValueError(f"unknown kill mode {mode!r}; choose ray_kill or exit")
-        self._chaos(FaultKind.KILL if mode == "ray_kill" else FaultKind.EXIT, target, mode)
-        return f"killed {target} ({mode})"
-
-    def _chaos(self, kind: FaultKind, target: str, mode: str = "ray_kill", **fault) -> None:
-        self._command(fleet_lib.Chaos(Fault(time.time(), kind, target, **fault), mode))
+        return self._command(*commands.chaos_kill(target, mode, time.time()))
 
     def chaos_slowdown(self, target: str, factor: float, duration_s: float) -> str:
-        self._chaos(FaultKind.SLOWDOWN, target, duration_s=duration_s, factor=factor)
-        return f"slowed {target} x{factor} for {duration_s}s"
+        return self._command(*commands.chaos_slowdown(target, factor, duration_s, time.time()))
 
     def chaos_hang(self, target: str, duration_s: float) -> str:
-        if not duration_s > 0:
-            raise ValueError(f"duration_s must be > 0, got {duration_s}")
-        self._command(fleet_lib.HangCommand(target, duration_s))
-        return f"hung {target} for {duration_s}s"
+        return self._command(*commands.chaos_hang(target, duration_s))
 
     def chaos_region_loss(self, region: str, repair_s: float = 0.0) -> str:
         """Kills every running learner of ``region`` at once (a lost slice or node)."""
-        self._chaos(FaultKind.REGION_LOSS, region, duration_s=repair_s)
-        return f"lost region {region}"
+        return self._command(*commands.chaos_region_loss(region, repair_s, time.time()))
 
     def chaos_network(self, region: str, duration_s: float, extra_latency_ms: float = 0.0,
                       bandwidth_gbps: Optional[float] = None, partition: bool = False,
                       loss_rate: float = 0.0) -> str:
         """Degrades (or, with ``partition``, silences) a region's link for ``duration_s``;
         ``region`` ``HOME_TARGET`` ("@home", a partition only) cuts every remote region's link."""
-        kind = FaultKind.PARTITION if partition else FaultKind.NETWORK
-        if region == HOME_TARGET and not partition:
-            raise ValueError("a network fault targets one region; the home can be partitioned "
-                             "(islands chaos partition --home), not degraded")
-        self._chaos(kind, region, duration_s=duration_s, extra_latency_ms=extra_latency_ms,
-                    bandwidth_gbps=bandwidth_gbps, loss_rate=loss_rate)
-        if region == HOME_TARGET:
-            return f"partition of the home (every remote region's link) for {duration_s}s"
-        return f"{kind.value} on {region} for {duration_s}s"
+        return self._command(*commands.chaos_network(region, duration_s, extra_latency_ms,
+                                                     bandwidth_gbps, partition, loss_rate,
+                                                     time.time()))
 
     # -- the end --------------------------------------------------------------------------------
     def shutdown(self) -> dict:
@@ -452,12 +414,7 @@ class Controller:
         summary = self.summary()
         self.owner.release_all(time.time())
         self.emit("job_stopped", goodput=summary["goodput"])
-        if self.metrics_server is not None:
-            self.metrics_server.shutdown()
-            self.metrics_server = None
-        if self.console is not None:
-            self.console.stop()
-            self.console = None
+        self.serving.stop()
         return summary
 
     def ping(self) -> str:
@@ -471,19 +428,11 @@ class Controller:
             return {"kind": "home", "job": self.config.name}
         return {"kind": "region", "job": self.config.name, "region": region}
 
-    # -- metrics ----------------------------------------------------------------------------------
+    # -- serving (serving.py) -------------------------------------------------------------------
     def serve_metrics(self, port: int, host: str = "127.0.0.1") -> int:
         """Serves Prometheus ``/metrics`` on ``host:port`` from this actor and mirrors the same
         values into ``ray.util.metrics`` for the Ray dashboard. Returns the bound port."""
-        from . import metrics
-
-        if self.metrics_server is None:
-            self.metrics_server, self.metrics_port = metrics.serve(self.snapshot, port, host)
-            try:
-                self.ray_metrics = metrics.RayMetricsMirror()
-            except Exception as exc:  # the Ray mirror is a convenience; Prometheus is the contract
-                log.warning("ray.util.metrics mirror not started: %s", exc)
-        return self.metrics_port
+        return self.serving.serve_metrics(port, host)
 
     def console_view(self) -> dict:
         """What the console shows (``snapshot.console_view``)."""
@@ -492,36 +441,7 @@ class Controller:
     def serve_console(self, port: int, host: str, token: str, allow_chaos: bool = False) -> int:
         """Serves the operator console (``console.py``) on ``host:port`` from this actor; every
         action must carry ``token``. Returns the bound port."""
-        from .console import ConsoleServer
-
-        if self.console is None:
-            server = ConsoleServer(self, token, allow_chaos)
-            server.start(host, port)
-            self.console, self.console_host = server, host
-        return self.console.port
+        return self.serving.serve_console(self, port, host, token, allow_chaos)
 
     def console_url(self) -> Optional[str]:
-        if self.console is None:
-            return None
-        host = self.console_host
-        return f"http://{f'[{host}]' if ':' in host else host}:{self.console.port}/"
-
-    def _mirror_ray_metrics(self) -> None:
-        """The Ray dashboard's copy of the metrics: a failure here must never stop the owner."""
-        if self.ray_metrics is None:
-            return
-        try:
-            self.ray_metrics.update(self.snapshot())
-        except Exception as exc:
-            self.ray_metrics = None
-            self.emit("metrics_mirror_stopped", error=repr(exc)[:300])
-
-
-recovery_phases = fleet_lib.recovery_phases
-
-
-
-def _num_params(tree) -> int:
-    import jax
-
-    return sum(int(v.size) for v in jax.tree_util.tree_leaves(tree))
+        return self.serving.console_url()

@@ -384,7 +384,7 @@ class SyncerShards:
 
     def __init__(self, count: int):
         self.handles: list = [None] * count
-        self.closed_refs: list = [None] * count   # ``wait_closed``: resolves when a shard ends
+        self.closing: list = [None] * count   # ``wait_closed``: resolves when a shard ends
 
     @property
     def count(self) -> int:
@@ -398,7 +398,7 @@ class SyncerShards:
 
         handle = ray.remote(Syncer).options(**options).remote(spec, epoch, restore=restore)
         ready = ray.get(handle.ready.remote(), timeout=timeout_s)
-        self.handles[s], self.closed_refs[s] = handle, handle.wait_closed.remote()
+        self.handles[s], self.closing[s] = handle, handle.wait_closed.remote()
         return ready
 
     def attach(self, s: int, name: str, timeout_s: float) -> dict:
@@ -407,14 +407,22 @@ class SyncerShards:
 
         handle = ray.get_actor(name, namespace=NAMESPACE)
         ready = ray.get(handle.ready.remote(), timeout=timeout_s)
-        self.handles[s], self.closed_refs[s] = handle, handle.wait_closed.remote()
+        self.handles[s], self.closing[s] = handle, handle.wait_closed.remote()
         return ready
 
     def ended(self) -> list[ShardEnded]:
         """The shards whose actor has ended since they were started or attached."""
 
-        return [ShardEnded(s) for s, ref in enumerate(self.closed_refs)
+        return [ShardEnded(s) for s, ref in enumerate(self.closing)
                 if ref is not None and ray.wait([ref], timeout=0)[0]]
+
+    def closed_refs(self) -> list:
+        """Each shard's ``wait_closed`` (None: not started), for ``LearnerGroups.wait``."""
+        return list(self.closing)
+
+    def shard(self, s: int) -> Any:
+        """Shard ``s``'s actor handle (None before it is started or attached)."""
+        return self.handles[s] if s < len(self.handles) else None
 
     def kill(self, s: int, fault=None) -> None:
 

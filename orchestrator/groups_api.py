@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Iterable, Optional, Protocol, Sequence, runtime_checkable
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Protocol, Sequence, runtime_checkable
 
 from islands.learners.messages import Heartbeat, known_stats
 from islands.syncer.status import SyncerStatus
@@ -125,6 +125,20 @@ class LearnerGroup(Protocol):
     def stop_all(self, timeout_s: float) -> None:
         ...
 
+    def wait(self, other_refs: list, timeout_s: float) -> bool:
+        """Blocks until a run ends, a spare is ready, one of ``other_refs`` (the syncer group's
+        ``closed_refs()``) resolves, or ``timeout_s``; False at once when there is nothing to
+        wait on (the caller then waits on its own clock)."""
+
+    def reattach(self, learner: str, actor: str, hosts: int = 1,
+                 timeout_s: float = 10) -> Optional[dict]:
+        """A restarted owner takes over the incarnation still running under ``actor``'s name:
+        its ``ping`` (incarnation, state, start step), or None when none runs there."""
+
+    def end_stray_spares(self, keep: set) -> None:
+        """Ends every spare but those named in ``keep``: a restarted owner does not recover
+        the spares that were waiting."""
+
 
 @runtime_checkable
 class SyncerGroup(Protocol):
@@ -164,3 +178,10 @@ class SyncerGroup(Protocol):
 
     def snapshot_now(self, timeout_s: float = 60) -> None:
         ...
+
+    def closed_refs(self) -> list:
+        """What ``LearnerGroup.wait`` also wakes on: one per shard, resolved when it ends."""
+
+    def shard(self, s: int) -> Any:
+        """Shard ``s`` itself (None before it is started or attached), for what only its body
+        does with it: a region agent's one shard is its link client."""

@@ -6,14 +6,13 @@ kept training meanwhile. The fleet's and the books' half of the state is the own
 
 from __future__ import annotations
 
-import collections
 import json
 import os
 import time
 from typing import Any, Optional
 
 from . import fleet as fleet_lib
-from .metrics import window_to_save
+from .controller_records import ControllerRecords
 from .runtime import enable_compile_cache
 from .snapshot import finite
 
@@ -38,13 +37,9 @@ def save_state(controller: Any) -> None:
     now = time.time()
     state = {
         **controller.owner.save(now),
-        "eval_history": controller.eval_history[-1000:],
-        "initial_eval_loss": controller.initial_eval_loss,
-        "chaos_fired": controller.chaos_fired, "job_started_s": controller.job_started_s,
-        "started_s": controller.started_s, "restarts": getattr(controller, "restarts", 0),
-        "goodput_history": window_to_save(controller.goodput_history, now,
-                                          controller.settings.goodput_window_s),
-        "step_seconds": controller.step_seconds}
+        **controller.records.to_json(now, controller.settings.goodput_window_s),
+        "job_started_s": controller.job_started_s, "started_s": controller.started_s,
+        "restarts": getattr(controller, "restarts", 0)}
     os.makedirs(controller.run_dir, exist_ok=True)
     tmp = controller.state_path + ".tmp"
     with open(tmp, "w") as f:
@@ -63,14 +58,10 @@ def recover(controller: Any) -> None:
     c = controller
     with open(c.state_path) as f:
         saved = json.load(f)
-    c.chaos_fired = saved["chaos_fired"]
-    c.eval_history = [tuple(e) for e in saved["eval_history"]]
-    c.initial_eval_loss = saved["initial_eval_loss"]
+    # The evals and the sliding goodput window go on from what they held (not from 1.0 at zero).
+    c.records = ControllerRecords.from_json(saved)
     c.started_s, c.job_started_s = saved["started_s"], saved["job_started_s"]
     c.restarts = saved["restarts"] + 1
-    # The sliding goodput window goes on from the samples it held (not from 1.0 at zero).
-    c.goodput_history = collections.deque(tuple(x) for x in saved.get("goodput_history") or [])
-    c.step_seconds = saved.get("step_seconds") or {}
     if c.chaos_plan is not None and c.job_started_s is not None:
         c.chaos_plan.due(time.time() - c.job_started_s)  # fired before: not again
     c.build_task()

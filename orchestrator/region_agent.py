@@ -82,8 +82,7 @@ class RegionRole(OwnerRole):
     @property
     def link(self):
         """The link client (the region's one syncer), once attached; None before."""
-        handles = self.controller.shards.handles
-        return handles[0] if handles else None
+        return self.controller.shards.shard(0)
 
     def fleet_settings(self, settings: fleet_lib.FleetSettings) -> fleet_lib.FleetSettings:
         return dataclasses.replace(settings, first_shard=self.shard_base,

@@ -119,7 +119,7 @@ class JobSnapshot:
             "recoveries_total": self.recoveries_total,
             "rejected_pushes": self.rejected_total,
             "goodput_window": self.goodput["window"],
-            "chaos_fired": list(controller.chaos_fired),
+            "chaos_fired": list(controller.records.chaos_fired),
             "spares": self.spares,
         }
 
@@ -136,12 +136,12 @@ def job_snapshot(controller: Any) -> JobSnapshot:
     with controller.lock:
         status = controller.owner.syncer_status.as_dict()
         closed_syncer = {k: dict(v) for k, v in controller.owner.syncer_closed.items()}
-        eval_loss = controller.eval_history[-1][2] if controller.eval_history else None
-        initial_eval_loss = controller.initial_eval_loss
+        eval_loss = controller.records.eval_history[-1][2] if controller.records.eval_history else None
+        initial_eval_loss = controller.records.initial_eval_loss
         recoveries = controller.owner.recoveries.newest(RECOVERIES_IN_SNAPSHOT)
         recovery_seconds = controller.owner.recoveries.histogram()
         step_seconds = {r: {"counts": list(h["counts"]), "sum": h["sum"], "count": h["count"]}
-                        for r, h in getattr(controller, "step_seconds", {}).items()}
+                        for r, h in controller.records.step_seconds.items()}
     learners = {}
     for name, slot in fleet.slots.items():
         run = controller.owner.running.get(name)
@@ -225,15 +225,15 @@ def goodput_view(controller: Any) -> dict:
     useful = controller.owner.books.useful_s(live_fates(controller))
     allocated = controller.owner.books.allocated_s(now)
     window_s = controller.settings.goodput_window_s
-    history = list(controller.goodput_history) + [(now, useful, allocated)]
+    history = list(controller.records.goodput_history) + [(now, useful, allocated)]
     split = controller.owner.books.badput(live_fates(controller), now)
     # Counters never go back: the training phase's remainder wiggles by a step as beats land.
     for cause, x in split["badput_s"].items():
-        controller.badput_high[cause] = max(controller.badput_high.get(cause, 0.0), x)
+        controller.records.badput_high[cause] = max(controller.records.badput_high.get(cause, 0.0), x)
     return {"useful_s": useful, "allocated_s": allocated, "goodput": goodput(useful, allocated),
             "window": {"label": window_label(window_s), "seconds": window_s,
                        "ratio": windowed_ratio(history, now, window_s)},
-            "goodput_s": split["goodput_s"], "badput_s": dict(controller.badput_high),
+            "goodput_s": split["goodput_s"], "badput_s": dict(controller.records.badput_high),
             "unsettled_s": split["unsettled_s"]}
 
 
@@ -257,7 +257,7 @@ def console_view(controller: Any) -> dict:
                      for name, run in controller.owner.running.items()}
     return {"snapshot": snap, "events": events, "profilers": profilers,
             "job": controller.config.name, "goodput_window_s": controller.settings.goodput_window_s,
-            "goodput_history": list(controller.goodput_history),
+            "goodput_history": list(controller.records.goodput_history),
             "misconfigured": controller.owner.fleet.marks(),
             "operator_paused": controller.owner.fleet.operator_paused,
             "regions": {name: {"target": controller.owner.fleet.targets.get(name, 0),

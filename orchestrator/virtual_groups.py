@@ -205,6 +205,22 @@ class VirtualLearnerGroup:
             if d.up[i]:
                 self.report(fleet.RunEnded(name, d.cores[i].incarnation, final=self.final(i)))
 
+    def wait(self, other_refs: list, timeout_s: float) -> bool:
+        """False at once: on the virtual clock nothing happens between events (the event loop
+        moves the clock to the next one), so there is nothing to block on."""
+        return False
+
+    # -- what only an owner that restarts needs: the driver never does ------------------------
+    def reattach(self, learner: str, actor: str, hosts: int = 1,
+                 timeout_s: float = 10) -> Optional[dict]:
+        """None: nothing runs outside the driver. Its learners live and end with it, and no
+        owner restarts under a running fleet here."""
+        return None
+
+    def end_stray_spares(self, keep: set) -> None:
+        """Nothing to end: a virtual spare is the driver's own state, and no owner restarts
+        here to leave one waiting."""
+
     def final(self, i: int) -> dict:
         """Learner i's last stats, as a returned Ray run's: its step and its books."""
         core = self.d.cores[i]
@@ -333,3 +349,12 @@ class VirtualSyncerGroup:
     def snapshot_now(self, timeout_s: float = 60) -> None:
         """Nothing to write: the virtual syncer's state is its core, in memory, and a restart
         (``start``) restores from it."""
+
+    def closed_refs(self) -> list:
+        """None to wait on: a virtual shard's end is an event of the virtual clock."""
+        return []
+
+    def shard(self, s: int) -> Any:
+        """The driver's ``SyncerCore``, its one shard."""
+        self._check_shard(s)
+        return self.d.syncer

@@ -14,7 +14,9 @@ MODULES = ["islands.syncer.fragments", "islands.syncer.merge", "islands.syncer.q
            "islands.faults", "islands.learners.devices", "islands.orchestrator.runtime",
            "islands.orchestrator.cli", "islands.orchestrator.seam", "islands.syncer.timing",
            "islands.orchestrator.groups_api", "islands.syncer.status",
-           "islands.orchestrator.logs", "islands.orchestrator.owner"]
+           "islands.orchestrator.logs", "islands.orchestrator.owner",
+           "islands.orchestrator.commands", "islands.orchestrator.serving",
+           "islands.orchestrator.controller_records"]
 
 
 @pytest.mark.parametrize("name", MODULES)

@@ -187,19 +187,66 @@ def test_every_member_of_the_interface_has_the_same_signature_in_each_body(group
             inspect.signature(want).parameters), f"{group.__name__}.{name}"
 
 
-def test_the_owner_uses_only_members_of_the_interfaces():
-    """Every ``self.learners.X`` / ``self.syncers.X`` the owner calls is in the Protocol."""
+# The expressions that hold a group: ``self`` in the classes that hold one, and the names the
+# other modules give such a holder (recovery's ``c``, the region role's ``self.controller`` ...).
+HOLDER_CLASSES = {"Owner", "Controller", "_Driver"}
+HOLDER_NAMES = {"c", "controller", "self.c", "self.controller", "d", "driver", "self.d",
+                "owner", "self.owner", "c.owner", "controller.owner"}
+GROUP_KINDS = {"learners": "learners", "groups": "learners",   # Owner.learners, bodies' .groups
+               "syncers": "syncers", "shards": "syncers"}      # Owner.syncers, bodies' .shards
+# The in-process driver is also the virtual machine its virtual group runs on: these are that
+# machine's own parts, kept on the group (the issue of moving them next to the virtual fleet is
+# open). The set must only shrink: a new use outside the interfaces fails here.
+VIRTUAL_MACHINE = {("orchestrator/inprocess.py", "learners", m) for m in (
+    "starts", "draining", "report", "finish_drain", "final", "restart_token", "cause_of")} | {
+    ("orchestrator/inprocess.py", "syncers", m) for m in ("applied", "killed")}
+
+
+def group_member_uses(path, rel: str) -> set:
+    """``(file, "learners" | "syncers", member)`` for every member used of a group."""
     import ast
-    import inspect
 
-    from islands.orchestrator import owner
+    uses = set()
 
-    used = {"learners": set(), "syncers": set()}
-    for node in ast.walk(ast.parse(inspect.getsource(owner))):
+    def visit(node, holders):
+        if isinstance(node, ast.ClassDef):
+            holders = HOLDER_NAMES | ({"self"} if node.name in HOLDER_CLASSES else set())
         if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute)
-                and isinstance(node.value.value, ast.Name) and node.value.value.id == "self"
-                and node.value.attr in used):
-            used[node.value.attr].add(node.attr)
-    assert used["learners"] and used["syncers"]
-    assert used["learners"] <= protocol_members(api.LearnerGroup)
-    assert used["syncers"] <= protocol_members(api.SyncerGroup)
+                and node.value.attr in GROUP_KINDS
+                and ast.unparse(node.value.value) in holders):
+            uses.add((rel, GROUP_KINDS[node.value.attr], node.attr))
+        for child in ast.iter_child_nodes(node):
+            visit(child, holders)
+
+    visit(ast.parse(path.read_text()), HOLDER_NAMES)
+    return uses
+
+
+def test_every_module_uses_only_members_of_the_interfaces():
+    """Every member of a group that the owner, the bodies holding it (the controller, its
+    recovery, the region role, the driver) or anything else in the package uses is in the
+    Protocol, so a body's group can be swapped for another's."""
+    import pathlib
+
+    root = pathlib.Path(api.__file__).resolve().parents[1]
+    uses = set()
+    for path in sorted((root / "orchestrator").rglob("*.py")):
+        uses |= group_member_uses(path, str(path.relative_to(root)))
+    users = {rel for rel, _, _ in uses}
+    assert {"orchestrator/owner.py", "orchestrator/controller.py", "orchestrator/recovery.py",
+            "orchestrator/region_agent.py", "orchestrator/inprocess.py"} <= users, users
+    members = {"learners": protocol_members(api.LearnerGroup),
+               "syncers": protocol_members(api.SyncerGroup)}
+    outside = {u for u in uses if u[2] not in members[u[1]]}
+    assert outside - VIRTUAL_MACHINE == set()
+    assert VIRTUAL_MACHINE <= outside   # a part moved off the group: take it off the list
+
+
+def test_the_member_walk_finds_a_use_outside_the_interface(tmp_path):
+    path = tmp_path / "m.py"
+    path.write_text("class Controller:\n    def f(self):\n        self.groups.secret()\n"
+                    "        self.shards.count\n\nclass Other:\n    def g(self, c):\n"
+                    "        self.groups.mine()\n        c.shards.handles\n")
+    assert group_member_uses(path, "m.py") == {
+        ("m.py", "learners", "secret"), ("m.py", "syncers", "count"),
+        ("m.py", "syncers", "handles")}

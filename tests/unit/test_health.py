@@ -2,7 +2,7 @@
 
 import pytest
 
-from islands.orchestrator.controller import recovery_phases
+from islands.orchestrator.fleet import recovery_phases
 from islands.orchestrator.health import Cause, RestartDecision, RestartPolicy, detect
 
 
