@@ -18,7 +18,6 @@ import itertools
 import math
 from typing import Any, Callable, Optional, Sequence
 
-
 from islands.faults import FaultKind, FaultWindows
 from islands.learners.core import LearnerCore
 from islands.learners.loop import LearnerLoop
@@ -29,9 +28,9 @@ from islands.orchestrator.run_record import RunRecord, StepRecord, series_from_i
 from islands.orchestrator.virtual_groups import (ARRIVE, CHECK, FAULT, FLEET, REPLY, STEP_DONE,
                                                  STEP_START, VirtualLearnerGroup,
                                                  VirtualSyncerGroup)
-from islands.orchestrator.virtual_fleet import (Fleet, VirtualSpecs, assemble_like,  # noqa: F401
-                                                build_syncer_and_learners, check_plan,
-                                                restarted_core, task_run)
+from islands.orchestrator.virtual_fleet import (Fleet, VirtualMachine, VirtualSpecs,  # noqa: F401
+                                                assemble_like, build_syncer_and_learners,
+                                                check_plan, restarted_core, task_run)
 from islands.syncer import downlink as downlink_lib
 from islands.syncer import timing
 from islands.syncer.core import SyncerCore
@@ -86,7 +85,8 @@ class _Driver(Hooks):
         self.in_step = [False] * n       # between a step's start and its end
         self.retired_at: list[Optional[float]] = [None] * n   # left the fleet (drained)
         self.held = False   # merges held by a pause when the current turn began
-        # The seam's interfaces on this state (virtual_groups.py), and the fleet's owner on them.
+        # The virtual machine, the seam's interfaces on it (virtual_groups.py), the owner on them.
+        self.machine = VirtualMachine(self)
         self.groups = VirtualLearnerGroup(self)
         self.shards = VirtualSyncerGroup(self)
         settings = fleet.settings(self.ids, syncer.settings.min_learners)
@@ -114,7 +114,7 @@ class _Driver(Hooks):
                  if self.fleet.step_noise else 0.0)
         factor = self.windows.slowdown(self.ids[i], self.regions[i], now)
         # Processes starting on the same cores (restarts, spares preparing) take CPU from it.
-        factor *= 1.0 + self.restart.survivor_slowdown_per_start * self.groups.starts.starting
+        factor *= 1.0 + self.restart.survivor_slowdown_per_start * self.machine.starts.starting
         return self.fleet.nominal_step_s(i) * (1.0 + noise) * factor
 
     def arrival(self, i: int, now: float, nbytes: int) -> float:
@@ -177,7 +177,7 @@ class _Driver(Hooks):
             now, _, _, kind, payload = heapq.heappop(self.events)
             self.now = now
             getattr(self, "on_" + kind)(now, payload)
-            if self.groups.draining:
+            if self.machine.draining:
                 self.check_drains(now)
             if kind != "spare":  # a spare getting ready after the last step ends no run
                 self.record.end_time_s = now
@@ -189,7 +189,7 @@ class _Driver(Hooks):
         if not self.current(i, incarnation):
             return
         core, loop = self.cores[i], self.loops[i]
-        if i in self.groups.draining:
+        if i in self.machine.draining:
             return  # no new step: it leaves once its pushes are answered (check_drains)
         if self.paused[i]:
             self.parked[i] = True  # the quorum floor holds it; a resume starts it again
@@ -301,8 +301,8 @@ class _Driver(Hooks):
         (the Ray controller sees it at its next tick)."""
         self.now = now   # the groups' clock while the actions are carried out
         self.held = timing.merges_held(self.owner.fleet.paused_reason)
-        self.owner.step([self.shards.applied()] + list(observations), now)
-        if self.shards.killed():
+        self.owner.step([self.machine.applied()] + list(observations), now)
+        if self.machine.killed():
             self.owner.refresh_syncer_status()
             self.fleet_step(now, self.owner.observe())
 
@@ -327,7 +327,7 @@ class _Driver(Hooks):
                 self.schedule(now + limit, FLEET, "fleet", [])
         elif t.name == "learner_retired" and t.learner in self.index_of:
             i = self.index_of[t.learner]
-            self.groups.draining.discard(i)
+            self.machine.draining.discard(i)
             if not self.up[i]:
                 self.retired_at[i] = now
 
@@ -343,7 +343,7 @@ class _Driver(Hooks):
 
     # -- what the groups report ------------------------------------------------------------------
     def on_start_done(self, now: float, payload) -> None:
-        for what, item in self.groups.starts.finished(now, payload):
+        for what, item in self.machine.starts.finished(now, payload):
             if what == "restart":
                 self.on_restart(now, item)
             else:
@@ -352,7 +352,7 @@ class _Driver(Hooks):
     def on_spare(self, now: float, ready: fleet_lib.SpareReady) -> None:
         """A spare is ready: the fleet hears it through the group's poll, as the Ray
         controller does (not once the job stops, or for a spare it has let go)."""
-        self.groups.report(ready)
+        self.machine.report(ready)
         observed = self.owner.observe()
         if self.owner.fleet.stopping:
             return
@@ -363,7 +363,7 @@ class _Driver(Hooks):
 
     def on_seen(self, now: float, ended) -> None:
         """A run's end is seen (a death, at its detection time): through the group's poll."""
-        self.groups.report(ended)
+        self.machine.report(ended)
         self.fleet_step(now, self.owner.observe())
 
     def on_fault(self, now: float, _payload) -> None:
@@ -383,8 +383,8 @@ class _Driver(Hooks):
 
     def check_drains(self, now: float) -> None:
         """Ends the run of each draining learner that is between steps with nothing in flight."""
-        for i in sorted(self.groups.draining):
-            if self.groups.finish_drain(i, now):
+        for i in sorted(self.machine.draining):
+            if self.machine.finish_drain(i, now):
                 self.fleet_step(now, self.owner.observe())
 
     def kill(self, i: int, now: float, reason: str) -> None:
@@ -395,7 +395,7 @@ class _Driver(Hooks):
         self.record.watermarks[(i, core.incarnation)] = self.watermark(i)
         run = self.owner.running.get(name)
         if run is not None and run.number == core.incarnation:
-            run.ended_with(self.groups.final(i))
+            run.ended_with(self.machine.final(i))
         self.owner.refresh_syncer_status()
         self.owner.settle(name, core.incarnation, reason)
         self.record.dropped_pushes += len(self.syncer.forget(self.ids[i]))
@@ -406,7 +406,7 @@ class _Driver(Hooks):
 
     def on_restart(self, now: float, payload) -> None:
         i, launch, token = payload
-        if token != self.groups.restart_token[i]:
+        if token != self.machine.restart_token[i]:
             return  # killed again while it was coming back
         if self.until_s is not None and now >= self.until_s:
             return  # the run is over before it is back; its slot stays allocated to the end
@@ -434,7 +434,7 @@ class _Driver(Hooks):
         failed_s = self.down_since[i]
         self.down_since[i] = None
         self.record.restarts.append({
-            "learner": name, "incarnation": incarnation, "cause": self.groups.cause_of[i],
+            "learner": name, "incarnation": incarnation, "cause": self.machine.cause_of[i],
             "failed_s": failed_s, "back_s": now, "down_s": now - failed_s,
             "resume_step": start_step, "schedule_step": schedule,
             "peer": self.ids[peer] if peer is not None else None})

@@ -1,8 +1,8 @@
 """A virtual fleet for the in-process driver (``inprocess.py``): its learners' speeds, regions
-and links, how its processes start (``ProcessStarts``), the fleet brain's settings
-(``Fleet.settings``), the owner's launch specs for it, the fault plans it can play, the syncer
-and learner cores it starts from, and a task's run on it (``task_run``). No Ray, no clock: the
-driver runs them.
+and links, how its processes start (``ProcessStarts``) and the machine they run on
+(``VirtualMachine``), the fleet brain's settings (``Fleet.settings``), the owner's launch specs
+for it, the fault plans it can play, the syncer and learner cores it starts from, and a task's
+run on it (``task_run``). No Ray, no clock: the driver runs them.
 """
 
 from __future__ import annotations
@@ -194,6 +194,70 @@ class ProcessStarts:
         if key is None:
             self.reschedule(now)
         return [(what, item) for what, item, _ in done]
+
+
+class VirtualMachine:
+    """The machine the in-process driver's virtual learners and syncer run on: what a cluster
+    and its processes keep on Ray, held here for both the driver and its groups
+    (``virtual_groups``), so that the driver uses a group through its interface only.
+
+    It holds the process starts (``starts``), which slots are told to drain (``draining``), each
+    slot's restart token (``restart_token``: a comeback scheduled before a kill is void) and the
+    kind of its last loss (``cause_of``), and what has happened but is not polled yet: runs
+    ended, spares ready, shards killed (``report``; the groups' polls ``take`` them).
+    ``driver`` is the ``inprocess._Driver`` whose learners and syncer core it reads."""
+
+    def __init__(self, driver: Any):
+        self.d = driver
+        n = len(driver.ids)
+        self.starts = ProcessStarts(driver.restart, driver.schedule)
+        self.draining: set[int] = set()  # told to drain: no new step, leaves once answered
+        self.restart_token = [0] * n     # invalidates a scheduled comeback that was killed
+        self.cause_of = [""] * n         # the fault kind of each learner's last loss
+        self.reported: dict[str, list] = {"ended": [], "spares": [], "shards": []}
+
+    def report(self, message, kind: Optional[str] = None) -> None:
+        """Its event has come on the virtual clock: the next poll of its kind returns it (a
+        ``fleet.RunEnded`` or ``fleet.SpareReady`` by its type; a shard's end as ``shards``)."""
+        if kind is None:
+            kind = "ended" if isinstance(message, fleet_lib.RunEnded) else "spares"
+        self.reported[kind].append(message)
+
+    def take(self, kind: str) -> list:
+        """What was reported of ``kind`` since the last take, in order."""
+        out, self.reported[kind] = self.reported[kind], []
+        return out
+
+    def killed(self) -> bool:
+        """A shard was killed and its end is not polled yet (the driver polls it at once)."""
+        return bool(self.reported["shards"])
+
+    def applied(self) -> fleet_lib.Applied:
+        """Every learner's applied step and tokens as the core's ledger has them now (the
+        driver's turns read them at once; the Ray owner's, from the last statuses)."""
+        return fleet_lib.Applied({name: (e.incarnation, e.applied_step, e.applied_tokens_done)
+                                  for name, e in self.d.syncer.ledger.items()})
+
+    def final(self, i: int) -> dict:
+        """Learner i's last stats, as a returned Ray run's: its step and its books."""
+        core = self.d.cores[i]
+        return {"learner": core.learner, "incarnation": core.incarnation, "state": "stopped",
+                "step": core.step, "fates": core.fates.to_json()}
+
+    def finish_drain(self, i: int, now: float) -> bool:
+        """Ends learner i's run, which was told to drain, if it is between steps with nothing
+        in flight; True when it did (the learner group's ``ended`` reports it)."""
+        d = self.d
+        core = d.cores[i]
+        if not d.up[i] or d.in_step[i] or any(
+                t.in_flight_since_step is not None and t.reply is None for t in core.tracks):
+            return False   # down (its restart, if any, drains when it is back), or still busy
+        self.draining.discard(i)
+        d.record.watermarks[(i, core.incarnation)] = d.watermark(i)
+        d.up[i] = d.parked[i] = False
+        d.recheck_open_rounds(now)
+        self.report(fleet_lib.RunEnded(d.ids[i], core.incarnation, final=self.final(i)))
+        return True
 
 
 class VirtualSpecs:

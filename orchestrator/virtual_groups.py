@@ -9,10 +9,13 @@ driver's action handlers are one call on a group each, as the Ray controller's a
 time here: a process start (``chaos.RestartCosts``; with ``start_cpu_s`` the starts share
 ``start_cores``), a death's detection, a spare's preparation, a syncer's restart.
 
-The driver is event-driven: what the Ray owner polls (``ended``, ``spare_results``) becomes due
-at an event of the virtual clock (a death at its detection time, a drained run once its pushes
-are answered, a spare at the end of its preparation); the driver ``report``s it to the group
-and polls at once, so each poll returns that one message, in the order the events came.
+The machine they run on (``virtual_fleet.VirtualMachine``: the process starts, the drains,
+restart tokens, causes of loss and what is reported but not polled yet) is held by the driver
+and by both groups, so the driver uses a group through its interface only. The driver is
+event-driven: what the Ray owner polls (``ended``, ``spare_results``) becomes due at an event of
+the virtual clock (a death at its detection time, a drained run once its pushes are answered, a
+spare at the end of its preparation); the driver ``report``s it to the machine and polls at
+once, so each poll returns that one message, in the order the events came.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any, Iterable, Optional, Sequence
 
 from . import fleet
 from .groups_api import ShardEnded, SyncerStatus
-from .virtual_fleet import RESTART, ProcessStarts
+from .virtual_fleet import RESTART
 
 # Event priorities at equal times: pushes leave before the syncer decides, the syncer answers
 # before learners start their next step (so zero latency means "answered at this boundary").
@@ -40,18 +43,12 @@ class VirtualLearnerGroup:
     ``driver`` is the ``inprocess._Driver`` whose state this carries the fleet's actions out
     on (``now``, ``cores``, ``up``, ``restart``, ``schedule`` ...). There are no devices here
     (``devices`` is None), and ``launch``'s ``spec`` is the ``fleet.Launch`` itself (the new
-    incarnation's start step and peer). Its new processes start through ``starts``
-    (``virtual_fleet.ProcessStarts``)."""
+    incarnation's start step and peer). Its new processes start on the driver's machine
+    (``driver.machine``, a ``virtual_fleet.VirtualMachine``), which also keeps the drains,
+    restart tokens and causes of loss, and what is reported until it is polled."""
 
     def __init__(self, driver: Any):
-        self.d = driver
-        n = len(driver.ids)
-        self.starts = ProcessStarts(driver.restart, driver.schedule)
-        self.draining: set[int] = set()  # told to drain: no new step, leaves once answered
-        self.restart_token = [0] * n     # invalidates a scheduled comeback that was killed
-        self.cause_of = [""] * n         # the fault kind of each learner's last loss
-        self._ended: list[fleet.RunEnded] = []
-        self._spares: list = []
+        self.d, self.m = driver, driver.machine
 
     # -- start ----------------------------------------------------------------------------------
     def launch(self, learner: str, incarnation: int, region: str, devices, spec,
@@ -60,16 +57,16 @@ class VirtualLearnerGroup:
         """A new incarnation, back after its start (``driver.on_restart``): a new process's
         (``begin_start``), or a promoted spare's, whose process is there (a flat cost). Link
         faults need no passing on: they are windows on the region's link (``driver.windows``)."""
-        d, i = self.d, self.d.index_of[learner]
+        d, m, i = self.d, self.m, self.d.index_of[learner]
         if incarnation == 0 and d.cores[i].incarnation == 0:
             return None  # the initial learners exist already
-        self.restart_token[i] += 1
-        payload = (i, spec, self.restart_token[i])
+        m.restart_token[i] += 1
+        payload = (i, spec, m.restart_token[i])
         if spare is not None:
             d.schedule(d.now + d.restart_cost(True), RESTART, "restart", payload)
         else:
-            self.starts.begin(d.now, ("restart", i, self.restart_token[i]), "restart", payload,
-                              d.restart_cost(False))
+            m.starts.begin(d.now, ("restart", i, m.restart_token[i]), "restart", payload,
+                           d.restart_cost(False))
         return None
 
     def launch_spare(self, name: str, region: str, devices, spec) -> Optional[str]:
@@ -78,14 +75,14 @@ class VirtualLearnerGroup:
         still preparing then."""
         d = self.d
         if d.until_s is None or d.now + d.restart.spare_ready_s < d.until_s:
-            self.starts.begin(d.now, ("spare", name), "spare", name, d.restart.spare_ready_s)
+            self.m.starts.begin(d.now, ("spare", name), "spare", name, d.restart.spare_ready_s)
         return None
 
     def hurry_spare(self, name: str) -> None:
         """A virtual spare's preparation has one fixed length: no priority to change."""
 
     def end_spare(self, name: str) -> None:
-        self.starts.cancel(self.d.now, ("spare", name))   # one still preparing stops taking CPU
+        self.m.starts.cancel(self.d.now, ("spare", name))   # one still preparing stops taking CPU
 
     # -- control --------------------------------------------------------------------------------
     # A drain, a pause or a hang is its slot's and holds across a restart (one told to drain
@@ -93,9 +90,9 @@ class VirtualLearnerGroup:
     def drain(self, learner: str) -> bool:
         """As the Ray learner's ``drain``: it finishes the step it is in (its pushes leave),
         takes no new one, and its run returns once every push it has in flight is answered
-        (``finish_drain``)."""
+        (``VirtualMachine.finish_drain``)."""
         i = self.d.index_of[learner]
-        self.draining.add(i)
+        self.m.draining.add(i)
         return self.d.up[i]
 
     def pause(self, learner: str, paused: bool) -> bool:
@@ -115,7 +112,7 @@ class VirtualLearnerGroup:
         incarnation, running = d.cores[i].incarnation, d.up[i]
         if running:
             d.kill(i, d.now, "hang")
-        self.cause_of[i] = "hang"
+        self.m.cause_of[i] = "hang"
         self._seen_after(d.restart.detect_hang_s,
                          fleet.RunEnded(d.ids[i], incarnation, "hang"))
         return running
@@ -144,9 +141,9 @@ class VirtualLearnerGroup:
         d, i = self.d, self.d.index_of[learner]
         if mode == "bury":
             if d.up[i] and d.cores[i].incarnation == incarnation:
-                self.draining.discard(i)   # ended: its drain is over (a successor trains)
+                self.m.draining.discard(i)   # ended: its drain is over (a successor trains)
                 d.kill(i, d.now, reason or "quarantine")
-                self.cause_of[i] = reason or "quarantine"
+                self.m.cause_of[i] = reason or "quarantine"
                 return True
             return False
         if fault is None:
@@ -155,38 +152,17 @@ class VirtualLearnerGroup:
         if d.up[i]:
             d.kill(i, d.now, fault.kind.value)
         else:  # killed during its restart: that comeback is off, its process is gone
-            self.starts.cancel(d.now, ("restart", i, self.restart_token[i]))
-            self.restart_token[i] += 1
-        self.cause_of[i] = fault.kind.value
+            self.m.starts.cancel(d.now, ("restart", i, self.m.restart_token[i]))
+            self.m.restart_token[i] += 1
+        self.m.cause_of[i] = fault.kind.value
         self._seen_after(d.restart.detect_s(fault.kind),
                          fleet.RunEnded(learner, incarnation, fault.kind.value))
         return False
 
-    def finish_drain(self, i: int, now: float) -> bool:
-        """Ends learner i's run, which was told to drain, if it is between steps with nothing
-        in flight; True when it did (``ended`` reports it)."""
-        d = self.d
-        core = d.cores[i]
-        if not d.up[i] or d.in_step[i] or any(
-                t.in_flight_since_step is not None and t.reply is None for t in core.tracks):
-            return False   # down (its restart, if any, drains when it is back), or still busy
-        self.draining.discard(i)
-        d.record.watermarks[(i, core.incarnation)] = d.watermark(i)
-        d.up[i] = d.parked[i] = False
-        d.recheck_open_rounds(now)
-        self.report(fleet.RunEnded(d.ids[i], core.incarnation, final=self.final(i)))
-        return True
-
-    # -- poll -----------------------------------------------------------------------------------
-    def report(self, message: "fleet.RunEnded | fleet.SpareReady") -> None:
-        """Its event has come on the virtual clock: the next ``ended`` or ``spare_results``
-        returns it."""
-        (self._ended if isinstance(message, fleet.RunEnded) else self._spares).append(message)
-
+    # -- poll: what the machine reported ------------------------------------------------------
     def ended(self) -> "list[fleet.RunEnded]":
         """The runs reported ended since the last poll."""
-        out, self._ended = self._ended, []
-        return out
+        return self.m.take("ended")
 
     def placed(self) -> list:
         """Nothing waits for placement here: a restart's first beat starts it."""
@@ -194,8 +170,7 @@ class VirtualLearnerGroup:
 
     def spare_results(self) -> "list[fleet.SpareReady]":
         """The spares reported ready since the last poll (a virtual spare never fails)."""
-        out, self._spares = self._spares, []
-        return out
+        return self.m.take("spares")
 
     def stop_all(self, timeout_s: float) -> None:
         """The job's end: every running incarnation's run returns now (reported by ``ended``).
@@ -203,7 +178,7 @@ class VirtualLearnerGroup:
         d = self.d
         for i, name in enumerate(d.ids):
             if d.up[i]:
-                self.report(fleet.RunEnded(name, d.cores[i].incarnation, final=self.final(i)))
+                self.m.report(fleet.RunEnded(name, d.cores[i].incarnation, final=self.m.final(i)))
 
     def wait(self, other_refs: list, timeout_s: float) -> bool:
         """False at once: on the virtual clock nothing happens between events (the event loop
@@ -221,12 +196,6 @@ class VirtualLearnerGroup:
         """Nothing to end: a virtual spare is the driver's own state, and no owner restarts
         here to leave one waiting."""
 
-    def final(self, i: int) -> dict:
-        """Learner i's last stats, as a returned Ray run's: its step and its books."""
-        core = self.d.cores[i]
-        return {"learner": core.learner, "incarnation": core.incarnation, "state": "stopped",
-                "step": core.step, "fates": core.fates.to_json()}
-
     def _seen_after(self, delay_s: float, ended: "fleet.RunEnded") -> None:
         """Its end is seen (``driver.on_seen``) ``delay_s`` from now."""
         self.d.schedule(self.d.now + delay_s, FLEET, "seen", ended)
@@ -239,8 +208,7 @@ class VirtualSyncerGroup:
     each decision itself (``on_check``)."""
 
     def __init__(self, driver: Any):
-        self.d = driver
-        self._ended: list[ShardEnded] = []
+        self.d, self.m = driver, driver.machine
 
     @property
     def count(self) -> int:
@@ -282,20 +250,9 @@ class VirtualSyncerGroup:
             raise RuntimeError("the in-process syncer is down")
         return self._ready()
 
-    def applied(self) -> "fleet.Applied":
-        """Every learner's applied step and tokens as the core's ledger has them now (the
-        driver's turns read them at once; the Ray owner's, from the last statuses)."""
-        return fleet.Applied({name: (e.incarnation, e.applied_step, e.applied_tokens_done)
-                              for name, e in self.d.syncer.ledger.items()})
-
-    def killed(self) -> bool:
-        """A shard was killed and its end is not polled yet (the driver polls it at once)."""
-        return bool(self._ended)
-
     def ended(self) -> list[ShardEnded]:
         """The shard if it was killed since the last poll."""
-        out, self._ended = self._ended, []
-        return out
+        return self.m.take("shards")
 
     def kill(self, s: int, fault=None) -> None:
         """Its process dies now: pushes that reach it are refused until a restarted one
@@ -307,7 +264,7 @@ class VirtualSyncerGroup:
             d.record.faults_skipped.append((fault, "syncer is already down"))
             return
         d.syncer_down_until = math.inf   # until a restarted syncer answers
-        self._ended.append(ShardEnded(s))
+        self.m.report(ShardEnded(s), "shards")
 
     def refusals_since(self, seen: list[int], timeout_s: float = 10) -> list:
         """The refusals after the ``seen[0]`` already reported (``seen`` is advanced)."""

@@ -43,13 +43,13 @@ def test_the_driver_holds_an_owner_on_its_groups_and_the_owner_knows_every_incar
 def test_drain_pause_and_hang_are_named_operations_on_the_virtual_learners():
     d = started()
     d.owner.do_drainlearner(F.DrainLearner("r:1"))
-    assert 1 in d.groups.draining
+    assert 1 in d.machine.draining
     d.owner.do_pauselearner(F.PauseLearner("r:2", True))
     assert d.paused[2]
     d.owner.do_pauselearner(F.PauseLearner("r:2", False))
     assert not d.paused[2]
     d.owner.do_hang(F.Hang("r:0", 30.0))
-    assert not d.up[0] and d.groups.cause_of[0] == "hang"
+    assert not d.up[0] and d.machine.cause_of[0] == "hang"
     # a hang ends the incarnation now: its books are settled at once
     assert d.owner.closed["r:0"]["settled"] == 0
 
@@ -61,7 +61,7 @@ def test_faults_are_windows_in_process_and_a_kill_takes_its_fault_from_the_actio
     assert d.windows.slowdown("r:1", "r", 3.0) == 3.0
     kill = FaultPlan().crash("r:2", at_s=2.5, mode="exit").faults[0]
     d.owner.do_kill(F.Kill("r:2", 0, "exit", fault=kill))
-    assert not d.up[2] and d.groups.cause_of[2] == "exit"
+    assert not d.up[2] and d.machine.cause_of[2] == "exit"
     assert "r:2" in d.owner.running   # not buried: its end is seen after detection
     d.owner.do_kill(F.Kill("r:1", 0, "bury", reason="quarantine"))
     assert not d.up[1] and "r:1" not in d.owner.running   # buried: closed at once
@@ -78,7 +78,7 @@ def test_a_syncer_kill_and_restart_go_through_the_owner_and_count_once():
     d = started()
     fault = FaultPlan().kill_syncer(at_s=2.5).faults[0]
     d.owner.do_killsyncer(F.KillSyncer(0, fault))
-    assert d.shards.killed()
+    assert d.machine.killed()
     d.owner.do_killsyncer(F.KillSyncer(0, fault))       # down already: skipped, with its fault
     assert d.record.faults_skipped == [(fault, "syncer is already down")]
     d.owner.do_startsyncer(F.StartSyncer(0, 1))
