@@ -14,6 +14,8 @@ and read back by a restarted controller (``from_json``), so the window and the c
 from __future__ import annotations
 
 import collections
+import copy
+import threading
 from dataclasses import dataclass, field
 from typing import Optional
 
@@ -32,6 +34,8 @@ class ControllerRecords:
     goodput_history: collections.deque = field(default_factory=collections.deque)
     step_seconds: dict = field(default_factory=dict)   # per region: heartbeats' step times
     badput_high: dict = field(default_factory=dict)    # per cause: the highest exported
+    # Scrapes, the console and the owner loop read and raise these on their own threads.
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def record_eval(self, elapsed_s: float, applied: float, loss: float) -> None:
         if self.initial_eval_loss is None:
@@ -45,13 +49,30 @@ class ControllerRecords:
         trim_before(self.goodput_history, now - keep_span_s(window_s))
 
     def observe_step(self, region: str, seconds: float) -> None:
-        observe_step(self.step_seconds, region, seconds)
+        with self.lock:
+            observe_step(self.step_seconds, region, seconds)
+
+    def ratchet_badput(self, badput_s: dict) -> dict:
+        """Raises each cause's exported badput to ``badput_s``'s where that is higher, and
+        returns them all: a counter never goes back (the training phase's remainder wiggles by
+        a step as beats land), also when two threads export at once.
+
+        >>> r = ControllerRecords()
+        >>> r.ratchet_badput({"restart": 3.0}), r.ratchet_badput({"restart": 2.5})
+        ({'restart': 3.0}, {'restart': 3.0})
+        """
+        with self.lock:
+            for cause, x in badput_s.items():
+                self.badput_high[cause] = max(self.badput_high.get(cause, 0.0), x)
+            return dict(self.badput_high)
 
     def to_json(self, now: float, window_s: float) -> dict:
+        with self.lock:   # a region's first beat adds a histogram while this is written
+            step_seconds = copy.deepcopy(self.step_seconds)
         return {"eval_history": self.eval_history[-EVALS_SAVED:],
                 "initial_eval_loss": self.initial_eval_loss, "chaos_fired": self.chaos_fired,
                 "goodput_history": window_to_save(self.goodput_history, now, window_s),
-                "step_seconds": self.step_seconds}
+                "step_seconds": step_seconds}
 
     @classmethod
     def from_json(cls, saved: dict) -> "ControllerRecords":

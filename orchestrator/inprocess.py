@@ -78,8 +78,7 @@ class _Driver(Hooks):
                                 train_losses=[[] for _ in range(n)], learner_ids=list(self.ids),
                                 regions=list(self.regions),
                                 down_intervals=[[] for _ in range(n)])
-        # ξ_sync as the Ray syncer has it (syncer/timing.py): the round trip of the fleet's
-        # latency plus the merges' time, which is 0 on the virtual clock.
+        # ξ_sync as the Ray syncer has it: the fleet latency's round trip + merge time (0 here).
         self.sync_time = timing.SyncTime(round_trip_s=timing.round_trip_s([fleet.latency_s]))
         self.step_s = [0.0] * n          # the seconds of each learner's current step
         self.in_step = [False] * n       # between a step's start and its end
@@ -332,10 +331,12 @@ class _Driver(Hooks):
                 self.retired_at[i] = now
 
     def on_command(self, now: float, command) -> None:
-        """An operator's command (``fleet.Drain``, ``fleet.PauseJob``, a ``fleet.Scale`` down)
-        at its time; one the fleet refuses is recorded with the reason."""
+        """An operator's command at its time; one refused is recorded with the reason."""
         try:
             fleet_lib.check_command(self.owner.fleet, command)
+            if isinstance(command, fleet_lib.Scale) and command.n > self.owner.fleet.targets.get(
+                    command.region, 0):   # (a new slot's name would be no learner of its own)
+                raise fleet_lib.CommandError(f"in process, {command.region} scales down only")
         except fleet_lib.CommandError as exc:
             self.record.commands_refused.append((now, command, str(exc)))
             return
@@ -415,8 +416,7 @@ class _Driver(Hooks):
         peer = self.index_of.get(launch.peer) if launch.peer is not None else None
         if peer is not None and not self.up[peer]:
             peer = None  # the peer died meanwhile: a fresh inner state
-        # Its schedule resumes where the syncer says under the fleet clock (the fleet's count,
-        # for a fresh state and a peer's alike), else where its data does.
+        # Its schedule resumes where the syncer says under the fleet clock, else where its data does.
         schedule = self.syncer.schedule_start()
         schedule = start_step if schedule is None else schedule
         core, nbytes = restarted_core(

@@ -227,13 +227,11 @@ def goodput_view(controller: Any) -> dict:
     window_s = controller.settings.goodput_window_s
     history = list(controller.records.goodput_history) + [(now, useful, allocated)]
     split = controller.owner.books.badput(live_fates(controller), now)
-    # Counters never go back: the training phase's remainder wiggles by a step as beats land.
-    for cause, x in split["badput_s"].items():
-        controller.records.badput_high[cause] = max(controller.records.badput_high.get(cause, 0.0), x)
+    badput_s = controller.records.ratchet_badput(split["badput_s"])   # never going back
     return {"useful_s": useful, "allocated_s": allocated, "goodput": goodput(useful, allocated),
             "window": {"label": window_label(window_s), "seconds": window_s,
                        "ratio": windowed_ratio(history, now, window_s)},
-            "goodput_s": split["goodput_s"], "badput_s": dict(controller.records.badput_high),
+            "goodput_s": split["goodput_s"], "badput_s": badput_s,
             "unsettled_s": split["unsettled_s"]}
 
 

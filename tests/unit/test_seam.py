@@ -238,6 +238,15 @@ def test_a_drain_command_the_fleet_refuses_is_recorded():
     assert (t, command) == (2.0, F.Drain("r:9")) and "r:9" in why
 
 
+def test_a_scale_up_in_process_is_refused_naming_the_region_and_the_job_goes_on():
+    """The in-process driver runs the learners it was given: a new slot (the fleet names it
+    after the region's next index) would be no learner of its own (it raised a KeyError)."""
+    record = driver(commands=[(1.0, F.Scale("r", 2)), (2.0, F.Scale("r", 3))], steps=6).run()
+    (t, command, why), = record.commands_refused
+    assert (t, command) == (2.0, F.Scale("r", 3)) and "r scales down only" in why
+    assert record.steps[0] == record.steps[1] == 6
+
+
 def test_a_syncer_restart_keeps_versions_monotonic_and_fences_the_old_epoch():
     d = driver(faults=FaultPlan().kill_syncer(at_s=5.2))
     record = d.run()
