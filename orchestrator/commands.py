@@ -51,10 +51,10 @@ def chaos(kind: FaultKind, target: str, now: float, mode: str = "ray_kill",
 def chaos_kill(target: str, mode: str, now: float) -> Command:
     """A learner killed (``ray.kill``, or ``exit``: a hard exit inside it), or a syncer shard
     (``syncer`` is shard 0, ``syncer:<s>`` shard s)."""
-    if target.split(":")[0] == "syncer":
-        return chaos(FaultKind.SYNCER_KILL, target, now), f"killed {target}"
     if mode not in ("ray_kill", "exit"):
         raise ValueError(f"unknown kill mode {mode!r}; choose ray_kill or exit")
+    if target.split(":")[0] == "syncer":   # (a shard is ended by ray.kill either way)
+        return chaos(FaultKind.SYNCER_KILL, target, now), f"killed {target}"
     kind = FaultKind.KILL if mode == "ray_kill" else FaultKind.EXIT
     return chaos(kind, target, now, mode), f"killed {target} ({mode})"
 

@@ -13,11 +13,12 @@ def test_a_kill_targets_a_learner_with_its_mode_or_a_syncer_shard():
     obs, reply = commands.chaos_kill("a:0", "ray_kill", now=3.0)
     assert (obs.fault.kind, obs.fault.at_s, obs.mode, reply) == (
         FaultKind.KILL, 3.0, "ray_kill", "killed a:0 (ray_kill)")
-    obs, reply = commands.chaos_kill("syncer:1", "anything", now=3.0)
+    obs, reply = commands.chaos_kill("syncer:1", "ray_kill", now=3.0)
     assert (obs.fault.kind, obs.fault.target, reply) == (FaultKind.SYNCER_KILL, "syncer:1",
                                                          "killed syncer:1")
-    with pytest.raises(ValueError, match="unknown kill mode 'nuke'"):
-        commands.chaos_kill("a:0", "nuke", now=3.0)
+    for target in ("a:0", "syncer"):
+        with pytest.raises(ValueError, match="unknown kill mode 'nuke'"):
+            commands.chaos_kill(target, "nuke", now=3.0)
 
 
 def test_bad_durations_and_a_degraded_home_are_refused():
