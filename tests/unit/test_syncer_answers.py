@@ -178,15 +178,13 @@ def test_a_not_durable_refusal_leaves_one_fate_per_token_on_both_sides(tmp_path)
     asyncio.run(scenario())
 
 
-def test_revoking_a_merge_restores_the_watermark_of_the_merges_that_stay():
-    """SyncerCore.revoke: a's push of fragment 0 (step 6) merges, then its older push of
-    fragment 1 (step 5); fragment 0's merge is revoked: the applied watermark is fragment 1's
-    push (step 5, 500 tokens), not what it was before both (0), nor fragment 0's."""
+def _two_fragment_core_with_a():
+    """A syncer core of two one-number fragments (mean merge, SGD(1) outer step) where learner
+    ``a`` has registered long enough ago for a few steps."""
     import optax
 
     from islands.syncer import merge as merge_lib
     from islands.syncer.core import SyncerCore
-    from islands.syncer.validate import RejectReason
 
     core = SyncerCore([{"w": np.zeros(1, np.float32)}, {"v": np.zeros(1, np.float32)}],
                       SyncerSettings(min_learners=1, outlier_norm_factor=None,
@@ -194,6 +192,16 @@ def test_revoking_a_merge_restores_the_watermark_of_the_merges_that_stay():
                       optax.sgd(1.0), lambda codes: codes)
     core.register("a", 0)
     time.sleep(0.01)   # (the progress bound: a few steps need a few 10 µs)
+    return core
+
+
+def test_revoking_a_merge_restores_the_watermark_of_the_merges_that_stay():
+    """SyncerCore.revoke: a's push of fragment 0 (step 6) merges, then its older push of
+    fragment 1 (step 5); fragment 0's merge is revoked: the applied watermark is fragment 1's
+    push (step 5, 500 tokens), not what it was before both (0), nor fragment 0's."""
+    from islands.syncer.validate import RejectReason
+
+    core = _two_fragment_core_with_a()
 
     def merged(p, path, step):
         push = Push("a", p, {path: np.ones(1, np.float32)}, 0, core.epoch, 100, 1, step=step,
@@ -219,17 +227,7 @@ def test_revoking_two_pending_merges_leaves_the_durable_watermark():
     submitted. The applied watermark (what a restarted learner resumes from) goes back to the
     durable merge before them (100, step 1), not to what the entry held when fragment 0's merge
     was credited (fragment 1's 200, revoked itself)."""
-    import optax
-
-    from islands.syncer import merge as merge_lib
-    from islands.syncer.core import SyncerCore
-
-    core = SyncerCore([{"w": np.zeros(1, np.float32)}, {"v": np.zeros(1, np.float32)}],
-                      SyncerSettings(min_learners=1, outlier_norm_factor=None,
-                                     merge_rule=merge_lib.MergeRule.MEAN),
-                      optax.sgd(1.0), lambda codes: codes)
-    core.register("a", 0)
-    time.sleep(0.01)   # (the progress bound: a few steps need a few 10 µs)
+    core = _two_fragment_core_with_a()
 
     def merged(p, path, step):
         push = Push("a", p, {path: np.ones(1, np.float32)}, core.fragment(p)[1], core.epoch,
