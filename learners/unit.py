@@ -69,7 +69,7 @@ class LearnerUnit:
         # Sharded syncer: re-registrations with a restarting shard run on their own threads
         # (the training loop never waits on one); their answers wait here for the loop.
         self.registering: set[int] = set()
-        self.registered: list[tuple[int, dict]] = []
+        self.registered: list[tuple[int, dict, Any]] = []   # (shard, answer, its handle)
         self.prepared: Optional[dict] = None     # what ``prepare`` built (no learner identity)
         self.prepare_lock = threading.Lock()
         self.promoted = threading.Event()
