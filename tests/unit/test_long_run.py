@@ -70,3 +70,15 @@ def test_fds_back_per_role_and_learners_against_the_first_window():
     assert long_run.fds_verdict(start, {**same, "learners": [46]}, None)["back"]
     assert not long_run.fds_verdict(start, {**same, "learners": [47]}, None)["back"]
     assert not long_run.fds_verdict(start, {**same, "learners": []}, 48)["back"]
+
+
+def test_anonymous_memory_is_read_from_the_process_status():
+    """``RssAnon`` of this very process: a positive count of bytes, below its whole RSS (which
+    also counts the libraries' pages); a process that is gone reads None."""
+    import os
+
+    import psutil
+
+    anon = long_run.anon_bytes(os.getpid())
+    assert anon is not None and 0 < anon <= psutil.Process().memory_info().rss
+    assert long_run.anon_bytes(2 ** 22 + 7) is None   # (above Linux's default pid_max)
