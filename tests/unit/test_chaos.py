@@ -160,7 +160,7 @@ def test_restart_costs_and_windows():
 # -- the in-process driver under faults ---------------------------------------------------------
 
 INNER = optax.adam(3e-2)
-TOKENS = 16
+from tiny_task import TOKENS, batch_for  # noqa: E402  (the shared tiny task)
 
 
 def init_params():
@@ -180,13 +180,6 @@ def train_step(params, opt_state, batch):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     updates, opt_state = INNER.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
-
-
-def batch_for(learner, index):
-    rng = np.random.default_rng(1000 * learner + index)
-    x = rng.normal(size=(TOKENS, 4)).astype(np.float32)
-    y = np.stack([np.sin(x[:, 0]) + 0.1 * learner, x[:, 1] * x[:, 2]], axis=1).astype(np.float32)
-    return x, y
 
 
 def run(plan, *, M=2, P=1, H=1, tau=0, steps=6, latency_s=0.0, restart_s=1.5, K=1,

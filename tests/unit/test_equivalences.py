@@ -20,7 +20,7 @@ from islands.syncer import fragments, merge, outer
 from islands.syncer.core import SyncerSettings
 
 M = 3
-TOKENS = 16
+from tiny_task import TOKENS, batch_for  # noqa: E402  (the shared tiny task)
 
 
 def init_params():
@@ -43,13 +43,6 @@ def train_step(params, opt_state, batch):
     loss, grads = jax.value_and_grad(loss_fn)(params, batch)
     updates, opt_state = INNER.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
-
-
-def batch_for(learner, index):
-    rng = np.random.default_rng(1000 * learner + index)
-    x = rng.normal(size=(TOKENS, 4)).astype(np.float32)
-    y = np.stack([np.sin(x[:, 0]) + 0.1 * learner, x[:, 1] * x[:, 2]], axis=1).astype(np.float32)
-    return x, y
 
 
 def run_driver(P, H, tau, steps, outer_opt, K=M, alpha=0.0):

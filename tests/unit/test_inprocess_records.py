@@ -27,7 +27,7 @@ from islands.syncer.core import SyncerSettings
 
 FIXTURE = pathlib.Path(__file__).with_name("inprocess_records.json")
 INNER = optax.adam(3e-2)
-TOKENS = 16
+from tiny_task import TOKENS, batch_for  # noqa: E402  (the shared tiny task)
 PARTS = ("transitions", "step_log", "restarts", "books", "merges", "params", "other")
 
 
@@ -47,13 +47,6 @@ def train_step(params, opt_state, batch):
     loss, grads = jax.value_and_grad(loss_fn)(params)
     updates, opt_state = INNER.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
-
-
-def batch_for(learner, index):
-    rng = np.random.default_rng(1000 * learner + index)
-    x = rng.normal(size=(TOKENS, 4)).astype(np.float32)
-    y = np.stack([np.sin(x[:, 0]) + 0.1 * learner, x[:, 1] * x[:, 2]], axis=1).astype(np.float32)
-    return x, y
 
 
 def run(*, ids, plan=None, commands=(), P=2, H=2, tau=1, steps=20, latency_s=0.2,
