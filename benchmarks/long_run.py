@@ -23,8 +23,9 @@ Checked at the end:
     it lived through the last 40 %), its last W failures against its first W; the figures for
     the role over the whole run (first process against last) are reported beside it. Open file
     descriptors of the driver, the controller, the syncer and the link server back to their
-    counts at the start, and each learner's no more than any learner's over the first window
-    (``fds_verdict``: a restarted learner keeps a socket to the peer it copied from), and live
+    counts at the start, and each learner's (less its connections to the other learners: a
+    restarted learner keeps one to the peer it copied from) no more than any learner's at the
+    start or over the first window (``fds_verdict``), and live
     Ray actors back to their count, all read once every learner trains and no spare is
     starting; after the job no job actor and none of the processes it used alive.
 
@@ -165,10 +166,10 @@ def fds_verdict(start: dict, end: dict, learner_window_max: Optional[int]) -> di
     The processes that live through the run (the driver, the controller, the syncer, the link
     server; the service kills restart some, and a restarted one is read the same way) must end
     at or below their count at the start. The learners at the end are other processes than at
-    the start: a restarted learner that copied its state from a peer keeps a connection to that
-    peer's process while both live, which the first incarnations never made. So each learner at
-    the end must hold no more fds than the most any learner held over the first window of
-    failures (``learner_window_max``, sampled): a leak grows past that, a peer's socket does not.
+    the start, and their counts leave out their connections to each other (``learner_fds``: a
+    restarted learner keeps one to the peer it copied from while both live). Each learner at
+    the end must hold no more fds than the most any learner held at the start or over the
+    first window of failures (``learner_window_max``, sampled): a leak grows past that.
 
     >>> fds_verdict({"driver": 40, "learners": [46, 46]}, {"driver": 40, "learners": [48, 47]}, 48)
     {'driver': True, 'learners': True, 'back': True}
@@ -236,6 +237,33 @@ def proc_figures(pid: Optional[int]) -> tuple[Optional[int], Optional[int]]:
         return p.memory_info().rss, p.num_fds()
     except (psutil.NoSuchProcess, psutil.AccessDenied):
         return None, None
+
+
+def peer_connections(pids: list[int]) -> dict[int, int]:
+    """For each process of ``pids``, how many of its TCP connections have their other end in
+    another process of ``pids`` (matched by address: a connection's remote address is the local
+    address of the peer's socket, the listening side's accepted one included).
+
+    >>> import os
+    >>> peer_connections([os.getpid()])[os.getpid()]
+    0
+    """
+    import psutil
+
+    conns: dict[int, list] = {}
+    owner: dict[tuple, int] = {}
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            listed = getattr(process, "net_connections", process.connections)(kind="tcp")
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            listed = []
+        conns[pid] = listed
+        for c in listed:
+            owner[tuple(c.laddr)] = pid
+    return {pid: sum(1 for c in listed
+                     if c.raddr and owner.get(tuple(c.raddr), pid) != pid)
+            for pid, listed in conns.items()}
 
 
 def live_actor_count() -> int:
@@ -308,28 +336,35 @@ class Chaos:
         return out
 
     def counts(self, controller, status: dict) -> dict:
-        """Open fds per process role and live actors, read now."""
+        """Open fds per process role and live actors, read now. The driver's own count is read
+        last: reading the others connects it to each of their processes (Ray keeps a client
+        per process it called), so read first it would miss what every later read holds."""
         import psutil
         import ray
 
         handles = {"controller": controller, **self.handles()}
-        fds = {"driver": psutil.Process().num_fds()}
+        fds = {}
         for role, handle in handles.items():
             pid = actor_pid(handle) if handle is not None else None
             fds[role] = proc_figures(pid)[1]
             if pid:
                 self.seen(pid)
-        fds["learners"] = self.learner_fds(status)
+        fds["learners"], raw = self.learner_fds(status, with_raw=True)
+        fds["driver"] = psutil.Process().num_fds()
         named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
-        total = sum(v or 0 for k, v in fds.items() if k != "learners") + sum(fds["learners"])
-        return {"fds": fds, "fds_total": total,
+        total = sum(v or 0 for k, v in fds.items() if k != "learners") + sum(raw)
+        return {"fds": fds, "fds_total": total, "learner_fds_raw": raw,
                 "live_actors": live_actor_count(), "named_actors": len(named)}
 
-    def learner_fds(self, status: dict) -> list[int]:
-        """Open fds of each training learner's process now (sorted by learner)."""
+    def learner_fds(self, status: dict, with_raw: bool = False):
+        """Open fds of each training learner's process now (sorted by learner), less its TCP
+        connections to the other learners' processes (``peer_connections``): a restarted
+        learner copies its state from a live peer, and Ray keeps that connection (at both
+        ends) while both live, so how many a learner holds depends on which peers it copied
+        from, not on how many failures went before. ``with_raw``: also the whole counts."""
         import ray
 
-        out = []
+        pids = []
         for name, x in sorted(status["learners"].items()):
             if x["state"] != "training":
                 continue
@@ -339,10 +374,15 @@ class Chaos:
                 pid = None
             if pid:
                 self.seen(pid)
+                pids.append(pid)
+        peers = peer_connections(pids)
+        out, raw = [], []
+        for pid in pids:
             fds = proc_figures(pid)[1]
             if fds is not None:
-                out.append(fds)
-        return out
+                raw.append(fds)
+                out.append(fds - peers.get(pid, 0))
+        return (out, raw) if with_raw else out
 
     def wait_steady(self, controller, timeout_s: float, hold_s: float = 5.0) -> Optional[dict]:
         """The status once the job has been steady for ``hold_s`` (None at the timeout)."""
@@ -602,6 +642,9 @@ def run_real(args) -> dict:
         "memory": memory, "memory_since_last_restart": memory_since,
         "anon_memory_since_last_restart": anon_since,
         "fds_start": start.get("fds"), "fds_end": end.get("fds"),
+        # The learners' whole counts, their connections to each other included.
+        "learner_fds_raw_start": start.get("learner_fds_raw"),
+        "learner_fds_raw_end": end.get("learner_fds_raw"),
         "fds_total_start": start.get("fds_total"), "fds_total_end": end.get("fds_total"),
         "fds_back": fds_back, "fds_check": fds_check,
         "learner_fds_window_max": chaos.learner_window_max(),

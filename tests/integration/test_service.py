@@ -3,6 +3,7 @@ drains and a syncer restart. One cluster and one job for the whole module (Ray s
 each test waits on real state with a timeout and asserts its own outcome.
 """
 
+import os
 import time
 
 import numpy as np
@@ -73,6 +74,17 @@ def test_the_downlink_is_encoded(job):
     up = sum(by_direction["up"] for by_direction in wire.values())
     down = sum(by_direction["down"] for by_direction in wire.values())
     assert 0 < down < 0.6 * up, wire
+
+
+def test_the_controller_process_starts_with_two_malloc_arenas(job):
+    """What glibc reads is the environment the process was started with (``/proc/<pid>/environ``
+    holds it), not a later ``os.environ``: Ray must start the controller's process with it."""
+    controller, _ = job
+    environ = ray.get(controller.__ray_call__.remote(
+        lambda self: open("/proc/self/environ", "rb").read()))
+    started_with = dict(v.split(b"=", 1) for v in environ.split(b"\0") if b"=" in v)
+    assert started_with.get(b"MALLOC_ARENA_MAX") == os.environ.get(
+        "MALLOC_ARENA_MAX", "2").encode()
 
 
 def test_a_stalled_learner_never_blocks_the_others(job):

@@ -210,6 +210,22 @@ def test_every_process_gets_its_platform_explicitly():
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in ray_env_vars(process_env(Role.CONTROLLER))
 
 
+def test_only_the_controller_caps_its_malloc_arenas_and_an_operators_value_wins(monkeypatch):
+    """The controller is started with two glibc arenas (its memory grew with the job's failures
+    under the default); the syncer, the link ends and the learners keep glibc's default; a
+    MALLOC_ARENA_MAX the creating process has is passed on as it is."""
+    from islands.orchestrator.runtime import controller_options, syncer_options
+
+    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
+    env = controller_options("/tmp/run")["runtime_env"]["env_vars"]
+    assert env["MALLOC_ARENA_MAX"] == "2" and env["JAX_PLATFORMS"] == "cpu"
+    assert "MALLOC_ARENA_MAX" not in syncer_options("/tmp/cache")["runtime_env"]["env_vars"]
+    for role in (Role.SYNCER, Role.LINK_SERVER, Role.REGION_AGENT, Role.LEARNER, Role.DRIVER):
+        assert "MALLOC_ARENA_MAX" not in ray_env_vars(process_env(role))
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "1")
+    assert controller_options("/tmp/run")["runtime_env"]["env_vars"]["MALLOC_ARENA_MAX"] == "1"
+
+
 def test_apply_env_replaces_inherited_values_and_removes_what_must_be_absent(monkeypatch):
     from islands.learners.devices import apply_env
 

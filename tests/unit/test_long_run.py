@@ -82,3 +82,35 @@ def test_anonymous_memory_is_read_from_the_process_status():
     anon = long_run.anon_bytes(os.getpid())
     assert anon is not None and 0 < anon <= psutil.Process().memory_info().rss
     assert long_run.anon_bytes(2 ** 22 + 7) is None   # (above Linux's default pid_max)
+
+
+def test_connections_between_the_listed_processes_are_counted_at_both_ends():
+    """Two real processes joined by one TCP connection (this one connects, a child accepts):
+    each holds one connection to the other; a connection to a process not listed is not
+    counted, and a process that is gone counts nothing."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    child = subprocess.Popen(
+        [sys.executable, "-c",
+         "import socket,sys\n"
+         f"c=socket.create_connection(('127.0.0.1',{port}))\n"
+         "sys.stdout.write('up\\n');sys.stdout.flush();sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline() == "up\n"   # connected: no sleep, the child said so
+        accepted, _ = server.accept()
+        me = os.getpid()
+        counts = long_run.peer_connections([me, child.pid])
+        assert counts == {me: 1, child.pid: 1}
+        assert long_run.peer_connections([me]) == {me: 0}   # the child is not a listed peer
+        assert long_run.peer_connections([2 ** 22 + 7]) == {2 ** 22 + 7: 0}
+        accepted.close()
+    finally:
+        child.stdin.close()
+        child.wait(timeout=30)
+        server.close()
