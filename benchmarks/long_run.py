@@ -239,31 +239,44 @@ def proc_figures(pid: Optional[int]) -> tuple[Optional[int], Optional[int]]:
         return None, None
 
 
-def peer_connections(pids: list[int]) -> dict[int, int]:
-    """For each process of ``pids``, how many of its TCP connections have their other end in
-    another process of ``pids`` (matched by address: a connection's remote address is the local
-    address of the peer's socket, the listening side's accepted one included).
+PEER_CONNECTIONS_PER_PAIR = 2   # one each way: each learner's Ray client to the other's server
+
+
+def fds_and_peer_connections(pids: list[int]) -> dict[int, tuple[int, int]]:
+    """For each live process of ``pids``: (its open fds, how many of its established TCP
+    connections join it to another process of ``pids``), the two read back to back. A connection
+    is a peer's only where the other process holds its exact other end (local and remote
+    addresses swapped); at most ``PEER_CONNECTIONS_PER_PAIR`` per pair are counted, so sockets
+    piling up between two processes still show as theirs. A process that is gone is left out.
 
     >>> import os
-    >>> peer_connections([os.getpid()])[os.getpid()]
+    >>> fds_and_peer_connections([os.getpid()])[os.getpid()][1]
     0
     """
+    import collections
+
     import psutil
 
+    fds: dict[int, int] = {}
     conns: dict[int, list] = {}
-    owner: dict[tuple, int] = {}
     for pid in pids:
         try:
             process = psutil.Process(pid)
-            listed = getattr(process, "net_connections", process.connections)(kind="tcp")
+            listing = getattr(process, "net_connections", None) or process.connections
+            with process.oneshot():
+                fds[pid] = process.num_fds()
+                conns[pid] = [c for c in listing(kind="tcp")
+                              if c.status == psutil.CONN_ESTABLISHED and c.raddr]
         except (psutil.NoSuchProcess, psutil.AccessDenied):
-            listed = []
-        conns[pid] = listed
-        for c in listed:
-            owner[tuple(c.laddr)] = pid
-    return {pid: sum(1 for c in listed
-                     if c.raddr and owner.get(tuple(c.raddr), pid) != pid)
-            for pid, listed in conns.items()}
+            fds.pop(pid, None)
+    ends = {(tuple(c.laddr), tuple(c.raddr)): pid for pid, listed in conns.items() for c in listed}
+    out = {}
+    for pid, listed in conns.items():
+        per_peer = collections.Counter(
+            other for c in listed
+            if (other := ends.get((tuple(c.raddr), tuple(c.laddr)))) not in (None, pid))
+        out[pid] = (fds[pid], sum(min(n, PEER_CONNECTIONS_PER_PAIR) for n in per_peer.values()))
+    return out
 
 
 def live_actor_count() -> int:
@@ -343,6 +356,7 @@ class Chaos:
         import ray
 
         handles = {"controller": controller, **self.handles()}
+        driver_before_reads = psutil.Process().num_fds()
         fds = {}
         for role, handle in handles.items():
             pid = actor_pid(handle) if handle is not None else None
@@ -354,11 +368,12 @@ class Chaos:
         named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
         total = sum(v or 0 for k, v in fds.items() if k != "learners") + sum(raw)
         return {"fds": fds, "fds_total": total, "learner_fds_raw": raw,
+                "driver_fds_before_reads": driver_before_reads,
                 "live_actors": live_actor_count(), "named_actors": len(named)}
 
     def learner_fds(self, status: dict, with_raw: bool = False):
         """Open fds of each training learner's process now (sorted by learner), less its TCP
-        connections to the other learners' processes (``peer_connections``): a restarted
+        connections to the other learners' processes (``fds_and_peer_connections``): a restarted
         learner copies its state from a live peer, and Ray keeps that connection (at both
         ends) while both live, so how many a learner holds depends on which peers it copied
         from, not on how many failures went before. ``with_raw``: also the whole counts."""
@@ -375,13 +390,13 @@ class Chaos:
             if pid:
                 self.seen(pid)
                 pids.append(pid)
-        peers = peer_connections(pids)
+        read = fds_and_peer_connections(pids)
         out, raw = [], []
         for pid in pids:
-            fds = proc_figures(pid)[1]
-            if fds is not None:
+            if pid in read:
+                fds, peers = read[pid]
                 raw.append(fds)
-                out.append(fds - peers.get(pid, 0))
+                out.append(fds - peers)
         return (out, raw) if with_raw else out
 
     def wait_steady(self, controller, timeout_s: float, hold_s: float = 5.0) -> Optional[dict]:
@@ -645,6 +660,8 @@ def run_real(args) -> dict:
         # The learners' whole counts, their connections to each other included.
         "learner_fds_raw_start": start.get("learner_fds_raw"),
         "learner_fds_raw_end": end.get("learner_fds_raw"),
+        "driver_fds_before_reads": {"start": start.get("driver_fds_before_reads"),
+                                    "end": end.get("driver_fds_before_reads")},
         "fds_total_start": start.get("fds_total"), "fds_total_end": end.get("fds_total"),
         "fds_back": fds_back, "fds_check": fds_check,
         "learner_fds_window_max": chaos.learner_window_max(),

@@ -63,7 +63,10 @@ def host_options(region: str, devices: LearnerDevices) -> dict:
     and the host's devices (a unit's other hosts get these, placed in their own bundles)."""
     request = ray_request(devices)
     resources = {f"region:{region}": 1, **request.pop("resources", {})}
-    return dict(num_cpus=CPUS["learner"], resources=resources, **request)
+    # Only what must be there when the process starts: the rest of its environment the learner
+    # sets itself (``LearnerSpec.env``); Ray merges this into the creating controller's.
+    runtime_env = {"env_vars": {"MALLOC_ARENA_MAX": MALLOC_ARENAS[Role.LEARNER]}}
+    return dict(num_cpus=CPUS["learner"], resources=resources, runtime_env=runtime_env, **request)
 
 
 def unit_group_name(learner: str, incarnation: int) -> str:
@@ -127,7 +130,19 @@ DEVICE_ROLES = frozenset({Role.LEARNER, Role.SPARE, Role.UNIT_HOST})
 MANAGED_ENV = ("JAX_PLATFORMS", "XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE",
                "XLA_PYTHON_CLIENT_MEM_FRACTION", "OMP_NUM_THREADS", "JAX_COMPILATION_CACHE_DIR",
                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "MALLOC_ARENA_MAX")
+# glibc's malloc arenas per role. glibc gives each thread that allocates an arena of its own (up
+# to 8 per core) and keeps what is freed there for that arena's next use. The controller runs
+# many threads (Ray's core worker and gRPC, its owner loop, the console) for the job's whole
+# life, and its resident memory grew with the job's failures: about 5 MiB per 100 learner
+# failures with glibc's default, about 2 MiB per 100 with two arenas (400 real failures each
+# way, benchmarks/NOTES.md). The other long-lived service processes get two as well. The
+# learners keep glibc's own limit ("0" is below glibc's minimum of 1, so glibc ignores it): a
+# value must be given, since Ray passes the env_vars of the controller that creates them on
+# to them, and a learner's data pipeline may allocate from many threads at once.
+MALLOC_ARENAS = {Role.CONTROLLER: "2", Role.SYNCER: "2", Role.LINK_SERVER: "2",
+                 Role.REGION_AGENT: "2", Role.LEARNER: "0", Role.SPARE: "0",
+                 Role.UNIT_HOST: "0"}
 # The JAX platform of each accelerator (``JAX_PLATFORMS`` takes these names).
 JAX_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 # Of a GPU share, what XLA may preallocate: the rest is for the CUDA context and cuDNN/cuBLAS
@@ -165,6 +180,7 @@ def process_env(role: Role, devices: Optional[LearnerDevices] = None,
     env: dict = dict.fromkeys(MANAGED_ENV)
     env["JAX_PLATFORMS"] = JAX_PLATFORM[devices.accelerator]
     env["OMP_NUM_THREADS"] = "1"   # several processes share a few cores
+    env["MALLOC_ARENA_MAX"] = MALLOC_ARENAS.get(role)   # (the driver's: left as it is started)
     if devices.accelerator == "cpu":
         # Small thread pools, N virtual devices for a CPU learner of N > 1, and never a GPU.
         env["XLA_FLAGS"] = " ".join(f for f in (xla_device_flags(devices),
@@ -194,35 +210,10 @@ def cpu_env(jax_cache_dir: Optional[str] = None, role: Role = Role.CONTROLLER) -
     return ray_env_vars(process_env(role, jax_cache_dir=jax_cache_dir))
 
 
-# glibc gives each thread that allocates a malloc arena of its own, and keeps what is freed there
-# for that arena's next use. The controller runs many threads (Ray's core worker and gRPC, its
-# owner loop, the console) for the job's whole life, and its resident memory grew with the job's
-# failures: about 5 MiB per 100 learner failures with glibc's default (8 arenas per core), about
-# 2 MiB per 100 with two arenas, most of that its bounded event log filling (400 real failures
-# each way, benchmarks/long_run.py). Two arenas cost it nothing measurable: it allocates little
-# and seldom at once.
-CONTROLLER_MALLOC_ARENAS = "2"
-
-
-def allocator_env(role: Role) -> dict:
-    """``MALLOC_ARENA_MAX`` for the controller (the operator's own, where the process that
-    creates it has one: a node set up for its allocator keeps its choice); nothing for the
-    other roles, whose allocations are their step's arrays and leave glibc's default alone.
-
-    >>> allocator_env(Role.CONTROLLER) == {"MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", "2")}
-    True
-    >>> allocator_env(Role.SYNCER)
-    {}
-    """
-    if Role(role) is not Role.CONTROLLER:
-        return {}
-    return {"MALLOC_ARENA_MAX": os.environ.get("MALLOC_ARENA_MAX", CONTROLLER_MALLOC_ARENAS)}
-
-
 def cpu_runtime_env(role: Role, jax_cache_dir: Optional[str] = None) -> dict:
     """A CPU process's Ray ``runtime_env``: its variables set explicitly, not inherited. Ray
-    starts the actor's process with them, so glibc reads ``MALLOC_ARENA_MAX`` at its start."""
-    return {"env_vars": {**cpu_env(jax_cache_dir, role), **allocator_env(role)}}
+    starts the actor's process with them (glibc reads ``MALLOC_ARENA_MAX`` only then)."""
+    return {"env_vars": cpu_env(jax_cache_dir, role)}
 
 
 def enable_compile_cache(path: str) -> None:

@@ -3,8 +3,8 @@ drains and a syncer restart. One cluster and one job for the whole module (Ray s
 each test waits on real state with a timeout and asserts its own outcome.
 """
 
-import os
 import time
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -15,7 +15,7 @@ from islands.orchestrator.cli import format_status  # noqa: E402
 from islands.orchestrator.metrics import RESTART_REASONS  # noqa: E402
 from islands.orchestrator.config import JobConfig  # noqa: E402
 from waiting import wait_for  # noqa: E402  (tests/integration/waiting.py)
-from islands.orchestrator.controller import (NAMESPACE, Controller,  # noqa: E402
+from islands.orchestrator.controller import (NAMESPACE, SYNCER_NAME, Controller,  # noqa: E402
                                              controller_options, learner_actor_name)
 
 pytestmark = pytest.mark.ray
@@ -76,15 +76,26 @@ def test_the_downlink_is_encoded(job):
     assert 0 < down < 0.6 * up, wire
 
 
-def test_the_controller_process_starts_with_two_malloc_arenas(job):
-    """What glibc reads is the environment the process was started with (``/proc/<pid>/environ``
-    holds it), not a later ``os.environ``: Ray must start the controller's process with it."""
-    controller, _ = job
-    environ = ray.get(controller.__ray_call__.remote(
-        lambda self: open("/proc/self/environ", "rb").read()))
-    started_with = dict(v.split(b"=", 1) for v in environ.split(b"\0") if b"=" in v)
-    assert started_with.get(b"MALLOC_ARENA_MAX") == os.environ.get(
-        "MALLOC_ARENA_MAX", "2").encode()
+def test_each_process_starts_with_its_malloc_arenas(job):
+    """glibc reads MALLOC_ARENA_MAX from the environment a process was started with
+    (``/proc/<pid>/environ``), not from a later ``os.environ``: Ray must start the controller and
+    the syncer with "2" and a learner, which the controller creates (and so would inherit its
+    env_vars), with "0" (glibc's own limit)."""
+    controller, snap = job
+
+    def started_with(handle) -> Optional[bytes]:
+        def read(self):
+            with open("/proc/self/environ", "rb") as f:
+                return f.read()
+        environ = ray.get(handle.__ray_call__.remote(read), timeout=30)
+        return dict(v.split(b"=", 1) for v in environ.split(b"\0") if b"=" in v).get(
+            b"MALLOC_ARENA_MAX")
+
+    assert started_with(controller) == b"2"
+    assert started_with(ray.get_actor(SYNCER_NAME, namespace=NAMESPACE)) == b"2"
+    learner = sorted(snap()["learners"])[0]
+    wait_for(lambda: snap()["learners"][learner]["state"] == "training", 120, f"{learner} training")
+    assert started_with(ray.get_actor(learner_actor_name(learner), namespace=NAMESPACE)) == b"0"
 
 
 def test_a_stalled_learner_never_blocks_the_others(job):

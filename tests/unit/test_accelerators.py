@@ -210,20 +210,24 @@ def test_every_process_gets_its_platform_explicitly():
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in ray_env_vars(process_env(Role.CONTROLLER))
 
 
-def test_only_the_controller_caps_its_malloc_arenas_and_an_operators_value_wins(monkeypatch):
-    """The controller is started with two glibc arenas (its memory grew with the job's failures
-    under the default); the syncer, the link ends and the learners keep glibc's default; a
-    MALLOC_ARENA_MAX the creating process has is passed on as it is."""
-    from islands.orchestrator.runtime import controller_options, syncer_options
+def test_the_service_processes_run_two_malloc_arenas_and_the_learners_glibcs_own():
+    """The controller and the other long-lived service processes start with two glibc arenas
+    (the controller's memory grew with the job's failures under glibc's default). The learners
+    are given "0", which glibc ignores (below its minimum of 1), so they keep its own limit: a
+    value must be given, because Ray passes the creating controller's env_vars on to them."""
+    from islands.orchestrator.runtime import MALLOC_ARENAS, controller_options, syncer_options
 
-    monkeypatch.delenv("MALLOC_ARENA_MAX", raising=False)
-    env = controller_options("/tmp/run")["runtime_env"]["env_vars"]
-    assert env["MALLOC_ARENA_MAX"] == "2" and env["JAX_PLATFORMS"] == "cpu"
-    assert "MALLOC_ARENA_MAX" not in syncer_options("/tmp/cache")["runtime_env"]["env_vars"]
-    for role in (Role.SYNCER, Role.LINK_SERVER, Role.REGION_AGENT, Role.LEARNER, Role.DRIVER):
-        assert "MALLOC_ARENA_MAX" not in ray_env_vars(process_env(role))
-    monkeypatch.setenv("MALLOC_ARENA_MAX", "1")
-    assert controller_options("/tmp/run")["runtime_env"]["env_vars"]["MALLOC_ARENA_MAX"] == "1"
+    assert controller_options("/tmp/run")["runtime_env"]["env_vars"]["MALLOC_ARENA_MAX"] == "2"
+    assert syncer_options("/tmp/cache")["runtime_env"]["env_vars"]["MALLOC_ARENA_MAX"] == "2"
+    for role in (Role.CONTROLLER, Role.SYNCER, Role.LINK_SERVER, Role.REGION_AGENT):
+        assert process_env(role)["MALLOC_ARENA_MAX"] == "2"
+    for role in (Role.LEARNER, Role.SPARE, Role.UNIT_HOST):
+        assert process_env(role)["MALLOC_ARENA_MAX"] == "0"
+    assert process_env(Role.DRIVER)["MALLOC_ARENA_MAX"] is None   # as the operator started it
+    assert set(MALLOC_ARENAS) == set(Role) - {Role.DRIVER}
+    for devices in (acc.learner_devices("cpu", 2), acc.learner_devices("gpu", 0.5)):
+        options = learner_options("a:0", "a", devices)
+        assert options["runtime_env"] == {"env_vars": {"MALLOC_ARENA_MAX": "0"}}
 
 
 def test_apply_env_replaces_inherited_values_and_removes_what_must_be_absent(monkeypatch):

@@ -85,9 +85,11 @@ def test_anonymous_memory_is_read_from_the_process_status():
 
 
 def test_connections_between_the_listed_processes_are_counted_at_both_ends():
-    """Two real processes joined by one TCP connection (this one connects, a child accepts):
-    each holds one connection to the other; a connection to a process not listed is not
-    counted, and a process that is gone counts nothing."""
+    """A child process connects to this one three times (this one accepts). Each side holds
+    three established connections to the other, counted at most two per pair (so sockets piling
+    up between two processes still count as theirs); one the child closes (this end then in
+    CLOSE_WAIT) counts for neither; a process not listed is nobody's peer, and one gone is left
+    out."""
     import os
     import socket
     import subprocess
@@ -98,19 +100,44 @@ def test_connections_between_the_listed_processes_are_counted_at_both_ends():
     child = subprocess.Popen(
         [sys.executable, "-c",
          "import socket,sys\n"
-         f"c=socket.create_connection(('127.0.0.1',{port}))\n"
-         "sys.stdout.write('up\\n');sys.stdout.flush();sys.stdin.read()"],
+         f"cs=[socket.create_connection(('127.0.0.1',{port})) for _ in range(3)]\n"
+         "print('up',flush=True)\n"
+         "sys.stdin.readline(); cs[0].close(); cs[1].close()\n"
+         "print('closed',flush=True); sys.stdin.read()"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    accepted = []
     try:
-        assert child.stdout.readline() == "up\n"   # connected: no sleep, the child said so
-        accepted, _ = server.accept()
+        assert child.stdout.readline() == "up\n"   # connected: the child says so, no sleep
+        accepted = [server.accept()[0] for _ in range(3)]
         me = os.getpid()
-        counts = long_run.peer_connections([me, child.pid])
-        assert counts == {me: 1, child.pid: 1}
-        assert long_run.peer_connections([me]) == {me: 0}   # the child is not a listed peer
-        assert long_run.peer_connections([2 ** 22 + 7]) == {2 ** 22 + 7: 0}
-        accepted.close()
+        read = long_run.fds_and_peer_connections([me, child.pid])
+        assert read[me][1] == 2 and read[child.pid][1] == 2      # three each, two counted
+        assert read[me][0] >= 4 and read[child.pid][0] >= 3      # and the fds are read
+        assert long_run.fds_and_peer_connections([me])[me][1] == 0   # the child is not listed
+        child.stdin.write("close\n")
+        child.stdin.flush()
+        assert child.stdout.readline() == "closed\n"
+        # Two closed by the child: this end of each is in CLOSE_WAIT, not a peer connection;
+        # the one left open is counted once at each end.
+        expected = {me: 1, child.pid: 1}
+        assert wait_for_peers(long_run, [me, child.pid], expected) == expected
+        assert long_run.fds_and_peer_connections([2 ** 22 + 7]) == {}
     finally:
+        for a in accepted:
+            a.close()
         child.stdin.close()
         child.wait(timeout=30)
         server.close()
+
+
+def wait_for_peers(module, pids, expected: dict, timeout_s: float = 10.0) -> dict:
+    """The peer counts once they are ``expected``, or the last read at the timeout: the FIN of
+    a closed connection reaches the other end asynchronously."""
+    import time
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        now = {pid: peers for pid, (_, peers) in module.fds_and_peer_connections(pids).items()}
+        if now == expected or time.monotonic() > deadline:
+            return now
+        time.sleep(0.05)
