@@ -263,10 +263,9 @@ def fds_and_peer_connections(pids: list[int]) -> dict[int, tuple[int, int]]:
         try:
             process = psutil.Process(pid)
             listing = getattr(process, "net_connections", None) or process.connections
-            with process.oneshot():
-                fds[pid] = process.num_fds()
-                conns[pid] = [c for c in listing(kind="tcp")
-                              if c.status == psutil.CONN_ESTABLISHED and c.raddr]
+            fds[pid] = process.num_fds()
+            conns[pid] = [c for c in listing(kind="tcp")
+                          if c.status == psutil.CONN_ESTABLISHED and c.raddr]
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             fds.pop(pid, None)
     ends = {(tuple(c.laddr), tuple(c.raddr)): pid for pid, listed in conns.items() for c in listed}

@@ -71,8 +71,9 @@ class LearnerSpec:
     profiler: bool = False   # start a JAX profiler server in this process (learner.profiler)
     # The process's whole JAX/XLA environment (``runtime.process_env``: a value, or None for
     # removed), applied in the actor before JAX loads, replacing whatever it inherited. Set here
-    # rather than as a Ray runtime_env, which would make Ray start a dedicated worker process for
-    # every restart instead of taking a pre-started one (about a second of each recovery).
+    # rather than in its Ray runtime_env, which carries only what must be there when the process
+    # starts (``runtime.start_env``): what is decided per learner (its devices) stays out of the
+    # runtime_env, so learners of one job share one, and a warm spare is any learner's.
     env: dict = field(default_factory=dict)
     # The devices it must find at start (learners/devices.py); None: not checked (by hand).
     device_request: Optional[DeviceRequest] = None

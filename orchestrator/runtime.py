@@ -63,9 +63,10 @@ def host_options(region: str, devices: LearnerDevices) -> dict:
     and the host's devices (a unit's other hosts get these, placed in their own bundles)."""
     request = ray_request(devices)
     resources = {f"region:{region}": 1, **request.pop("resources", {})}
-    # Only what must be there when the process starts: the rest of its environment the learner
-    # sets itself (``LearnerSpec.env``); Ray merges this into the creating controller's.
-    runtime_env = {"env_vars": {"MALLOC_ARENA_MAX": MALLOC_ARENAS[Role.LEARNER]}}
+    # Only what must be there when the process starts (``start_env``): the rest of its
+    # environment the learner sets itself (``LearnerSpec.env``). Ray merges this into the
+    # creating controller's env_vars, a key given here replacing the controller's.
+    runtime_env = {"env_vars": start_env(Role.LEARNER)}
     return dict(num_cpus=CPUS["learner"], resources=resources, runtime_env=runtime_env, **request)
 
 
@@ -130,19 +131,37 @@ DEVICE_ROLES = frozenset({Role.LEARNER, Role.SPARE, Role.UNIT_HOST})
 MANAGED_ENV = ("JAX_PLATFORMS", "XLA_FLAGS", "XLA_PYTHON_CLIENT_PREALLOCATE",
                "XLA_PYTHON_CLIENT_MEM_FRACTION", "OMP_NUM_THREADS", "JAX_COMPILATION_CACHE_DIR",
                "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "MALLOC_ARENA_MAX")
-# glibc's malloc arenas per role. glibc gives each thread that allocates an arena of its own (up
-# to 8 per core) and keeps what is freed there for that arena's next use. The controller runs
-# many threads (Ray's core worker and gRPC, its owner loop, the console) for the job's whole
-# life, and its resident memory grew with the job's failures: about 5 MiB per 100 learner
-# failures with glibc's default, about 2 MiB per 100 with two arenas (400 real failures each
-# way, benchmarks/NOTES.md). The other long-lived service processes get two as well. The
-# learners keep glibc's own limit ("0" is below glibc's minimum of 1, so glibc ignores it): a
-# value must be given, since Ray passes the env_vars of the controller that creates them on
-# to them, and a learner's data pipeline may allocate from many threads at once.
-MALLOC_ARENAS = {Role.CONTROLLER: "2", Role.SYNCER: "2", Role.LINK_SERVER: "2",
-                 Role.REGION_AGENT: "2", Role.LEARNER: "0", Role.SPARE: "0",
-                 Role.UNIT_HOST: "0"}
+               "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+# glibc's malloc arenas, given to each process as Ray starts it (glibc reads MALLOC_ARENA_MAX
+# then, never later, so it cannot be part of what a process sets itself). glibc gives each
+# thread that allocates an arena of its own (up to 8 per core) and keeps what is freed there
+# for that arena's next use. The controller runs many threads (Ray's core worker and gRPC, its
+# owner loop, the console) for the job's whole life, and its resident memory grew with the
+# job's failures under glibc's default (benchmarks/NOTES.md, "glibc's arenas"): it and the other
+# long-lived service processes run with two. Every other process the job starts is given the
+# node's own value ("${MALLOC_ARENA_MAX}", which Ray expands from the node's environment, to ""
+# where it has none, and glibc reads "" as unset): without a value of its own it would take the
+# controller's, since Ray passes an actor's env_vars on to the actors it creates, and a
+# learner's data pipeline may allocate from many threads at once. The driver is left as
+# started.
+SERVICE_MALLOC_ARENAS = "2"
+NODE_MALLOC_ARENAS = "${MALLOC_ARENA_MAX}"
+SERVICE_ROLES = frozenset({Role.CONTROLLER, Role.SYNCER, Role.LINK_SERVER, Role.REGION_AGENT})
+
+
+def start_env(role: Role) -> dict:
+    """What a process of ``role`` must have in its environment when Ray starts it.
+
+    >>> start_env(Role.CONTROLLER), start_env(Role.LEARNER)
+    ({'MALLOC_ARENA_MAX': '2'}, {'MALLOC_ARENA_MAX': '${MALLOC_ARENA_MAX}'})
+    """
+    role = Role(role)
+    if role is Role.DRIVER:
+        raise ValueError("the driver is not started by Ray: its environment is the operator's")
+    return {"MALLOC_ARENA_MAX": SERVICE_MALLOC_ARENAS if role in SERVICE_ROLES
+            else NODE_MALLOC_ARENAS}
+
+
 # The JAX platform of each accelerator (``JAX_PLATFORMS`` takes these names).
 JAX_PLATFORM = {"cpu": "cpu", "gpu": "cuda", "tpu": "tpu"}
 # Of a GPU share, what XLA may preallocate: the rest is for the CUDA context and cuDNN/cuBLAS
@@ -180,7 +199,6 @@ def process_env(role: Role, devices: Optional[LearnerDevices] = None,
     env: dict = dict.fromkeys(MANAGED_ENV)
     env["JAX_PLATFORMS"] = JAX_PLATFORM[devices.accelerator]
     env["OMP_NUM_THREADS"] = "1"   # several processes share a few cores
-    env["MALLOC_ARENA_MAX"] = MALLOC_ARENAS.get(role)   # (the driver's: left as it is started)
     if devices.accelerator == "cpu":
         # Small thread pools, N virtual devices for a CPU learner of N > 1, and never a GPU.
         env["XLA_FLAGS"] = " ".join(f for f in (xla_device_flags(devices),
@@ -211,9 +229,9 @@ def cpu_env(jax_cache_dir: Optional[str] = None, role: Role = Role.CONTROLLER) -
 
 
 def cpu_runtime_env(role: Role, jax_cache_dir: Optional[str] = None) -> dict:
-    """A CPU process's Ray ``runtime_env``: its variables set explicitly, not inherited. Ray
-    starts the actor's process with them (glibc reads ``MALLOC_ARENA_MAX`` only then)."""
-    return {"env_vars": cpu_env(jax_cache_dir, role)}
+    """A CPU process's Ray ``runtime_env``: its variables set explicitly, not inherited, and
+    what it must have from its start (``start_env``)."""
+    return {"env_vars": {**cpu_env(jax_cache_dir, role), **start_env(role)}}
 
 
 def enable_compile_cache(path: str) -> None:

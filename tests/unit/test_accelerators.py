@@ -210,24 +210,44 @@ def test_every_process_gets_its_platform_explicitly():
     assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in ray_env_vars(process_env(Role.CONTROLLER))
 
 
-def test_the_service_processes_run_two_malloc_arenas_and_the_learners_glibcs_own():
-    """The controller and the other long-lived service processes start with two glibc arenas
-    (the controller's memory grew with the job's failures under glibc's default). The learners
-    are given "0", which glibc ignores (below its minimum of 1), so they keep its own limit: a
-    value must be given, because Ray passes the creating controller's env_vars on to them."""
-    from islands.orchestrator.runtime import MALLOC_ARENAS, controller_options, syncer_options
+def test_the_service_processes_start_with_two_malloc_arenas_and_the_others_with_the_nodes():
+    """The controller and the other long-lived service processes are started with two glibc
+    arenas (the controller's memory grew with the job's failures under glibc's default). Every
+    other process Ray starts for the job is given the node's own value, which Ray expands at
+    the start: a value must be given, because Ray passes the creating controller's env_vars
+    on. The driver's environment is the operator's: nothing is decided for it."""
+    from islands.orchestrator.runtime import (NODE_MALLOC_ARENAS, controller_options, start_env,
+                                              syncer_options)
 
+    assert NODE_MALLOC_ARENAS == "${MALLOC_ARENA_MAX}"
     assert controller_options("/tmp/run")["runtime_env"]["env_vars"]["MALLOC_ARENA_MAX"] == "2"
     assert syncer_options("/tmp/cache")["runtime_env"]["env_vars"]["MALLOC_ARENA_MAX"] == "2"
     for role in (Role.CONTROLLER, Role.SYNCER, Role.LINK_SERVER, Role.REGION_AGENT):
-        assert process_env(role)["MALLOC_ARENA_MAX"] == "2"
+        assert start_env(role) == {"MALLOC_ARENA_MAX": "2"}
     for role in (Role.LEARNER, Role.SPARE, Role.UNIT_HOST):
-        assert process_env(role)["MALLOC_ARENA_MAX"] == "0"
-    assert process_env(Role.DRIVER)["MALLOC_ARENA_MAX"] is None   # as the operator started it
-    assert set(MALLOC_ARENAS) == set(Role) - {Role.DRIVER}
+        assert start_env(role) == {"MALLOC_ARENA_MAX": NODE_MALLOC_ARENAS}
+    with pytest.raises(ValueError, match="driver"):
+        start_env(Role.DRIVER)
+    for role in Role:   # what a process sets itself never touches the allocator
+        assert "MALLOC_ARENA_MAX" not in process_env(role)
     for devices in (acc.learner_devices("cpu", 2), acc.learner_devices("gpu", 0.5)):
         options = learner_options("a:0", "a", devices)
-        assert options["runtime_env"] == {"env_vars": {"MALLOC_ARENA_MAX": "0"}}
+        assert options["runtime_env"] == {"env_vars": {"MALLOC_ARENA_MAX": NODE_MALLOC_ARENAS}}
+
+
+def test_ray_expands_the_nodes_own_value_as_it_starts_a_process(monkeypatch):
+    """Ray's own expansion of a runtime_env's env_vars at a worker's start (``update_envs``):
+    the node's value where it has one, "" (which glibc reads as unset) where it has none."""
+    from ray._private.utils import update_envs
+
+    from islands.orchestrator.runtime import NODE_MALLOC_ARENAS
+
+    monkeypatch.setenv("MALLOC_ARENA_MAX", "4")
+    update_envs({"MALLOC_ARENA_MAX": NODE_MALLOC_ARENAS})
+    assert os.environ["MALLOC_ARENA_MAX"] == "4"
+    monkeypatch.delenv("MALLOC_ARENA_MAX")
+    update_envs({"MALLOC_ARENA_MAX": NODE_MALLOC_ARENAS})
+    assert os.environ["MALLOC_ARENA_MAX"] == ""
 
 
 def test_apply_env_replaces_inherited_values_and_removes_what_must_be_absent(monkeypatch):

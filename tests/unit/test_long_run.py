@@ -87,8 +87,8 @@ def test_anonymous_memory_is_read_from_the_process_status():
 def test_connections_between_the_listed_processes_are_counted_at_both_ends():
     """A child process connects to this one three times (this one accepts). Each side holds
     three established connections to the other, counted at most two per pair (so sockets piling
-    up between two processes still count as theirs); one the child closes (this end then in
-    CLOSE_WAIT) counts for neither; a process not listed is nobody's peer, and one gone is left
+    up between two processes still count as theirs); the two the child closes (this end of each
+    then in CLOSE_WAIT) count for neither; a process not listed is nobody's peer, and one gone is left
     out."""
     import os
     import socket
