@@ -63,9 +63,10 @@ def host_options(region: str, devices: LearnerDevices) -> dict:
     and the host's devices (a unit's other hosts get these, placed in their own bundles)."""
     request = ray_request(devices)
     resources = {f"region:{region}": 1, **request.pop("resources", {})}
-    # Only what must be there when the process starts (``start_env``): the rest of its
-    # environment the learner sets itself (``LearnerSpec.env``). Ray merges this into the
-    # creating controller's env_vars, a key given here replacing the controller's.
+    # Only what must be there when the process starts (``start_env``; a learner's, a spare's
+    # and a unit host's are the same): the rest of its environment the learner sets itself
+    # (``LearnerSpec.env``). Ray merges this into the env_vars of the actor that creates it (the
+    # controller, or a unit's host 0), a key given here replacing that actor's.
     runtime_env = {"env_vars": start_env(Role.LEARNER)}
     return dict(num_cpus=CPUS["learner"], resources=resources, runtime_env=runtime_env, **request)
 
@@ -109,7 +110,8 @@ def release_unit(learner: str, incarnation: int) -> None:
 
 
 class Role(str, enum.Enum):
-    """The kinds of process a job runs. Each gets its whole environment from ``process_env``."""
+    """The kinds of process a job runs. Each gets its whole environment from ``process_env``
+    (what it sets itself) and ``start_env`` (what Ray must start it with)."""
 
     DRIVER = "driver"              # ``islands run``, ``islands region join``, the CLI
     CONTROLLER = "controller"      # the home controller, and a region agent's controller

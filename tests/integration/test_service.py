@@ -77,33 +77,6 @@ def test_the_downlink_is_encoded(job):
     assert 0 < down < 0.6 * up, wire
 
 
-def malloc_heaps(self=None) -> int:
-    """How many malloc arenas (heaps) glibc has made in this process so far (``malloc_info``)."""
-    import ctypes
-    import re
-    import tempfile
-
-    libc = ctypes.CDLL("libc.so.6")
-    libc.fopen.restype, libc.fopen.argtypes = ctypes.c_void_p, [ctypes.c_char_p, ctypes.c_char_p]
-    libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
-    libc.fclose.argtypes = [ctypes.c_void_p]
-    with tempfile.NamedTemporaryFile(suffix=".xml") as f:
-        stream = libc.fopen(f.name.encode(), b"w")
-        libc.malloc_info(0, stream)
-        libc.fclose(stream)
-        with open(f.name) as xml:
-            return len(re.findall(r'<heap nr="\d+">', xml.read()))
-
-
-def started_with(self=None) -> Optional[bytes]:
-    """MALLOC_ARENA_MAX as this process was started (``/proc/self/environ``: glibc reads it
-    then, not from a later ``os.environ``)."""
-    with open("/proc/self/environ", "rb") as f:
-        environ = f.read()
-    return dict(v.split(b"=", 1) for v in environ.split(b"\0") if b"=" in v).get(
-        b"MALLOC_ARENA_MAX")
-
-
 def named_actor(name: str):
     try:
         return ray.get_actor(name, namespace=NAMESPACE)
@@ -116,7 +89,38 @@ def test_each_process_starts_with_its_malloc_arenas(job):
     is started with two; a learner, which the controller creates (and so would inherit its
     env_vars), is started with the node's own value ("" here where this machine has none)."""
     controller, snap = job
-    assert ray.get(controller.__ray_call__.remote(malloc_heaps), timeout=30) <= 2
+
+    # Defined here, so Ray sends them by value: the actors need not import this module.
+    def malloc_heaps(self) -> int:
+        """How many malloc arenas (heaps) glibc has made in this process (``malloc_info``)."""
+        import ctypes
+        import re
+        import tempfile
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.fopen.restype = ctypes.c_void_p
+        libc.fopen.argtypes = [ctypes.c_char_p, ctypes.c_char_p]
+        libc.malloc_info.argtypes = [ctypes.c_int, ctypes.c_void_p]
+        libc.fclose.argtypes = [ctypes.c_void_p]
+        with tempfile.NamedTemporaryFile(suffix=".xml") as f:
+            stream = libc.fopen(f.name.encode(), b"w")
+            if not stream:   # malloc_info(0, NULL) would crash the actor
+                raise OSError(ctypes.get_errno(), f.name)
+            libc.malloc_info(0, stream)
+            libc.fclose(stream)
+            with open(f.name) as xml:
+                return len(re.findall(r'<heap nr="\d+">', xml.read()))
+
+    def started_with(self) -> Optional[bytes]:
+        """MALLOC_ARENA_MAX as this process was started (``/proc/self/environ``: glibc reads
+        it then, not from a later ``os.environ``)."""
+        with open("/proc/self/environ", "rb") as f:
+            environ = f.read()
+        return dict(v.split(b"=", 1) for v in environ.split(b"\0") if b"=" in v).get(
+            b"MALLOC_ARENA_MAX")
+
+    heaps = ray.get(controller.__ray_call__.remote(malloc_heaps), timeout=30)
+    assert 1 <= heaps <= 2, heaps
     assert ray.get(controller.__ray_call__.remote(started_with), timeout=30) == b"2"
     syncer = wait_for(lambda: named_actor(SYNCER_NAME), 60, "the syncer")
     assert ray.get(syncer.__ray_call__.remote(started_with), timeout=30) == b"2"
