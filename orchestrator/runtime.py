@@ -110,8 +110,8 @@ def release_unit(learner: str, incarnation: int) -> None:
 
 
 class Role(str, enum.Enum):
-    """The kinds of process a job runs. Each gets its whole environment from ``process_env``
-    (what it sets itself) and ``start_env`` (what Ray must start it with)."""
+    """The kinds of process a job runs. Each gets its managed environment from ``process_env``
+    (what it sets itself) and, all but the driver, ``start_env`` (what Ray must start it with)."""
 
     DRIVER = "driver"              # ``islands run``, ``islands region join``, the CLI
     CONTROLLER = "controller"      # the home controller, and a region agent's controller
