@@ -22,10 +22,14 @@ Checked at the end:
     process: each actor's process at the end (the service kills fall in 30-60 % of the run, so
     it lived through the last 40 %), its last W failures against its first W; the figures for
     the role over the whole run (first process against last) are reported beside it. Open file
-    descriptors of the driver, the controller, the syncer and the link server back to their
-    counts at the start, and each learner's (less its connections to the other learners: a
-    restarted learner keeps one to the peer it copied from) no more than any learner's at the
-    start or over the first window (``fds_verdict``), and live
+    descriptors, each process's less up to two established connections per pair of the job's
+    live processes (the driver, the service processes, the training learners: Ray keeps one
+    each way once either called the other, a restarted learner with the peer it copied from, a
+    restarted controller with the restarted link server; connections to Ray's own processes and
+    to processes that are gone still count), the whole counts reported beside: the driver's,
+    the controller's, the syncer's and the link server's back to their counts at the start, and
+    each learner's no more than any learner's at the start or at a steady moment of the first
+    window (``fds_verdict``), and live
     Ray actors back to their count, all read once every learner trains and no spare is
     starting; after the job no job actor and none of the processes it used alive.
 
@@ -160,16 +164,18 @@ def versions_monotonic(merges) -> tuple[bool, int]:
     return lost == 0, lost
 
 
-def fds_verdict(start: dict, end: dict, learner_window_max: Optional[int]) -> dict:
-    """Open fds back where they started, per process role.
+def fds_verdict(start: dict, end: dict, learner_window_max: Optional[int],
+                learners_training: Optional[int] = None) -> dict:
+    """Open fds back where they started, per process role, each count less the process's
+    connections to the job's other live processes (``job_fds``).
 
     The processes that live through the run (the driver, the controller, the syncer, the link
     server; the service kills restart some, and a restarted one is read the same way) must end
     at or below their count at the start. The learners at the end are other processes than at
-    the start, and their counts leave out their connections to each other (``learner_fds``: a
-    restarted learner keeps one to the peer it copied from while both live). Each learner at
-    the end must hold no more fds than the most any learner held at the start or over the
-    first window of failures (``learner_window_max``, sampled): a leak grows past that.
+    the start: each must hold no more fds than the most any learner held at the start or in the
+    first window of failures (``learner_window_max``, sampled): a leak grows past that. Where
+    ``learners_training`` is given, the end must have read that many learners (a learner not
+    read is not shown to be back).
 
     >>> fds_verdict({"driver": 40, "learners": [46, 46]}, {"driver": 40, "learners": [48, 47]}, 48)
     {'driver': True, 'learners': True, 'back': True}
@@ -177,12 +183,16 @@ def fds_verdict(start: dict, end: dict, learner_window_max: Optional[int]) -> di
     {'driver': False, 'learners': False, 'back': False}
     >>> fds_verdict({"link": None, "learners": [46]}, {"link": 40, "learners": [46]}, 46)["link"]
     False
+    >>> fds_verdict({"learners": [46, 46]}, {"learners": [46]}, 46, learners_training=2)
+    {'learners': False, 'back': False}
     """
     out = {}
     for role, first in start.items():
         if role == "learners":
             bound = max((first or []) + [learner_window_max or 0])
-            out[role] = bool(first) and bool(end.get(role)) and max(end[role]) <= bound
+            out[role] = (bool(first) and bool(end.get(role)) and max(end[role]) <= bound
+                         and (learners_training is None
+                              or len(end[role]) == learners_training))
         else:   # a process not read at the start (or the end) is not shown to be back
             out[role] = first is not None and end.get(role) is not None and end[role] <= first
     out["back"] = bool(out) and all(out.values())
@@ -239,7 +249,7 @@ def proc_figures(pid: Optional[int]) -> tuple[Optional[int], Optional[int]]:
         return None, None
 
 
-PEER_CONNECTIONS_PER_PAIR = 2   # one each way: each learner's Ray client to the other's server
+PEER_CONNECTIONS_PER_PAIR = 2   # one each way: each process's Ray client to the other's server
 
 
 def fds_and_peer_connections(pids: list[int]) -> dict[int, tuple[int, int]]:
@@ -257,25 +267,71 @@ def fds_and_peer_connections(pids: list[int]) -> dict[int, tuple[int, int]]:
 
     import psutil
 
+    def established(listing) -> set:
+        return {(tuple(c.laddr), tuple(c.raddr)) for c in listing(kind="tcp")
+                if c.status == psutil.CONN_ESTABLISHED and c.raddr}
+
     fds: dict[int, int] = {}
-    conns: dict[int, list] = {}
+    conns: dict[int, set] = {}
     for pid in pids:
         try:
             process = psutil.Process(pid)
             listing = getattr(process, "net_connections", None) or process.connections
+            # Listed before and after the fd count; only a connection in both is left out, so
+            # one that opened or closed between the reads is not taken off a count without it.
+            before = established(listing)
             fds[pid] = process.num_fds()
-            conns[pid] = [c for c in listing(kind="tcp")
-                          if c.status == psutil.CONN_ESTABLISHED and c.raddr]
+            conns[pid] = before & established(listing)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             fds.pop(pid, None)
-    ends = {(tuple(c.laddr), tuple(c.raddr)): pid for pid, listed in conns.items() for c in listed}
+    ends = {(laddr, raddr): pid for pid, listed in conns.items() for laddr, raddr in listed}
     out = {}
     for pid, listed in conns.items():
         per_peer = collections.Counter(
-            other for c in listed
-            if (other := ends.get((tuple(c.raddr), tuple(c.laddr)))) not in (None, pid))
+            other for laddr, raddr in listed
+            if (other := ends.get((raddr, laddr))) not in (None, pid))
         out[pid] = (fds[pid], sum(min(n, PEER_CONNECTIONS_PER_PAIR) for n in per_peer.values()))
     return out
+
+
+def net_fds(read: dict, learner_pids: list, service_pids: dict):
+    """From ``fds_and_peer_connections``'s read: (each learner's fds less its connections to
+    the listed processes, in ``learner_pids``' order; their whole counts; the same two per
+    service role). A learner not in the read (gone before it) is left out, so the list comes
+    out short (``fds_verdict`` checks its length); a role whose pid is None or not in the read
+    is None.
+
+    >>> net_fds({1: (50, 3), 2: (47, 1), 9: (60, 4)}, [1, 2, 3], {"controller": 9, "link": None})
+    ([47, 46], [50, 47], {'controller': 56, 'link': None}, {'controller': 60, 'link': None})
+    """
+    learners, learners_raw = [], []
+    for pid in learner_pids:
+        if pid in read:
+            fds, peers = read[pid]
+            learners_raw.append(fds)
+            learners.append(fds - peers)
+    by_role, by_role_raw = {}, {}
+    for role, pid in service_pids.items():
+        fds, peers = read.get(pid, (None, 0)) if pid is not None else (None, 0)
+        by_role_raw[role] = fds
+        by_role[role] = None if fds is None else fds - peers
+    return learners, learners_raw, by_role, by_role_raw
+
+
+def job_fds(learner_pids: list, service_pids: dict):
+    """``net_fds`` of the job's processes read now: the training learners, the service processes
+    (``service_pids``: role -> pid or None) and this driver, listed last so that its count is
+    read after the others (each read of another connects it to that process). A process's
+    connections to the others listed (established, at most ``PEER_CONNECTIONS_PER_PAIR`` per
+    pair) are left out of its count: Ray keeps one each way between two processes once either
+    called the other, so which a process holds follows who is alive and who called whom (a
+    restarted learner holds one with the peer it copied from; a restarted controller one with
+    the restarted link server, which the first controller never had), not how many failures
+    went before. Its connections to Ray's own processes (the raylet, the GCS), to a learner
+    that is starting, and to a process that is gone still count, as do its files and pipes."""
+    services = {**service_pids, "driver": os.getpid()}
+    listed = list(learner_pids) + [pid for pid in services.values() if pid is not None]
+    return net_fds(fds_and_peer_connections(listed), learner_pids, services)
 
 
 def live_actor_count() -> int:
@@ -299,7 +355,9 @@ class Chaos:
         # Open fds over the run (failures so far, fds): a leak grows with failures, a process
         # of another kind (a promoted spare) is an offset.
         self.fd_samples: dict[str, list] = {"driver": [], "controller": [], "syncer": []}
-        self.learner_fd_samples: list = []   # (failures so far, each training learner's fds)
+        # (failures so far, each learner's fds), read while every learner trains.
+        self.learner_fd_samples: list = []
+        self.current_pids: dict = {"controller": None, "syncer": None}   # read by ``sample``
         self.log: list = []
         self.start_counts: dict = {}
         self.end_counts: dict = {}
@@ -347,35 +405,15 @@ class Chaos:
                 out[role] = None
         return out
 
-    def counts(self, controller, status: dict) -> dict:
-        """Open fds per process role and live actors, read now. The driver's own count is read
-        last: reading the others connects it to each of their processes (Ray keeps a client
-        per process it called), so read first it would miss what every later read holds."""
-        import psutil
-        import ray
-
+    def service_pids(self, controller, timeout_s: float = 10.0) -> dict:
+        """The pid of each service process now: the controller, the syncer, the link server
+        (None where one is down)."""
         handles = {"controller": controller, **self.handles()}
-        driver_before_reads = psutil.Process().num_fds()
-        fds = {}
-        for role, handle in handles.items():
-            pid = actor_pid(handle) if handle is not None else None
-            fds[role] = proc_figures(pid)[1]
-            if pid:
-                self.seen(pid)
-        fds["learners"], raw = self.learner_fds(status, with_raw=True)
-        fds["driver"] = psutil.Process().num_fds()
-        named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
-        total = sum(v or 0 for k, v in fds.items() if k != "learners") + sum(raw)
-        return {"fds": fds, "fds_total": total, "learner_fds_raw": raw,
-                "driver_fds_before_reads": driver_before_reads,
-                "live_actors": live_actor_count(), "named_actors": len(named)}
+        return {role: (actor_pid(h, timeout_s) if h is not None else None)
+                for role, h in handles.items()}
 
-    def learner_fds(self, status: dict, with_raw: bool = False):
-        """Open fds of each training learner's process now (sorted by learner), less its TCP
-        connections to the other learners' processes (``fds_and_peer_connections``): a restarted
-        learner copies its state from a live peer, and Ray keeps that connection (at both
-        ends) while both live, so how many a learner holds depends on which peers it copied
-        from, not on how many failures went before. ``with_raw``: also the whole counts."""
+    def training_learner_pids(self, status: dict) -> list[int]:
+        """The pids of the learners training in ``status`` (sorted by learner) that answer."""
         import ray
 
         pids = []
@@ -389,14 +427,31 @@ class Chaos:
             if pid:
                 self.seen(pid)
                 pids.append(pid)
-        read = fds_and_peer_connections(pids)
-        out, raw = [], []
-        for pid in pids:
-            if pid in read:
-                fds, peers = read[pid]
-                raw.append(fds)
-                out.append(fds - peers)
-        return (out, raw) if with_raw else out
+        return pids
+
+    def counts(self, controller, status: dict) -> dict:
+        """Open fds per process role and live actors, read now (``job_fds``), with the whole
+        counts beside (``fds_raw``). The driver is read last: reading the others connects it to
+        each of them."""
+        import psutil
+        import ray
+
+        driver_before_reads = psutil.Process().num_fds()
+        pids = self.service_pids(controller)
+        for pid in pids.values():
+            if pid:
+                self.seen(pid)
+        learner_pids = self.training_learner_pids(status)
+        learners, learners_raw, services, services_raw = job_fds(learner_pids, pids)
+        fds = {**services, "learners": learners}
+        raw = {**services_raw, "learners": learners_raw}
+        named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
+        total = sum(v or 0 for k, v in raw.items() if k != "learners") + sum(learners_raw)
+        return {"fds": fds, "fds_raw": raw, "fds_total_raw": total,
+                "learners_training": sum(x["state"] == "training"
+                                         for x in status["learners"].values()),
+                "driver_fds_before_reads": driver_before_reads,
+                "live_actors": live_actor_count(), "named_actors": len(named)}
 
     def wait_steady(self, controller, timeout_s: float, hold_s: float = 5.0) -> Optional[dict]:
         """The status once the job has been steady for ``hold_s`` (None at the timeout)."""
@@ -411,6 +466,26 @@ class Chaos:
                 since = None
             time.sleep(0.5)
         return None
+
+    def sample_learner_fds(self, status: dict, handles: dict) -> None:
+        """Each training learner's fds now, counted as at the start and the end, kept only when
+        read in full: every service process found (a learner's connections to one left out
+        would count it high) and every learner read. ``sample`` found the controller's and the
+        syncer's pids within the last second; the link server's is looked up here (and, as
+        theirs, kept for the check that nothing is left after the job)."""
+        pids = dict(self.current_pids)
+        link = handles.get("link")
+        pids["link"] = actor_pid(link, 1.0) if link is not None else None
+        if pids["link"]:
+            self.seen(pids["link"])
+        if any(pid is None for pid in pids.values()):
+            return
+        learner_pids = self.training_learner_pids(status)
+        if len(learner_pids) != len(status["learners"]):
+            return
+        learners = job_fds(learner_pids, pids)[0]
+        if len(learners) == len(learner_pids):
+            self.learner_fd_samples.append((self.failures, learners))
 
     def learner_window_max(self) -> Optional[int]:
         """The most fds any learner held in the samples of the first window of failures."""
@@ -432,6 +507,7 @@ class Chaos:
         for role in ("controller", "syncer"):
             handle = controller if role == "controller" else handles.get("syncer")
             pid = actor_pid(handle, 5.0) if handle is not None else None
+            self.current_pids[role] = pid
             if pid is None and role == "syncer":
                 handles.update(self.handles())
                 continue
@@ -504,8 +580,8 @@ class Chaos:
                     key = (name, x["incarnation"])
                     trained_since.setdefault(key, now)
                     training[name] = now - trained_since[key]
-            if now >= next_learner_fds:
-                self.learner_fd_samples.append((self.failures, self.learner_fds(status)))
+            if now >= next_learner_fds and self.steady(status):
+                self.sample_learner_fds(status, handles)
                 next_learner_fds = now + 10.0
             if training and now >= next_kill:
                 victim = max(training, key=training.get)
@@ -540,7 +616,8 @@ class Chaos:
             for _ in range(30):
                 if (self.end_counts["live_actors"] <= self.start_counts["live_actors"]
                         and fds_verdict(self.start_counts["fds"], self.end_counts["fds"],
-                                        self.learner_window_max())["back"]):
+                                        self.learner_window_max(),
+                                        self.end_counts["learners_training"])["back"]):
                     passed += 1
                     if passed == 2:
                         break
@@ -617,7 +694,8 @@ def run_real(args) -> dict:
                   for role, s in chaos.anon_samples.items()}
     books = books_check(summary)
     start, end = chaos.start_counts, chaos.end_counts
-    fds_check = (fds_verdict(start["fds"], end["fds"], chaos.learner_window_max())
+    fds_check = (fds_verdict(start["fds"], end["fds"], chaos.learner_window_max(),
+                             end["learners_training"])
                  if start and end.get("fds") else {"back": False})
     fds_back = fds_check["back"]
     actors_back = bool(start and "live_actors" in end) and (
@@ -655,13 +733,15 @@ def run_real(args) -> dict:
         "syncer_rss_ratio_since_restart": memory_since["syncer"]["ratio"],
         "memory": memory, "memory_since_last_restart": memory_since,
         "anon_memory_since_last_restart": anon_since,
+        # The verdict's counts: each process's fds less its connections to the job's other
+        # live processes (``job_fds``); then the whole counts, and their sum.
         "fds_start": start.get("fds"), "fds_end": end.get("fds"),
-        # The learners' whole counts, their connections to each other included.
-        "learner_fds_raw_start": start.get("learner_fds_raw"),
-        "learner_fds_raw_end": end.get("learner_fds_raw"),
+        "fds_raw_start": start.get("fds_raw"), "fds_raw_end": end.get("fds_raw"),
+        "learners_training_at_end": end.get("learners_training"),
         "driver_fds_before_reads": {"start": start.get("driver_fds_before_reads"),
                                     "end": end.get("driver_fds_before_reads")},
-        "fds_total_start": start.get("fds_total"), "fds_total_end": end.get("fds_total"),
+        "fds_total_raw_start": start.get("fds_total_raw"),
+        "fds_total_raw_end": end.get("fds_total_raw"),
         "fds_back": fds_back, "fds_check": fds_check,
         "learner_fds_window_max": chaos.learner_window_max(),
         "learner_fds_over_failures": {
@@ -669,7 +749,7 @@ def run_real(args) -> dict:
                          default=None),
             "last": max([max(f) for n, f in chaos.learner_fd_samples
                          if n >= failures - window and f], default=None)},
-        # Median open fds over the first and the last W failures, per process role.
+        # Median open fds (whole counts) over the first and the last W failures, per role.
         "fds_over_failures": {role: {k: v for k, v in memory_windows(rows, failures, window).items()
                                      if k in ("first", "last")}
                               for role, rows in chaos.fd_samples.items()},

@@ -141,3 +141,27 @@ def wait_for_peers(module, pids, expected: dict, timeout_s: float = 10.0) -> dic
         if now == expected or time.monotonic() > deadline:
             return now
         time.sleep(0.05)
+
+
+def test_each_process_count_is_less_its_connections_to_the_listed_ones():
+    """``net_fds``: a learner gone before the read is left out (the verdict then sees the list
+    short), a role that is down or unread is None, and each count is its fds less its peers."""
+    read = {11: (50, 3), 12: (47, 1), 21: (60, 4), 99: (43, 5)}
+    learners, raw, roles, roles_raw = long_run.net_fds(
+        read, [11, 12, 13], {"controller": 21, "syncer": None, "link": 22, "driver": 99})
+    assert (learners, raw) == ([47, 46], [50, 47])
+    assert roles == {"controller": 56, "syncer": None, "link": None, "driver": 38}
+    assert roles_raw == {"controller": 60, "syncer": None, "link": None, "driver": 43}
+    start = {"controller": 56, "syncer": 49, "driver": 38, "learners": [47, 46, 46]}
+    end = {**roles, "learners": learners}
+    check = long_run.fds_verdict(start, end, 47, learners_training=3)
+    assert not check["syncer"] and not check["learners"] and not check["back"]
+    assert check["controller"] and check["driver"]
+
+
+def test_the_driver_is_listed_last():
+    """``job_fds`` adds this process (the driver) last, after the service roles, and reads it;
+    a role that is down is None."""
+    learners, raw, roles, roles_raw = long_run.job_fds([], {"controller": None})
+    assert list(roles) == ["controller", "driver"] and roles["controller"] is None
+    assert roles_raw["driver"] == roles["driver"] >= 3 and learners == raw == []
