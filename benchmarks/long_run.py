@@ -22,11 +22,12 @@ Checked at the end:
     process: each actor's process at the end (the service kills fall in 30-60 % of the run, so
     it lived through the last 40 %), its last W failures against its first W; the figures for
     the role over the whole run (first process against last) are reported beside it. Open file
-    descriptors, each process's less up to two established connections per pair of the job's
-    live processes (the driver, the service processes, the training learners: Ray keeps one
-    each way once either called the other, a restarted learner with the peer it copied from, a
-    restarted controller with the restarted link server; connections to Ray's own processes and
-    to processes that are gone still count), the whole counts reported beside: the driver's,
+    descriptors, each process's less up to two established connections per pair of live
+    processes (the driver, the service processes, the training learners, and the node's own
+    Ray processes as peers: one each way is kept once either called the other, as a restarted
+    learner with the peer it copied from, a restarted controller with the restarted link
+    server, a promoted prestarted learner with the raylet; connections to processes that are
+    gone or not listed, and past two per pair, still count), the whole counts beside: the driver's,
     the controller's, the syncer's and the link server's back to their counts at the start, and
     each learner's no more than any learner's at the start or at a steady moment of the first
     window (``fds_verdict``), and live
@@ -174,8 +175,9 @@ def fds_verdict(start: dict, end: dict, learner_window_max: Optional[int],
     at or below their count at the start. The learners at the end are other processes than at
     the start: each must hold no more fds than the most any learner held at the start or in the
     first window of failures (``learner_window_max``, sampled): a leak grows past that. Where
-    ``learners_training`` is given, the end must have read that many learners (a learner not
-    read is not shown to be back).
+    ``learners_training`` (the learners training at the start) is given, the start and the end
+    must each have read that many learners: a learner not read is not shown to be back, and one
+    missed at the start leaves the others' connections to it in their start counts.
 
     >>> fds_verdict({"driver": 40, "learners": [46, 46]}, {"driver": 40, "learners": [48, 47]}, 48)
     {'driver': True, 'learners': True, 'back': True}
@@ -185,6 +187,8 @@ def fds_verdict(start: dict, end: dict, learner_window_max: Optional[int],
     False
     >>> fds_verdict({"learners": [46, 46]}, {"learners": [46]}, 46, learners_training=2)
     {'learners': False, 'back': False}
+    >>> fds_verdict({"learners": [46]}, {"learners": [46, 46]}, 46, learners_training=2)
+    {'learners': False, 'back': False}
     """
     out = {}
     for role, first in start.items():
@@ -192,7 +196,7 @@ def fds_verdict(start: dict, end: dict, learner_window_max: Optional[int],
             bound = max((first or []) + [learner_window_max or 0])
             out[role] = (bool(first) and bool(end.get(role)) and max(end[role]) <= bound
                          and (learners_training is None
-                              or len(end[role]) == learners_training))
+                              or len(first) == len(end[role]) == learners_training))
         else:   # a process not read at the start (or the end) is not shown to be back
             out[role] = first is not None and end.get(role) is not None and end[role] <= first
     out["back"] = bool(out) and all(out.values())
@@ -254,7 +258,8 @@ PEER_CONNECTIONS_PER_PAIR = 2   # one each way: each process's Ray client to the
 
 def fds_and_peer_connections(pids: list[int]) -> dict[int, tuple[int, int]]:
     """For each live process of ``pids``: (its open fds, how many of its established TCP
-    connections join it to another process of ``pids``), the two read back to back. A connection
+    connections join it to another process of ``pids``), the connections listed before and
+    after the count. A connection
     is a peer's only where the other process holds its exact other end (local and remote
     addresses swapped); at most ``PEER_CONNECTIONS_PER_PAIR`` per pair are counted, so sockets
     piling up between two processes still show as theirs. A process that is gone is left out.
@@ -318,19 +323,48 @@ def net_fds(read: dict, learner_pids: list, service_pids: dict):
     return learners, learners_raw, by_role, by_role_raw
 
 
-def job_fds(learner_pids: list, service_pids: dict):
+def ray_node_pids() -> list[int]:
+    """The pids of this node's own Ray processes (the GCS, the raylet, the monitor, the log
+    monitor, the dashboard, and the raylet's agents), for a cluster this driver started. Ray
+    names them in its node record (a private attribute, checked here: if Ray renames it, the
+    run stops with this error rather than count them otherwise)."""
+    import psutil
+    import ray
+
+    node = getattr(ray._private.worker, "_global_node", None)
+    processes = getattr(node, "all_processes", None)
+    if not processes or "raylet" not in processes:
+        raise RuntimeError("long_run: this Ray does not name its node processes "
+                           "(ray._private.worker._global_node.all_processes)")
+    pids = [info.process.pid for infos in processes.values() for info in infos]
+    for raylet in processes["raylet"]:
+        try:
+            for child in psutil.Process(raylet.process.pid).children():
+                title = " ".join(child.cmdline())
+                if title.startswith("ray::") and title.split()[0].endswith("Agent"):
+                    pids.append(child.pid)
+        except psutil.NoSuchProcess:
+            pass
+    return pids
+
+
+def job_fds(learner_pids: list, service_pids: dict, node_pids: Optional[list] = None):
     """``net_fds`` of the job's processes read now: the training learners, the service processes
-    (``service_pids``: role -> pid or None) and this driver, listed last so that its count is
-    read after the others (each read of another connects it to that process). A process's
+    (``service_pids``: role -> pid or None) and this driver, listed last (its count read after
+    the others'; the caller's Ray calls that found their pids connected it to them). A process's
     connections to the others listed (established, at most ``PEER_CONNECTIONS_PER_PAIR`` per
     pair) are left out of its count: Ray keeps one each way between two processes once either
     called the other, so which a process holds follows who is alive and who called whom (a
     restarted learner holds one with the peer it copied from; a restarted controller one with
     the restarted link server, which the first controller never had), not how many failures
-    went before. Its connections to Ray's own processes (the raylet, the GCS), to a learner
-    that is starting, and to a process that is gone still count, as do its files and pipes."""
+    went before. ``node_pids``, the node's own Ray processes (``ray_node_pids``), are listed as
+    peers too, not counted themselves: a promoted prestarted learner holds a connection to the
+    raylet that a learner launched first does not. Connections to a process not listed (a
+    learner or spare still starting) or gone, and those past two per pair, still count, as do
+    files, pipes and ``anon_inode``s."""
     services = {**service_pids, "driver": os.getpid()}
-    listed = list(learner_pids) + [pid for pid in services.values() if pid is not None]
+    listed = (list(learner_pids) + [pid for pid in (node_pids or []) if pid not in learner_pids]
+              + [pid for pid in services.values() if pid is not None])
     return net_fds(fds_and_peer_connections(listed), learner_pids, services)
 
 
@@ -357,10 +391,12 @@ class Chaos:
         self.fd_samples: dict[str, list] = {"driver": [], "controller": [], "syncer": []}
         # (failures so far, each learner's fds), read while every learner trains.
         self.learner_fd_samples: list = []
-        self.current_pids: dict = {"controller": None, "syncer": None}   # read by ``sample``
+        # Read by ``sample`` every second, the link server's every 10 s.
+        self.current_pids: dict = {"controller": None, "syncer": None, "link": None}
         self.log: list = []
         self.start_counts: dict = {}
         self.end_counts: dict = {}
+        self.end_passes = 0   # end reads back in a row (two are needed)
         self.pids_seen: set[tuple] = set()   # (pid, its start time): a pid may be reused
         self.progress: list = []
         self.error: Optional[str] = None
@@ -431,8 +467,8 @@ class Chaos:
 
     def counts(self, controller, status: dict) -> dict:
         """Open fds per process role and live actors, read now (``job_fds``), with the whole
-        counts beside (``fds_raw``). The driver is read last: reading the others connects it to
-        each of them."""
+        counts beside (``fds_raw``). The driver's count is read after the Ray calls that find
+        the other processes' pids, each of which connects it to that process."""
         import psutil
         import ray
 
@@ -442,7 +478,8 @@ class Chaos:
             if pid:
                 self.seen(pid)
         learner_pids = self.training_learner_pids(status)
-        learners, learners_raw, services, services_raw = job_fds(learner_pids, pids)
+        learners, learners_raw, services, services_raw = job_fds(learner_pids, pids,
+                                                                 ray_node_pids())
         fds = {**services, "learners": learners}
         raw = {**services_raw, "learners": learners_raw}
         named = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)]
@@ -467,24 +504,28 @@ class Chaos:
             time.sleep(0.5)
         return None
 
-    def sample_learner_fds(self, status: dict, handles: dict) -> None:
-        """Each training learner's fds now, counted as at the start and the end, kept only when
-        read in full: every service process found (a learner's connections to one left out
-        would count it high) and every learner read. ``sample`` found the controller's and the
-        syncer's pids within the last second; the link server's is looked up here (and, as
-        theirs, kept for the check that nothing is left after the job)."""
-        pids = dict(self.current_pids)
+    def record_link_pid(self, handles: dict) -> None:
+        """The link server's pid now (kept, as every process of the job seen, for the check
+        that nothing is left after the job)."""
         link = handles.get("link")
-        pids["link"] = actor_pid(link, 1.0) if link is not None else None
-        if pids["link"]:
-            self.seen(pids["link"])
+        self.current_pids["link"] = actor_pid(link, 1.0) if link is not None else None
+        if self.current_pids["link"]:
+            self.seen(self.current_pids["link"])
+
+    def sample_learner_fds(self, status: dict) -> None:
+        """Each training learner's fds now, counted as at the start and the end, kept only when
+        read in full: every service process found and still there (a learner's connections to
+        one left out would count it high) and every learner read. ``sample`` found the
+        controller's and the syncer's pids within the last second, ``record_link_pid`` the
+        link server's."""
+        pids = dict(self.current_pids)
         if any(pid is None for pid in pids.values()):
             return
         learner_pids = self.training_learner_pids(status)
         if len(learner_pids) != len(status["learners"]):
             return
-        learners = job_fds(learner_pids, pids)[0]
-        if len(learners) == len(learner_pids):
+        learners, _, roles, _ = job_fds(learner_pids, pids, ray_node_pids())
+        if len(learners) == len(learner_pids) and all(v is not None for v in roles.values()):
             self.learner_fd_samples.append((self.failures, learners))
 
     def learner_window_max(self) -> Optional[int]:
@@ -557,6 +598,7 @@ class Chaos:
                 next_sample = now + 1.0
             while plan and self.failures >= plan[0][0]:
                 _, kind = plan.pop(0)
+                self.record_link_pid(handles)   # its process, before a kill, for the leak check
                 try:
                     if kind == "controller":
                         ray.kill(controller, no_restart=False)
@@ -580,12 +622,25 @@ class Chaos:
                     key = (name, x["incarnation"])
                     trained_since.setdefault(key, now)
                     training[name] = now - trained_since[key]
-            if now >= next_learner_fds and self.steady(status):
-                self.sample_learner_fds(status, handles)
+            if now >= next_learner_fds:
+                # Every 10 s: the link server's and the training learners' processes kept for
+                # the check that nothing is left after the job; their fds at a steady moment.
+                self.record_link_pid(handles)
+                if self.steady(status):
+                    self.sample_learner_fds(status)
+                else:
+                    self.training_learner_pids(status)
                 next_learner_fds = now + 10.0
             if training and now >= next_kill:
                 victim = max(training, key=training.get)
                 how = ("ray_kill", "exit")[mode % 2]
+                try:   # the victim's process, kept for the check that nothing is left
+                    pid = actor_pid(ray.get_actor(status["learners"][victim]["actor"],
+                                                  namespace="islands"), 2.0)
+                    if pid:
+                        self.seen(pid)
+                except Exception:
+                    pass
                 try:
                     ray.get(controller.chaos_kill.remote(victim, how), timeout=60)
                     mode += 1
@@ -609,23 +664,29 @@ class Chaos:
         if status is None:
             self.end_counts = {"error": f"not steady within {args.settle_s:.0f}s"}
         else:
-            self.end_counts = self.counts(controller, status)
             # A count above the start may be a process, or a connection to one, that is still
             # closing (Ray drops its clients of dead workers lazily): read again, for a minute.
-            passed = 0   # back on two reads in a row, not on one lucky low reading
-            for _ in range(30):
-                if (self.end_counts["live_actors"] <= self.start_counts["live_actors"]
+            # Back means back on two reads in a row, not on one lucky low reading; every read
+            # is checked, the last one too.
+            passed = 0
+            for attempt in range(31):
+                if attempt:
+                    time.sleep(2.0)
+                    status = self.wait_steady(controller, 30.0, hold_s=1.0) or status
+                if self.stop.is_set():
+                    self.end_counts = {"error": "the job ended during the end reads"}
+                    break
+                self.end_counts = self.counts(controller, status)
+                if (self.end_counts["live_actors"] == self.start_counts["live_actors"]
                         and fds_verdict(self.start_counts["fds"], self.end_counts["fds"],
                                         self.learner_window_max(),
-                                        self.end_counts["learners_training"])["back"]):
+                                        self.start_counts["learners_training"])["back"]):
                     passed += 1
                     if passed == 2:
                         break
                 else:
                     passed = 0
-                time.sleep(2.0)
-                status = self.wait_steady(controller, args.settle_s, hold_s=1.0) or status
-                self.end_counts = self.counts(controller, status)
+            self.end_passes = passed
         print(f"long_run: end {json.dumps(self.end_counts)}", flush=True)
 
 
@@ -676,6 +737,7 @@ def run_real(args) -> dict:
                           until=lambda snap: chaos.done.is_set())
     finally:
         chaos.stop.set()
+        chaos.done.wait(60)   # its reads end at the stop: judge none it is still making
     alive = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["name"].startswith("islands:")]
     ray.shutdown()
@@ -695,11 +757,12 @@ def run_real(args) -> dict:
     books = books_check(summary)
     start, end = chaos.start_counts, chaos.end_counts
     fds_check = (fds_verdict(start["fds"], end["fds"], chaos.learner_window_max(),
-                             end["learners_training"])
+                             start["learners_training"])
                  if start and end.get("fds") else {"back": False})
-    fds_back = fds_check["back"]
+    # Both back on the last two end reads in a row, not on one.
+    fds_back = fds_check["back"] and chaos.end_passes >= 2
     actors_back = bool(start and "live_actors" in end) and (
-        end["live_actors"] == start["live_actors"])
+        end["live_actors"] == start["live_actors"]) and chaos.end_passes >= 2
     kinds = [k for k, _ in chaos.log]
     result = {
         "benchmark": "long_run", "driver": "ray", "quick": bool(args.quick), "seed": args.seed,
@@ -744,6 +807,8 @@ def run_real(args) -> dict:
         "fds_total_raw_end": end.get("fds_total_raw"),
         "fds_back": fds_back, "fds_check": fds_check,
         "learner_fds_window_max": chaos.learner_window_max(),
+        "learner_fd_samples_first_window": sum(n < window for n, _ in chaos.learner_fd_samples),
+        "end_reads_back_in_a_row": chaos.end_passes,
         "learner_fds_over_failures": {
             "first": max([max(f) for n, f in chaos.learner_fd_samples if n < window and f],
                          default=None),

@@ -159,9 +159,22 @@ def test_each_process_count_is_less_its_connections_to_the_listed_ones():
     assert check["controller"] and check["driver"]
 
 
-def test_the_driver_is_listed_last():
-    """``job_fds`` adds this process (the driver) last, after the service roles, and reads it;
-    a role that is down is None."""
-    learners, raw, roles, roles_raw = long_run.job_fds([], {"controller": None})
-    assert list(roles) == ["controller", "driver"] and roles["controller"] is None
-    assert roles_raw["driver"] == roles["driver"] >= 3 and learners == raw == []
+def test_the_driver_is_listed_last(monkeypatch):
+    """``job_fds`` lists the learners, the node's own Ray processes (peers, not counted), the
+    services found, then this process (the driver) last; a role that is down is not listed and
+    comes out None; each count is less its peers."""
+    import os
+
+    listed = []
+
+    def read(pids):
+        listed.extend(pids)
+        return {pid: (40 + i, i) for i, pid in enumerate(pids)}
+
+    monkeypatch.setattr(long_run, "fds_and_peer_connections", read)
+    learners, raw, roles, roles_raw = long_run.job_fds(
+        [101, 102], {"controller": 201, "syncer": None, "link": 203}, node_pids=[301])
+    assert listed == [101, 102, 301, 201, 203, os.getpid()]   # the node's own: peers only
+    assert (learners, raw) == ([40, 40], [40, 41])
+    assert roles == {"controller": 40, "syncer": None, "link": 40, "driver": 40}
+    assert roles_raw == {"controller": 43, "syncer": None, "link": 44, "driver": 45}
