@@ -168,7 +168,7 @@ def versions_monotonic(merges) -> tuple[bool, int]:
 def fds_verdict(start: dict, end: dict, learner_window_max: Optional[int],
                 learners_training: Optional[int] = None) -> dict:
     """Open fds back where they started, per process role, each count less the process's
-    connections to the job's other live processes (``job_fds``).
+    connections to the other live processes listed (``job_fds``).
 
     The processes that live through the run (the driver, the controller, the syncer, the link
     server; the service kills restart some, and a restarted one is read the same way) must end
@@ -336,15 +336,23 @@ def ray_node_pids() -> list[int]:
     if not processes or "raylet" not in processes:
         raise RuntimeError("long_run: this Ray does not name its node processes "
                            "(ray._private.worker._global_node.all_processes)")
-    pids = [info.process.pid for infos in processes.values() for info in infos]
+    from ray._private.ray_constants import AGENT_PROCESS_LIST
+
+    live = [info.process for infos in processes.values() for info in infos
+            if info.process.poll() is None]   # a dead one's pid may be reused
+    pids = [process.pid for process in live]
     for raylet in processes["raylet"]:
         try:
-            for child in psutil.Process(raylet.process.pid).children():
-                title = " ".join(child.cmdline())
-                if title.startswith("ray::") and title.split()[0].endswith("Agent"):
-                    pids.append(child.pid)
-        except psutil.NoSuchProcess:
-            pass
+            children = psutil.Process(raylet.process.pid).children()
+        except psutil.Error:
+            continue
+        for child in children:   # the workers are the raylet's children too: only its agents
+            try:
+                title = child.cmdline()
+            except psutil.Error:
+                continue
+            if title and title[0].split()[0] in AGENT_PROCESS_LIST:
+                pids.append(child.pid)
     return pids
 
 
@@ -366,6 +374,19 @@ def job_fds(learner_pids: list, service_pids: dict, node_pids: Optional[list] = 
     listed = (list(learner_pids) + [pid for pid in (node_pids or []) if pid not in learner_pids]
               + [pid for pid in services.values() if pid is not None])
     return net_fds(fds_and_peer_connections(listed), learner_pids, services)
+
+
+def complete(counts: dict) -> bool:
+    """A read of every role's fds and of every learner training then.
+
+    >>> complete({"fds": {"controller": 42, "learners": [39, 39]}, "learners_training": 2})
+    True
+    >>> complete({"fds": {"controller": None, "learners": [39, 39]}, "learners_training": 2})
+    False
+    """
+    fds = counts.get("fds") or {}
+    return (all(v is not None for k, v in fds.items() if k != "learners")
+            and len(fds.get("learners") or []) == counts.get("learners_training"))
 
 
 def live_actor_count() -> int:
@@ -391,7 +412,9 @@ class Chaos:
         self.fd_samples: dict[str, list] = {"driver": [], "controller": [], "syncer": []}
         # (failures so far, each learner's fds), read while every learner trains.
         self.learner_fd_samples: list = []
-        # Read by ``sample`` every second, the link server's every 10 s.
+        # The service processes' pids as last read: the controller's and the syncer's by
+        # ``sample`` (every second), the link server's by ``record_link_pid`` (every 10 s and
+        # before each service kill); ``sample_learner_fds`` reads them.
         self.current_pids: dict = {"controller": None, "syncer": None, "link": None}
         self.log: list = []
         self.start_counts: dict = {}
@@ -515,9 +538,8 @@ class Chaos:
     def sample_learner_fds(self, status: dict) -> None:
         """Each training learner's fds now, counted as at the start and the end, kept only when
         read in full: every service process found and still there (a learner's connections to
-        one left out would count it high) and every learner read. ``sample`` found the
-        controller's and the syncer's pids within the last second, ``record_link_pid`` the
-        link server's."""
+        one left out would count it high) and every learner read. The pids are the last read
+        (``current_pids``); one that is gone since comes out None and the sample is dropped."""
         pids = dict(self.current_pids)
         if any(pid is None for pid in pids.values()):
             return
@@ -558,11 +580,11 @@ class Chaos:
                 anon = anon_bytes(pid)
                 if anon is not None:
                     self.anon_samples[role].append((self.failures, anon, pid))
-                self.fd_samples[role].append((self.failures, fds))
+                self.fd_samples[role].append((self.failures, fds, pid))
                 self.seen(pid)
         import psutil
 
-        self.fd_samples["driver"].append((self.failures, psutil.Process().num_fds()))
+        self.fd_samples["driver"].append((self.failures, psutil.Process().num_fds(), os.getpid()))
 
     # -- the chaos thread ------------------------------------------------------------------------
     def run(self, controller) -> None:
@@ -580,7 +602,13 @@ class Chaos:
         status = self.wait_steady(controller, 600)
         if status is None:
             raise RuntimeError("the job never trained steadily before the first kill")
-        self.start_counts = self.counts(controller, status)
+        for _ in range(5):   # the start read in full: every learner and service read
+            self.start_counts = self.counts(controller, status)
+            if complete(self.start_counts):
+                break
+            status = self.wait_steady(controller, 120) or status
+        else:
+            raise RuntimeError(f"the start read was not complete: {self.start_counts}")
         print(f"long_run: start {json.dumps(self.start_counts)}", flush=True)
         deadline = self.t0 + args.max_minutes * 60 - args.reserve_s
         gap = args.gap_s if args.gap_s is not None else max(
@@ -627,7 +655,10 @@ class Chaos:
                 # the check that nothing is left after the job; their fds at a steady moment.
                 self.record_link_pid(handles)
                 if self.steady(status):
-                    self.sample_learner_fds(status)
+                    try:   # a sample is optional: one that fails is dropped, the run goes on
+                        self.sample_learner_fds(status)
+                    except Exception as exc:
+                        self.log.append(("moot", f"learner fds: {str(exc)[:80]}"))
                 else:
                     self.training_learner_pids(status)
                 next_learner_fds = now + 10.0
@@ -672,7 +703,10 @@ class Chaos:
             for attempt in range(31):
                 if attempt:
                     time.sleep(2.0)
-                    status = self.wait_steady(controller, 30.0, hold_s=1.0) or status
+                    status = self.wait_steady(controller, 30.0, hold_s=1.0)
+                    if status is None:   # read only with every learner training
+                        passed = 0
+                        continue
                 if self.stop.is_set():
                     self.end_counts = {"error": "the job ended during the end reads"}
                     break
@@ -737,11 +771,15 @@ def run_real(args) -> dict:
                           until=lambda snap: chaos.done.is_set())
     finally:
         chaos.stop.set()
-        chaos.done.wait(60)   # its reads end at the stop: judge none it is still making
+        # Its reads end at the stop: judge none it is still making (one read can take minutes
+        # while Ray restarts the actors it calls).
+        chaos_finished = chaos.done.wait(300)
     alive = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["name"].startswith("islands:")]
+    # Read while the cluster still runs: ``ray.shutdown`` of a cluster this driver started
+    # kills every worker with the raylet, so read after it this would show Ray's teardown.
+    left = leaked_pids(chaos.pids_seen, timeout_s=60.0)
     ray.shutdown()
-    left = leaked_pids(chaos.pids_seen)
     events = [json.loads(line) for line in open(os.path.join(run_dir, "events.jsonl"))]
     monotonic, lost = soak.versions_check(run_dir, events)
     failures = sum(e["event"] == "learner_failed" for e in events)
@@ -759,10 +797,10 @@ def run_real(args) -> dict:
     fds_check = (fds_verdict(start["fds"], end["fds"], chaos.learner_window_max(),
                              start["learners_training"])
                  if start and end.get("fds") else {"back": False})
-    # Both back on the last two end reads in a row, not on one.
-    fds_back = fds_check["back"] and chaos.end_passes >= 2
+    # Both back on the last two end reads in a row, not on one, and those reads finished.
+    fds_back = fds_check["back"] and chaos.end_passes >= 2 and chaos_finished
     actors_back = bool(start and "live_actors" in end) and (
-        end["live_actors"] == start["live_actors"]) and chaos.end_passes >= 2
+        end["live_actors"] == start["live_actors"]) and chaos.end_passes >= 2 and chaos_finished
     kinds = [k for k, _ in chaos.log]
     result = {
         "benchmark": "long_run", "driver": "ray", "quick": bool(args.quick), "seed": args.seed,
@@ -815,16 +853,24 @@ def run_real(args) -> dict:
             "last": max([max(f) for n, f in chaos.learner_fd_samples
                          if n >= failures - window and f], default=None)},
         # Median open fds (whole counts) over the first and the last W failures, per role.
-        "fds_over_failures": {role: {k: v for k, v in memory_windows(rows, failures, window).items()
+        "fds_over_failures": {role: {k: v for k, v in memory_windows(
+                                         [(n, v) for n, v, _ in rows], failures, window).items()
                                      if k in ("first", "last")}
                               for role, rows in chaos.fd_samples.items()},
+        # The same for each role's last process, from its own first failure (reported, not
+        # judged: a restarted service starts lower than the first, whose start count the
+        # verdict reads).
+        "fds_since_last_restart": {role: {k: v for k, v in since_restart(
+                                              rows, failures, window).items()
+                                          if k in ("first", "last", "pid", "from_failure")}
+                                   for role, rows in chaos.fd_samples.items()},
         "live_actors_start": start.get("live_actors"), "live_actors_end": end.get("live_actors"),
         "actors_back": actors_back,
         "leaked_actors": len(alive), "leaked_processes": len(left), "leaked": alive + left,
         "initial_eval_loss": summary.get("initial_eval_loss"),
         "final_eval_loss": summary.get("final_eval_loss"),
         "merges": summary.get("merges"), "goodput": summary.get("goodput"),
-        "chaos_error": chaos.error, "run_dir": run_dir,
+        "chaos_error": chaos.error, "chaos_finished": chaos_finished, "run_dir": run_dir,
         # Every sample, for a second look: [failures so far, bytes or fds, pid].
         "samples": {"rss": chaos.samples, "fds": chaos.fd_samples,
                     "learner_fds": chaos.learner_fd_samples},
