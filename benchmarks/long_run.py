@@ -701,15 +701,15 @@ class Chaos:
             # is checked, the last one too.
             passed = 0
             for attempt in range(31):
+                if self.stop.is_set():
+                    self.end_counts = {"error": "the job ended during the end reads"}
+                    break
                 if attempt:
                     time.sleep(2.0)
                     status = self.wait_steady(controller, 30.0, hold_s=1.0)
                     if status is None:   # read only with every learner training
                         passed = 0
                         continue
-                if self.stop.is_set():
-                    self.end_counts = {"error": "the job ended during the end reads"}
-                    break
                 self.end_counts = self.counts(controller, status)
                 if (self.end_counts["live_actors"] == self.start_counts["live_actors"]
                         and fds_verdict(self.start_counts["fds"], self.end_counts["fds"],
