@@ -131,25 +131,79 @@ def schedules(plan, hangs, controller_kill_times) -> tuple[list, list]:
 JOB_ACTOR_CLASSES = ("LearnerUnit", "Syncer", "Controller", "LinkServer")
 
 
-def job_processes() -> list[str]:
-    """Processes of this machine still running one of the job's actors (Ray titles an actor's
-    worker ``ray::<Class>.<method>`` while it runs and ``ray::IDLE`` once it is free)."""
+def start_ticks(pid: int) -> int:
+    """When process ``pid`` started, in clock ticks since boot (``/proc/<pid>/stat``, field
+    22): unlike a wall-clock start time, it does not move if the clock is stepped.
+
+    >>> start_ticks(os.getpid()) > 0
+    True
+    """
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[19])   # fields 3.. follow the name
+
+
+def titled_processes() -> list:
+    """Every live process of this machine whose title is one of the job's actors' (Ray titles
+    an actor's worker ``ray::<Class>.<method>`` while it runs and ``ray::IDLE`` once it is
+    free), as (pid, title, start ticks, seconds up, state); an exited one not yet reaped is not
+    live."""
     import psutil   # installed with ray[default]
 
     found = []
-    for proc in psutil.process_iter(["cmdline"]):
-        title = " ".join(proc.info["cmdline"] or [])
-        if title.startswith(tuple(f"ray::{c}" for c in JOB_ACTOR_CLASSES)):
-            found.append(f"{proc.pid} {title[:60]}")
+    for proc in psutil.process_iter():
+        try:
+            state = proc.status()
+            if state == psutil.STATUS_ZOMBIE:
+                continue
+            title = " ".join(proc.cmdline())
+            if not title.startswith(tuple(f"ray::{c}" for c in JOB_ACTOR_CLASSES)):
+                continue
+            found.append((proc.pid, title[:60], start_ticks(proc.pid),
+                          time.time() - proc.create_time(), state))
+        except (psutil.Error, OSError):   # gone meanwhile
+            continue
     return found
 
 
-def leaked_processes(timeout_s: float = 20.0) -> list[str]:
-    """The job's actor processes left after it ended, once killed actors had time to exit."""
+def job_processes(since: int) -> tuple[list[str], list[str]]:
+    """(this run's, older): the job-titled processes started at or after ``since`` (this
+    driver's own start, in :func:`start_ticks`: every actor of this run started after it) and
+    those started before, which an earlier run or test left on the machine (not this job's
+    leak; listed with their parent, so that such a leftover names itself)."""
+    import psutil
+
+    ours, older = [], []
+    for pid, title, ticks, up_s, state in titled_processes():
+        if ticks >= since:
+            ours.append(f"pid {pid} {title} ({state}, up {up_s:.0f} s)")
+        else:
+            try:
+                parent = psutil.Process(pid).ppid()
+            except psutil.Error:
+                parent = None
+            older.append(f"pid {pid} {title} (parent {parent}, up {up_s:.0f} s)")
+    return ours, older
+
+
+def leaked_processes(since: int, timeout_s: float = 30.0) -> tuple[list[str], list[str]]:
+    """This run's job processes left after it ended, once killed actors had time to exit; and
+    the older ones seen then."""
     deadline = time.time() + timeout_s
-    while (left := job_processes()) and time.time() < deadline:
+    while (left := job_processes(since))[0] and time.time() < deadline:
         time.sleep(0.5)   # polling for process exits: there is no event to wait on
     return left
+
+
+def watch_for_learner_processes(since: int, seen: threading.Event, stop: threading.Event,
+                                timeout_s: float = 300.0) -> None:
+    """Sets ``seen`` once the check above finds one of this run's learners: the leak check
+    can see the processes it judges."""
+    deadline = time.time() + timeout_s
+    while not stop.is_set() and time.time() < deadline:
+        if any("ray::LearnerUnit" in p for p in job_processes(since)[0]):
+            seen.set()
+            return
+        stop.wait(1.0)
 
 
 def versions_check(run_dir: str, events: list[dict]) -> tuple[bool, int]:
@@ -449,11 +503,14 @@ def main(argv=None) -> dict:
     ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False,
              resources={f"region:{r}": n + args.spares for r, n in REGIONS.items()},
              _node_ip_address="127.0.0.1", namespace="islands")
+    since = start_ticks(os.getpid())   # this driver's start: its actors all start after it
     run_dir = os.path.join(tempfile.mkdtemp(prefix="islands-soak-"), "run")
-    stop, log = threading.Event(), []
+    stop, log, saw_learners = threading.Event(), [], threading.Event()
 
     def on_started(controller):
         t0 = time.time()
+        threading.Thread(target=watch_for_learner_processes, args=(since, saw_learners, stop),
+                         daemon=True).start()
         for items in schedules(plan, hangs, kill_times):
             threading.Thread(target=fire, args=(items, controller, t0, stop, log),
                              daemon=True).start()
@@ -466,7 +523,7 @@ def main(argv=None) -> dict:
         stop.set()
     alive = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
              if a["name"].startswith("islands:")]
-    leaked = leaked_processes()
+    leaked, older = leaked_processes(since)
     ray.shutdown()
     events = [json.loads(line) for line in open(os.path.join(run_dir, "events.jsonl"))]
     monotonic, lost = versions_check(run_dir, events)
@@ -492,6 +549,9 @@ def main(argv=None) -> dict:
         "versions_monotonic": monotonic, "merged_versions_lost": lost,
         "leaked_actors": len(alive), "leaked_processes": len(leaked),
         "leaked": alive + leaked,
+        # the leak check saw this run's learners while it ran (it is not blind), and what
+        # older processes titled as the job's were on the machine at the end (not judged)
+        "leak_check_saw_learners": saw_learners.is_set(), "older_titled_processes": older,
         "initial_eval_loss": summary.get("initial_eval_loss"),
         "final_eval_loss": summary.get("final_eval_loss"),
         "merges": summary.get("merges"), "goodput": summary.get("goodput"),

@@ -411,7 +411,7 @@ def main(argv=None) -> int:
         try:
             summary = run_job(config, args.duration, args.run_dir, args.address, args.log_format,
                               resume=args.resume, force=args.force,
-                              resume_or_start=args.resume_or_start)
+                              resume_or_start=args.resume_or_start, sigterm_stops=True)
         except (ConfigError, RunDirError) as exc:
             print(f"islands: {exc}", file=sys.stderr)
             return 2

@@ -19,7 +19,8 @@ import time
 from typing import Callable, Optional
 
 from .controller import CONTROLLER_NAME, NAMESPACE, Controller, controller_options
-from .runtime import ON_HEAD, Role, cpu_runtime_env
+from .runtime import (NOT_INSTALLED, ON_HEAD, Role, cpu_runtime_env, hold_sigterm,
+                      restore_sigterm, sigterm_interrupts)
 
 log = logging.getLogger("islands.job")
 
@@ -439,13 +440,18 @@ def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] =
             address: Optional[str] = None, log_format: str = "text", quiet: bool = False,
             on_started=None, resume: bool = False, force: bool = False,
             resume_or_start: bool = False,
-            until: Optional[Callable[[dict], bool]] = None) -> dict:
+            until: Optional[Callable[[dict], bool]] = None,
+            sigterm_stops: bool = False) -> dict:
     """Runs a job to its duration (or Ctrl+C) and returns the summary.
 
     ``until``, if given, ends the job early, as its duration would, once it returns true for
     the controller's snapshot (asked at most twice a second): a caller that waits for an event
     (a restart, N merges) stops then instead of running a fixed length; the duration stays the
     cap.
+
+    ``sigterm_stops`` (the CLI's ``islands run``, the process a pod or a RayJob stops): SIGTERM
+    stops the job as Ctrl+C does, with its summary and export, and a second one during that is
+    ignored. A library caller keeps its own handling of SIGTERM.
 
     Before Ray starts: :func:`preflight` checks the config against the built model and corpus,
     and :func:`prepare_run_dir` refuses a run dir holding an earlier run unless ``resume`` (the
@@ -478,6 +484,8 @@ def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] =
     out = RunDir(run_dir, log_format)
     controller = None
     summary: dict = {}
+    # `islands run` (a pod's, a RayJob's process): SIGTERM stops the job as Ctrl+C does.
+    previous_term = sigterm_interrupts() if sigterm_stops else NOT_INSTALLED
     try:
         if started_cluster:   # the embedded cluster is what it is: nothing joins later
             check_capacity(config)
@@ -525,30 +533,34 @@ def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] =
     except KeyboardInterrupt:
         print("islands: interrupted, stopping cleanly", flush=True)
     finally:
-        if controller is not None:
-            try:
-                summary = ray.get(controller.shutdown.remote(), timeout=120)
-                events, out.event_index = ray.get(controller.events_since.remote(out.event_index))
-                out.add_events(events)
-                out.add_snapshot(ray.get(controller.snapshot.remote()))
-            except Exception as exc:  # a broken controller must not hide the run dir
-                log.error("controller shutdown failed: %s", exc)
-            summary["duration_s"] = summary.get("duration_s")
-            path = out.write_summary(summary)
-            if not quiet:
-                print(f"islands: summary written to {path}", flush=True)
-            _end_link(config)
-            _kill_job_actors(controller)
-            exported = _auto_export(run_dir)
-            if exported:
-                summary["export_dir"] = exported
+        hold_sigterm(previous_term)
+        try:
+            if controller is not None:
+                try:
+                    summary = ray.get(controller.shutdown.remote(), timeout=120)
+                    events, out.event_index = ray.get(controller.events_since.remote(out.event_index))
+                    out.add_events(events)
+                    out.add_snapshot(ray.get(controller.snapshot.remote()))
+                except Exception as exc:  # a broken controller must not hide the run dir
+                    log.error("controller shutdown failed: %s", exc)
+                summary["duration_s"] = summary.get("duration_s")
+                path = out.write_summary(summary)
                 if not quiet:
-                    print(f"islands: global parameters exported to {exported}/params (orbax)",
-                          flush=True)
-        out.close()
-        if started_cluster:
-            _forget_embedded_address()
-            ray.shutdown()
+                    print(f"islands: summary written to {path}", flush=True)
+                _end_link(config)
+                _kill_job_actors(controller)
+                exported = _auto_export(run_dir)
+                if exported:
+                    summary["export_dir"] = exported
+                    if not quiet:
+                        print(f"islands: global parameters exported to {exported}/params (orbax)",
+                              flush=True)
+            out.close()
+            if started_cluster:
+                _forget_embedded_address()
+                ray.shutdown()
+        finally:  # restored even if a step of the stop raised
+            restore_sigterm(previous_term)
     return summary
 
 

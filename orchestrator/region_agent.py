@@ -15,9 +15,7 @@ import dataclasses
 import json
 import logging
 import os
-import signal
 import socket
-import threading
 import time
 from typing import Optional
 
@@ -29,7 +27,9 @@ from islands.orchestrator import safety, seam
 from islands.orchestrator.controller import Controller
 from islands.orchestrator.owner_role import OwnerRole
 from islands.orchestrator.runtime import (CONTROLLER_NAME, NAMESPACE, ON_HEAD, SYNCER_NAME,
-                                          Role, controller_options, cpu_runtime_env)
+                                          NOT_INSTALLED, Role, controller_options,
+                                          cpu_runtime_env, hold_sigterm, restore_sigterm,
+                                          sigterm_interrupts)
 
 log = logging.getLogger("islands.link")
 
@@ -221,15 +221,6 @@ class AgentLost(RuntimeError):
     """The region agent died and Ray no longer restarts it (its restarts are spent)."""
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM: left like Ctrl+C, through the same clean shutdown (a Kubernetes pod's stop)."""
-
-
-def _on_sigterm(signum, frame):
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the shutdown short
-    raise _Terminated()
-
-
 JOIN_KEY = b"islands:region-join"   # the join this cluster serves, in Ray's GCS key-value store
 
 
@@ -385,7 +376,7 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
     from islands.link.client import LinkClient, LinkShard
 
     started = False
-    previous_term = None
+    previous_term = NOT_INSTALLED   # until its handler is set, after ray.init
     if not ray.is_initialized():
         if address or os.environ.get("RAY_ADDRESS"):
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False)
@@ -409,8 +400,7 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
                      include_dashboard=False, log_to_driver=False, _node_ip_address="127.0.0.1",
                      resources={f"region:{settings.region}": 64})
         # After ray.init, which installs its own SIGTERM handler (sys.exit(15), no cleanup).
-        if threading.current_thread() is threading.main_thread():
-            previous_term = signal.signal(signal.SIGTERM, _on_sigterm)
+        previous_term = sigterm_interrupts()
         link = ray.remote(LinkClient).options(
             name=SYNCER_NAME, namespace=NAMESPACE, num_cpus=0.1, max_concurrency=128,
             resources=dict(ON_HEAD), runtime_env=cpu_runtime_env(Role.REGION_AGENT)).remote(
@@ -482,31 +472,33 @@ def join(settings, duration_s: Optional[float] = None, run_dir: Optional[str] = 
     except KeyboardInterrupt:
         print("islands region: interrupted, leaving cleanly", flush=True)
     finally:
-        if left and link is not None:  # nobody at home to tell: the agent's calls fail at once
-            try:
-                ray.get(link.close.remote(), timeout=10)
-            except Exception:
-                pass
-        if controller is not None and not lost:
-            try:
-                summary = ray.get(controller.shutdown.remote(), timeout=120)
-                summary["link"] = ray.get(link.link_status.remote(), timeout=10)
-                with open(os.path.join(run_dir, "summary.json"), "w") as f:
-                    json.dump(summary, f, indent=2, default=str)
-            except Exception as exc:
-                log.error("region agent shutdown failed: %s", exc)
-        # Only this join's own: its handles, and its agent's learners and spares once it had one.
-        _end_own_actors([h for h in (controller, link, *shard_links) if h is not None],
-                        settings.region if controller is not None else None)
-        if recorded is not None:
-            try:
-                clear_join_record(recorded)
-            except Exception as exc:
-                log.error("could not clear this join's record: %s", exc)
-        if started:
-            ray.shutdown()
-        if previous_term is not None:
-            signal.signal(signal.SIGTERM, previous_term)
+        hold_sigterm(previous_term)
+        try:
+            if left and link is not None:  # nobody at home to tell: the agent's calls fail at once
+                try:
+                    ray.get(link.close.remote(), timeout=10)
+                except Exception:
+                    pass
+            if controller is not None and not lost:
+                try:
+                    summary = ray.get(controller.shutdown.remote(), timeout=120)
+                    summary["link"] = ray.get(link.link_status.remote(), timeout=10)
+                    with open(os.path.join(run_dir, "summary.json"), "w") as f:
+                        json.dump(summary, f, indent=2, default=str)
+                except Exception as exc:
+                    log.error("region agent shutdown failed: %s", exc)
+            # Only this join's own: its handles, and its agent's learners and spares once it had one.
+            _end_own_actors([h for h in (controller, link, *shard_links) if h is not None],
+                            settings.region if controller is not None else None)
+            if recorded is not None:
+                try:
+                    clear_join_record(recorded)
+                except Exception as exc:
+                    log.error("could not clear this join's record: %s", exc)
+            if started:
+                ray.shutdown()
+        finally:  # restored even if a step of the stop raised
+            restore_sigterm(previous_term)
     if lost:   # its learners are ended (above): the caller exits with an error
         raise AgentLost(lost)
     if left:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import enum
 import os
+import signal
+import threading
 from typing import Any, Optional
 
 from .accelerators import (LearnerDevices, gang_strategy, learner_devices, ray_request,  # noqa: F401 (doctests)
@@ -243,3 +245,40 @@ def enable_compile_cache(path: str) -> None:
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a Kubernetes pod's stop): left like Ctrl+C, through the same clean shutdown."""
+
+
+NOT_INSTALLED = object()   # sigterm_interrupts changed nothing: only the main thread can
+
+
+def _raise_terminated(signum, frame):
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second one must not cut the shutdown short
+    raise Terminated()
+
+
+def sigterm_interrupts():
+    """Makes SIGTERM raise :class:`Terminated` in the main thread, which a driver's Ctrl+C path
+    catches. Call it after ``ray.init``: Ray's own handler raises ``SystemExit``, with which
+    ``islands run`` wrote its summary and then aborted at exit (code 134). Returns what to give
+    :func:`hold_sigterm` and :func:`restore_sigterm`: the handler it replaced, or
+    ``NOT_INSTALLED``."""
+    if threading.current_thread() is not threading.main_thread():
+        return NOT_INSTALLED
+    return signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+def hold_sigterm(previous) -> None:
+    """At the start of the clean stop: a SIGTERM arriving now must not cut it short (the
+    summary, the export), so it is ignored until :func:`restore_sigterm`."""
+    if previous is not NOT_INSTALLED:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def restore_sigterm(previous) -> None:
+    """Puts back the handler :func:`sigterm_interrupts` replaced; one Python cannot name (set
+    from C, given as None) becomes the default."""
+    if previous is not NOT_INSTALLED:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)

@@ -88,3 +88,40 @@ def end_job_actors(timeout_s: float = 60.0) -> None:
         time.sleep(0.2)
         left = named()
     assert not left, f"actors still named in {NAMESPACE!r} {timeout_s:g}s after the kill: {left}"
+
+
+def process_tree(pid: int) -> list:
+    """``pid``'s process and everything under it now: for a process that started a Ray cluster,
+    its daemons and, under the raylet, every worker. Empty if it is gone."""
+    import psutil
+
+    try:
+        root = psutil.Process(pid)
+        return [root] + root.children(recursive=True)
+    except psutil.NoSuchProcess:
+        return []
+
+
+def end_process_tree(tree: list, timeout_s: float = 30.0) -> list:
+    """SIGKILLs whatever of ``tree`` (from :func:`process_tree`) still runs and waits until it
+    has exited; returns the pids that outlived the wait. psutil checks that each process is
+    still the one noted (its start time), so a reused pid is never signalled."""
+    import psutil
+
+    def running(p) -> bool:
+        try:
+            # An exited process whose parent (here, often pid 1) has not reaped it has ended.
+            return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+        except psutil.NoSuchProcess:
+            return False
+
+    for p in tree:
+        try:
+            if running(p):
+                p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    deadline = time.time() + timeout_s
+    while (left := [p for p in tree if running(p)]) and time.time() < deadline:
+        time.sleep(0.1)   # polling: a non-child's exit raises no event here
+    return [p.pid for p in left]

@@ -23,6 +23,7 @@ import grpc
 import pytest
 import yaml
 
+from clusters import end_process_tree, process_tree
 from conftest import TINY_JOB
 
 ISLANDS = [sys.executable, "-m", "islands.orchestrator.cli"]
@@ -59,27 +60,40 @@ def _wait(predicate, timeout_s, what):
     raise AssertionError(f"timed out after {timeout_s}s waiting for {what}")
 
 
-def _stop(proc):
+def _stop(proc) -> list:
     """SIGTERM (a clean stop, as Kubernetes stops a pod: summary, then its own cluster's
-    shutdown), then the whole process group, so no Ray daemon of that cluster outlives the module
-    and loads later ones. Not SIGINT: a test run started in the background of a non-interactive
-    shell (`bash .ci/run &`) ignores SIGINT, its children inherit that, and the home then ran
-    on until the 120 s wait below was over."""
+    shutdown), then SIGKILL to whatever of its process tree is left: its Ray daemons and their
+    workers, noted before the signal. Killing only its process group once it had exited killed
+    a raylet still shutting down and orphaned its workers (not in that group), which ran on for
+    a minute or more and loaded later modules. Not SIGINT: a test run started in the background
+    of a non-interactive shell (`bash .ci/run &`) ignores SIGINT, its children inherit that,
+    and the home then ran on until the 120 s wait below was over. Returns the pids that
+    outlived SIGKILL (it raises nothing, so that a teardown stops every process it has). Its
+    cluster as noted once it was up (``proc.cluster``) counts too: a test that waited for the
+    process itself has reaped it, and its pid may be another process's by now."""
+    tree = list(getattr(proc, "cluster", []))
+    if proc.returncode is None:
+        tree += process_tree(proc.pid)
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
             proc.wait(timeout=120)
         except subprocess.TimeoutExpired:
             pass
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
+    # ... and any worker a daemon started since (psutil checks each one is still the same)
+    tree += [child for d in tree[1:] if d.is_running() for child in d.children(recursive=True)]
+    left = end_process_tree(tree)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        left.append(proc.pid)
+    return left
+
+
+def _stop_all(*procs) -> None:
+    """Stops each of ``procs`` (None skipped), then fails if a process of any outlived SIGKILL."""
+    left = [pid for proc in procs if proc is not None for pid in _stop(proc)]
+    assert not left, f"processes of a stopped cluster outlived SIGKILL: {left}"
 
 
 def _token_auth_in_this_process():
@@ -103,6 +117,7 @@ def _start_region(join_args, env, cwd):
     region.lines = queue.Queue()
     threading.Thread(target=_reader, args=(region, region.lines), daemon=True).start()
     line = _wait_line(region.lines, region, "Ray cluster at", 240)
+    region.cluster = process_tree(region.pid)   # its daemons, for _stop
     return region, line.rsplit("Ray cluster at ", 1)[1].strip()
 
 
@@ -126,6 +141,7 @@ def _start_home(config_file, duration_s: float, cwd):
     except BaseException:
         _stop(home)
         raise
+    home.cluster = process_tree(home.pid)   # its daemons, for _stop
     return home, lines, env, int(line.split("link on ", 1)[1].split()[0].rsplit(":", 1)[1])
 
 
@@ -135,9 +151,7 @@ def _close(region, home) -> None:
 
     if ray.is_initialized():
         ray.shutdown()
-    if region is not None:
-        _stop(region)
-    _stop(home)
+    _stop_all(region, home)
 
 
 @pytest.fixture(scope="module")
@@ -467,12 +481,35 @@ def test_the_cli_operates_the_region_cluster_at_the_address_join_printed(two_clu
     assert list(json.loads(islands("status", "--json"))["learners"]) == ["far:0"]
 
 
+def _lose_machine(proc) -> float:
+    """``proc``'s whole cluster dies at once, as a lost machine: SIGKILL to every process of its
+    tree (its Ray daemons and their workers, which are not in its process group) and to its
+    group. Returns the time of the kill."""
+    import psutil
+
+    tree = process_tree(proc.pid)
+    t_kill = time.time()
+    for p in tree:   # all silent at once (then killed one by one): none outlives another
+        try:
+            p.suspend()
+        except psutil.NoSuchProcess:
+            pass
+    left = end_process_tree(tree)
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)   # not reaped yet: still its group's pid
+    except ProcessLookupError:
+        pass
+    proc.wait(timeout=30)
+    assert not left, f"processes of a lost cluster outlived SIGKILL: {left}"
+    return t_kill
+
+
 def _kill_the_agents_cluster(ctx):
-    """The module's agent's whole cluster dies at once (SIGKILL to its process group, as a lost
-    machine). This process leaves that cluster first: the module fixture's connection to it
-    (``ctx["link"]``, ``ctx["agent"]``) must not outlive it, nor reach the next test, whose own
-    ``ray.init`` it would refuse. Returns the time of the kill, or None where the agent is gone
-    already (a test before this one killed it)."""
+    """The module's agent's whole cluster dies at once (:func:`_lose_machine`). This process
+    leaves that cluster first: the module fixture's connection to it (``ctx["link"]``,
+    ``ctx["agent"]``) must not outlive it, nor reach the next test, whose own ``ray.init`` it
+    would refuse. Returns the time of the kill, or None where the agent is gone already (a test
+    before this one killed it)."""
     import ray
 
     if ray.is_initialized():
@@ -480,14 +517,11 @@ def _kill_the_agents_cluster(ctx):
     region = ctx["region"]
     if region.poll() is not None:
         return None
-    t_kill = time.time()
-    os.killpg(region.pid, signal.SIGKILL)
-    region.wait(timeout=30)
-    return t_kill
+    return _lose_machine(region)
 
 
 def test_a_killed_agents_learner_is_failed_at_home_within_the_hang_timeout(two_clusters):
-    """The agent's whole cluster dies at once (SIGKILL to its process group, as a lost machine):
+    """The agent's whole cluster dies at once (every process of it SIGKILLed, as a lost machine):
     its learner stops beating, and the home says so within the hang timeout (20 s here)."""
     from waiting import wait_for
 
@@ -619,9 +653,11 @@ def test_an_agent_leaves_cleanly_on_sigterm_and_with_its_home_job(two_clusters):
         assert rc == 0 and said, out[-20:]
         assert "home job 'linktest'" in said[0]  # told by the home, not timed out
         assert took <= 20.0, f"{took:.1f}s: beyond link.agent_home_timeout_s"
+        # The home, stopped by SIGTERM, exits 0 with its summary (it aborted at exit, code 134).
+        assert ctx["home"].wait(timeout=120) == 0
+        assert (home_dir / "summary.json").exists()
         wait_for(lambda: not _ray_processes_of(address) or None, 30,
                  "the left agent's Ray daemons to exit",
                  describe=lambda: _ray_processes_of(address))
     finally:
-        for agent in agents:
-            _stop(agent)
+        _stop_all(*agents)

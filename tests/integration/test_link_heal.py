@@ -12,14 +12,13 @@ is killed without a word: a joined agent stops its learner and exits within
 
 import json
 import os
-import signal
 import subprocess
 import time
 
 import pytest
 
 from test_link import (ISLANDS, _home_events, _home_rows, _ray_processes_of,  # noqa: F401
-                       _start_region, _stop, _wait_line, two_clusters)
+                       _lose_machine, _start_region, _stop_all, _wait_line, two_clusters)
 from waiting import wait_for
 
 ray = pytest.importorskip("ray")
@@ -210,7 +209,7 @@ def test_an_agent_ray_no_longer_restarts_ends_its_learner_and_the_join_fails(two
 
 
 def test_an_agent_whose_home_is_gone_stops_its_learner_and_exits(two_clusters):
-    """The home killed without a word (its whole process group, as a lost machine): nothing
+    """The home killed without a word (every process of it, as a lost machine): nothing
     tells the agent its job ended, so it leaves on ``link.agent_home_timeout_s``."""
     ctx = two_clusters
     home, region = ctx["home"], ctx["region"]
@@ -225,9 +224,7 @@ def test_an_agent_whose_home_is_gone_stops_its_learner_and_exits(two_clusters):
         assert last["tokens"]["balanced"], last["tokens"]
         address = ray.get_runtime_context().gcs_address
         ray.shutdown()   # this process leaves the region's cluster before that cluster ends
-        t_kill = time.time()
-        os.killpg(home.pid, signal.SIGKILL)
-        home.wait(timeout=30)
+        t_kill = _lose_machine(home)
         line = _wait_line(region.lines, region, "stopping the learners and leaving", 20.0 + 30.0)
         said_s = time.time() - t_kill
         print(f"the agent left {said_s:.1f}s after its home was killed: {line.strip()}")
@@ -242,4 +239,4 @@ def test_an_agent_whose_home_is_gone_stops_its_learner_and_exits(two_clusters):
         wait_for(lambda: not _ray_processes_of(address) or None, 30, "the left agent's Ray "
                  "daemons to exit", describe=lambda: _ray_processes_of(address))
     finally:
-        _stop(region)   # the fixture stops the agent it started, not this one
+        _stop_all(region)   # the fixture stops the agent it started, not this one

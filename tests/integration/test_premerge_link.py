@@ -17,8 +17,9 @@ import threading
 import pytest
 import yaml
 
+from clusters import process_tree
 from conftest import TINY_JOB
-from test_link import (ISLANDS, _events, _reader, _start_home, _stop,
+from test_link import (ISLANDS, _events, _reader, _start_home, _stop_all,
                        _token_auth_in_this_process, _wait, _wait_line)
 
 DURATION_S = 90
@@ -74,15 +75,14 @@ def _run(tmp, premerge: bool) -> dict:
         region_lines: queue.Queue = queue.Queue()
         threading.Thread(target=_reader, args=(region, region_lines), daemon=True).start()
         line = _wait_line(region_lines, region, "Ray cluster at", 240)
+        region.cluster = process_tree(region.pid)   # its daemons, for _stop_all
         if premerge:
             _kill_one_remote_learner(line.rsplit("Ray cluster at ", 1)[1].strip())
         # The home job ends at its duration and tells the agent, which leaves with its summary.
         assert home.wait(timeout=DURATION_S + 300) == 0
         assert region.wait(timeout=120) == 0
     finally:
-        if region is not None:
-            _stop(region)
-        _stop(home)
+        _stop_all(region, home)
     return {"home": json.loads((tmp / "home" / "summary.json").read_text()),
             "far": json.loads((tmp / "far" / "summary.json").read_text()),
             "rows": [json.loads(r) for r in (tmp / "home" / "metrics.jsonl").read_text()

@@ -78,3 +78,71 @@ def test_a_restart_still_under_way_at_the_end_is_censored_there():
         ("unfinished", 95.0, 45.0), ("unfinished", 100.0, 100.0)]
     costs = soak.measured_costs(events)
     assert sorted(costs["restart_samples_s"]) == [0.0, 50.0] and costs["restart_wait_s"] == 72.5
+
+
+def _titled(pid: int, title: str, timeout_s: float = 10.0) -> None:
+    """Waits until process ``pid`` carries ``title`` (its shell has exec'd)."""
+    import time
+
+    import psutil
+
+    deadline = time.time() + timeout_s
+    while " ".join(psutil.Process(pid).cmdline()).split(" ")[0] != title:
+        assert time.time() < deadline, f"pid {pid} never titled {title}"
+        time.sleep(0.02)
+
+
+def _started_after(pid: int, timeout_s: float = 10.0):
+    """A new process (titled as one of the job's actors) whose start, in clock ticks, is later
+    than process ``pid``'s: started again until it is (two can start in one tick)."""
+    import subprocess
+    import time
+
+    deadline = time.time() + timeout_s
+    while True:
+        proc = subprocess.Popen(["bash", "-c", 'exec -a "ray::LearnerUnit.run" sleep 60'])
+        if soak.start_ticks(proc.pid) > soak.start_ticks(pid):
+            return proc
+        proc.kill()
+        proc.wait()
+        assert time.time() < deadline, "no later process start"
+
+
+def test_the_leak_check_counts_this_runs_processes_and_lists_older_ones_apart():
+    """A process titled as a job's actor is this run's leak if it started at or after the run's
+    driver; one started before (an earlier test's cluster left it, reparented away) is listed
+    apart, with its parent, and not counted. An idle worker and a zombie are never counted."""
+    import subprocess
+
+    # An older one: an orphan, its parent shell exits at once.
+    older_pid = int(subprocess.run(
+        ["bash", "-c", '(exec -a "ray::Syncer.run" sleep 60) >/dev/null 2>&1 & echo $!'],
+        capture_output=True, text=True, check=True).stdout)
+    idle = subprocess.Popen(["bash", "-c", 'exec -a "ray::IDLE" sleep 60'])
+    ours = None
+    try:
+        _titled(older_pid, "ray::Syncer.run")
+        _titled(idle.pid, "ray::IDLE")
+        ours = _started_after(older_pid)
+        _titled(ours.pid, "ray::LearnerUnit.run")
+        since = soak.start_ticks(ours.pid)   # "the driver" started with it
+        mine = {str(p) for p in (older_pid, idle.pid, ours.pid)}   # the machine may hold others
+        pids = lambda found: [f.split()[1] for f in found if f.split()[1] in mine]  # noqa: E731
+        counted, older = soak.job_processes(since)
+        assert pids(counted) == [str(ours.pid)], counted
+        assert any(f.startswith(f"pid {ours.pid} ray::LearnerUnit.run") for f in counted)
+        assert pids(older) == [str(older_pid)], older
+        ours.kill()
+        ours.wait()   # reaped: gone
+        assert pids(soak.leaked_processes(since, timeout_s=5.0)[0]) == []
+        ours2 = subprocess.Popen(["bash", "-c", 'exec -a "ray::Controller.run" sleep 60'])
+        _titled(ours2.pid, "ray::Controller.run")
+        mine.add(str(ours2.pid))
+        ours2.kill()   # not reaped yet: a zombie, which has ended
+        assert pids(soak.leaked_processes(since, timeout_s=5.0)[0]) == []
+        ours2.wait()
+    finally:
+        for p in [idle] + ([ours] if ours else []):
+            p.kill()
+            p.wait()
+        os.kill(older_pid, 9)
