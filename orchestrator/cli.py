@@ -421,7 +421,10 @@ def main(argv=None) -> int:
         keys = ("goodput", "merges", "tokens_applied", "tokens_dropped", "learner_restarts",
                 "initial_eval_loss", "final_eval_loss", "wire_bytes")
         print(json.dumps({k: summary.get(k) for k in keys}))
-        return 0
+        # 128 + SIGTERM, as a process ended by it: a supervisor that restarts a failed run (a
+        # RayJob's retries, with --resume-or-start) continues a stopped one rather than
+        # taking it for finished.
+        return 143 if summary.get("stopped_by") == "sigterm" else 0
     if args.command == "region":
         return _region_leave(args) if args.action == "leave" else _region_join(args)
     if args.command == "export":  # no Ray: it reads the run dir's snapshots

@@ -19,8 +19,8 @@ import time
 from typing import Callable, Optional
 
 from .controller import CONTROLLER_NAME, NAMESPACE, Controller, controller_options
-from .runtime import (NOT_INSTALLED, ON_HEAD, Role, cpu_runtime_env, hold_sigterm,
-                      restore_sigterm, sigterm_interrupts)
+from .runtime import (NOT_INSTALLED, ON_HEAD, Role, Terminated, cpu_runtime_env,
+                      hold_sigterm, restore_sigterm, sigterm_interrupts)
 
 log = logging.getLogger("islands.job")
 
@@ -449,9 +449,11 @@ def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] =
     (a restart, N merges) stops then instead of running a fixed length; the duration stays the
     cap.
 
-    ``sigterm_stops`` (the CLI's ``islands run``, the process a pod or a RayJob stops): SIGTERM
-    stops the job as Ctrl+C does, with its summary and export, and a second one during that is
-    ignored. A library caller keeps its own handling of SIGTERM.
+    ``sigterm_stops`` (the CLI's ``islands run``, the process a pod or a RayJob stops): once Ray
+    is up, SIGTERM stops the job as Ctrl+C does, with its summary and export (if the controller
+    had started), and a further one during that is ignored. The summary's ``stopped_by`` says
+    ``"sigterm"``, ``"interrupt"`` or None (it ran its course). A library caller keeps its own
+    handling of SIGTERM.
 
     Before Ray starts: :func:`preflight` checks the config against the built model and corpus,
     and :func:`prepare_run_dir` refuses a run dir holding an earlier run unless ``resume`` (the
@@ -486,6 +488,7 @@ def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] =
     summary: dict = {}
     # `islands run` (a pod's, a RayJob's process): SIGTERM stops the job as Ctrl+C does.
     previous_term = sigterm_interrupts() if sigterm_stops else NOT_INSTALLED
+    stopped_by = None   # the job ran its duration (or its ``until``)
     try:
         if started_cluster:   # the embedded cluster is what it is: nothing joins later
             check_capacity(config)
@@ -530,8 +533,10 @@ def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] =
                 if until(ray.get(controller.snapshot.remote())):
                     break
             time.sleep(min(0.25, max(0.0, duration_s - (time.time() - t0))))
-    except KeyboardInterrupt:
-        print("islands: interrupted, stopping cleanly", flush=True)
+    except KeyboardInterrupt as stop:
+        stopped_by = "sigterm" if isinstance(stop, Terminated) else "interrupt"
+        print(f"islands: {'SIGTERM' if stopped_by == 'sigterm' else 'interrupted'}, stopping "
+              "cleanly", flush=True)
     finally:
         hold_sigterm(previous_term)
         try:
@@ -544,6 +549,7 @@ def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] =
                 except Exception as exc:  # a broken controller must not hide the run dir
                     log.error("controller shutdown failed: %s", exc)
                 summary["duration_s"] = summary.get("duration_s")
+                summary["stopped_by"] = stopped_by
                 path = out.write_summary(summary)
                 if not quiet:
                     print(f"islands: summary written to {path}", flush=True)
@@ -561,6 +567,7 @@ def run_job(config, duration_s: Optional[float] = None, run_dir: Optional[str] =
                 ray.shutdown()
         finally:  # restored even if a step of the stop raised
             restore_sigterm(previous_term)
+    summary["stopped_by"] = stopped_by   # also where it stopped before the controller started
     return summary
 
 
